@@ -1,0 +1,629 @@
+// The allocator's policy: allocation, free, streams, growth and release.
+// Introspection (stats, snapshot, fragmentation, invariants) lives in
+// allocator_inspect.cpp.
+#include "allocator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <sstream>
+
+namespace pyalloc {
+namespace {
+
+// PyTorch's rule: a request below max_split_size never takes an oversize
+// block, and an oversize request never wastes more than this on a block.
+constexpr size_t kOversizeSlack = size_t(20) << 20;
+
+int64_t now_us() {
+  using namespace std::chrono;
+  return duration_cast<microseconds>(steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+const char* trace_action_name(TraceEntry::Action a) {
+  switch (a) {
+    case TraceEntry::kAlloc: return "alloc";
+    case TraceEntry::kFreeRequested: return "free_requested";
+    case TraceEntry::kFreeCompleted: return "free_completed";
+    case TraceEntry::kSegmentAlloc: return "segment_alloc";
+    case TraceEntry::kSegmentFree: return "segment_free";
+    case TraceEntry::kOom: return "oom";
+  }
+  return "?";
+}
+
+// ---------------------------------------------------------------------------
+// Construction
+
+Allocator::Allocator(std::unique_ptr<Backend> backend, const Config& config)
+    : backend_(std::move(backend)), cfg_(config) {
+  cfg_.validate();
+  stats_.max_split_size = cfg_.max_split_size == 0 ? -1 : static_cast<int64_t>(cfg_.max_split_size);
+  if (cfg_.pool_size > 0) {
+    size_t size = round_up(cfg_.pool_size, kSegmentAlign);
+    if (cfg_.max_pool_size != 0) size = std::min(size, cfg_.max_pool_size);
+    uintptr_t base = backend_->reserve(size);
+    if (base == 0)
+      throw OutOfMemoryError("out of memory: could not reserve pool_size (" + format_bytes(size) +
+                             ") from the " + backend_->name() + " backend");
+    add_segment(base, size, 0);
+  }
+}
+
+Allocator::~Allocator() {
+  for (PendingFree& pf : pending_)
+    for (EventId e : pf.events) backend_->event_free(e);
+  for (auto& [stream, st] : streams_)
+    for (auto& [event, seq] : st->syncs) backend_->event_free(event);
+  for (Segment* c : chunks_) delete c;
+  for (auto& [base, seg] : segments_) {
+    backend_->release(seg->base, seg->size);
+    delete seg;
+  }
+}
+
+Allocator::StreamState& Allocator::state(Stream s) {
+  if (last_state_ != nullptr && last_stream_ == s) return *last_state_;
+  auto it = streams_.find(s);
+  if (it == streams_.end()) it = streams_.emplace(s, std::make_unique<StreamState>(s)).first;
+  last_stream_ = s;
+  last_state_ = it->second.get();
+  return *last_state_;
+}
+
+Block* Allocator::new_block() {
+  if (spare_blocks_.empty()) {
+    constexpr size_t kSlab = 256;
+    block_slabs_.emplace_back(new Block[kSlab]);
+    for (size_t i = 0; i < kSlab; ++i) spare_blocks_.push_back(&block_slabs_.back()[i]);
+  }
+  Block* b = spare_blocks_.back();
+  spare_blocks_.pop_back();
+  return b;
+}
+
+void Allocator::drop_block(Block* b) {
+  b->prev = b->next = b->bin_prev = b->bin_next = nullptr;
+  b->segment = nullptr;
+  b->chunk = nullptr;
+  b->uses.clear();
+  b->requested = 0;
+  spare_blocks_.push_back(b);
+}
+
+// ---------------------------------------------------------------------------
+// malloc
+
+uintptr_t Allocator::malloc(size_t size, Stream s) {
+  if (size == 0) return 0;
+  if (size > kMaxRequest)
+    throw std::invalid_argument("cannot allocate " + std::to_string(size) +
+                                " bytes: larger than any device could hold (limit " +
+                                format_bytes(kMaxRequest) + ")");
+  size_t rounded = round_up(size, kGranularity);
+  std::lock_guard<std::mutex> guard(mu_);
+  if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
+  Block* b = rounded <= cfg_.small_size ? alloc_small(rounded, s) : alloc_large(rounded, s, size);
+  b->requested = size;
+  live_.insert(b->addr, b);
+  Pool pool = b->segment->pool;
+  int64_t bytes = static_cast<int64_t>(b->size);
+  stats_.allocation.add(pool, 1);
+  stats_.allocated_bytes.add(pool, bytes);
+  stats_.active.add(pool, 1);
+  stats_.active_bytes.add(pool, bytes);
+  stats_.requested_bytes.add(pool, static_cast<int64_t>(size));
+  if (cfg_.max_split_size != 0 && b->size >= cfg_.max_split_size) stats_.oversize_allocations.add(1);
+  if (history_on_) trace(TraceEntry::kAlloc, b->addr, size, s);
+  return b->addr;
+}
+
+Block* Allocator::alloc_small(size_t size, Stream s) {
+  Block* b = find_free(kSmallPool, size, s);
+  if (b != nullptr) return take(b, size, s);
+
+  // Borrow a chunk from the large pool; it keeps the parent's stream label.
+  Block* parent = alloc_large(cfg_.small_chunk_size, s, size);
+  Segment* chunk = new Segment();
+  chunk->base = parent->addr;
+  chunk->size = parent->size;
+  chunk->pool = kSmallPool;
+  chunk->parent = parent;
+  chunk->id = next_segment_id_++;
+  chunk->stream = s;
+  chunk->index = chunks_.size();
+  chunks_.push_back(chunk);
+  parent->chunk = chunk;
+
+  Block* cb = new_block();
+  cb->addr = chunk->base;
+  cb->size = chunk->size;
+  cb->segment = chunk;
+  cb->stream = s;
+  cb->free_seq = parent->free_seq;
+  cb->state = BlockState::kFree;
+  chunk->first = cb;
+  state(s).free[kSmallPool].insert(cb);
+
+  int64_t cs = static_cast<int64_t>(chunk->size);
+  stats_.segment.add(kSmallPool, 1);
+  stats_.reserved_bytes.small.add(cs);
+  stats_.reserved_bytes.large.add(-cs);
+  return take(cb, size, s);
+}
+
+Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
+  Block* b = find_free(kLargePool, size, s);
+  if (b == nullptr && !chunks_.empty() && reclaim_free_chunks() > 0)
+    b = find_free(kLargePool, size, s);
+  std::string why;
+  if (b == nullptr) b = grow(size, s, &why);
+  if (b == nullptr && !backend_->is_capturing(s)) {
+    // Give back everything cached and try once more, as PyTorch does.
+    stats_.num_alloc_retries++;
+    release_cached();
+    b = find_free(kLargePool, size, s);
+    if (b == nullptr) b = grow(size, s, &why);
+  }
+  if (b == nullptr) throw_oom(request, size, s, why);
+  return take(b, size, s);
+}
+
+bool Allocator::fits_split_rule(const Block* b, size_t size) const {
+  size_t limit = cfg_.max_split_size;
+  if (limit == 0 || b->segment->pool == kSmallPool) return true;
+  if (size < limit) return b->size < limit;
+  return b->size < size + kOversizeSlack;
+}
+
+Block* Allocator::find_free(Pool pool, size_t size, Stream s) {
+  StreamState& st = state(s);
+  Block* b = st.free[pool].best_fit(size, [&](const Block* x) { return fits_split_rule(x, size); });
+  if (b != nullptr || streams_.size() == 1) return b;
+  return find_other_streams(pool, size, s);
+}
+
+Block* Allocator::find_other_streams(Pool pool, size_t size, Stream s) {
+  Block* best = nullptr;
+  for (auto& [stream, stp] : streams_) {
+    StreamState& o = *stp;
+    if (stream == s || o.free[pool].empty()) continue;
+    auto ready = [&](const Block* x) {
+      return x->free_seq <= o.ready_seq && fits_split_rule(x, size);
+    };
+    poll_syncs(o, false);
+    Block* b = o.free[pool].best_fit(size, ready);
+    if (b == nullptr && o.synced_seq < o.last_free_seq && !backend_->is_capturing(o.stream)) {
+      // Mark how far o's queue has got; an idle stream passes it at once.
+      o.syncs.emplace_back(backend_->record_event(o.stream), o.last_free_seq);
+      o.synced_seq = o.last_free_seq;
+      poll_syncs(o, false);
+      b = o.free[pool].best_fit(size, ready);
+    }
+    if (b != nullptr && (best == nullptr || b->size < best->size)) best = b;
+  }
+  return best;
+}
+
+Block* Allocator::take(Block* b, size_t size, Stream s) {
+  Pool pool = b->segment->pool;
+  state(b->stream).free[pool].remove(b);
+  track_inactive_split(b, -1);
+  size_t rest = b->size - size;
+  bool split = pool == kSmallPool
+                   ? rest >= kGranularity
+                   : rest > cfg_.small_size && (cfg_.max_split_size == 0 || size < cfg_.max_split_size);
+  if (split) {
+    Block* r = new_block();
+    r->addr = b->addr + size;
+    r->size = rest;
+    r->segment = b->segment;
+    r->prev = b;
+    r->next = b->next;
+    if (b->next != nullptr) b->next->prev = r;
+    b->next = r;
+    r->stream = b->stream;
+    r->free_seq = b->free_seq;
+    r->state = BlockState::kFree;
+    b->size = size;
+    state(r->stream).free[pool].insert(r);
+    track_inactive_split(r, +1);
+  }
+  if (b->stream != s) {
+    // Taken from another stream only once safe for every stream.
+    b->stream = s;
+    b->free_seq = 0;
+  }
+  b->state = BlockState::kAllocated;
+  return b;
+}
+
+Block* Allocator::grow(size_t size, Stream s, std::string* why) {
+  if (backend_->is_capturing(s)) {
+    *why = "the stream is being captured into a CUDA graph and the pool cannot grow during "
+           "capture; reserve the memory before capture (pyalloc reserve())";
+    return nullptr;
+  }
+  size_t exact = round_up(size, kSegmentAlign);
+  size_t want = std::max(round_up(cfg_.segment_size, kSegmentAlign), exact);
+  size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  size_t cap = cfg_.max_pool_size;
+  if (cap != 0) {
+    if (reserved + want > cap) want = exact;
+    if (reserved + want > cap) want = size;
+    if (reserved + want > cap) {
+      *why = "max_pool_size " + format_bytes(cap) + " would be exceeded";
+      return nullptr;
+    }
+  }
+  uintptr_t base = backend_->reserve(want);
+  if (base == 0 && want > exact) {
+    want = exact;
+    base = backend_->reserve(want);
+  }
+  if (base == 0) {
+    *why = std::string("the ") + backend_->name() + " backend could not provide " + format_bytes(want);
+    return nullptr;
+  }
+  return add_segment(base, want, s);
+}
+
+Block* Allocator::add_segment(uintptr_t base, size_t size, Stream s) {
+  Segment* seg = new Segment();
+  seg->base = base;
+  seg->size = size;
+  seg->pool = kLargePool;
+  seg->id = next_segment_id_++;
+  seg->stream = s;
+  Block* b = new_block();
+  b->addr = base;
+  b->size = size;
+  b->segment = seg;
+  b->stream = s;
+  b->free_seq = 0;  // fresh memory: no stream has used it
+  b->state = BlockState::kFree;
+  seg->first = b;
+  segments_.emplace(base, seg);
+  state(s).free[kLargePool].insert(b);
+  stats_.segment.add(kLargePool, 1);
+  stats_.reserved_bytes.add(kLargePool, static_cast<int64_t>(size));
+  stats_.num_device_alloc++;
+  if (cfg_.max_split_size != 0 && size >= cfg_.max_split_size) stats_.oversize_segments.add(1);
+  if (history_on_) trace(TraceEntry::kSegmentAlloc, base, size, s);
+  return b;
+}
+
+// ---------------------------------------------------------------------------
+// free
+
+void Allocator::free(uintptr_t ptr) {
+  if (ptr == 0) return;  // free(nullptr) is a no-op, as for malloc(0)
+  std::lock_guard<std::mutex> guard(mu_);
+  Block* b = live_.find(ptr);
+  if (b == nullptr) throw InvalidPointerError(describe_bad_pointer(ptr, "free"));
+  live_.erase(ptr);
+  Pool pool = b->segment->pool;
+  stats_.allocation.add(pool, -1);
+  stats_.allocated_bytes.add(pool, -static_cast<int64_t>(b->size));
+  stats_.requested_bytes.add(pool, -static_cast<int64_t>(b->requested));
+  if (cfg_.max_split_size != 0 && b->size >= cfg_.max_split_size) stats_.oversize_allocations.add(-1);
+  if (history_on_) trace(TraceEntry::kFreeRequested, b->addr, b->requested, b->stream);
+  if (!b->uses.empty()) {
+    // Other streams may still read it: free once their queued work is done.
+    PendingFree pf{b, {}};
+    for (Stream u : b->uses) pf.events.push_back(backend_->record_event(u));
+    b->state = BlockState::kPendingFree;
+    pending_.push_back(std::move(pf));
+    return;
+  }
+  finish_free(b);
+}
+
+void Allocator::record_stream(uintptr_t ptr, Stream s) {
+  if (ptr == 0) return;
+  std::lock_guard<std::mutex> guard(mu_);
+  Block* b = live_.find(ptr);
+  if (b == nullptr) throw InvalidPointerError(describe_bad_pointer(ptr, "record_stream"));
+  if (s == b->stream) return;
+  if (std::find(b->uses.begin(), b->uses.end(), s) == b->uses.end()) b->uses.push_back(s);
+}
+
+void Allocator::finish_free(Block* b) {
+  Pool pool = b->segment->pool;
+  stats_.active.add(pool, -1);
+  stats_.active_bytes.add(pool, -static_cast<int64_t>(b->size));
+  if (history_on_) trace(TraceEntry::kFreeCompleted, b->addr, b->requested, b->stream);
+  b->uses.clear();
+  b->requested = 0;
+  StreamState& st = state(b->stream);
+  b->free_seq = ++free_seq_;
+  st.last_free_seq = b->free_seq;
+  insert_free(b);
+}
+
+bool Allocator::is_ready(const Block* b) { return b->free_seq <= state(b->stream).ready_seq; }
+
+void Allocator::insert_free(Block* b) {
+  Pool pool = b->segment->pool;
+  for (Block* n : {b->prev, b->next}) {
+    if (n == nullptr || n->state != BlockState::kFree) continue;
+    if (n->stream == b->stream) {
+      b->free_seq = std::max(b->free_seq, n->free_seq);
+    } else if (!is_ready(n)) {
+      // n may still be in use by its stream: merge only if b is safe there.
+      if (!is_ready(b)) continue;
+      b->stream = n->stream;
+      b->free_seq = n->free_seq;
+    }
+    state(n->stream).free[pool].remove(n);
+    track_inactive_split(n, -1);
+    if (n == b->prev) {
+      b->addr = n->addr;
+      b->prev = n->prev;
+      if (n->prev != nullptr) n->prev->next = b;
+      else b->segment->first = b;
+    } else {
+      b->next = n->next;
+      if (n->next != nullptr) n->next->prev = b;
+    }
+    b->size += n->size;
+    drop_block(n);
+  }
+  b->state = BlockState::kFree;
+  state(b->stream).free[pool].insert(b);
+  track_inactive_split(b, +1);
+}
+
+void Allocator::track_inactive_split(const Block* b, int sign) {
+  if (!b->is_split()) return;
+  Pool pool = b->segment->pool;
+  stats_.inactive_split.add(pool, sign);
+  stats_.inactive_split_bytes.add(pool, sign * static_cast<int64_t>(b->size));
+}
+
+// ---------------------------------------------------------------------------
+// Events
+
+void Allocator::poll_syncs(StreamState& st, bool wait) {
+  if (wait && st.synced_seq < st.last_free_seq) {
+    st.syncs.emplace_back(backend_->record_event(st.stream), st.last_free_seq);
+    st.synced_seq = st.last_free_seq;
+  }
+  while (!st.syncs.empty()) {
+    auto [event, seq] = st.syncs.front();
+    if (wait) backend_->event_wait(event);
+    else if (!backend_->event_done(event)) break;
+    backend_->event_free(event);
+    st.ready_seq = std::max(st.ready_seq, seq);
+    st.syncs.pop_front();
+  }
+}
+
+void Allocator::process_pending(bool wait) {
+  size_t kept = 0;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    PendingFree& pf = pending_[i];
+    bool done = true;
+    for (EventId e : pf.events) {
+      if (wait) {
+        backend_->event_wait(e);
+      } else if (!backend_->event_done(e)) {
+        done = false;
+        break;
+      }
+    }
+    if (!done) {
+      if (kept != i) pending_[kept] = std::move(pf);
+      kept++;
+      continue;
+    }
+    for (EventId e : pf.events) backend_->event_free(e);
+    finish_free(pf.block);
+  }
+  pending_.resize(kept);
+}
+
+// ---------------------------------------------------------------------------
+// Giving memory back
+
+size_t Allocator::reclaim_free_chunks() {
+  size_t reclaimed = 0;
+  for (size_t i = 0; i < chunks_.size();) {
+    Segment* chunk = chunks_[i];
+    if (!chunk->wholly_free()) {
+      ++i;
+      continue;
+    }
+    Block* cb = chunk->first;
+    state(cb->stream).free[kSmallPool].remove(cb);
+    Block* parent = chunk->parent;
+    parent->chunk = nullptr;
+    parent->stream = cb->stream;
+    parent->free_seq = cb->free_seq;
+    int64_t cs = static_cast<int64_t>(chunk->size);
+    stats_.segment.add(kSmallPool, -1);
+    stats_.reserved_bytes.small.add(-cs);
+    stats_.reserved_bytes.large.add(cs);
+    chunks_[i] = chunks_.back();
+    chunks_[i]->index = i;
+    chunks_.pop_back();
+    drop_block(cb);
+    delete chunk;
+    insert_free(parent);
+    reclaimed++;
+  }
+  return reclaimed;
+}
+
+void Allocator::merge_ready_neighbours() {
+  auto merge_in = [&](Segment* seg) {
+    for (Block* b = seg->first; b != nullptr; b = b->next) {
+      while (b->state == BlockState::kFree && b->next != nullptr &&
+             b->next->state == BlockState::kFree) {
+        state(b->stream).free[seg->pool].remove(b);
+        track_inactive_split(b, -1);
+        size_t before = b->size;
+        insert_free(b);
+        if (b->size == before) break;  // still not mergeable
+      }
+    }
+  };
+  for (Segment* c : chunks_) merge_in(c);
+  for (auto& [base, seg] : segments_) merge_in(seg);
+}
+
+size_t Allocator::release_cached() {
+  // Wait for every stream so that every free block is safe anywhere.
+  process_pending(true);
+  for (auto& [stream, st] : streams_) poll_syncs(*st, true);
+  stats_.num_sync_all_streams++;
+  merge_ready_neighbours();
+  reclaim_free_chunks();
+  size_t released = 0;
+  for (auto it = segments_.begin(); it != segments_.end();) {
+    Segment* seg = it->second;
+    ++it;
+    if (seg->wholly_free()) {
+      released += seg->size;
+      release_segment(seg);
+    }
+  }
+  return released;
+}
+
+void Allocator::release_segment(Segment* seg) {
+  Block* b = seg->first;
+  state(b->stream).free[kLargePool].remove(b);
+  segments_.erase(seg->base);
+  backend_->release(seg->base, seg->size);
+  stats_.segment.add(kLargePool, -1);
+  stats_.reserved_bytes.add(kLargePool, -static_cast<int64_t>(seg->size));
+  stats_.num_device_free++;
+  if (cfg_.max_split_size != 0 && seg->size >= cfg_.max_split_size) stats_.oversize_segments.add(-1);
+  if (history_on_) trace(TraceEntry::kSegmentFree, seg->base, seg->size, seg->stream);
+  drop_block(b);
+  delete seg;
+}
+
+size_t Allocator::empty_cache() {
+  std::lock_guard<std::mutex> guard(mu_);
+  return release_cached();
+}
+
+size_t Allocator::reserve(size_t nbytes) {
+  if (nbytes == 0) return 0;
+  if (nbytes > kMaxRequest)
+    throw std::invalid_argument("cannot reserve " + std::to_string(nbytes) + " bytes: too large");
+  size_t want = round_up(nbytes, kSegmentAlign);
+  std::lock_guard<std::mutex> guard(mu_);
+  if (largest_free_locked(kLargePool) >= round_up(nbytes, kGranularity)) return 0;
+  size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  if (cfg_.max_pool_size != 0 && reserved + want > cfg_.max_pool_size)
+    throw OutOfMemoryError("out of memory: reserve(" + format_bytes(nbytes) + ") would exceed " +
+                           "max_pool_size " + format_bytes(cfg_.max_pool_size) + " (reserved " +
+                           format_bytes(reserved) + ")");
+  uintptr_t base = backend_->reserve(want);
+  if (base == 0)
+    throw OutOfMemoryError(std::string("out of memory: reserve(") + format_bytes(nbytes) +
+                           "): the " + backend_->name() + " backend could not provide " +
+                           format_bytes(want));
+  add_segment(base, want, 0);
+  return want;
+}
+
+void Allocator::set_max_pool_size(size_t bytes) {
+  std::lock_guard<std::mutex> guard(mu_);
+  cfg_.max_pool_size = bytes;
+}
+
+Config Allocator::config() const {
+  std::lock_guard<std::mutex> guard(mu_);
+  return cfg_;
+}
+
+// ---------------------------------------------------------------------------
+// Errors
+
+void Allocator::throw_oom(size_t request, size_t size, Stream s, const std::string& why) {
+  stats_.num_ooms++;
+  size_t dev_free = 0, dev_total = 0;
+  backend_->mem_info(&dev_free, &dev_total);
+  if (history_on_) trace(TraceEntry::kOom, dev_free, request, s);
+  size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  size_t allocated = static_cast<size_t>(stats_.allocated_bytes.all.current);
+  size_t active = static_cast<size_t>(stats_.active_bytes.all.current);
+  size_t free_bytes = reserved - active;
+  size_t largest = std::max(largest_free_locked(kLargePool), largest_free_locked(kSmallPool));
+  std::ostringstream m;
+  m << "out of memory: tried to allocate " << format_bytes(request);
+  if (size != round_up(request, kGranularity)) m << " (as a " << format_bytes(size) << " small-pool chunk)";
+  m << " on stream " << s << ": " << why << ". The pool has " << format_bytes(allocated)
+    << " allocated and " << format_bytes(reserved) << " reserved";
+  if (cfg_.max_pool_size != 0) m << " (max_pool_size " << format_bytes(cfg_.max_pool_size) << ")";
+  m << "; " << format_bytes(free_bytes) << " of it is free, the largest free block "
+    << format_bytes(largest) << ".";
+  if (dev_total != 0)
+    m << " The device has " << format_bytes(dev_free) << " free of " << format_bytes(dev_total) << ".";
+  if (free_bytes >= size && largest < size)
+    m << " The free memory is fragmented: no free block is large enough.";
+  throw OutOfMemoryError(m.str());
+}
+
+std::string Allocator::describe_bad_pointer(uintptr_t ptr, const char* op) const {
+  std::string where = std::string(op) + "(" + format_ptr(ptr) + "): ";
+  auto it = segments_.upper_bound(ptr);
+  if (it == segments_.begin() || ptr >= std::prev(it)->second->base + std::prev(it)->second->size)
+    return where + "not a pointer from this allocator (it lies outside every segment of its pool)";
+  const Segment* seg = std::prev(it)->second;
+  const Block* b = seg->first;
+  while (true) {
+    while (b != nullptr && ptr >= b->end()) b = b->next;
+    if (b == nullptr || b->chunk == nullptr) break;
+    b = b->chunk->first;  // descend into the small-pool chunk
+  }
+  if (b != nullptr && b->state != BlockState::kAllocated)
+    return where + "double free or stale pointer: the memory at this address is already free";
+  if (b != nullptr && b->addr != ptr)
+    return where + "points " + std::to_string(ptr - b->addr) + " bytes into the allocation at " +
+           format_ptr(b->addr) + "; pass the pointer malloc() returned";
+  return where + "not a live allocation";
+}
+
+// ---------------------------------------------------------------------------
+// History
+
+void Allocator::trace(TraceEntry::Action a, uintptr_t addr, size_t size, Stream s) {
+  if (history_max_ == 0) return;
+  TraceEntry e{a, addr, size, s, now_us()};
+  if (history_.size() < history_max_) {
+    history_.push_back(e);
+  } else {
+    history_[history_next_] = e;
+  }
+  history_next_ = (history_next_ + 1) % history_max_;
+}
+
+void Allocator::record_history(bool enabled, size_t max_entries) {
+  std::lock_guard<std::mutex> guard(mu_);
+  history_on_ = enabled && max_entries > 0;
+  if (max_entries != history_max_) {
+    history_.clear();
+    history_next_ = 0;
+    history_max_ = max_entries;
+  }
+  if (!enabled) {
+    history_.clear();
+    history_next_ = 0;
+  }
+}
+
+std::vector<TraceEntry> Allocator::history() const {
+  std::lock_guard<std::mutex> guard(mu_);
+  if (history_.size() < history_max_) return history_;
+  std::vector<TraceEntry> out(history_.begin() + history_next_, history_.end());
+  out.insert(out.end(), history_.begin(), history_.begin() + history_next_);
+  return out;
+}
+
+}  // namespace pyalloc

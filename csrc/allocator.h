@@ -1,0 +1,207 @@
+// The allocator core: one pool per Allocator, over one Backend.
+//
+// Policy, in one place for every backend:
+// - Sizes round up to 512 B. Requests of at most small_size go to the small
+//   pool, the rest to the large pool, so small churn never cuts up the large
+//   free ranges: the small pool borrows whole chunks (small_chunk_size) from
+//   the large pool and gives a chunk back only once it is wholly free and the
+//   large pool needs room (or on empty_cache / out of memory).
+// - The large pool is the backend's segments: pool_size reserved at start,
+//   then growth by at least segment_size, never past max_pool_size.
+// - Best fit (free_index.h) over the free blocks of the caller's stream, then
+//   over other streams' blocks that are safe to take; the remainder of a fit
+//   is split off when it is worth keeping; a freed block merges with free
+//   neighbours of its segment (never across segments).
+// - Streams. A freed block stays labelled with its stream S and a sequence
+//   number. S may reuse it at once (its queued work is ordered). Another
+//   stream may take it only once an event recorded on S after the free has
+//   completed: the core records such an event lazily, when another stream
+//   first looks for memory, so the free path makes no backend call.
+//   record_stream(p, T) makes free(p) wait for an event on T as well before
+//   the block becomes free at all ("pending free", as in PyTorch).
+// - Out of memory: release every cached free segment (after waiting for all
+//   events), retry once, then raise OutOfMemoryError saying why. Nothing live
+//   is moved or touched.
+//
+// Thread safety: every public method takes the allocator's mutex.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "backend.h"
+#include "block.h"
+#include "config.h"
+#include "free_index.h"
+#include "ptr_map.h"
+#include "stats.h"
+
+namespace pyalloc {
+
+/// One entry of the allocation history, in PyTorch's trace vocabulary.
+struct TraceEntry {
+  enum Action : uint8_t {
+    kAlloc,
+    kFreeRequested,
+    kFreeCompleted,
+    kSegmentAlloc,
+    kSegmentFree,
+    kOom,
+  };
+  Action action;
+  uintptr_t addr;  // for kOom: the device's free bytes
+  size_t size;     // requested size for alloc / free; segment size otherwise
+  Stream stream;
+  int64_t time_us;
+};
+
+const char* trace_action_name(TraceEntry::Action a);
+
+struct FragmentationInfo {
+  size_t reserved_bytes = 0;
+  size_t allocated_bytes = 0;
+  size_t free_bytes = 0;           // free blocks in both pools
+  size_t pending_free_bytes = 0;   // freed, waiting on record_stream streams
+  size_t largest_free_block = 0;
+  size_t free_blocks = 0;
+  size_t large_free_bytes = 0;
+  size_t large_largest_free_block = 0;
+  size_t small_free_bytes = 0;
+  size_t small_largest_free_block = 0;
+  size_t free_small_chunks = 0;    // wholly free chunks the large pool could take back
+  /// Free blocks by size: (lower bound of a power-of-two bucket, count, bytes).
+  std::vector<std::tuple<size_t, size_t, size_t>> histogram;
+};
+
+struct SnapshotBlock {
+  uintptr_t addr;
+  size_t size;
+  size_t requested;
+  const char* state;  // "active_allocated", "active_pending_free", "inactive"
+};
+
+struct SnapshotSegment {
+  uintptr_t address = 0;
+  size_t total_size = 0;
+  size_t allocated_size = 0;
+  size_t active_size = 0;
+  size_t requested_size = 0;
+  Stream stream = 0;
+  std::vector<SnapshotBlock> blocks;
+};
+
+class Allocator {
+ public:
+  Allocator(std::unique_ptr<Backend> backend, const Config& config);
+  ~Allocator();
+  Allocator(const Allocator&) = delete;
+  Allocator& operator=(const Allocator&) = delete;
+
+  /// `size` bytes usable on `stream`; 0 for size 0. Throws OutOfMemoryError
+  /// (or std::invalid_argument for sizes no device could hold).
+  uintptr_t malloc(size_t size, Stream stream);
+  /// Throws InvalidPointerError for anything but a live allocation.
+  void free(uintptr_t ptr);
+  /// The block of `ptr` is also used on `stream`: on free, wait for it too.
+  void record_stream(uintptr_t ptr, Stream stream);
+
+  /// Returns every wholly free segment to the backend; the bytes released.
+  size_t empty_cache();
+  /// Grows the pool so that a free range of at least nbytes exists; the
+  /// bytes newly reserved.
+  size_t reserve(size_t nbytes);
+  /// Changes max_pool_size (0: no cap); does not release anything.
+  void set_max_pool_size(size_t bytes);
+
+  Stats stats() const;
+  void reset_peak_stats();
+  FragmentationInfo fragmentation() const;
+  /// Backend segments with their blocks (chunks shown as their small blocks).
+  std::vector<SnapshotSegment> snapshot() const;
+  /// Throws InvariantError describing the first inconsistency found.
+  void check_invariants() const;
+
+  /// The backend segment holding ptr: false if none does.
+  bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
+
+  void record_history(bool enabled, size_t max_entries);
+  std::vector<TraceEntry> history() const;
+
+  Backend& backend() { return *backend_; }
+  Config config() const;
+
+ private:
+  struct StreamState {
+    explicit StreamState(Stream s) : stream(s) {}
+    Stream stream;
+    FreeIndex free[2];
+    uint64_t ready_seq = 0;      // frees up to this are done on the device
+    uint64_t last_free_seq = 0;  // the newest free on this stream
+    uint64_t synced_seq = 0;     // frees covered by the newest sync event
+    std::deque<std::pair<EventId, uint64_t>> syncs;  // (event, free_seq covered)
+  };
+  struct PendingFree {
+    Block* block;
+    std::vector<EventId> events;
+  };
+
+  StreamState& state(Stream s);
+  Block* new_block();
+  void drop_block(Block* b);
+
+  Block* alloc_small(size_t size, Stream s);
+  Block* alloc_large(size_t size, Stream s, size_t request);
+  Block* find_free(Pool pool, size_t size, Stream s);
+  Block* find_other_streams(Pool pool, size_t size, Stream s);
+  bool fits_split_rule(const Block* b, size_t size) const;
+  Block* take(Block* b, size_t size, Stream s);
+  Block* grow(size_t size, Stream s, std::string* why);
+  Block* add_segment(uintptr_t base, size_t size, Stream s);
+  void insert_free(Block* b);
+  void finish_free(Block* b);
+  bool is_ready(const Block* b);
+  void poll_syncs(StreamState& st, bool wait);
+  void process_pending(bool wait);
+  size_t reclaim_free_chunks();
+  size_t release_cached();
+  void merge_ready_neighbours();
+  void release_segment(Segment* seg);
+  void track_inactive_split(const Block* b, int sign);
+  [[noreturn]] void throw_oom(size_t request, size_t size, Stream s, const std::string& why);
+  std::string describe_bad_pointer(uintptr_t ptr, const char* op) const;
+  void trace(TraceEntry::Action a, uintptr_t addr, size_t size, Stream s);
+  size_t largest_free_locked(Pool pool) const;
+
+  std::unique_ptr<Backend> backend_;
+  Config cfg_;
+  mutable std::mutex mu_;
+
+  PtrMap live_;
+  std::map<uintptr_t, Segment*> segments_;  // backend segments by base
+  std::vector<Segment*> chunks_;             // small-pool chunks
+  std::unordered_map<Stream, std::unique_ptr<StreamState>> streams_;
+  Stream last_stream_ = 0;
+  StreamState* last_state_ = nullptr;
+  std::vector<PendingFree> pending_;
+  uint64_t free_seq_ = 0;
+  uint64_t next_segment_id_ = 0;
+  Stats stats_;
+
+  std::vector<std::unique_ptr<Block[]>> block_slabs_;
+  std::vector<Block*> spare_blocks_;
+
+  bool history_on_ = false;
+  size_t history_max_ = 0;
+  size_t history_next_ = 0;
+  std::vector<TraceEntry> history_;
+};
+
+}  // namespace pyalloc

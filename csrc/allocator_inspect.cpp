@@ -1,0 +1,266 @@
+// Looking at the allocator without changing it: stats, fragmentation,
+// snapshots in PyTorch's layout, and check_invariants(), which recomputes
+// everything from the blocks and compares it with what the core maintains.
+#include <algorithm>
+#include <sstream>
+#include <unordered_set>
+
+#include "allocator.h"
+
+namespace pyalloc {
+
+Stats Allocator::stats() const {
+  std::lock_guard<std::mutex> guard(mu_);
+  return stats_;
+}
+
+void Allocator::reset_peak_stats() {
+  std::lock_guard<std::mutex> guard(mu_);
+  stats_.reset_peak();
+}
+
+size_t Allocator::largest_free_locked(Pool pool) const {
+  size_t largest = 0;
+  for (const auto& [stream, st] : streams_) {
+    const Block* b = st->free[pool].largest();
+    if (b != nullptr) largest = std::max(largest, b->size);
+  }
+  return largest;
+}
+
+bool Allocator::segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const {
+  std::lock_guard<std::mutex> guard(mu_);
+  auto it = segments_.upper_bound(ptr);
+  if (it == segments_.begin()) return false;
+  const Segment* seg = std::prev(it)->second;
+  if (ptr >= seg->base + seg->size) return false;
+  *base = seg->base;
+  *size = seg->size;
+  return true;
+}
+
+FragmentationInfo Allocator::fragmentation() const {
+  std::lock_guard<std::mutex> guard(mu_);
+  FragmentationInfo f;
+  f.reserved_bytes = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  f.allocated_bytes = static_cast<size_t>(stats_.allocated_bytes.all.current);
+  f.pending_free_bytes = static_cast<size_t>(stats_.active_bytes.all.current) - f.allocated_bytes;
+  std::vector<std::pair<size_t, size_t>> buckets(64);  // (count, bytes) by log2
+  for (const auto& [stream, st] : streams_) {
+    for (Pool pool : {kSmallPool, kLargePool}) {
+      st->free[pool].for_each([&](const Block* b) {
+        f.free_bytes += b->size;
+        f.free_blocks++;
+        f.largest_free_block = std::max(f.largest_free_block, b->size);
+        if (pool == kLargePool) {
+          f.large_free_bytes += b->size;
+          f.large_largest_free_block = std::max(f.large_largest_free_block, b->size);
+        } else {
+          f.small_free_bytes += b->size;
+          f.small_largest_free_block = std::max(f.small_largest_free_block, b->size);
+        }
+        int bucket = 63 - __builtin_clzll(b->size);
+        buckets[bucket].first++;
+        buckets[bucket].second += b->size;
+      });
+    }
+  }
+  for (const Segment* c : chunks_) f.free_small_chunks += c->wholly_free() ? 1 : 0;
+  for (int i = 0; i < 64; ++i)
+    if (buckets[i].first != 0)
+      f.histogram.emplace_back(size_t(1) << i, buckets[i].first, buckets[i].second);
+  return f;
+}
+
+std::vector<SnapshotSegment> Allocator::snapshot() const {
+  std::lock_guard<std::mutex> guard(mu_);
+  std::vector<SnapshotSegment> out;
+  for (const auto& [base, seg] : segments_) {
+    SnapshotSegment s;
+    s.address = seg->base;
+    s.total_size = seg->size;
+    s.stream = seg->stream;
+    auto add = [&](const Block* b) {
+      const char* st = b->state == BlockState::kFree         ? "inactive"
+                       : b->state == BlockState::kPendingFree ? "active_pending_free"
+                                                              : "active_allocated";
+      s.blocks.push_back(SnapshotBlock{b->addr, b->size, b->requested, st});
+      if (b->state == BlockState::kAllocated) {
+        s.allocated_size += b->size;
+        s.requested_size += b->requested;
+      }
+      if (b->state != BlockState::kFree) s.active_size += b->size;
+    };
+    for (const Block* b = seg->first; b != nullptr; b = b->next) {
+      if (b->chunk == nullptr) {
+        add(b);
+      } else {
+        for (const Block* c = b->chunk->first; c != nullptr; c = c->next) add(c);
+      }
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Invariants
+
+namespace {
+
+struct Tally {
+  int64_t allocation[2] = {0, 0};
+  int64_t allocated_bytes[2] = {0, 0};
+  int64_t requested_bytes[2] = {0, 0};
+  int64_t active[2] = {0, 0};
+  int64_t active_bytes[2] = {0, 0};
+  int64_t inactive_split[2] = {0, 0};
+  int64_t inactive_split_bytes[2] = {0, 0};
+  int64_t segment[2] = {0, 0};
+  int64_t reserved_bytes[2] = {0, 0};
+  size_t pending = 0;
+  size_t chunks = 0;
+  std::unordered_set<const Block*> free_blocks;
+};
+
+[[noreturn]] void fail(const std::string& what) {
+  throw InvariantError("allocator invariant violated: " + what);
+}
+
+void expect_stat(const char* name, const StatArray& a, const int64_t (&v)[2]) {
+  const std::pair<const char*, std::pair<int64_t, int64_t>> rows[] = {
+      {"small_pool", {a.small.current, v[kSmallPool]}},
+      {"large_pool", {a.large.current, v[kLargePool]}},
+      {"all", {a.all.current, v[0] + v[1]}},
+  };
+  for (const auto& [pool, pair] : rows)
+    if (pair.first != pair.second)
+      fail(std::string(name) + "." + pool + ".current is " + std::to_string(pair.first) +
+           " but the blocks say " + std::to_string(pair.second));
+}
+
+}  // namespace
+
+void Allocator::check_invariants() const {
+  std::lock_guard<std::mutex> guard(mu_);
+  Tally t;
+  auto stream_of = [&](Stream s) -> const StreamState* {
+    auto it = streams_.find(s);
+    return it == streams_.end() ? nullptr : it->second.get();
+  };
+
+  // Walks one segment (a backend segment or a chunk), tallying its blocks.
+  auto walk = [&](const Segment* seg, auto& self) -> void {
+    Pool pool = seg->pool;
+    uintptr_t expect = seg->base;
+    const Block* prev = nullptr;
+    std::string where = (pool == kLargePool ? "segment " : "chunk ") + format_ptr(seg->base);
+    if (seg->first == nullptr || seg->first->prev != nullptr) fail(where + " has a bad first block");
+    for (const Block* b = seg->first; b != nullptr; prev = b, b = b->next) {
+      std::string at = where + " block " + format_ptr(b->addr);
+      if (b->segment != seg) fail(at + " points at another segment");
+      if (b->prev != prev) fail(at + " has a broken prev link");
+      if (b->addr != expect) fail(at + " does not start where its predecessor ends");
+      if (b->size == 0 || b->size % kGranularity != 0) fail(at + " has a bad size");
+      if (b->end() > seg->base + seg->size) fail(at + " runs past the end of its segment");
+      if (prev != nullptr && prev->state == BlockState::kFree && b->state == BlockState::kFree &&
+          prev->stream == b->stream)
+        fail(at + " is free next to a free block of the same stream (not merged)");
+      const StreamState* st = stream_of(b->stream);
+      switch (b->state) {
+        case BlockState::kFree:
+          if (st == nullptr || b->free_seq > st->last_free_seq)
+            fail(at + " is free with a sequence number its stream never issued");
+          if (b->bin != FreeIndex::bin_of(b->size)) fail(at + " is in the wrong bin");
+          t.free_blocks.insert(b);
+          if (b->is_split()) {
+            t.inactive_split[pool]++;
+            t.inactive_split_bytes[pool] += static_cast<int64_t>(b->size);
+          }
+          break;
+        case BlockState::kAllocated:
+          if (b->chunk != nullptr) {
+            if (pool != kLargePool || b->chunk->parent != b || b->chunk->base != b->addr ||
+                b->chunk->size != b->size)
+              fail(at + " carries a chunk that does not match it");
+            if (live_.find(b->addr) == b) fail(at + " is a chunk but is in the pointer map");
+            t.chunks++;
+            self(b->chunk, self);
+            break;
+          }
+          if (live_.find(b->addr) != b) fail(at + " is allocated but not in the pointer map");
+          t.allocation[pool]++;
+          t.allocated_bytes[pool] += static_cast<int64_t>(b->size);
+          t.requested_bytes[pool] += static_cast<int64_t>(b->requested);
+          t.active[pool]++;
+          t.active_bytes[pool] += static_cast<int64_t>(b->size);
+          if (b->requested > b->size || round_up(b->requested, kGranularity) > b->size)
+            fail(at + " is smaller than its request");
+          break;
+        case BlockState::kPendingFree:
+          if (live_.find(b->addr) != nullptr) fail(at + " is pending free but still in the map");
+          t.active[pool]++;
+          t.active_bytes[pool] += static_cast<int64_t>(b->size);
+          t.pending++;
+          break;
+      }
+      expect = b->end();
+    }
+    if (expect != seg->base + seg->size) fail(where + ": its blocks do not cover it");
+    t.segment[pool]++;
+    t.reserved_bytes[pool] += static_cast<int64_t>(seg->size);
+    if (pool == kSmallPool) t.reserved_bytes[kLargePool] -= static_cast<int64_t>(seg->size);
+  };
+
+  for (const auto& [base, seg] : segments_) {
+    if (seg->base != base || seg->pool != kLargePool) fail("segment map entry mismatch");
+    walk(seg, walk);
+  }
+  if (t.chunks != chunks_.size()) fail("chunk list does not match the chunks in the segments");
+  for (size_t i = 0; i < chunks_.size(); ++i)
+    if (chunks_[i]->index != i) fail("chunk list index out of date");
+  if (t.pending != pending_.size()) fail("pending-free list does not match the blocks");
+  if (live_.size() != static_cast<size_t>(t.allocation[0] + t.allocation[1]))
+    fail("pointer map holds " + std::to_string(live_.size()) + " entries for " +
+         std::to_string(t.allocation[0] + t.allocation[1]) + " allocations");
+
+  // Every free block is in exactly its own index, and the indexes hold nothing else.
+  size_t indexed = 0;
+  for (const auto& [stream, st] : streams_) {
+    if (st->ready_seq > st->last_free_seq || st->synced_seq > st->last_free_seq)
+      fail("stream " + std::to_string(stream) + " sequence numbers out of order");
+    for (Pool pool : {kSmallPool, kLargePool}) {
+      const FreeIndex& idx = st->free[pool];
+      size_t count = 0, bytes = 0;
+      for (int bin = 0; bin < FreeIndex::kNumBins; ++bin) {
+        const Block* prev = nullptr;
+        for (const Block* b = idx.head(bin); b != nullptr; prev = b, b = b->bin_next) {
+          if (b->bin_prev != prev) fail("free list links broken");
+          if (b->state != BlockState::kFree || b->stream != stream || b->bin != bin ||
+              b->segment == nullptr || b->segment->pool != pool || !t.free_blocks.count(b))
+            fail("free index of stream " + std::to_string(stream) + " holds block " +
+                 format_ptr(b->addr) + " that does not belong there");
+          count++;
+          bytes += b->size;
+        }
+      }
+      if (count != idx.count() || bytes != idx.bytes()) fail("free index counters are off");
+      indexed += count;
+    }
+  }
+  if (indexed != t.free_blocks.size())
+    fail(std::to_string(t.free_blocks.size()) + " free blocks but " + std::to_string(indexed) +
+         " in the free indexes");
+
+  expect_stat("allocation", stats_.allocation, t.allocation);
+  expect_stat("allocated_bytes", stats_.allocated_bytes, t.allocated_bytes);
+  expect_stat("requested_bytes", stats_.requested_bytes, t.requested_bytes);
+  expect_stat("active", stats_.active, t.active);
+  expect_stat("active_bytes", stats_.active_bytes, t.active_bytes);
+  expect_stat("inactive_split", stats_.inactive_split, t.inactive_split);
+  expect_stat("inactive_split_bytes", stats_.inactive_split_bytes, t.inactive_split_bytes);
+  expect_stat("segment", stats_.segment, t.segment);
+  expect_stat("reserved_bytes", stats_.reserved_bytes, t.reserved_bytes);
+}
+
+}  // namespace pyalloc

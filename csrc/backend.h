@@ -1,0 +1,65 @@
+// The narrow interface between the allocator core and whatever provides memory.
+//
+// Contract, for every backend:
+// - reserve(size) returns the base of `size` fresh bytes, aligned to at least
+//   kGranularity, or 0 when the memory is not available. It never throws for
+//   lack of memory; the core decides what an out-of-memory means.
+// - release(base, size) takes back exactly a range reserve() returned.
+// - Events order the host against a stream: record_event(s) marks the point
+//   reached by the work queued on s so far; event_done() says whether s has
+//   passed it; event_wait() blocks until it has; event_free() recycles it.
+//   An event recorded later on a stream completes no earlier than one
+//   recorded before it.
+// - is_capturing(s): true while s is being captured into a CUDA graph. The
+//   core then calls none of reserve/release/record/query/wait for that stream.
+// - The core calls a backend with its own lock held, from any thread; a
+//   backend needs a lock of its own only for state that tests or other
+//   callers touch from outside the core.
+//
+// The core never reads or writes the memory it manages: addresses are numbers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common.h"
+
+namespace pyalloc {
+
+using EventId = uint64_t;
+class SimStreams;
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual const char* name() const = 0;
+
+  virtual uintptr_t reserve(size_t size) = 0;
+  virtual void release(uintptr_t base, size_t size) = 0;
+
+  /// Free and total memory of the device behind the backend, for messages
+  /// and caps; total == 0 means unbounded.
+  virtual void mem_info(size_t* free_bytes, size_t* total_bytes) = 0;
+
+  virtual EventId record_event(Stream stream) = 0;
+  virtual bool event_done(EventId event) = 0;
+  virtual void event_wait(EventId event) = 0;
+  virtual void event_free(EventId event) = 0;
+
+  virtual bool is_capturing(Stream /*stream*/) { return false; }
+
+  /// The test-controllable streams of a simulated backend; null on a device.
+  virtual SimStreams* sim_streams() { return nullptr; }
+};
+
+/// Real host memory (mmap), with simulated streams: see sim_streams.h.
+std::unique_ptr<Backend> make_host_backend(size_t capacity);
+
+/// Addresses only: nothing is mapped, nothing is touched. `capacity` bounds
+/// the bytes reserved at once (0 = unbounded). For trace replay of any size.
+std::unique_ptr<Backend> make_virtual_backend(size_t capacity);
+
+}  // namespace pyalloc

@@ -1,0 +1,43 @@
+// Allocator configuration: the keys, their defaults, and the one parser for
+// "key:value,key:value" strings (the PYTORCH_CUDA_ALLOC_CONF style, also
+// PYALLOC_CONF). Sizes take bytes or a unit: KiB, MiB, GiB, TiB (KB, MB, GB,
+// TB and K, M, G, T mean the same binary units, as in PyTorch).
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace pyalloc {
+
+struct Config {
+  /// Reserved from the backend when the allocator is created (0: lazily).
+  size_t pool_size = 0;
+  /// Never reserve more than this in total (0: as much as the device has).
+  size_t max_pool_size = 0;
+  /// The pool grows by at least this much at a time.
+  size_t segment_size = size_t(20) << 20;
+  /// Requests of at most this many bytes (rounded) use the small pool.
+  size_t small_size = size_t(1) << 20;
+  /// The small pool takes memory from the large pool in chunks of this size.
+  size_t small_chunk_size = size_t(2) << 20;
+  /// Blocks of this size or more are never split (0: no limit), as PyTorch's
+  /// max_split_size_mb.
+  size_t max_split_size = 0;
+
+  /// Raises std::invalid_argument naming the bad setting.
+  void validate() const;
+  std::string to_string() const;
+};
+
+/// The valid keys, in documentation order.
+const std::vector<std::string>& config_keys();
+
+/// Applies "key:value,..." on top of `base`; throws std::invalid_argument
+/// naming the bad key or value and listing the valid keys.
+Config parse_config(const std::string& text, Config base = Config());
+
+/// "2GiB" -> 2147483648; throws std::invalid_argument on anything else.
+size_t parse_size(const std::string& text);
+
+}  // namespace pyalloc

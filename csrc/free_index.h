@@ -1,0 +1,96 @@
+// A best-fit index over the free blocks of one pool and one stream.
+//
+// Blocks sit in intrusive lists, one per size bin. Bins are exact below
+// 32 KiB (64 units of 512 B) and 64 to an octave above, so one bin spans at
+// most 1.6% of sizes. A two-level bitmap finds the next non-empty bin in a
+// few instructions. best_fit() is exact: it scans the request's own bin for
+// the smallest block that fits and, failing that, the next non-empty bin,
+// all of whose blocks fit, for its smallest. Scans stop at an exact fit.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "block.h"
+
+namespace pyalloc {
+
+class FreeIndex {
+ public:
+  static constexpr int kSubBins = 64;
+  static constexpr int kNumBins = 2816;  // sizes up to 2^57 bytes
+  static constexpr int kWords = kNumBins / 64;
+
+  FreeIndex();
+
+  static int bin_of(size_t size);
+
+  void insert(Block* b);
+  void remove(Block* b);
+
+  /// The smallest block of at least `size` that `accept` takes, or null.
+  template <typename Accept>
+  Block* best_fit(size_t size, Accept accept) const;
+
+  size_t count() const { return count_; }
+  size_t bytes() const { return bytes_; }
+  bool empty() const { return count_ == 0; }
+  Block* head(int bin) const { return heads_[bin]; }
+  /// Largest block in the index (linear in the bins; for stats).
+  Block* largest() const;
+
+  template <typename F>
+  void for_each(F f) const {
+    for (int w = 0; w < kWords; ++w)
+      for (uint64_t bits = words_[w]; bits != 0; bits &= bits - 1)
+        for (Block* b = heads_[(w << 6) + __builtin_ctzll(bits)]; b != nullptr; b = b->bin_next) f(b);
+  }
+
+ private:
+  int next_nonempty(int from) const;
+
+  Block* heads_[kNumBins];
+  uint64_t words_[kWords];
+  uint64_t summary_;
+  size_t count_ = 0;
+  size_t bytes_ = 0;
+};
+
+inline int FreeIndex::bin_of(size_t size) {
+  uint64_t u = size / kGranularity;
+  if (u < kSubBins) return static_cast<int>(u);
+  int fl = 63 - __builtin_clzll(u);
+  int sl = static_cast<int>((u >> (fl - 6)) & (kSubBins - 1));
+  return (fl - 5) * kSubBins + sl;
+}
+
+inline int FreeIndex::next_nonempty(int from) const {
+  if (from >= kNumBins) return -1;
+  int w = from >> 6;
+  uint64_t bits = words_[w] & (~uint64_t(0) << (from & 63));
+  if (bits) return (w << 6) + __builtin_ctzll(bits);
+  if (w + 1 >= kWords) return -1;
+  uint64_t rest = summary_ & (~uint64_t(0) << (w + 1));
+  if (!rest) return -1;
+  w = __builtin_ctzll(rest);
+  return (w << 6) + __builtin_ctzll(words_[w]);
+}
+
+template <typename Accept>
+Block* FreeIndex::best_fit(size_t size, Accept accept) const {
+  for (int bin = next_nonempty(bin_of(size)); bin >= 0; bin = next_nonempty(bin + 1)) {
+    Block* best = nullptr;
+    for (Block* b = heads_[bin]; b != nullptr; b = b->bin_next) {
+      if (b->size < size || !accept(b)) continue;
+      if (best == nullptr || b->size < best->size ||
+          (b->size == best->size && b->addr < best->addr)) {
+        best = b;
+        if (b->size == size) break;  // nothing fits better
+      }
+    }
+    if (best != nullptr) return best;
+  }
+  return nullptr;
+}
+
+}  // namespace pyalloc

@@ -1,0 +1,12 @@
+// Each part of the pybind11 module registers itself through one of these, so
+// the module's parts stay in the files of the code they expose.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace pyalloc {
+
+void bind_core(pybind11::module_& m);   // py_core.cpp: Allocator, config, errors
+void bind_bench(pybind11::module_& m);  // bench.cpp: C++ timing loops
+
+}  // namespace pyalloc

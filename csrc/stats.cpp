@@ -1,0 +1,60 @@
+// Flattening the stats into PyTorch's memory_stats() keys.
+#include "stats.h"
+
+#include <algorithm>
+
+namespace pyalloc {
+
+void Stats::reset_peak() {
+  for (StatArray* a : {&allocation, &segment, &active, &inactive_split, &allocated_bytes,
+                       &reserved_bytes, &active_bytes, &inactive_split_bytes,
+                       &requested_bytes})
+    a->reset_peak();
+  oversize_allocations.reset_peak();
+  oversize_segments.reset_peak();
+}
+
+namespace {
+
+void put(std::vector<std::pair<std::string, int64_t>>& out, const std::string& prefix,
+         const Stat& s) {
+  out.emplace_back(prefix + ".current", s.current);
+  out.emplace_back(prefix + ".peak", s.peak);
+  out.emplace_back(prefix + ".allocated", s.allocated);
+  out.emplace_back(prefix + ".freed", s.freed);
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, int64_t>> Stats::flatten() const {
+  std::vector<std::pair<std::string, int64_t>> out;
+  const std::pair<const char*, const StatArray*> arrays[] = {
+      {"allocation", &allocation},
+      {"segment", &segment},
+      {"active", &active},
+      {"inactive_split", &inactive_split},
+      {"allocated_bytes", &allocated_bytes},
+      {"reserved_bytes", &reserved_bytes},
+      {"active_bytes", &active_bytes},
+      {"inactive_split_bytes", &inactive_split_bytes},
+      {"requested_bytes", &requested_bytes},
+  };
+  for (const auto& [name, a] : arrays) {
+    std::string n(name);
+    put(out, n + ".all", a->all);
+    put(out, n + ".small_pool", a->small);
+    put(out, n + ".large_pool", a->large);
+  }
+  put(out, "oversize_allocations", oversize_allocations);
+  put(out, "oversize_segments", oversize_segments);
+  out.emplace_back("num_alloc_retries", num_alloc_retries);
+  out.emplace_back("num_ooms", num_ooms);
+  out.emplace_back("num_sync_all_streams", num_sync_all_streams);
+  out.emplace_back("num_device_alloc", num_device_alloc);
+  out.emplace_back("num_device_free", num_device_free);
+  out.emplace_back("max_split_size", max_split_size);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace pyalloc

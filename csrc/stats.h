@@ -1,0 +1,79 @@
+// The allocator's statistics, declared once, with PyTorch's names and
+// meanings (torch.cuda.memory_stats()).
+//
+// A count (Stat) has current / peak / allocated (sum of increments) / freed
+// (sum of decrements). A StatArray keeps one count per pool plus their sum
+// ("all", "small_pool", "large_pool"). The counters only grow.
+//
+// Meanings, as in PyTorch:
+//   allocation / allocated_bytes   user blocks not yet freed by the caller
+//   active / active_bytes          user blocks not yet reusable (allocated,
+//                                  or freed but waiting on streams)
+//   segment / reserved_bytes       large pool: memory from the backend, minus
+//                                  the chunks lent to the small pool; small
+//                                  pool: those chunks
+//   inactive_split(_bytes)         free blocks in segments that are split
+//   requested_bytes                sizes as requested, before rounding
+//   oversize_*                     blocks / segments of max_split_size or more
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "block.h"
+
+namespace pyalloc {
+
+struct Stat {
+  int64_t current = 0;
+  int64_t peak = 0;
+  int64_t allocated = 0;
+  int64_t freed = 0;
+
+  void add(int64_t n) {
+    current += n;
+    if (n >= 0) {
+      allocated += n;
+      if (current > peak) peak = current;
+    } else {
+      freed -= n;
+    }
+  }
+  void reset_peak() { peak = current; }
+  void reset_accumulated() { allocated = freed = 0; }
+};
+
+struct StatArray {
+  Stat all, small, large;
+
+  void add(Pool pool, int64_t n) {
+    all.add(n);
+    (pool == kSmallPool ? small : large).add(n);
+  }
+  void reset_peak() {
+    all.reset_peak();
+    small.reset_peak();
+    large.reset_peak();
+  }
+};
+
+struct Stats {
+  StatArray allocation, segment, active, inactive_split;
+  StatArray allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes,
+      requested_bytes;
+  Stat oversize_allocations, oversize_segments;
+  int64_t num_alloc_retries = 0;
+  int64_t num_ooms = 0;
+  int64_t num_sync_all_streams = 0;
+  int64_t num_device_alloc = 0;
+  int64_t num_device_free = 0;
+  int64_t max_split_size = 0;
+
+  void reset_peak();
+  /// Flat "family.pool.metric" -> value pairs, sorted by key like torch's.
+  std::vector<std::pair<std::string, int64_t>> flatten() const;
+};
+
+}  // namespace pyalloc

@@ -1,0 +1,63 @@
+// The virtual backend: hands out address ranges and nothing else, so traces
+// of any size replay on a laptop. Addresses start high and only move up;
+// ranges are never handed out twice, so a stale pointer can never alias a
+// new segment. `capacity` plays the device's size (0 = unbounded).
+#include <mutex>
+
+#include "backend.h"
+#include "sim_streams.h"
+
+namespace pyalloc {
+namespace {
+
+class VirtualBackend final : public Backend {
+ public:
+  explicit VirtualBackend(size_t capacity) : capacity_(capacity) {}
+
+  const char* name() const override { return "virtual"; }
+
+  uintptr_t reserve(size_t size) override {
+    std::lock_guard<std::mutex> g(mu_);
+    if (capacity_ != 0 && size > capacity_ - used_) return 0;
+    if (size > kLimit - next_) return 0;
+    uintptr_t base = next_;
+    // A gap after each segment keeps segments from looking contiguous.
+    next_ += round_up(size, kSegmentAlign) + kSegmentAlign;
+    used_ += size;
+    return base;
+  }
+
+  void release(uintptr_t, size_t size) override {
+    std::lock_guard<std::mutex> g(mu_);
+    used_ -= size;
+  }
+
+  void mem_info(size_t* free_bytes, size_t* total_bytes) override {
+    std::lock_guard<std::mutex> g(mu_);
+    *total_bytes = capacity_;
+    *free_bytes = capacity_ == 0 ? 0 : capacity_ - used_;
+  }
+
+  EventId record_event(Stream s) override { return streams_.record(s); }
+  bool event_done(EventId e) override { return streams_.done(e); }
+  void event_wait(EventId e) override { streams_.wait(e); }
+  void event_free(EventId e) override { streams_.release(e); }
+  SimStreams* sim_streams() override { return &streams_; }
+
+ private:
+  static constexpr uintptr_t kStart = uintptr_t(1) << 44;
+  static constexpr uintptr_t kLimit = uintptr_t(1) << 62;
+  std::mutex mu_;
+  size_t capacity_;
+  size_t used_ = 0;
+  uintptr_t next_ = kStart;
+  SimStreams streams_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_virtual_backend(size_t capacity) {
+  return std::make_unique<VirtualBackend>(capacity);
+}
+
+}  // namespace pyalloc

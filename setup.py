@@ -1,0 +1,32 @@
+"""Builds pyalloc._C from csrc/ with only a C++17 compiler and pybind11.
+
+No CUDA toolkit and no torch are needed: the CUDA backend loads the driver at
+run time. The extension is one shared library that is both the Python module
+and the library torch.cuda.memory.CUDAPluggableAllocator loads.
+"""
+import glob
+import os
+
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
+from setuptools import setup
+
+VERSION = "0.1.0"
+
+# Compile the sources in parallel (NPY_NUM_BUILD_JOBS overrides the count).
+ParallelCompile("NPY_NUM_BUILD_JOBS").install()
+
+here = os.path.dirname(os.path.abspath(__file__))
+sources = sorted(
+    os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "csrc", "*.cpp"))
+)
+
+ext = Pybind11Extension(
+    "pyalloc._C",
+    sources,
+    cxx_std=17,
+    define_macros=[("PYALLOC_VERSION", f'"{VERSION}"')],
+    extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],
+    libraries=["dl"],
+)
+
+setup(version=VERSION, ext_modules=[ext])
