@@ -1,0 +1,48 @@
+"""The pyalloc command line: ``pyalloc <command> ...`` or ``python -m pyalloc <command> ...``.
+
+Each command lives in its own module, which provides ``add_arguments(parser)``
+and ``main(args) -> int``; this file only dispatches.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+# (command, module, one-line help)
+COMMANDS = [
+    ("run", "pyalloc.launcher", "run a Python script with pyalloc installed as torch's CUDA allocator"),
+    ("replay", "pyalloc.replay", "replay recorded allocation traces through pyalloc (no GPU needed)"),
+    ("record", "pyalloc.record", "record a program's allocation trace as a memory snapshot"),
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pyalloc", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module, help_text in COMMANDS:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            p.set_defaults(_missing=True)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if getattr(args, "_missing", False):
+        parser.error(f"the '{args.command}' command is not available in this build")
+    return importlib.import_module(args._module).main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
