@@ -345,34 +345,39 @@ void Allocator::finish_free(Block* b) {
 bool Allocator::is_ready(const Block* b) { return b->free_seq <= state(b->stream).ready_seq; }
 
 void Allocator::insert_free(Block* b) {
-  Pool pool = b->segment->pool;
-  for (Block* n : {b->prev, b->next}) {
-    if (n == nullptr || n->state != BlockState::kFree) continue;
-    if (n->stream == b->stream) {
-      b->free_seq = std::max(b->free_seq, n->free_seq);
-    } else if (!is_ready(n)) {
-      // n may still be in use by its stream: merge only if b is safe there.
-      if (!is_ready(b)) continue;
-      b->stream = n->stream;
-      b->free_seq = n->free_seq;
-    }
-    state(n->stream).free[pool].remove(n);
-    track_inactive_split(n, -1);
-    if (n == b->prev) {
-      b->addr = n->addr;
-      b->prev = n->prev;
-      if (n->prev != nullptr) n->prev->next = b;
-      else b->segment->first = b;
-    } else {
-      b->next = n->next;
-      if (n->next != nullptr) n->next->prev = b;
-    }
-    b->size += n->size;
-    drop_block(n);
+  // Merging can bring b next to another mergeable block (one of its own
+  // stream behind a neighbour of another stream), so merge until none is.
+  while (merge_neighbour(b, b->prev) || merge_neighbour(b, b->next)) {
   }
   b->state = BlockState::kFree;
-  state(b->stream).free[pool].insert(b);
+  state(b->stream).free[b->segment->pool].insert(b);
   track_inactive_split(b, +1);
+}
+
+bool Allocator::merge_neighbour(Block* b, Block* n) {
+  if (n == nullptr || n->state != BlockState::kFree) return false;
+  if (n->stream == b->stream) {
+    b->free_seq = std::max(b->free_seq, n->free_seq);
+  } else if (!is_ready(n)) {
+    // n may still be in use by its stream: merge only if b is safe there.
+    if (!is_ready(b)) return false;
+    b->stream = n->stream;
+    b->free_seq = n->free_seq;
+  }
+  state(n->stream).free[b->segment->pool].remove(n);
+  track_inactive_split(n, -1);
+  if (n == b->prev) {
+    b->addr = n->addr;
+    b->prev = n->prev;
+    if (n->prev != nullptr) n->prev->next = b;
+    else b->segment->first = b;
+  } else {
+    b->next = n->next;
+    if (n->next != nullptr) n->next->prev = b;
+  }
+  b->size += n->size;
+  drop_block(n);
+  return true;
 }
 
 void Allocator::track_inactive_split(const Block* b, int sign) {

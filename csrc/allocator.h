@@ -166,6 +166,7 @@ class Allocator {
   Block* grow(size_t size, Stream s, std::string* why);
   Block* add_segment(uintptr_t base, size_t size, Stream s);
   void insert_free(Block* b);
+  bool merge_neighbour(Block* b, Block* n);
   void finish_free(Block* b);
   bool is_ready(const Block* b);
   void poll_syncs(StreamState& st, bool wait);

@@ -1,0 +1,157 @@
+"""Bad input gets a clear exception, never a crash; OOM leaves live data intact."""
+import ctypes
+
+import pytest
+
+import pyalloc
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def test_double_free(make):
+    a = make()
+    p = a.malloc(4 * MiB)
+    a.free(p)
+    with pytest.raises(pyalloc.InvalidPointerError, match="double free"):
+        a.free(p)
+    a.check_invariants()
+
+
+def test_double_free_of_a_small_block(make):
+    a = make()
+    p = a.malloc(100)
+    keep = a.malloc(100)
+    a.free(p)
+    with pytest.raises(pyalloc.InvalidPointerError, match="double free"):
+        a.free(p)
+    a.free(keep)
+    a.check_invariants()
+
+
+def test_foreign_pointer(make):
+    a = make()
+    a.malloc(4 * MiB)
+    with pytest.raises(pyalloc.InvalidPointerError, match="not a pointer from this allocator"):
+        a.free(0x1234000)
+    with pytest.raises(pyalloc.InvalidPointerError):
+        a.record_stream(0x1234000, 7)
+    a.check_invariants()
+
+
+def test_pointer_into_the_middle_of_an_allocation(make):
+    a = make()
+    p = a.malloc(4 * MiB)
+    with pytest.raises(pyalloc.InvalidPointerError, match="bytes into the allocation"):
+        a.free(p + 512)
+    a.free(p)
+
+
+def test_pointer_from_another_allocator(make):
+    a, b = make(), make()
+    p = b.malloc(1000)
+    with pytest.raises(pyalloc.InvalidPointerError):
+        a.free(p)
+    b.free(p)
+
+
+def test_invalid_pointer_is_a_value_error(make):
+    a = make()
+    with pytest.raises(ValueError):
+        a.free(12345)
+    with pytest.raises(ValueError):
+        a.free(-1)
+    with pytest.raises(TypeError):
+        a.free("0x1000")
+
+
+@pytest.mark.parametrize("size", [-1, -(1 << 40)])
+def test_negative_sizes(make, size):
+    with pytest.raises(ValueError, match="negative"):
+        make().malloc(size)
+
+
+@pytest.mark.parametrize("size", [1 << 57, (1 << 64) - 1, 1 << 64, 1 << 100])
+def test_impossible_sizes(make, size):
+    a = make()
+    with pytest.raises(ValueError, match="large"):
+        a.malloc(size)
+    a.check_invariants()
+
+
+def test_non_integer_sizes(make):
+    with pytest.raises(TypeError):
+        make().malloc(1.5)
+    with pytest.raises(TypeError):
+        make().malloc(None)
+
+
+def test_oom_message_says_why_and_stats_count_it(make):
+    a = make(max_pool_size=64 * MiB, segment_size=2 * MiB)
+    live = [a.malloc(20 * MiB) for _ in range(3)]
+    with pytest.raises(pyalloc.OutOfMemoryError) as e:
+        a.malloc(10 * MiB)
+    msg = str(e.value)
+    assert msg.startswith("out of memory")
+    for part in ("tried to allocate 10.00 MiB", "60.00 MiB allocated", "60.00 MiB reserved",
+                 "max_pool_size 64.00 MiB", "largest free block", "would be exceeded"):
+        assert part in msg, part
+    assert isinstance(e.value, RuntimeError)
+    s = a.stats()
+    assert s["num_ooms"] == 1
+    assert s["num_alloc_retries"] == 1
+    assert s["allocation.all.current"] == 3
+    a.check_invariants()
+    for p in live:
+        a.free(p)
+    a.malloc(40 * MiB)  # the pool still works after the OOM
+
+
+def test_oom_when_the_device_is_full(make):
+    a = make(capacity=32 * MiB)
+    a.malloc(30 * MiB)
+    with pytest.raises(pyalloc.OutOfMemoryError, match="could not provide"):
+        a.malloc(4 * MiB)
+    a.check_invariants()
+
+
+def test_oom_message_reports_fragmentation(make):
+    a = make(pool_size=64 * MiB, max_pool_size=64 * MiB)
+    ptrs = [a.malloc(4 * MiB) for _ in range(16)]
+    for p in ptrs[::2]:
+        a.free(p)
+    with pytest.raises(pyalloc.OutOfMemoryError) as e:
+        a.malloc(8 * MiB)
+    assert "32.00 MiB of it is free" in str(e.value)
+    assert "largest free block 4.00 MiB" in str(e.value)
+    assert "fragmented" in str(e.value)
+
+
+def test_oom_releases_cached_segments_and_retries(make):
+    a = make(capacity=64 * MiB, segment_size=2 * MiB)
+    ptrs = [a.malloc(8 * MiB) for _ in range(8)]
+    for p in ptrs:
+        a.free(p)  # 64 MiB cached in eight 8 MiB segments
+    p = a.malloc(40 * MiB)  # only fits once the cache is given back
+    s = a.stats()
+    assert s["num_alloc_retries"] == 1 and s["num_ooms"] == 0
+    assert s["num_device_free"] == 8
+    a.free(p)
+    a.check_invariants()
+
+
+def test_oom_leaves_live_allocations_intact(host):
+    a = host(capacity=64 * MiB, segment_size=2 * MiB)
+    live = {}
+    for i in range(12):
+        p = a.malloc(5 * MiB if i % 2 else 3000)
+        size = 5 * MiB if i % 2 else 3000
+        ctypes.memset(p, i + 1, size)
+        live[p] = (i + 1, size)
+    for _ in range(3):
+        with pytest.raises(pyalloc.OutOfMemoryError):
+            a.malloc(40 * MiB)
+    a.check_invariants()
+    for p, (byte, size) in live.items():
+        assert ctypes.string_at(p, size) == bytes([byte]) * size
+        a.free(p)

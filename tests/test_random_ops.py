@@ -1,0 +1,184 @@
+"""Random operation sequences checked against a plain reference model.
+
+After every operation: check_invariants(), the live byte counts equal the
+model's, and no two live allocations overlap. On the host backend every live
+block carries its own byte pattern, checked when it is freed.
+"""
+import ctypes
+import random
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import pyalloc
+
+KiB = 1 << 10
+MiB = 1 << 20
+STREAMS = (0, 1, 2)
+
+
+def rounded(n):
+    return (n + 511) // 512 * 512
+
+
+class Model:
+    """What any correct allocator must agree with: the set of live allocations."""
+
+    def __init__(self, alloc, pattern):
+        self.a = alloc
+        self.pattern = pattern
+        self.live = {}  # ptr -> (requested, stream, byte)
+        self.counter = 0
+
+    def malloc(self, size, stream):
+        before = self.a.stats()
+        try:
+            p = self.a.malloc(size, stream)
+        except pyalloc.OutOfMemoryError:
+            after = self.a.stats()
+            for key in ("allocation.all.current", "allocated_bytes.all.current",
+                        "requested_bytes.all.current"):
+                assert after[key] == before[key], key
+            return None
+        if size == 0:
+            assert p == 0
+            return None
+        assert p % 512 == 0 and p not in self.live
+        self.counter += 1
+        byte = self.counter % 251 + 1
+        if self.pattern:
+            ctypes.memset(p, byte, size)
+        self.live[p] = (size, stream, byte)
+        return p
+
+    def free(self, p):
+        size, _, byte = self.live.pop(p)
+        if self.pattern:
+            assert ctypes.string_at(p, size) == bytes([byte]) * size, "live block was overwritten"
+        self.a.free(p)
+
+    def check(self):
+        self.a.check_invariants()
+        s = self.a.stats()
+        assert s["allocation.all.current"] == len(self.live)
+        assert s["requested_bytes.all.current"] == sum(v[0] for v in self.live.values())
+        need = sum(rounded(v[0]) for v in self.live.values())
+        # Unsplit large blocks may carry up to small_size (1 MiB) of slack each.
+        assert need <= s["allocated_bytes.all.current"] <= need + len(self.live) * MiB
+        assert s["active_bytes.all.current"] >= s["allocated_bytes.all.current"]
+        assert s["reserved_bytes.all.current"] >= s["active_bytes.all.current"]
+        spans = sorted((p, p + v[0]) for p, v in self.live.items())
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            assert end <= start, "two live allocations overlap"
+
+
+def random_size(rng):
+    kind = rng.random()
+    if kind < 0.6:
+        return rng.randint(1, 64 * KiB)
+    if kind < 0.8:
+        return rng.randint(64 * KiB, MiB + 4 * KiB)
+    return rng.randint(MiB, 12 * MiB)
+
+
+def run_random(alloc, seed, steps, pattern, check_every=1):
+    rng = random.Random(seed)
+    m = Model(alloc, pattern)
+    for step in range(steps):
+        op = rng.random()
+        if op < 0.5 or not m.live:
+            m.malloc(random_size(rng), rng.choice(STREAMS))
+        elif op < 0.85:
+            m.free(rng.choice(list(m.live)))
+        elif op < 0.9:
+            p = rng.choice(list(m.live))
+            alloc.record_stream(p, rng.choice(STREAMS))
+        elif op < 0.95:
+            alloc.stream_set_busy(rng.choice(STREAMS))
+        elif op < 0.99:
+            alloc.stream_complete(rng.choice(STREAMS))
+        else:
+            alloc.empty_cache()
+        if step % check_every == 0:
+            m.check()
+    for p in list(m.live):
+        m.free(p)
+    for s in STREAMS:
+        alloc.stream_complete(s)
+    alloc.empty_cache()
+    m.check()
+    s = alloc.stats()
+    assert s["reserved_bytes.all.current"] == 0
+    assert s["active.all.current"] == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_sequences_host_with_patterns(seed):
+    a = pyalloc.Allocator("host", capacity=96 * MiB, segment_size=8 * MiB)
+    run_random(a, seed, steps=1500, pattern=True)
+
+
+@pytest.mark.parametrize("conf", [
+    "",
+    "pool_size:32MiB,max_pool_size:128MiB",
+    "max_split_size:4MiB,segment_size:2MiB",
+    "small_size:64KiB,small_chunk_size:512KiB",
+])
+def test_random_sequences_virtual_configs(conf):
+    a = pyalloc.Allocator("virtual", conf, capacity=160 * MiB)
+    run_random(a, hash(conf) & 0xFFFF, steps=2500, pattern=False)
+
+
+@settings(max_examples=40, stateful_step_count=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+class AllocatorMachine(RuleBasedStateMachine):
+    """Hypothesis explores op sequences and shrinks any failure to a minimal one."""
+
+    @initialize(backend=st.sampled_from(["host", "virtual"]),
+                capacity=st.sampled_from([0, 24 * MiB, 64 * MiB]))
+    def setup(self, backend, capacity):
+        self.model = Model(pyalloc.Allocator(backend, capacity=capacity, segment_size=4 * MiB),
+                           pattern=backend == "host")
+
+    @rule(size=st.one_of(st.integers(0, 2 * MiB), st.integers(MiB, 16 * MiB)),
+          stream=st.sampled_from(STREAMS))
+    def malloc(self, size, stream):
+        self.model.malloc(size, stream)
+
+    @precondition(lambda self: self.model.live)
+    @rule(data=st.data())
+    def free(self, data):
+        self.model.free(data.draw(st.sampled_from(sorted(self.model.live))))
+
+    @precondition(lambda self: self.model.live)
+    @rule(data=st.data(), stream=st.sampled_from(STREAMS))
+    def record_stream(self, data, stream):
+        self.model.a.record_stream(data.draw(st.sampled_from(sorted(self.model.live))), stream)
+
+    @rule(stream=st.sampled_from(STREAMS), busy=st.booleans())
+    def stream_work(self, stream, busy):
+        if busy:
+            self.model.a.stream_set_busy(stream)
+        else:
+            self.model.a.stream_complete(stream)
+
+    @rule()
+    def empty_cache(self):
+        self.model.a.empty_cache()
+
+    @rule(n=st.integers(0, 32 * MiB))
+    def reserve(self, n):
+        try:
+            self.model.a.reserve(n)
+        except pyalloc.OutOfMemoryError:
+            pass
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "model"):
+            self.model.check()
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
