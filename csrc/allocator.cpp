@@ -63,8 +63,7 @@ Allocator::~Allocator() {
   }
 }
 
-Allocator::StreamState& Allocator::state(Stream s) {
-  if (last_state_ != nullptr && last_stream_ == s) return *last_state_;
+Allocator::StreamState& Allocator::state_slow(Stream s) {
   auto it = streams_.find(s);
   if (it == streams_.end()) it = streams_.emplace(s, std::make_unique<StreamState>(s)).first;
   last_stream_ = s;
@@ -102,7 +101,7 @@ uintptr_t Allocator::malloc(size_t size, Stream s) {
                                 " bytes: larger than any device could hold (limit " +
                                 format_bytes(kMaxRequest) + ")");
   size_t rounded = round_up(size, kGranularity);
-  std::lock_guard<std::mutex> guard(mu_);
+  std::lock_guard<Lock> guard(mu_);
   if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
   Block* b = rounded <= cfg_.small_size ? alloc_small(rounded, s) : alloc_large(rounded, s, size);
   b->requested = size;
@@ -208,35 +207,43 @@ Block* Allocator::find_other_streams(Pool pool, size_t size, Stream s) {
 
 Block* Allocator::take(Block* b, size_t size, Stream s) {
   Pool pool = b->segment->pool;
-  state(b->stream).free[pool].remove(b);
-  track_inactive_split(b, -1);
+  FreeIndex& index = state(b->stream).free[pool];
   size_t rest = b->size - size;
   bool split = pool == kSmallPool
                    ? rest >= kGranularity
                    : rest > cfg_.small_size && (cfg_.max_split_size == 0 || size < cfg_.max_split_size);
-  if (split) {
-    Block* r = new_block();
-    r->addr = b->addr + size;
-    r->size = rest;
-    r->segment = b->segment;
-    r->prev = b;
-    r->next = b->next;
-    if (b->next != nullptr) b->next->prev = r;
-    b->next = r;
-    r->stream = b->stream;
-    r->free_seq = b->free_seq;
-    r->state = BlockState::kFree;
-    b->size = size;
-    state(r->stream).free[pool].insert(r);
-    track_inactive_split(r, +1);
+  if (!split) {
+    track_inactive_split(b, -1);
+    index.remove(b);
+    if (b->stream != s) {
+      // Taken from another stream only once safe for every stream.
+      b->stream = s;
+      b->free_seq = 0;
+    }
+    b->state = BlockState::kAllocated;
+    return b;
   }
-  if (b->stream != s) {
-    // Taken from another stream only once safe for every stream.
-    b->stream = s;
-    b->free_seq = 0;
-  }
-  b->state = BlockState::kAllocated;
-  return b;
+  // The front becomes a new block; b stays listed as the remainder, in
+  // place unless its bin changes.
+  bool was_split = b->is_split();
+  Block* a = new_block();
+  a->addr = b->addr;
+  a->size = size;
+  a->segment = b->segment;
+  a->prev = b->prev;
+  a->next = b;
+  if (b->prev != nullptr) b->prev->next = a;
+  else b->segment->first = a;
+  b->prev = a;
+  b->addr += size;
+  index.resize(b, rest);
+  // b stays an inactive split block, `size` smaller (or becomes one).
+  if (was_split) change_inactive_split(pool, 0, -static_cast<int64_t>(size));
+  else change_inactive_split(pool, 1, static_cast<int64_t>(rest));
+  a->stream = s;
+  a->free_seq = b->stream == s ? b->free_seq : 0;
+  a->state = BlockState::kAllocated;
+  return a;
 }
 
 Block* Allocator::grow(size_t size, Stream s, std::string* why) {
@@ -299,7 +306,7 @@ Block* Allocator::add_segment(uintptr_t base, size_t size, Stream s) {
 
 void Allocator::free(uintptr_t ptr) {
   if (ptr == 0) return;  // free(nullptr) is a no-op, as for malloc(0)
-  std::lock_guard<std::mutex> guard(mu_);
+  std::lock_guard<Lock> guard(mu_);
   Block* b = live_.find(ptr);
   if (b == nullptr) throw InvalidPointerError(describe_bad_pointer(ptr, "free"));
   live_.erase(ptr);
@@ -322,7 +329,7 @@ void Allocator::free(uintptr_t ptr) {
 
 void Allocator::record_stream(uintptr_t ptr, Stream s) {
   if (ptr == 0) return;
-  std::lock_guard<std::mutex> guard(mu_);
+  std::lock_guard<Lock> guard(mu_);
   Block* b = live_.find(ptr);
   if (b == nullptr) throw InvalidPointerError(describe_bad_pointer(ptr, "record_stream"));
   if (s == b->stream) return;
@@ -345,6 +352,36 @@ void Allocator::finish_free(Block* b) {
 bool Allocator::is_ready(const Block* b) { return b->free_seq <= state(b->stream).ready_seq; }
 
 void Allocator::insert_free(Block* b) {
+  Block* prev = b->prev;
+  Block* next = b->next;
+  bool prev_free = prev != nullptr && prev->state == BlockState::kFree;
+  bool next_free = next != nullptr && next->state == BlockState::kFree;
+  if (prev_free != next_free) {
+    // The common case: one free neighbour, of the same stream, absorbs b in
+    // place, unless its far side is free too (then the general path decides).
+    Block* m = prev_free ? prev : next;
+    Block* far = prev_free ? m->prev : m->next;
+    if (m->stream == b->stream && (far == nullptr || far->state != BlockState::kFree)) {
+      int64_t before_blocks = 1, before_bytes = static_cast<int64_t>(m->size);  // m is split
+      m->free_seq = std::max(m->free_seq, b->free_seq);
+      if (m == next) {
+        m->addr = b->addr;
+        m->prev = b->prev;
+        if (b->prev != nullptr) b->prev->next = m;
+        else b->segment->first = m;
+      } else {
+        m->next = b->next;
+        if (b->next != nullptr) b->next->prev = m;
+      }
+      Pool pool = m->segment->pool;
+      state(m->stream).free[pool].resize(m, m->size + b->size);
+      bool split = m->is_split();
+      change_inactive_split(pool, (split ? 1 : 0) - before_blocks,
+                            (split ? static_cast<int64_t>(m->size) : 0) - before_bytes);
+      drop_block(b);
+      return;
+    }
+  }
   // Merging can bring b next to another mergeable block (one of its own
   // stream behind a neighbour of another stream), so merge until none is.
   while (merge_neighbour(b, b->prev) || merge_neighbour(b, b->next)) {
@@ -378,13 +415,6 @@ bool Allocator::merge_neighbour(Block* b, Block* n) {
   b->size += n->size;
   drop_block(n);
   return true;
-}
-
-void Allocator::track_inactive_split(const Block* b, int sign) {
-  if (!b->is_split()) return;
-  Pool pool = b->segment->pool;
-  stats_.inactive_split.add(pool, sign);
-  stats_.inactive_split_bytes.add(pool, sign * static_cast<int64_t>(b->size));
 }
 
 // ---------------------------------------------------------------------------
@@ -462,20 +492,30 @@ size_t Allocator::reclaim_free_chunks() {
 }
 
 void Allocator::merge_ready_neighbours() {
-  auto merge_in = [&](Segment* seg) {
+  // Called once every stream has been waited for: every free block is safe
+  // for every stream, so each run of adjacent free blocks becomes one block.
+  auto merge_runs = [&](Segment* seg) {
     for (Block* b = seg->first; b != nullptr; b = b->next) {
-      while (b->state == BlockState::kFree && b->next != nullptr &&
-             b->next->state == BlockState::kFree) {
-        state(b->stream).free[seg->pool].remove(b);
-        track_inactive_split(b, -1);
-        size_t before = b->size;
-        insert_free(b);
-        if (b->size == before) break;  // still not mergeable
+      if (b->state != BlockState::kFree || b->next == nullptr ||
+          b->next->state != BlockState::kFree)
+        continue;
+      state(b->stream).free[seg->pool].remove(b);
+      track_inactive_split(b, -1);
+      while (b->next != nullptr && b->next->state == BlockState::kFree) {
+        Block* n = b->next;
+        state(n->stream).free[seg->pool].remove(n);
+        track_inactive_split(n, -1);
+        b->size += n->size;
+        b->next = n->next;
+        if (n->next != nullptr) n->next->prev = b;
+        drop_block(n);
       }
+      state(b->stream).free[seg->pool].insert(b);
+      track_inactive_split(b, +1);
     }
   };
-  for (Segment* c : chunks_) merge_in(c);
-  for (auto& [base, seg] : segments_) merge_in(seg);
+  for (Segment* c : chunks_) merge_runs(c);
+  for (auto& [base, seg] : segments_) merge_runs(seg);
 }
 
 size_t Allocator::release_cached() {
@@ -512,7 +552,7 @@ void Allocator::release_segment(Segment* seg) {
 }
 
 size_t Allocator::empty_cache() {
-  std::lock_guard<std::mutex> guard(mu_);
+  std::lock_guard<Lock> guard(mu_);
   return release_cached();
 }
 
@@ -521,7 +561,7 @@ size_t Allocator::reserve(size_t nbytes) {
   if (nbytes > kMaxRequest)
     throw std::invalid_argument("cannot reserve " + std::to_string(nbytes) + " bytes: too large");
   size_t want = round_up(nbytes, kSegmentAlign);
-  std::lock_guard<std::mutex> guard(mu_);
+  std::lock_guard<Lock> guard(mu_);
   if (largest_free_locked(kLargePool) >= round_up(nbytes, kGranularity)) return 0;
   size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   if (cfg_.max_pool_size != 0 && reserved + want > cfg_.max_pool_size)
@@ -538,12 +578,12 @@ size_t Allocator::reserve(size_t nbytes) {
 }
 
 void Allocator::set_max_pool_size(size_t bytes) {
-  std::lock_guard<std::mutex> guard(mu_);
+  std::lock_guard<Lock> guard(mu_);
   cfg_.max_pool_size = bytes;
 }
 
 Config Allocator::config() const {
-  std::lock_guard<std::mutex> guard(mu_);
+  std::lock_guard<Lock> guard(mu_);
   return cfg_;
 }
 
@@ -610,7 +650,7 @@ void Allocator::trace(TraceEntry::Action a, uintptr_t addr, size_t size, Stream 
 }
 
 void Allocator::record_history(bool enabled, size_t max_entries) {
-  std::lock_guard<std::mutex> guard(mu_);
+  std::lock_guard<Lock> guard(mu_);
   history_on_ = enabled && max_entries > 0;
   if (max_entries != history_max_) {
     history_.clear();
@@ -624,7 +664,7 @@ void Allocator::record_history(bool enabled, size_t max_entries) {
 }
 
 std::vector<TraceEntry> Allocator::history() const {
-  std::lock_guard<std::mutex> guard(mu_);
+  std::lock_guard<Lock> guard(mu_);
   if (history_.size() < history_max_) return history_;
   std::vector<TraceEntry> out(history_.begin() + history_next_, history_.end());
   out.insert(out.end(), history_.begin(), history_.begin() + history_next_);

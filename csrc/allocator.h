@@ -23,7 +23,7 @@
 //   events), retry once, then raise OutOfMemoryError saying why. Nothing live
 //   is moved or touched.
 //
-// Thread safety: every public method takes the allocator's mutex.
+// Thread safety: every public method takes the allocator's lock (lock.h).
 #pragma once
 
 #include <cstddef>
@@ -41,6 +41,7 @@
 #include "block.h"
 #include "config.h"
 #include "free_index.h"
+#include "lock.h"
 #include "ptr_map.h"
 #include "stats.h"
 
@@ -153,7 +154,11 @@ class Allocator {
     std::vector<EventId> events;
   };
 
-  StreamState& state(Stream s);
+  StreamState& state(Stream s) {
+    if (last_state_ != nullptr && last_stream_ == s) return *last_state_;
+    return state_slow(s);
+  }
+  StreamState& state_slow(Stream s);
   Block* new_block();
   void drop_block(Block* b);
 
@@ -175,7 +180,14 @@ class Allocator {
   size_t release_cached();
   void merge_ready_neighbours();
   void release_segment(Segment* seg);
-  void track_inactive_split(const Block* b, int sign);
+  void track_inactive_split(const Block* b, int sign) {
+    if (b->is_split()) change_inactive_split(b->segment->pool, sign, sign * static_cast<int64_t>(b->size));
+  }
+  // Applied once per operation with the net change, as PyTorch does.
+  void change_inactive_split(Pool pool, int64_t blocks, int64_t bytes) {
+    if (blocks != 0) stats_.inactive_split.add(pool, blocks);
+    if (bytes != 0) stats_.inactive_split_bytes.add(pool, bytes);
+  }
   [[noreturn]] void throw_oom(size_t request, size_t size, Stream s, const std::string& why);
   std::string describe_bad_pointer(uintptr_t ptr, const char* op) const;
   void trace(TraceEntry::Action a, uintptr_t addr, size_t size, Stream s);
@@ -183,7 +195,7 @@ class Allocator {
 
   std::unique_ptr<Backend> backend_;
   Config cfg_;
-  mutable std::mutex mu_;
+  mutable Lock mu_;
 
   PtrMap live_;
   std::map<uintptr_t, Segment*> segments_;  // backend segments by base

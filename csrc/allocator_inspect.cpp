@@ -10,12 +10,12 @@
 namespace pyalloc {
 
 Stats Allocator::stats() const {
-  std::lock_guard<std::mutex> guard(mu_);
+  std::lock_guard<Lock> guard(mu_);
   return stats_;
 }
 
 void Allocator::reset_peak_stats() {
-  std::lock_guard<std::mutex> guard(mu_);
+  std::lock_guard<Lock> guard(mu_);
   stats_.reset_peak();
 }
 
@@ -29,7 +29,7 @@ size_t Allocator::largest_free_locked(Pool pool) const {
 }
 
 bool Allocator::segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const {
-  std::lock_guard<std::mutex> guard(mu_);
+  std::lock_guard<Lock> guard(mu_);
   auto it = segments_.upper_bound(ptr);
   if (it == segments_.begin()) return false;
   const Segment* seg = std::prev(it)->second;
@@ -40,7 +40,7 @@ bool Allocator::segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const {
 }
 
 FragmentationInfo Allocator::fragmentation() const {
-  std::lock_guard<std::mutex> guard(mu_);
+  std::lock_guard<Lock> guard(mu_);
   FragmentationInfo f;
   f.reserved_bytes = static_cast<size_t>(stats_.reserved_bytes.all.current);
   f.allocated_bytes = static_cast<size_t>(stats_.allocated_bytes.all.current);
@@ -73,7 +73,7 @@ FragmentationInfo Allocator::fragmentation() const {
 }
 
 std::vector<SnapshotSegment> Allocator::snapshot() const {
-  std::lock_guard<std::mutex> guard(mu_);
+  std::lock_guard<Lock> guard(mu_);
   std::vector<SnapshotSegment> out;
   for (const auto& [base, seg] : segments_) {
     SnapshotSegment s;
@@ -142,7 +142,7 @@ void expect_stat(const char* name, const StatArray& a, const int64_t (&v)[2]) {
 }  // namespace
 
 void Allocator::check_invariants() const {
-  std::lock_guard<std::mutex> guard(mu_);
+  std::lock_guard<Lock> guard(mu_);
   Tally t;
   auto stream_of = [&](Stream s) -> const StreamState* {
     auto it = streams_.find(s);

@@ -2,7 +2,9 @@
 //
 // Blocks sit in intrusive lists, one per size bin. Bins are exact below
 // 32 KiB (64 units of 512 B) and 64 to an octave above, so one bin spans at
-// most 1.6% of sizes. A two-level bitmap finds the next non-empty bin in a
+// most 1.6% of sizes. Bin edges sit one unit above the round sizes, so that a
+// power-of-two block and what is left of it after a small split share a bin
+// and resize() can keep the block where it is. A two-level bitmap finds the next non-empty bin in a
 // few instructions. best_fit() is exact: it scans the request's own bin for
 // the smallest block that fits and, failing that, the next non-empty bin,
 // all of whose blocks fit, for its smallest. Scans stop at an exact fit.
@@ -27,6 +29,17 @@ class FreeIndex {
 
   void insert(Block* b);
   void remove(Block* b);
+  /// Changes a listed block's size, moving it only if its bin changes.
+  void resize(Block* b, size_t size) {
+    if (bin_of(size) == b->bin) {
+      bytes_ += size - b->size;
+      b->size = size;
+      return;
+    }
+    remove(b);
+    b->size = size;
+    insert(b);
+  }
 
   /// The smallest block of at least `size` that `accept` takes, or null.
   template <typename Accept>
@@ -57,7 +70,7 @@ class FreeIndex {
 };
 
 inline int FreeIndex::bin_of(size_t size) {
-  uint64_t u = size / kGranularity;
+  uint64_t u = size / kGranularity - 1;
   if (u < kSubBins) return static_cast<int>(u);
   int fl = 63 - __builtin_clzll(u);
   int sl = static_cast<int>((u >> (fl - 6)) & (kSubBins - 1));

@@ -21,7 +21,7 @@ void put(std::vector<std::pair<std::string, int64_t>>& out, const std::string& p
   out.emplace_back(prefix + ".current", s.current);
   out.emplace_back(prefix + ".peak", s.peak);
   out.emplace_back(prefix + ".allocated", s.allocated);
-  out.emplace_back(prefix + ".freed", s.freed);
+  out.emplace_back(prefix + ".freed", s.freed());
 }
 
 }  // namespace

@@ -29,20 +29,17 @@ namespace pyalloc {
 struct Stat {
   int64_t current = 0;
   int64_t peak = 0;
-  int64_t allocated = 0;
-  int64_t freed = 0;
+  int64_t allocated = 0;  // sum of increments; freed = allocated - current
 
   void add(int64_t n) {
     current += n;
-    if (n >= 0) {
+    if (n > 0) {
       allocated += n;
-      if (current > peak) peak = current;
-    } else {
-      freed -= n;
+      peak = current > peak ? current : peak;
     }
   }
+  int64_t freed() const { return allocated - current; }
   void reset_peak() { peak = current; }
-  void reset_accumulated() { allocated = freed = 0; }
 };
 
 struct StatArray {

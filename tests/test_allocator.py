@@ -78,7 +78,7 @@ def test_split_remainder_is_reused_and_coalesces_back(make):
     a = make(pool_size=64 * MiB)
     p = a.malloc(8 * MiB)
     q = a.malloc(8 * MiB)
-    assert q == p + 8 * MiB  # carved from the remainder of the same segment
+    assert q == p + 8 * MiB  # carved from the front of the remainder
     s = a.stats()
     assert s["inactive_split.large_pool.current"] == 1
     assert s["inactive_split_bytes.large_pool.current"] == 48 * MiB
