@@ -28,6 +28,8 @@ const char* trace_action_name(TraceEntry::Action a) {
     case TraceEntry::kFreeCompleted: return "free_completed";
     case TraceEntry::kSegmentAlloc: return "segment_alloc";
     case TraceEntry::kSegmentFree: return "segment_free";
+    case TraceEntry::kSegmentMap: return "segment_map";
+    case TraceEntry::kSegmentUnmap: return "segment_unmap";
     case TraceEntry::kOom: return "oom";
   }
   return "?";
@@ -40,6 +42,11 @@ Allocator::Allocator(std::unique_ptr<Backend> backend, const Config& config)
     : backend_(std::move(backend)), cfg_(config) {
   cfg_.validate();
   stats_.max_split_size = cfg_.max_split_size == 0 ? -1 : static_cast<int64_t>(cfg_.max_split_size);
+  if (cfg_.strategy == Strategy::kVmm) {
+    init_vmm();
+    if (vmm_) return;
+    cfg_.strategy = Strategy::kBestFit;  // the backend has no virtual memory
+  }
   if (cfg_.pool_size > 0) {
     size_t size = round_up(cfg_.pool_size, kSegmentAlign);
     if (cfg_.max_pool_size != 0) size = std::min(size, cfg_.max_pool_size);
@@ -58,7 +65,8 @@ Allocator::~Allocator() {
     for (auto& [event, seq] : st->syncs) backend_->event_free(event);
   for (Segment* c : chunks_) delete c;
   for (auto& [base, seg] : segments_) {
-    backend_->release(seg->base, seg->size);
+    if (seg->vmm) backend_->vmm_release(seg->base, seg->size);
+    else backend_->release(seg->base, seg->size);
     delete seg;
   }
 }
@@ -83,11 +91,11 @@ Block* Allocator::new_block() {
 }
 
 void Allocator::drop_block(Block* b) {
-  b->prev = b->next = b->bin_prev = b->bin_next = nullptr;
-  b->segment = nullptr;
-  b->chunk = nullptr;
+  // Back to a default Block (keeping the capacity of `uses`) for reuse.
   b->uses.clear();
-  b->requested = 0;
+  std::vector<Stream> uses = std::move(b->uses);
+  *b = Block();
+  b->uses = std::move(uses);
   spare_blocks_.push_back(b);
 }
 
@@ -157,13 +165,13 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
   if (b == nullptr && !chunks_.empty() && reclaim_free_chunks() > 0)
     b = find_free(kLargePool, size, s);
   std::string why;
-  if (b == nullptr) b = grow(size, s, &why);
+  if (b == nullptr) b = vmm_ ? map_for(size, s, &why) : grow(size, s, &why);
   if (b == nullptr && !backend_->is_capturing(s)) {
     // Give back everything cached and try once more, as PyTorch does.
     stats_.num_alloc_retries++;
     release_cached();
     b = find_free(kLargePool, size, s);
-    if (b == nullptr) b = grow(size, s, &why);
+    if (b == nullptr) b = vmm_ ? map_for(size, s, &why) : grow(size, s, &why);
   }
   if (b == nullptr) throw_oom(request, size, s, why);
   return take(b, size, s);
@@ -209,9 +217,12 @@ Block* Allocator::take(Block* b, size_t size, Stream s) {
   Pool pool = b->segment->pool;
   FreeIndex& index = state(b->stream).free[pool];
   size_t rest = b->size - size;
+  // A large remainder too small for any large request is kept whole, as in
+  // PyTorch, except under vmm: there it keeps whole pages from being mapped.
   bool split = pool == kSmallPool
                    ? rest >= kGranularity
-                   : rest > cfg_.small_size && (cfg_.max_split_size == 0 || size < cfg_.max_split_size);
+                   : rest > (vmm_ ? kGranularity - 1 : cfg_.small_size) &&
+                         (cfg_.max_split_size == 0 || size < cfg_.max_split_size);
   if (!split) {
     track_inactive_split(b, -1);
     index.remove(b);
@@ -351,17 +362,17 @@ void Allocator::finish_free(Block* b) {
 
 bool Allocator::is_ready(const Block* b) { return b->free_seq <= state(b->stream).ready_seq; }
 
-void Allocator::insert_free(Block* b) {
+Block* Allocator::insert_free(Block* b) {
   Block* prev = b->prev;
   Block* next = b->next;
-  bool prev_free = prev != nullptr && prev->state == BlockState::kFree;
-  bool next_free = next != nullptr && next->state == BlockState::kFree;
+  bool prev_free = prev != nullptr && prev->free_mapped();
+  bool next_free = next != nullptr && next->free_mapped();
   if (prev_free != next_free) {
     // The common case: one free neighbour, of the same stream, absorbs b in
     // place, unless its far side is free too (then the general path decides).
     Block* m = prev_free ? prev : next;
     Block* far = prev_free ? m->prev : m->next;
-    if (m->stream == b->stream && (far == nullptr || far->state != BlockState::kFree)) {
+    if (m->stream == b->stream && (far == nullptr || !far->free_mapped())) {
       int64_t before_blocks = 1, before_bytes = static_cast<int64_t>(m->size);  // m is split
       m->free_seq = std::max(m->free_seq, b->free_seq);
       if (m == next) {
@@ -379,7 +390,7 @@ void Allocator::insert_free(Block* b) {
       change_inactive_split(pool, (split ? 1 : 0) - before_blocks,
                             (split ? static_cast<int64_t>(m->size) : 0) - before_bytes);
       drop_block(b);
-      return;
+      return m;
     }
   }
   // Merging can bring b next to another mergeable block (one of its own
@@ -389,10 +400,11 @@ void Allocator::insert_free(Block* b) {
   b->state = BlockState::kFree;
   state(b->stream).free[b->segment->pool].insert(b);
   track_inactive_split(b, +1);
+  return b;
 }
 
 bool Allocator::merge_neighbour(Block* b, Block* n) {
-  if (n == nullptr || n->state != BlockState::kFree) return false;
+  if (n == nullptr || !n->free_mapped()) return false;
   if (n->stream == b->stream) {
     b->free_seq = std::max(b->free_seq, n->free_seq);
   } else if (!is_ready(n)) {
@@ -496,12 +508,10 @@ void Allocator::merge_ready_neighbours() {
   // for every stream, so each run of adjacent free blocks becomes one block.
   auto merge_runs = [&](Segment* seg) {
     for (Block* b = seg->first; b != nullptr; b = b->next) {
-      if (b->state != BlockState::kFree || b->next == nullptr ||
-          b->next->state != BlockState::kFree)
-        continue;
+      if (!b->free_mapped() || b->next == nullptr || !b->next->free_mapped()) continue;
       state(b->stream).free[seg->pool].remove(b);
       track_inactive_split(b, -1);
-      while (b->next != nullptr && b->next->state == BlockState::kFree) {
+      while (b->next != nullptr && b->next->free_mapped()) {
         Block* n = b->next;
         state(n->stream).free[seg->pool].remove(n);
         track_inactive_split(n, -1);
@@ -525,11 +535,11 @@ size_t Allocator::release_cached() {
   stats_.num_sync_all_streams++;
   merge_ready_neighbours();
   reclaim_free_chunks();
-  size_t released = 0;
+  size_t released = vmm_ ? unmap_free_pages(SIZE_MAX, 0, 0, /*wait=*/true) : 0;
   for (auto it = segments_.begin(); it != segments_.end();) {
     Segment* seg = it->second;
     ++it;
-    if (seg->wholly_free()) {
+    if (!seg->vmm && seg->wholly_free()) {
       released += seg->size;
       release_segment(seg);
     }
@@ -563,6 +573,13 @@ size_t Allocator::reserve(size_t nbytes) {
   size_t want = round_up(nbytes, kSegmentAlign);
   std::lock_guard<Lock> guard(mu_);
   if (largest_free_locked(kLargePool) >= round_up(nbytes, kGranularity)) return 0;
+  if (vmm_) {
+    int64_t before = stats_.reserved_bytes.all.current;
+    std::string why;
+    if (map_for(round_up(nbytes, kGranularity), 0, &why) == nullptr)
+      throw OutOfMemoryError("out of memory: reserve(" + format_bytes(nbytes) + "): " + why);
+    return static_cast<size_t>(stats_.reserved_bytes.all.current - before);
+  }
   size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   if (cfg_.max_pool_size != 0 && reserved + want > cfg_.max_pool_size)
     throw OutOfMemoryError("out of memory: reserve(" + format_bytes(nbytes) + ") would exceed " +

@@ -22,6 +22,13 @@
 // - Out of memory: release every cached free segment (after waiting for all
 //   events), retry once, then raise OutOfMemoryError saying why. Nothing live
 //   is moved or touched.
+// - Strategy "vmm" (backends with virtual memory): the large pool is one
+//   virtual range; physical pages are mapped under a block when it is taken
+//   and stay mapped while free (a cache: the steady state maps nothing). When
+//   a request fits no mapped free block, pages are mapped in the unmapped
+//   range that needs the fewest; when that would pass max_pool_size (or the
+//   device is full), wholly free pages anywhere are unmapped first, so free
+//   memory in holes can back a new large allocation.
 //
 // Thread safety: every public method takes the allocator's lock (lock.h).
 #pragma once
@@ -55,6 +62,8 @@ struct TraceEntry {
     kFreeCompleted,
     kSegmentAlloc,
     kSegmentFree,
+    kSegmentMap,
+    kSegmentUnmap,
     kOom,
   };
   Action action;
@@ -96,6 +105,7 @@ struct SnapshotSegment {
   size_t active_size = 0;
   size_t requested_size = 0;
   Stream stream = 0;
+  bool expandable = false;  // a virtual-memory segment: only mapped blocks are listed
   std::vector<SnapshotBlock> blocks;
 };
 
@@ -170,8 +180,14 @@ class Allocator {
   Block* take(Block* b, size_t size, Stream s);
   Block* grow(size_t size, Stream s, std::string* why);
   Block* add_segment(uintptr_t base, size_t size, Stream s);
-  void insert_free(Block* b);
+  Block* insert_free(Block* b);
   bool merge_neighbour(Block* b, Block* n);
+  // Virtual memory (strategy vmm)
+  void init_vmm();
+  Block* map_for(size_t size, Stream s, std::string* why);
+  Block* usable_neighbour(Block* n, Stream s);
+  size_t unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t keep_hi, bool wait);
+  Block* unmap_range(Block* f, uintptr_t lo, uintptr_t hi);
   void finish_free(Block* b);
   bool is_ready(const Block* b);
   void poll_syncs(StreamState& st, bool wait);
@@ -210,6 +226,11 @@ class Allocator {
 
   std::vector<std::unique_ptr<Block[]>> block_slabs_;
   std::vector<Block*> spare_blocks_;
+
+  bool vmm_ = false;
+  size_t page_ = 0;
+  Segment* vmm_seg_ = nullptr;
+  std::map<uintptr_t, Block*> unmapped_;  // unmapped blocks of vmm_seg_ by address
 
   bool history_on_ = false;
   size_t history_max_ = 0;

@@ -78,9 +78,12 @@ std::vector<SnapshotSegment> Allocator::snapshot() const {
   for (const auto& [base, seg] : segments_) {
     SnapshotSegment s;
     s.address = seg->base;
-    s.total_size = seg->size;
+    s.total_size = 0;
     s.stream = seg->stream;
+    s.expandable = seg->vmm;
     auto add = [&](const Block* b) {
+      if (!b->mapped) return;  // no memory behind it
+      s.total_size += b->size;
       const char* st = b->state == BlockState::kFree         ? "inactive"
                        : b->state == BlockState::kPendingFree ? "active_pending_free"
                                                               : "active_allocated";
@@ -120,6 +123,7 @@ struct Tally {
   int64_t reserved_bytes[2] = {0, 0};
   size_t pending = 0;
   size_t chunks = 0;
+  size_t unmapped = 0;
   std::unordered_set<const Block*> free_blocks;
 };
 
@@ -155,6 +159,7 @@ void Allocator::check_invariants() const {
     uintptr_t expect = seg->base;
     const Block* prev = nullptr;
     std::string where = (pool == kLargePool ? "segment " : "chunk ") + format_ptr(seg->base);
+    int64_t mapped_bytes = 0;
     if (seg->first == nullptr || seg->first->prev != nullptr) fail(where + " has a bad first block");
     for (const Block* b = seg->first; b != nullptr; prev = b, b = b->next) {
       std::string at = where + " block " + format_ptr(b->addr);
@@ -163,9 +168,21 @@ void Allocator::check_invariants() const {
       if (b->addr != expect) fail(at + " does not start where its predecessor ends");
       if (b->size == 0 || b->size % kGranularity != 0) fail(at + " has a bad size");
       if (b->end() > seg->base + seg->size) fail(at + " runs past the end of its segment");
-      if (prev != nullptr && prev->state == BlockState::kFree && b->state == BlockState::kFree &&
-          prev->stream == b->stream)
+      if (prev != nullptr && prev->free_mapped() && b->free_mapped() && prev->stream == b->stream)
         fail(at + " is free next to a free block of the same stream (not merged)");
+      if (!b->mapped) {
+        if (!seg->vmm || b->state != BlockState::kFree || b->bin != -1)
+          fail(at + " is unmapped but not a free block of a virtual-memory segment");
+        if ((b->addr - seg->base) % page_ != 0 || b->size % page_ != 0)
+          fail(at + " is unmapped but not page-aligned");
+        if (prev != nullptr && !prev->mapped) fail(at + " is unmapped next to an unmapped block");
+        auto u = unmapped_.find(b->addr);
+        if (u == unmapped_.end() || u->second != b) fail(at + " is missing from the unmapped map");
+        t.unmapped++;
+        expect = b->end();
+        continue;
+      }
+      mapped_bytes += static_cast<int64_t>(b->size);
       const StreamState* st = stream_of(b->stream);
       switch (b->state) {
         case BlockState::kFree:
@@ -208,7 +225,7 @@ void Allocator::check_invariants() const {
     }
     if (expect != seg->base + seg->size) fail(where + ": its blocks do not cover it");
     t.segment[pool]++;
-    t.reserved_bytes[pool] += static_cast<int64_t>(seg->size);
+    t.reserved_bytes[pool] += seg->vmm ? mapped_bytes : static_cast<int64_t>(seg->size);
     if (pool == kSmallPool) t.reserved_bytes[kLargePool] -= static_cast<int64_t>(seg->size);
   };
 
@@ -217,6 +234,7 @@ void Allocator::check_invariants() const {
     walk(seg, walk);
   }
   if (t.chunks != chunks_.size()) fail("chunk list does not match the chunks in the segments");
+  if (t.unmapped != unmapped_.size()) fail("unmapped map does not match the unmapped blocks");
   for (size_t i = 0; i < chunks_.size(); ++i)
     if (chunks_[i]->index != i) fail("chunk list index out of date");
   if (t.pending != pending_.size()) fail("pending-free list does not match the blocks");

@@ -12,6 +12,12 @@
 //   recorded before it.
 // - is_capturing(s): true while s is being captured into a CUDA graph. The
 //   core then calls none of reserve/release/record/query/wait for that stream.
+// - Virtual memory (optional; vmm_page_size() == 0 means none): an address
+//   range is reserved without memory (vmm_reserve), and physical pages are
+//   mapped into page-aligned parts of it (vmm_map, false when no memory is
+//   left; nothing is mapped then) and taken out again (vmm_unmap, which
+//   returns the pages to the backend). The core unmaps only pages no queued
+//   work can still touch.
 // - The core calls a backend with its own lock held, from any thread; a
 //   backend needs a lock of its own only for state that tests or other
 //   callers touch from outside the core.
@@ -50,6 +56,12 @@ class Backend {
   virtual void event_free(EventId event) = 0;
 
   virtual bool is_capturing(Stream /*stream*/) { return false; }
+
+  virtual size_t vmm_page_size() { return 0; }
+  virtual uintptr_t vmm_reserve(size_t /*size*/) { return 0; }
+  virtual void vmm_release(uintptr_t /*base*/, size_t /*size*/) {}
+  virtual bool vmm_map(uintptr_t /*addr*/, size_t /*size*/) { return false; }
+  virtual void vmm_unmap(uintptr_t /*addr*/, size_t /*size*/) {}
 
   /// The test-controllable streams of a simulated backend; null on a device.
   virtual SimStreams* sim_streams() { return nullptr; }

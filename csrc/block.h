@@ -16,7 +16,10 @@
 // - every allocated or pending-free user block is in the pointer map, and
 //   nothing else is;
 // - a chunk's parent is an allocated large block of the same range whose
-//   `chunk` points back at it, and is not in the pointer map.
+//   `chunk` points back at it, and is not in the pointer map;
+// - in a virtual-memory segment, unmapped blocks are free, page-aligned, in
+//   the allocator's unmapped map and no free index, and never adjacent to
+//   another unmapped block; every page under a non-free block is mapped.
 #pragma once
 
 #include <cstddef>
@@ -54,9 +57,13 @@ struct Block {
   int32_t bin = -1;        // free-index bin while free
   BlockState state = BlockState::kFree;
   Segment* chunk = nullptr;  // large blocks lent to the small pool: the chunk
+  // False only for free, page-aligned ranges of a virtual-memory segment that
+  // have no physical pages behind them; such blocks are in no free index.
+  bool mapped = true;
   std::vector<Stream> uses;  // extra streams from record_stream()
 
   bool is_split() const { return prev != nullptr || next != nullptr; }
+  bool free_mapped() const { return state == BlockState::kFree && mapped; }
   uintptr_t end() const { return addr + size; }
 };
 
@@ -66,6 +73,7 @@ struct Segment {
   Pool pool = kLargePool;
   Block* first = nullptr;
   Block* parent = nullptr;  // chunks only: the large block holding this chunk
+  bool vmm = false;         // a virtual range whose pages are mapped on demand
   uint64_t id = 0;
   Stream stream = 0;        // the stream whose request created it
   size_t index = 0;         // chunks: position in the allocator's chunk list

@@ -13,10 +13,11 @@ namespace {
 
 struct Key {
   const char* name;
-  size_t Config::*field;
+  size_t Config::*field;  // null: a key with its own parser (strategy)
 };
 
 const Key kKeys[] = {
+    {"strategy", nullptr},
     {"pool_size", &Config::pool_size},
     {"max_pool_size", &Config::max_pool_size},
     {"segment_size", &Config::segment_size},
@@ -43,7 +44,16 @@ std::string valid_keys_text() {
   return out;
 }
 
+Strategy parse_strategy(const std::string& value) {
+  std::string v = lower(value);
+  if (v == "bestfit") return Strategy::kBestFit;
+  if (v == "vmm") return Strategy::kVmm;
+  throw std::invalid_argument("'" + value + "' is not a strategy (use bestfit or vmm)");
+}
+
 }  // namespace
+
+const char* strategy_name(Strategy s) { return s == Strategy::kVmm ? "vmm" : "bestfit"; }
 
 const std::vector<std::string>& config_keys() {
   static const std::vector<std::string> keys = [] {
@@ -103,7 +113,8 @@ Config parse_config(const std::string& text, Config base) {
       throw std::invalid_argument("unknown config key '" + key + "'; valid keys: " +
                                   valid_keys_text());
     try {
-      cfg.*(found->field) = parse_size(value);
+      if (found->field == nullptr) cfg.strategy = parse_strategy(value);
+      else cfg.*(found->field) = parse_size(value);
     } catch (const std::invalid_argument& e) {
       throw std::invalid_argument("bad value for config key '" + key + "': " + e.what());
     }
@@ -132,7 +143,8 @@ void Config::validate() const {
 std::string Config::to_string() const {
   std::string out;
   for (const Key& k : kKeys)
-    out += (out.empty() ? "" : ",") + std::string(k.name) + ":" + std::to_string(this->*(k.field));
+    out += (out.empty() ? "" : ",") + std::string(k.name) + ":" +
+           (k.field == nullptr ? std::string(strategy_name(strategy)) : std::to_string(this->*(k.field)));
   return out;
 }
 

@@ -10,7 +10,15 @@
 
 namespace pyalloc {
 
+enum class Strategy {
+  kBestFit,  // segments from the backend; best fit, split, coalesce
+  kVmm,      // one virtual range; physical pages mapped and unmapped as needed
+};
+
 struct Config {
+  /// Placement strategy. "vmm" needs a backend with virtual memory; where
+  /// the backend has none, the allocator falls back to "bestfit".
+  Strategy strategy = Strategy::kBestFit;
   /// Reserved from the backend when the allocator is created (0: lazily).
   size_t pool_size = 0;
   /// Never reserve more than this in total (0: as much as the device has).
@@ -39,5 +47,7 @@ Config parse_config(const std::string& text, Config base = Config());
 
 /// "2GiB" -> 2147483648; throws std::invalid_argument on anything else.
 size_t parse_size(const std::string& text);
+
+const char* strategy_name(Strategy s);
 
 }  // namespace pyalloc

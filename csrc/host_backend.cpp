@@ -1,11 +1,19 @@
-// The host backend: segments are anonymous private mappings of real host
-// memory, so tests can write through every block the core hands out and prove
-// that no two live blocks overlap. Pages are committed only when written
-// (MAP_NORESERVE), so a large pool costs nothing until used. Streams and
-// events are simulated (sim_streams.h).
+// The host backend: real host memory, so tests can write through every block
+// the core hands out and prove that no two live blocks overlap.
+//
+// Segments are anonymous private mappings. Virtual memory is real too: a
+// range is reserved with PROT_NONE, and "physical pages" are pages of one
+// memfd, mapped into the range with mmap(MAP_FIXED | MAP_SHARED) and taken out
+// by mapping the reservation back over them. A page that moves to another
+// address keeps its bytes, as a cuMemCreate handle does. Pages are committed
+// only when written (MAP_NORESERVE), so a large pool costs nothing until used.
+// Streams and events are simulated (sim_streams.h).
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <mutex>
+#include <unordered_map>
+#include <vector>
 
 #include "backend.h"
 #include "sim_streams.h"
@@ -15,13 +23,17 @@ namespace {
 
 class HostBackend final : public Backend {
  public:
-  explicit HostBackend(size_t capacity) : capacity_(capacity) {}
+  HostBackend(size_t capacity, size_t page) : capacity_(capacity), page_(page) {}
+
+  ~HostBackend() override {
+    if (fd_ >= 0) close(fd_);
+  }
 
   const char* name() const override { return "host"; }
 
   uintptr_t reserve(size_t size) override {
     std::lock_guard<std::mutex> g(mu_);
-    if (capacity_ != 0 && size > capacity_ - used_) return 0;
+    if (!fits(size)) return 0;
     void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) return 0;
@@ -47,17 +59,87 @@ class HostBackend final : public Backend {
   void event_free(EventId e) override { streams_.release(e); }
   SimStreams* sim_streams() override { return &streams_; }
 
+  size_t vmm_page_size() override { return page_; }
+
+  uintptr_t vmm_reserve(size_t size) override {
+    void* p = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return p == MAP_FAILED ? 0 : reinterpret_cast<uintptr_t>(p);
+  }
+
+  void vmm_release(uintptr_t base, size_t size) override {
+    munmap(reinterpret_cast<void*>(base), size);
+  }
+
+  bool vmm_map(uintptr_t addr, size_t size) override {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!fits(size)) return false;
+    if (fd_ < 0) {
+      fd_ = memfd_create("pyalloc-host-pages", MFD_CLOEXEC);
+      if (fd_ < 0) return false;
+    }
+    for (size_t off = 0; off < size; off += page_) {
+      size_t phys;
+      if (!spare_.empty()) {
+        phys = spare_.back();
+        spare_.pop_back();
+      } else {
+        phys = file_size_;
+        if (ftruncate(fd_, static_cast<off_t>(file_size_ + page_)) != 0) {
+          unmap_locked(addr, off);
+          return false;
+        }
+        file_size_ += page_;
+      }
+      void* want = reinterpret_cast<void*>(addr + off);
+      void* got = mmap(want, page_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd_,
+                       static_cast<off_t>(phys));
+      if (got != want) {
+        spare_.push_back(phys);
+        unmap_locked(addr, off);
+        return false;
+      }
+      page_of_[addr + off] = phys;
+    }
+    used_ += size;
+    return true;
+  }
+
+  void vmm_unmap(uintptr_t addr, size_t size) override {
+    std::lock_guard<std::mutex> g(mu_);
+    unmap_locked(addr, size);
+    used_ -= size;
+  }
+
  private:
+  bool fits(size_t size) const { return capacity_ == 0 || size <= capacity_ - used_; }
+
+  // Puts the reservation back over [addr, addr+size) and keeps the pages.
+  void unmap_locked(uintptr_t addr, size_t size) {
+    for (size_t off = 0; off < size; off += page_) {
+      auto it = page_of_.find(addr + off);
+      if (it == page_of_.end()) continue;
+      mmap(reinterpret_cast<void*>(addr + off), page_, PROT_NONE,
+           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+      spare_.push_back(it->second);
+      page_of_.erase(it);
+    }
+  }
+
   std::mutex mu_;
   size_t capacity_;
+  size_t page_;
   size_t used_ = 0;
+  int fd_ = -1;
+  size_t file_size_ = 0;
+  std::vector<size_t> spare_;                       // memfd offsets not mapped anywhere
+  std::unordered_map<uintptr_t, size_t> page_of_;   // mapped address -> memfd offset
   SimStreams streams_;
 };
 
 }  // namespace
 
 std::unique_ptr<Backend> make_host_backend(size_t capacity) {
-  return std::make_unique<HostBackend>(capacity);
+  return std::make_unique<HostBackend>(capacity, kSegmentAlign);
 }
 
 }  // namespace pyalloc

@@ -29,6 +29,7 @@ SimStreams& sim_streams(Allocator& a) {
 
 py::dict config_dict(const Config& c) {
   py::dict d;
+  d["strategy"] = strategy_name(c.strategy);
   d["pool_size"] = c.pool_size;
   d["max_pool_size"] = c.max_pool_size;
   d["segment_size"] = c.segment_size;
@@ -85,7 +86,7 @@ py::list snapshot_list(const std::vector<SnapshotSegment>& segs, int device) {
     seg["stream"] = s.stream;
     seg["segment_type"] = "large";
     seg["segment_pool_id"] = py::make_tuple(0, 0);
-    seg["is_expandable"] = false;
+    seg["is_expandable"] = s.expandable;
     seg["frames"] = py::list();
     py::list blocks;
     for (const SnapshotBlock& b : s.blocks) {

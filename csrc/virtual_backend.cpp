@@ -1,7 +1,8 @@
 // The virtual backend: hands out address ranges and nothing else, so traces
 // of any size replay on a laptop. Addresses start high and only move up;
 // ranges are never handed out twice, so a stale pointer can never alias a
-// new segment. `capacity` plays the device's size (0 = unbounded).
+// new segment. `capacity` plays the device's size (0 = unbounded): it bounds
+// segments and mapped virtual-memory pages together.
 #include <mutex>
 
 #include "backend.h"
@@ -43,6 +44,28 @@ class VirtualBackend final : public Backend {
   void event_wait(EventId e) override { streams_.wait(e); }
   void event_free(EventId e) override { streams_.release(e); }
   SimStreams* sim_streams() override { return &streams_; }
+
+  size_t vmm_page_size() override { return kSegmentAlign; }
+
+  uintptr_t vmm_reserve(size_t size) override {
+    std::lock_guard<std::mutex> g(mu_);
+    if (size > kLimit - next_) return 0;
+    uintptr_t base = next_;
+    next_ += round_up(size, kSegmentAlign) + kSegmentAlign;
+    return base;
+  }
+
+  bool vmm_map(uintptr_t, size_t size) override {
+    std::lock_guard<std::mutex> g(mu_);
+    if (capacity_ != 0 && size > capacity_ - used_) return false;
+    used_ += size;
+    return true;
+  }
+
+  void vmm_unmap(uintptr_t, size_t size) override {
+    std::lock_guard<std::mutex> g(mu_);
+    used_ -= size;
+  }
 
  private:
   static constexpr uintptr_t kStart = uintptr_t(1) << 44;

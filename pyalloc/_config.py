@@ -16,6 +16,9 @@ Size = Union[int, str]
 #: The valid configuration keys, from the core.
 CONFIG_KEYS = tuple(_C.config_keys())
 
+#: Keys whose values are words, not sizes.
+STRING_KEYS = ("strategy",)
+
 MAX_SIZE = 2**64 - 1
 
 
@@ -46,12 +49,17 @@ def conf_string(conf: Optional[str] = None, overrides: Optional[Mapping[str, Siz
             raise ValueError(
                 f"unknown config key '{key}'; valid keys: {', '.join(CONFIG_KEYS)}"
             )
-        parts.append(f"{key}:{as_size(value, key)}")
+        if key in STRING_KEYS:
+            if not isinstance(value, str):
+                raise TypeError(f"{key} must be a string, got {type(value).__name__}")
+            parts.append(f"{key}:{value}")
+        else:
+            parts.append(f"{key}:{as_size(value, key)}")
     text = ",".join(parts)
     parse_config(text)  # raises ValueError naming the bad key or value
     return text
 
 
 def parse_config(text: str) -> dict:
-    """Parses 'key:value,...' into {key: bytes} with every key's effective value."""
+    """Parses 'key:value,...' into {key: value} (bytes, or a word for strategy)."""
     return _C.parse_config(text)

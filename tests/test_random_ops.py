@@ -118,20 +118,22 @@ def run_random(alloc, seed, steps, pattern, check_every=1):
     assert s["active.all.current"] == 0
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_sequences_host_with_patterns(seed):
-    a = pyalloc.Allocator("host", capacity=96 * MiB, segment_size=8 * MiB)
+@pytest.mark.parametrize("strategy", ["bestfit", "vmm"])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_sequences_host_with_patterns(seed, strategy):
+    a = pyalloc.Allocator("host", capacity=96 * MiB, segment_size=8 * MiB, strategy=strategy)
     run_random(a, seed, steps=1500, pattern=True)
 
 
+@pytest.mark.parametrize("strategy", ["bestfit", "vmm"])
 @pytest.mark.parametrize("conf", [
     "",
     "pool_size:32MiB,max_pool_size:128MiB",
     "max_split_size:4MiB,segment_size:2MiB",
     "small_size:64KiB,small_chunk_size:512KiB",
 ])
-def test_random_sequences_virtual_configs(conf):
-    a = pyalloc.Allocator("virtual", conf, capacity=160 * MiB)
+def test_random_sequences_virtual_configs(conf, strategy):
+    a = pyalloc.Allocator("virtual", conf, capacity=160 * MiB, strategy=strategy)
     run_random(a, zlib.crc32(conf.encode()), steps=2500, pattern=False)
 
 
@@ -141,10 +143,11 @@ class AllocatorMachine(RuleBasedStateMachine):
     """Hypothesis explores op sequences and shrinks any failure to a minimal one."""
 
     @initialize(backend=st.sampled_from(["host", "virtual"]),
-                capacity=st.sampled_from([0, 24 * MiB, 64 * MiB]))
-    def setup(self, backend, capacity):
-        self.model = Model(pyalloc.Allocator(backend, capacity=capacity, segment_size=4 * MiB),
-                           pattern=backend == "host")
+                capacity=st.sampled_from([0, 24 * MiB, 64 * MiB]),
+                strategy=st.sampled_from(["bestfit", "vmm"]))
+    def setup(self, backend, capacity, strategy):
+        a = pyalloc.Allocator(backend, capacity=capacity, segment_size=4 * MiB, strategy=strategy)
+        self.model = Model(a, pattern=backend == "host")
 
     @rule(size=st.one_of(st.integers(0, 2 * MiB), st.integers(MiB, 16 * MiB)),
           stream=st.sampled_from(STREAMS))

@@ -157,8 +157,8 @@ void test_random(const char* backend, const std::string& conf, unsigned seed, in
 }
 
 // Four threads, 100k operations in all, two streams, then every stat at zero.
-void test_threads(const char* backend) {
-  auto a = make(backend, "segment_size:8MiB");
+void test_threads(const char* backend, const char* conf) {
+  auto a = make(backend, conf);
   auto body = [&](unsigned seed) {
     std::mt19937_64 rng(seed);
     std::vector<uintptr_t> mine;
@@ -202,8 +202,11 @@ int main(int argc, char** argv) {
       test_random(backend, "", 1, 3000);
       test_random(backend, "max_split_size:4MiB,segment_size:2MiB", 2, 3000);
       test_random(backend, "pool_size:32MiB,small_size:64KiB,small_chunk_size:512KiB", 3, 3000);
+      test_random(backend, "strategy:vmm", 4, 3000);
+      test_random(backend, "strategy:vmm,max_pool_size:48MiB", 5, 3000);
     }
-    test_threads(backend);
+    test_threads(backend, "segment_size:8MiB");
+    test_threads(backend, "strategy:vmm");
   }
   if (failures != 0) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);

@@ -1,0 +1,255 @@
+// The virtual-memory strategy ("vmm"): the large pool is one reserved
+// virtual range whose pages are mapped and unmapped as needed.
+//
+// Blocks tile the whole range. A free block is "mapped" (physical pages under
+// all of it, in the free index like any other) or "unmapped" (page-aligned,
+// no pages, kept in unmapped_ only). Mapped free blocks are a cache: nothing
+// is unmapped on free. Pages are mapped when a request fits no mapped free
+// block, in the unmapped block (plus its usable free neighbours) needing the
+// fewest new pages. When the cap or the device would be exceeded, the
+// interiors of free blocks that every stream is done with are unmapped first:
+// physical memory stranded in holes moves to where it is needed.
+#include <algorithm>
+
+#include "allocator.h"
+
+namespace pyalloc {
+
+void Allocator::init_vmm() {
+  size_t page = backend_->vmm_page_size();
+  if (page == 0) return;
+  size_t dev_free = 0, dev_total = 0;
+  backend_->mem_info(&dev_free, &dev_total);
+  size_t basis = cfg_.max_pool_size != 0 ? cfg_.max_pool_size : dev_total;
+  // Address space is cheap: room for the pool four times over, so that
+  // holes in the range never make it run out.
+  size_t range = basis != 0 ? std::max(basis * 4, size_t(64) << 30) : size_t(1) << 42;
+  range = round_up(range, page);
+  uintptr_t base = backend_->vmm_reserve(range);
+  if (base == 0) return;
+  vmm_ = true;
+  page_ = page;
+  vmm_seg_ = new Segment();
+  vmm_seg_->base = base;
+  vmm_seg_->size = range;
+  vmm_seg_->pool = kLargePool;
+  vmm_seg_->vmm = true;
+  vmm_seg_->id = next_segment_id_++;
+  Block* b = new_block();
+  b->addr = base;
+  b->size = range;
+  b->segment = vmm_seg_;
+  b->mapped = false;
+  b->state = BlockState::kFree;
+  vmm_seg_->first = b;
+  unmapped_.emplace(base, b);
+  segments_.emplace(base, vmm_seg_);
+  stats_.segment.add(kLargePool, 1);
+  if (cfg_.pool_size > 0) {
+    std::string why;
+    if (map_for(round_up(cfg_.pool_size, kGranularity), 0, &why) == nullptr)
+      throw OutOfMemoryError("out of memory: could not map pool_size (" +
+                             format_bytes(cfg_.pool_size) + "): " + why);
+  }
+}
+
+Block* Allocator::usable_neighbour(Block* n, Stream s) {
+  if (n == nullptr || !n->free_mapped()) return nullptr;
+  return n->stream == s || is_ready(n) ? n : nullptr;
+}
+
+Block* Allocator::map_for(size_t size, Stream s, std::string* why) {
+  if (backend_->is_capturing(s)) {
+    *why = "the stream is being captured into a CUDA graph and no pages can be mapped during "
+           "capture; reserve the memory before capture (pyalloc reserve())";
+    return nullptr;
+  }
+  // Wholly free chunks hold mapped pages the large pool can use.
+  if (!chunks_.empty()) reclaim_free_chunks();
+
+  // The unmapped block needing the fewest new pages, mapped from the side
+  // whose usable free neighbour is larger.
+  Block* u = nullptr;
+  uintptr_t lo = 0, hi = 0, keep_lo = 0, keep_hi = 0;
+  size_t need = SIZE_MAX;
+  for (auto& [addr, cand] : unmapped_) {
+    Block* left = usable_neighbour(cand->prev, s);
+    Block* right = usable_neighbour(cand->next, s);
+    size_t lsz = left ? left->size : 0, rsz = right ? right->size : 0;
+    if (lsz + cand->size + rsz < size) continue;
+    size_t from_left = size <= lsz ? 0 : round_up(size - lsz, page_);
+    size_t from_right = size <= rsz ? 0 : round_up(size - rsz, page_);
+    size_t n = std::min(std::min(from_left, from_right), cand->size);
+    if (n == 0 || n >= need) continue;  // n == 0: a mapped block fits; best fit saw it
+    need = n;
+    u = cand;
+    if (n == cand->size) {
+      lo = cand->addr;
+      hi = cand->end();
+    } else if (from_left <= from_right) {
+      lo = cand->addr;
+      hi = cand->addr + n;
+    } else {
+      lo = cand->end() - n;
+      hi = cand->end();
+    }
+    // Nothing next to u may be unmapped meanwhile: it would merge into u.
+    keep_lo = cand->prev != nullptr ? cand->prev->addr : cand->addr;
+    keep_hi = cand->next != nullptr ? cand->next->end() : cand->end();
+  }
+  if (u == nullptr) {
+    *why = "the virtual address range of the pool is exhausted";
+    return nullptr;
+  }
+
+  // Recycle before growing: pages of free blocks that every stream is done
+  // with move here rather than the pool growing around them.
+  unmap_free_pages(need, keep_lo, keep_hi, /*wait=*/false);
+  size_t cap = cfg_.max_pool_size;
+  size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  if (cap != 0 && reserved + need > cap) {
+    unmap_free_pages(reserved + need - cap, keep_lo, keep_hi, /*wait=*/true);
+    reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+    if (reserved + need > cap) {
+      *why = "max_pool_size " + format_bytes(cap) + " would be exceeded";
+      return nullptr;
+    }
+  }
+  if (!backend_->vmm_map(lo, need)) {
+    // The device is full: take pages from free holes and try once more.
+    if (unmap_free_pages(need, keep_lo, keep_hi, /*wait=*/true) < need ||
+        !backend_->vmm_map(lo, need)) {
+      *why = std::string("the ") + backend_->name() + " backend could not map " + format_bytes(need);
+      return nullptr;
+    }
+  }
+  stats_.reserved_bytes.add(kLargePool, static_cast<int64_t>(need));
+  stats_.num_device_alloc++;
+  if (history_on_) trace(TraceEntry::kSegmentMap, lo, need, s);
+
+  // Cut the mapped piece out of u; fresh pages are safe for every stream.
+  Block* m;
+  if (lo == u->addr && hi == u->end()) {
+    unmapped_.erase(u->addr);
+    m = u;
+  } else {
+    m = new_block();
+    m->segment = u->segment;
+    if (lo == u->addr) {
+      unmapped_.erase(u->addr);
+      m->prev = u->prev;
+      m->next = u;
+      if (u->prev != nullptr) u->prev->next = m;
+      else u->segment->first = m;
+      u->prev = m;
+      u->addr = hi;
+      unmapped_.emplace(u->addr, u);
+    } else {
+      m->prev = u;
+      m->next = u->next;
+      if (u->next != nullptr) u->next->prev = m;
+      u->next = m;
+    }
+    u->size -= need;
+  }
+  m->addr = lo;
+  m->size = need;
+  m->mapped = true;
+  m->stream = s;
+  m->free_seq = 0;
+  m->state = BlockState::kAllocated;  // not free until insert_free()
+  Block* b = insert_free(m);
+  if (b->size < size || !(b->stream == s || is_ready(b))) return nullptr;
+  return b;
+}
+
+size_t Allocator::unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t keep_hi, bool wait) {
+  if (!vmm_) return 0;
+  // A page may be unmapped only once no queued work can touch it: mark how
+  // far each stream has got (waiting for it only if asked to).
+  for (auto& [stream, st] : streams_) {
+    if (backend_->is_capturing(stream)) continue;
+    if (st->synced_seq < st->last_free_seq && !wait) {
+      st->syncs.emplace_back(backend_->record_event(stream), st->last_free_seq);
+      st->synced_seq = st->last_free_seq;
+    }
+    poll_syncs(*st, wait);
+  }
+  if (wait) stats_.num_sync_all_streams++;
+  size_t done = 0;
+  uintptr_t base = vmm_seg_->base;
+  for (Block* b = vmm_seg_->first; b != nullptr && done < want; b = b->next) {
+    if (!b->free_mapped() || (b->addr < keep_hi && b->end() > keep_lo) || !is_ready(b)) continue;
+    uintptr_t lo = base + round_up(b->addr - base, page_);
+    uintptr_t hi = base + (b->end() - base) / page_ * page_;
+    if (hi <= lo) continue;
+    size_t n = std::min(hi - lo, round_up(std::min(want - done, hi - lo), page_));
+    done += n;
+    b = unmap_range(b, lo, lo + n);
+  }
+  return done;
+}
+
+Block* Allocator::unmap_range(Block* f, uintptr_t lo, uintptr_t hi) {
+  StreamState& st = state(f->stream);
+  st.free[kLargePool].remove(f);
+  track_inactive_split(f, -1);
+  // What stays mapped on either side keeps f's stream label.
+  auto piece = [&](uintptr_t addr, size_t size) {
+    Block* p = new_block();
+    p->addr = addr;
+    p->size = size;
+    p->segment = f->segment;
+    p->stream = f->stream;
+    p->free_seq = f->free_seq;
+    p->state = BlockState::kFree;
+    return p;
+  };
+  Block* head = lo > f->addr ? piece(f->addr, lo - f->addr) : nullptr;
+  Block* tail = hi < f->end() ? piece(hi, f->end() - hi) : nullptr;
+  if (head != nullptr) {
+    head->prev = f->prev;
+    head->next = f;
+    if (f->prev != nullptr) f->prev->next = head;
+    else f->segment->first = head;
+    f->prev = head;
+  }
+  if (tail != nullptr) {
+    tail->prev = f;
+    tail->next = f->next;
+    if (f->next != nullptr) f->next->prev = tail;
+    f->next = tail;
+  }
+  f->addr = lo;
+  f->size = hi - lo;
+  f->mapped = false;
+  backend_->vmm_unmap(lo, hi - lo);
+  stats_.reserved_bytes.add(kLargePool, -static_cast<int64_t>(hi - lo));
+  stats_.num_device_free++;
+  if (history_on_) trace(TraceEntry::kSegmentUnmap, lo, hi - lo, f->stream);
+  for (Block* p : {head, tail}) {
+    if (p == nullptr) continue;
+    state(p->stream).free[kLargePool].insert(p);
+    track_inactive_split(p, +1);
+  }
+  // Unmapped neighbours become one block.
+  for (Block* n : {f->prev, f->next}) {
+    if (n == nullptr || n->mapped) continue;
+    unmapped_.erase(n->addr);
+    if (n == f->prev) {
+      f->addr = n->addr;
+      f->prev = n->prev;
+      if (n->prev != nullptr) n->prev->next = f;
+      else f->segment->first = f;
+    } else {
+      f->next = n->next;
+      if (n->next != nullptr) n->next->prev = f;
+    }
+    f->size += n->size;
+    drop_block(n);
+  }
+  unmapped_[f->addr] = f;
+  return tail != nullptr ? tail : f;
+}
+
+}  // namespace pyalloc

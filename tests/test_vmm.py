@@ -1,0 +1,135 @@
+"""The vmm strategy: one virtual range, physical pages mapped as needed and
+moved out of free holes, on the host backend's real page remapping."""
+import ctypes
+
+import pytest
+
+import pyalloc
+
+KiB = 1 << 10
+MiB = 1 << 20
+PAGE = 2 * MiB
+
+
+def vmm(backend="host", **kw):
+    return pyalloc.Allocator(backend, strategy="vmm", **kw)
+
+
+def test_reserved_is_the_mapped_pages(backend):
+    a = vmm(backend)
+    ptrs = [a.malloc(5 * MiB) for _ in range(10)]
+    s = a.stats()
+    assert s["reserved_bytes.all.current"] == 50 * MiB  # packed: pages are shared
+    assert s["segment.large_pool.current"] == 1
+    assert s["num_device_alloc"] >= 1
+    for p in ptrs:
+        a.free(p)
+    a.check_invariants()
+    assert a.empty_cache() == 50 * MiB
+    assert a.stats()["reserved_bytes.all.current"] == 0
+    a.check_invariants()
+
+
+def test_free_holes_back_a_larger_allocation(backend):
+    """Under a cap, bestfit fails where vmm moves pages out of the holes."""
+    for strategy, ok in (("bestfit", False), ("vmm", True)):
+        a = pyalloc.Allocator(backend, strategy=strategy, pool_size=64 * MiB, max_pool_size=64 * MiB)
+        ptrs = [a.malloc(4 * MiB) for _ in range(16)]
+        for p in ptrs[::2]:
+            a.free(p)  # 32 MiB free, in 4 MiB holes
+        if ok:
+            big = a.malloc(24 * MiB)
+            a.check_invariants()
+            assert a.stats()["reserved_bytes.all.current"] <= 64 * MiB
+            a.free(big)
+        else:
+            with pytest.raises(pyalloc.OutOfMemoryError, match="fragmented"):
+                a.malloc(24 * MiB)
+
+
+def test_pages_move_with_their_bytes_and_live_data_stays():
+    a = vmm("host", max_pool_size=14 * MiB)
+    p1 = a.malloc(6 * MiB)
+    p2 = a.malloc(6 * MiB)
+    ctypes.memset(p1, 0x11, 6 * MiB)
+    ctypes.memset(p2, 0x22, 6 * MiB)
+    a.free(p1)
+    # 8 MiB fits no mapped hole; within the cap only by taking p1's three pages.
+    p3 = a.malloc(8 * MiB)
+    assert not (p1 <= p3 < p1 + 6 * MiB)
+    s = a.stats()
+    assert s["reserved_bytes.all.current"] == 14 * MiB
+    assert s["num_device_free"] == 1  # one unmap: p1's pages
+    # The bytes written through p1's addresses are now under p3's: the
+    # physical pages moved, they were not replaced.
+    assert ctypes.string_at(p3, 6 * MiB) == b"\x11" * (6 * MiB)
+    assert ctypes.string_at(p2, 6 * MiB) == b"\x22" * (6 * MiB)
+    ctypes.memset(p3, 0x33, 8 * MiB)
+    assert ctypes.string_at(p2, 6 * MiB) == b"\x22" * (6 * MiB)
+    a.check_invariants()
+
+
+def test_pages_under_other_streams_work_are_not_moved():
+    a = vmm("host", max_pool_size=14 * MiB)
+    p1 = a.malloc(6 * MiB, 1)
+    a.malloc(6 * MiB, 1)
+    a.stream_set_busy(1)
+    a.free(p1)
+    # Stream 2 needs pages; p1's may still be read by stream 1's queued work.
+    # Under the cap the allocator waits for stream 1 (the simulated wait
+    # completes it) before moving them.
+    p3 = a.malloc(8 * MiB, 2)
+    assert a.stats()["num_sync_all_streams"] >= 1
+    a.free(p3)
+    a.check_invariants()
+
+
+def test_recycling_keeps_reserved_near_live(backend):
+    a = vmm(backend)
+    live = []
+    for step in range(40):
+        # Shapes change every step: each step's large block fits no old hole.
+        live.append(a.malloc((8 + step) * MiB + 12345))
+        if len(live) > 3:
+            a.free(live.pop(0))
+        a.check_invariants()
+    s = a.stats()
+    peak_live = max(sum((8 + i) * MiB + 12345 for i in range(k - 3, k + 1)) for k in range(3, 40))
+    assert s["reserved_bytes.all.peak"] <= peak_live + 4 * PAGE
+
+
+def test_snapshot_lists_mapped_blocks_of_an_expandable_segment(backend):
+    a = vmm(backend)
+    p = a.malloc(3 * MiB)
+    q = a.malloc(1000)
+    seg, = a.snapshot()["segments"]
+    assert seg["is_expandable"] is True
+    assert seg["total_size"] == a.stats()["reserved_bytes.all.current"]
+    assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"]
+    assert {b["address"] for b in seg["blocks"] if b["state"] == "active_allocated"} == {p, q}
+
+
+def test_history_has_map_and_unmap_events(backend):
+    a = vmm(backend)
+    a.record_history(True)
+    p = a.malloc(4 * MiB)
+    a.free(p)
+    a.empty_cache()
+    actions = [e["action"] for e in a.history()]
+    assert actions[0] == "segment_map" and actions[-1] == "segment_unmap"
+
+
+def test_pool_size_is_mapped_up_front(backend):
+    a = vmm(backend, pool_size=32 * MiB)
+    assert a.stats()["reserved_bytes.all.current"] == 32 * MiB
+    a.malloc(30 * MiB)
+    assert a.stats()["num_device_alloc"] == 1
+
+
+def test_strategy_is_reported_and_validated():
+    assert vmm().config["strategy"] == "vmm"
+    assert pyalloc.Allocator("host").config["strategy"] in ("bestfit", "vmm")
+    with pytest.raises(ValueError, match="strategy"):
+        pyalloc.Allocator("host", strategy="firstfit")
+    with pytest.raises(TypeError):
+        pyalloc.Allocator("host", strategy=1)
