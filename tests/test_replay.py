@@ -451,3 +451,33 @@ def test_cli_bad_options_exit_2():
 def test_cli_needs_a_file():
     p = cli()
     assert p.returncode == 2 and "FILE" in p.stderr
+
+
+def test_plot_draws_native_where_known(tmp_path):
+    pytest.importorskip("matplotlib")
+    from pyalloc.replay_report import plot_results
+
+    segments = [segment(1, 40 * MiB, [])]
+    events = [ev("segment_alloc", 1, 20 * MiB)] + life(1, 5 * MiB) + life(2, 3 * MiB)
+    results = [replay(snap(events, segments), name="gpu"), replay(snap(life(1, 100)), name="cpu")]
+    png = tmp_path / "p.png"
+    plot_results(results, str(png))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_progress_bars_can_be_forced_on(capsys):
+    r = replay(BUNDLED / "encoder-dynbatch-infer.pickle.gz", progress=True)
+    assert r.search_replays > 0
+    assert "budget search" in capsys.readouterr().err
+
+
+def test_table_formats(tmp_path):
+    from pyalloc.replay_report import COLUMNS, format_table
+
+    results = [replay(snap(life(1, 100)), name="a/b.pickle", budget="1GiB", search=False)]
+    text = format_table(results).splitlines()
+    assert text[0].split("  ")[0].strip() == "trace" and text[0].endswith("OOMs at 1.00 GiB")
+    assert text[2].startswith("b.pickle")
+    md = format_table(results, markdown=True).splitlines()
+    assert md[0] == "| " + " | ".join(COLUMNS + ["OOMs at 1.00 GiB"]) + " |"
+    assert md[2].startswith("| b.pickle | 3 | 1 | 100 B |")
