@@ -29,12 +29,22 @@ std::vector<uint64_t> read_ints(const py::buffer& buf, const char* name) {
   for (size_t i = 0; i < out.size(); ++i) {
     const char* p = base + static_cast<py::ssize_t>(i) * info.strides[0];
     int64_t v = 0;
-    switch (info.itemsize) {
-      case 1: v = is_signed ? *reinterpret_cast<const int8_t*>(p) : *reinterpret_cast<const uint8_t*>(p); break;
-      case 2: v = is_signed ? *reinterpret_cast<const int16_t*>(p) : *reinterpret_cast<const uint16_t*>(p); break;
-      case 4: v = is_signed ? *reinterpret_cast<const int32_t*>(p) : *reinterpret_cast<const uint32_t*>(p); break;
-      case 8: v = *reinterpret_cast<const int64_t*>(p); break;
-      default: throw std::invalid_argument(std::string(name) + ": unsupported integer width");
+    if (is_signed) {
+      switch (info.itemsize) {
+        case 1: v = *reinterpret_cast<const int8_t*>(p); break;
+        case 2: v = *reinterpret_cast<const int16_t*>(p); break;
+        case 4: v = *reinterpret_cast<const int32_t*>(p); break;
+        case 8: v = *reinterpret_cast<const int64_t*>(p); break;
+        default: throw std::invalid_argument(std::string(name) + ": unsupported integer width");
+      }
+    } else {
+      switch (info.itemsize) {
+        case 1: v = *reinterpret_cast<const uint8_t*>(p); break;
+        case 2: v = *reinterpret_cast<const uint16_t*>(p); break;
+        case 4: v = *reinterpret_cast<const uint32_t*>(p); break;
+        case 8: v = static_cast<int64_t>(*reinterpret_cast<const uint64_t*>(p)); break;
+        default: throw std::invalid_argument(std::string(name) + ": unsupported integer width");
+      }
     }
     if (is_signed && v < 0)
       throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] is negative");
@@ -57,8 +67,9 @@ std::unique_ptr<ReplayTrace> make_trace(const py::buffer& kinds, const py::buffe
     if (k[i] != ReplayOp::kAlloc && k[i] != ReplayOp::kFree)
       throw std::invalid_argument("kinds[" + std::to_string(i) + "] is " + std::to_string(k[i]) +
                                   "; valid kinds: 1 (alloc), 2 (free)");
-    if (id[i] > UINT32_MAX)
-      throw std::invalid_argument("ids[" + std::to_string(i) + "] does not fit in 32 bits");
+    if (id[i] >= k.size() || id[i] >= UINT32_MAX)
+      throw std::invalid_argument("ids[" + std::to_string(i) + "] is " + std::to_string(id[i]) +
+                                  "; ids must be below the number of ops and 2**32 - 1");
     ops[i] = ReplayOp{static_cast<ReplayOp::Kind>(k[i]), static_cast<uint32_t>(id[i]),
                       static_cast<size_t>(sz[i]), static_cast<Stream>(st[i])};
   }
@@ -73,7 +84,7 @@ void bind_replay(py::module_& m) {
       .def(py::init(&make_trace), py::arg("kinds"), py::arg("ids"), py::arg("sizes"),
            py::arg("streams"),
            "Four equal-length integer buffers, one entry per call: kind (1 alloc, 2 free), "
-           "id (a slot naming the allocation, below 2**32), size (requested bytes; ignored "
+           "id (a slot naming the allocation, below the number of ops), size (requested bytes; ignored "
            "for frees) and stream (for allocs). ValueError names the first bad entry.")
       .def("__len__", &ReplayTrace::size)
       .def_property_readonly("allocs", &ReplayTrace::allocs, "Alloc ops in the trace.")

@@ -9,7 +9,13 @@
 namespace pyalloc {
 
 ReplayTrace::ReplayTrace(std::vector<ReplayOp> ops) : ops_(std::move(ops)) {
-  for (const ReplayOp& op : ops_) slots_ = std::max(slots_, size_t(op.id) + 1);
+  for (size_t i = 0; i < ops_.size(); ++i) {
+    // No trace needs more slots than it has ops; a larger id is a caller's bug.
+    if (ops_[i].id >= ops_.size())
+      throw std::invalid_argument("replay op " + std::to_string(i) + ": id " +
+                                  std::to_string(ops_[i].id) + " is not below the number of ops");
+    slots_ = std::max(slots_, size_t(ops_[i].id) + 1);
+  }
   // size_of[id]: the live allocation's size, or kFree when the slot is free.
   constexpr size_t kFree = ~size_t(0);
   std::vector<size_t> size_of(slots_, kFree);

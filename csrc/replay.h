@@ -33,7 +33,8 @@ struct ReplayOp {
 
 class ReplayTrace {
  public:
-  /// Checks that every alloc names a free slot and every free a live one, and
+  /// Checks that ids are below the number of ops, that every alloc names a
+  /// free slot and every free a live one, and
   /// fills each free's size from its alloc. Throws std::invalid_argument
   /// naming the first bad op.
   explicit ReplayTrace(std::vector<ReplayOp> ops);
