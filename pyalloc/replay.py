@@ -300,6 +300,8 @@ def replay(
     """
     conf = conf_string(config)
     budget_bytes = None if budget is None else as_size(budget, "budget")
+    if budget_bytes == 0:
+        raise ValueError("budget must be at least 1 byte (a device of 0 bytes holds nothing)")
     bars = _Bars(progress, name or (os.fspath(source) if isinstance(source, (str, os.PathLike)) else "trace"))
     try:
         if isinstance(source, Trace):
@@ -381,16 +383,17 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
         native_timeline=_native_timeline(plan, len(trace)),
     )
     if budget is not None:
-        bounded = _C.Allocator("virtual", conf, budget) if _fits_pool(conf, budget) else None
-        if bounded is None:
-            result.budget_ooms = plan.allocs + plan.preexisting_blocks
+        result.budget_bytes = budget
+        try:
+            bounded = _C.Allocator("virtual", conf, budget)
+        except _C.OutOfMemoryError:  # pool_size alone does not fit: every request fails
+            result.budget_ooms = calls.allocs
             result.budget_peak_reserved_bytes = 0
         else:
             run = _C.Replayer(bounded, calls, False, 0)
             run.run()
             result.budget_ooms = run.ooms
             result.budget_peak_reserved_bytes = bounded.stats()["reserved_bytes.all.peak"]
-        result.budget_bytes = budget
     return result
 
 
@@ -408,11 +411,6 @@ def _fragmentation(allocator: Any, plan: ReplayPlan, run: Any) -> Dict[str, Any]
         "external_fragmentation": f["external_fragmentation"],
         "unused_fraction": 1.0 - run.live_bytes / reserved if reserved else 0.0,
     }
-
-
-def _fits_pool(conf: str, capacity: int) -> bool:
-    pool = _C.parse_config(conf)["pool_size"]
-    return pool == 0 or pool <= capacity
 
 
 def _fits(calls: Any, conf: str, capacity: int) -> bool:
@@ -539,6 +537,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         conf_string(args.config)
         budget = None if args.budget is None else as_size(args.budget, "--budget")
+        if budget == 0:
+            raise ValueError("--budget must be at least 1 byte")
     except (TypeError, ValueError) as e:
         print(f"pyalloc replay: error: {e}", file=sys.stderr)
         return 2

@@ -329,6 +329,8 @@ def test_config_changes_the_replay_and_bad_config_is_a_value_error():
         replay(path, config="bogus:1")
     with pytest.raises(ValueError, match="budget"):
         replay(path, budget="lots")
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        replay(path, budget=0)
 
 
 def test_fragmentation_is_taken_at_peak_live():
