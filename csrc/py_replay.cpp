@@ -1,0 +1,132 @@
+// Python bindings of the trace replayer (replay.h). The trace comes in as four
+// flat integer buffers (array.array, numpy arrays, bytes) so that a trace of
+// millions of events crosses into C++ in one call.
+#include <cctype>
+#include <string>
+#include <vector>
+
+#include "py_bindings.h"
+#include "replay.h"
+
+namespace py = pybind11;
+
+namespace pyalloc {
+namespace {
+
+// The elements of a one-dimensional buffer of integers of any width.
+std::vector<uint64_t> read_ints(const py::buffer& buf, const char* name) {
+  py::buffer_info info = buf.request();
+  if (info.ndim != 1)
+    throw std::invalid_argument(std::string(name) + ": expected a one-dimensional buffer");
+  std::string fmt = info.format;
+  if (!fmt.empty() && std::string("@=<").find(fmt[0]) != std::string::npos) fmt.erase(0, 1);
+  if (fmt.size() != 1 || std::string("bBhHiIlLqQ").find(fmt[0]) == std::string::npos)
+    throw std::invalid_argument(std::string(name) + ": expected integers, got buffer format '" +
+                                info.format + "'");
+  bool is_signed = std::islower(static_cast<unsigned char>(fmt[0])) != 0;
+  std::vector<uint64_t> out(static_cast<size_t>(info.shape[0]));
+  const char* base = static_cast<const char*>(info.ptr);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const char* p = base + static_cast<py::ssize_t>(i) * info.strides[0];
+    int64_t v = 0;
+    if (is_signed) {
+      switch (info.itemsize) {
+        case 1: v = *reinterpret_cast<const int8_t*>(p); break;
+        case 2: v = *reinterpret_cast<const int16_t*>(p); break;
+        case 4: v = *reinterpret_cast<const int32_t*>(p); break;
+        case 8: v = *reinterpret_cast<const int64_t*>(p); break;
+        default: throw std::invalid_argument(std::string(name) + ": unsupported integer width");
+      }
+    } else {
+      switch (info.itemsize) {
+        case 1: v = *reinterpret_cast<const uint8_t*>(p); break;
+        case 2: v = *reinterpret_cast<const uint16_t*>(p); break;
+        case 4: v = *reinterpret_cast<const uint32_t*>(p); break;
+        case 8: v = static_cast<int64_t>(*reinterpret_cast<const uint64_t*>(p)); break;
+        default: throw std::invalid_argument(std::string(name) + ": unsupported integer width");
+      }
+    }
+    if (is_signed && v < 0)
+      throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] is negative");
+    out[i] = static_cast<uint64_t>(v);
+  }
+  return out;
+}
+
+std::unique_ptr<ReplayTrace> make_trace(const py::buffer& kinds, const py::buffer& ids,
+                                        const py::buffer& sizes, const py::buffer& streams) {
+  std::vector<uint64_t> k = read_ints(kinds, "kinds"), id = read_ints(ids, "ids"),
+                        sz = read_ints(sizes, "sizes"), st = read_ints(streams, "streams");
+  if (id.size() != k.size() || sz.size() != k.size() || st.size() != k.size())
+    throw std::invalid_argument("kinds, ids, sizes and streams must have the same length (" +
+                                std::to_string(k.size()) + ", " + std::to_string(id.size()) +
+                                ", " + std::to_string(sz.size()) + ", " +
+                                std::to_string(st.size()) + ")");
+  std::vector<ReplayOp> ops(k.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    if (k[i] != ReplayOp::kAlloc && k[i] != ReplayOp::kFree)
+      throw std::invalid_argument("kinds[" + std::to_string(i) + "] is " + std::to_string(k[i]) +
+                                  "; valid kinds: 1 (alloc), 2 (free)");
+    if (id[i] >= k.size() || id[i] >= UINT32_MAX)
+      throw std::invalid_argument("ids[" + std::to_string(i) + "] is " + std::to_string(id[i]) +
+                                  "; ids must be below the number of ops and 2**32 - 1");
+    ops[i] = ReplayOp{static_cast<ReplayOp::Kind>(k[i]), static_cast<uint32_t>(id[i]),
+                      static_cast<size_t>(sz[i]), static_cast<Stream>(st[i])};
+  }
+  return std::make_unique<ReplayTrace>(std::move(ops));
+}
+
+}  // namespace
+
+void bind_replay(py::module_& m) {
+  py::class_<ReplayTrace>(m, "ReplayTrace",
+                          "An allocation trace as allocator calls, ready to replay in C++.")
+      .def(py::init(&make_trace), py::arg("kinds"), py::arg("ids"), py::arg("sizes"),
+           py::arg("streams"),
+           "Four equal-length integer buffers, one entry per call: kind (1 alloc, 2 free), "
+           "id (a slot naming the allocation, below the number of ops), size (requested bytes; ignored "
+           "for frees) and stream (for allocs). ValueError names the first bad entry.")
+      .def("__len__", &ReplayTrace::size)
+      .def_property_readonly("allocs", &ReplayTrace::allocs, "Alloc ops in the trace.")
+      .def_property_readonly("slots", &ReplayTrace::slots, "One more than the largest id.");
+
+  py::class_<Replayer>(m, "Replayer",
+                       "Runs a ReplayTrace against an Allocator, wholly in C++.")
+      .def(py::init<Allocator&, const ReplayTrace&, bool, size_t>(), py::arg("allocator"),
+           py::arg("trace"), py::arg("stop_on_oom") = false, py::arg("timeline_points") = 0,
+           py::keep_alive<1, 2>(), py::keep_alive<1, 3>(),
+           "stop_on_oom: stop at the first allocation that fails instead of skipping it "
+           "(and its free). timeline_points: how many samples of (live, reserved) to keep.")
+      .def(
+          "run",
+          [](Replayer& r, py::object stop) {
+            size_t s = stop.is_none() ? SIZE_MAX : stop.cast<size_t>();
+            py::gil_scoped_release release;
+            return r.run(s);
+          },
+          py::arg("stop") = py::none(),
+          "Runs the ops from position up to stop (default: the end), without the GIL. "
+          "False if it stopped at an out-of-memory (stop_on_oom).")
+      .def_property_readonly("position", &Replayer::position, "The next op to run.")
+      .def_property_readonly("mallocs", &Replayer::mallocs, "Allocations served.")
+      .def_property_readonly("frees", &Replayer::frees)
+      .def_property_readonly("ooms", &Replayer::ooms, "Allocations the allocator refused.")
+      .def_property_readonly("skipped_frees", &Replayer::skipped_frees,
+                             "Frees of refused allocations, not made.")
+      .def_property_readonly("first_oom_op", &Replayer::first_oom_op, "-1 if none.")
+      .def_property_readonly("live_bytes", &Replayer::live_bytes,
+                             "Requested bytes the allocator holds for the trace now.")
+      .def_property_readonly("peak_live_bytes", &Replayer::peak_live_bytes)
+      .def_property_readonly("seconds", &Replayer::seconds, "Wall seconds spent in run().")
+      .def(
+          "timeline",
+          [](const Replayer& r) {
+            py::list out;
+            for (const TimelinePoint& p : r.timeline())
+              out.append(py::make_tuple(p.op, p.live_max, p.reserved, p.allocated));
+            return out;
+          },
+          "[(op, most live bytes since the previous point, reserved bytes, allocated bytes)]");
+}
+
+}  // namespace pyalloc

@@ -1,0 +1,251 @@
+"""Recording a program's allocation requests as a memory snapshot.
+
+``pyalloc record -o OUT.pickle[.gz] -- python script.py [args]`` runs the
+script in this process, as ``__main__``, and writes what it asked the
+allocator for in PyTorch's memory-snapshot format, which ``pyalloc replay``
+(and pytorch.org/memory_viz) read:
+
+- On a GPU, pyalloc is installed as torch's CUDA allocator and its own history
+  is recorded and dumped (``pyalloc.install``, ``record_history``,
+  ``dump_snapshot``): the snapshot then has pyalloc's segments too.
+- On a CPU, the script runs under ``torch.profiler.profile(profile_memory=True)``
+  and the profiler's allocation events (address, bytes, time) become ``alloc``,
+  ``free_requested`` and ``free_completed`` events on stream 0, with no
+  segments: every request the CPU run made, with its exact size, in order.
+  A CPU run makes somewhat different temporaries than a CUDA run of the same
+  model; the pattern of sizes, order and lifetimes is the program's own.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import runpy
+import shutil
+import sys
+import tempfile
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .snapshot_io import write_snapshot
+
+__all__ = ["RecordError", "add_arguments", "main", "profiler_snapshot", "record_program", "run_program"]
+
+_PYTHON_FLAGS_WITH_VALUE = ("-X", "-W")
+_PYTHON_FLAGS = ("-u", "-B", "-O", "-OO", "-E", "-s", "-S", "-I", "-q")
+
+
+class RecordError(RuntimeError):
+    """The program cannot be recorded as asked; the message says why."""
+
+
+# ---------------------------------------------------------------------------
+# Running the program in this process
+
+
+def parse_command(argv: List[str]) -> Tuple[str, str, List[str]]:
+    """("path" or "module", target, args) from ``python [flags] script.py args``,
+    ``python -m module args`` or ``script.py args``."""
+    argv = list(argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise RecordError("no program given: pyalloc record -o OUT.pickle -- python script.py [args]")
+    if os.path.basename(argv[0]).startswith("python"):
+        rest = argv[1:]
+        while rest and rest[0].startswith("-") and rest[0] != "-m":
+            flag = rest.pop(0)
+            if flag in _PYTHON_FLAGS_WITH_VALUE and rest:
+                rest.pop(0)
+            elif flag not in _PYTHON_FLAGS and not flag.startswith(_PYTHON_FLAGS_WITH_VALUE):
+                raise RecordError(f"unsupported Python option {flag!r}: the program runs inside this process")
+        if rest[:1] == ["-m"] and len(rest) >= 2:
+            return "module", rest[1], rest[2:]
+        if rest and not rest[0].startswith("-"):
+            return "path", rest[0], rest[1:]
+        raise RecordError("expected 'python script.py [args]' or 'python -m module [args]'")
+    if argv[0].endswith(".py"):
+        return "path", argv[0], argv[1:]
+    raise RecordError(
+        f"only Python programs can be recorded (they run inside this process), not {argv[0]!r}"
+    )
+
+
+def run_program(argv: List[str]) -> int:
+    """Runs ``python script.py args`` (or ``-m module``) as ``__main__`` in this
+    process; its exit status. An exception in the program is printed, status 1."""
+    kind, target, args = parse_command(argv)
+    if kind == "path" and not os.path.isfile(target):
+        raise RecordError(f"{target}: no such script")
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    try:
+        if kind == "path":
+            sys.argv = [target] + args
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+        else:
+            sys.argv = [target] + args
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    except Exception:
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# CPU: the profiler's memory events
+
+
+def profiler_snapshot(prof: Any, source: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """A memory snapshot from a finished ``torch.profiler.profile(profile_memory=True)``:
+    its CPU allocation events as alloc / free_requested / free_completed on stream 0."""
+    try:
+        from torch._C._profiler import _EventType
+
+        roots = prof.profiler.kineto_results.experimental_event_tree()
+    except (AttributeError, ImportError) as e:
+        raise RecordError(f"this torch's profiler does not expose its allocation events ({e})") from None
+    found: List[Tuple[int, int, int, int]] = []  # (time ns, order, ptr, signed bytes)
+    stack = list(reversed(roots))
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            f = node.extra_fields
+            if f.device.type == "cpu" and f.alloc_size != 0:
+                found.append((node.start_time_ns, len(found), f.ptr, f.alloc_size))
+        stack.extend(reversed(node.children))
+    found.sort()  # by time; events of the same nanosecond keep their tree order
+    t0 = found[0][0] if found else 0
+    events: List[Dict[str, Any]] = []
+    for t, _, ptr, nbytes in found:
+        us = (t - t0) // 1000
+        if nbytes > 0:
+            events.append(_event("alloc", ptr, nbytes, us))
+        else:
+            # A CPU free is done when it returns: requested and completed at once.
+            events.append(_event("free_requested", ptr, -nbytes, us))
+            events.append(_event("free_completed", ptr, -nbytes, us))
+    return {
+        "segments": [],
+        "device_traces": [events],
+        "allocator_settings": {},
+        "pyalloc_source": dict(source or {}),
+    }
+
+
+def _event(action: str, addr: int, size: int, time_us: int) -> Dict[str, Any]:
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": time_us, "frames": []}
+
+
+def record_cpu(run: Callable[[], Any], source: Optional[Dict[str, Any]] = None) -> Tuple[Any, Dict[str, Any]]:
+    """Runs ``run()`` under the profiler; (its return value, the snapshot)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+        value = run()
+    meta = {"recorded_on": "cpu, torch.profiler profile_memory", "torch": str(torch.__version__)}
+    meta.update(source or {})
+    return value, profiler_snapshot(prof, meta)
+
+
+# ---------------------------------------------------------------------------
+# GPU: pyalloc's own history
+
+
+def record_cuda(run: Callable[[], Any], output: str) -> Any:
+    """Runs ``run()`` with pyalloc as torch's CUDA allocator, recording its
+    history, and dumps the snapshot to ``output``; run()'s return value."""
+    import pyalloc
+
+    hooks = [getattr(pyalloc, n, None) for n in ("install", "record_history", "dump_snapshot")]
+    if any(h is None for h in hooks):
+        raise RecordError(
+            "recording on a GPU needs pyalloc.install, pyalloc.record_history and "
+            "pyalloc.dump_snapshot, which this build lacks; record on the CPU with --device cpu"
+        )
+    install, record_history, dump_snapshot = hooks
+    install()
+    record_history(True)
+    value = run()
+    if not output.endswith(".gz"):
+        dump_snapshot(output)
+        return value
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = os.path.join(tmp, "snapshot.pickle")
+        dump_snapshot(plain)
+        with open(plain, "rb") as src, open(output, "wb") as raw, \
+                gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as dst:
+            shutil.copyfileobj(src, dst)
+    return value
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def record_program(argv: List[str], output: str, device: str = "auto") -> int:
+    """Records ``python script.py args`` into ``output``; the program's exit status.
+
+    device: "cuda" (pyalloc's history), "cpu" (the profiler), or "auto" (cuda
+    when torch sees a GPU).
+    """
+    argv = list(argv[1:] if argv[:1] == ["--"] else argv)
+    parse_command(argv)  # a bad command line fails before anything runs
+    if device == "auto":
+        device = "cuda" if _cuda_available() else "cpu"
+    if device == "cuda":
+        return record_cuda(lambda: run_program(argv), output)
+    status, snapshot = record_cpu(lambda: run_program(argv), {"command": list(argv)})
+    write_snapshot(snapshot, output)
+    return status
+
+
+# ---------------------------------------------------------------------------
+# Command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-o", "--output", required=True, metavar="OUT.pickle",
+                        help="where to write the snapshot (.pickle, or .pickle.gz compressed)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="cuda: pyalloc's own history on the GPU; cpu: torch.profiler's memory "
+                             "events; auto (default): cuda when torch sees a GPU")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- python script.py [args]",
+                        help="the program to record, run inside this process")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        status = record_program(args.command, args.output, args.device)
+    except RecordError as e:
+        print(f"pyalloc record: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"pyalloc record: error: {e}", file=sys.stderr)
+        return 1
+    events = _count_events(args.output)
+    print(f"pyalloc record: wrote {args.output} ({events} events)", file=sys.stderr)
+    return status
+
+
+def _count_events(path: str) -> str:
+    from .snapshot_io import TraceError, load_snapshot
+
+    try:
+        return str(sum(len(t) for t in load_snapshot(path)["device_traces"]))
+    except TraceError:
+        return "?"

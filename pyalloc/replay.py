@@ -1,0 +1,565 @@
+"""Replaying recorded allocation traces through pyalloc, with no GPU.
+
+``pyalloc replay FILE...`` (or ``replay()`` from Python) answers "would pyalloc
+have held this run, and in how much memory?" for PyTorch memory snapshots:
+
+1. ``snapshot_io`` loads the file safely and reduces it to flat event arrays.
+2. ``plan_trace`` resolves addresses into allocations. Addresses are reused,
+   so identity follows event order: each alloc opens a new allocation at its
+   address, the next free of that address closes it. The history is a ring
+   buffer, so blocks live before it began are allocated first: the final
+   segments' active blocks whose address no alloc or free of the trace
+   mentions, and every free with no alloc before it. Each allocation stays on
+   its stream. A block is freed at its ``free_completed`` (when the stream work
+   using it was done), or at its ``free_requested`` when the trace has no
+   completion for it.
+3. The C++ replayer (csrc/replay.h) runs the calls against pyalloc's core on
+   the virtual backend, which hands out addresses only: the whole trace in one
+   call, without the GIL.
+4. The same replay, bounded by a capacity, finds by bisection the smallest
+   budget under which pyalloc serves the whole trace, to within 1%.
+
+Beside pyalloc's figures stands the trace's own: the peak of live (requested)
+bytes, the least any allocator must hold, and, when the snapshot has segments,
+the reserved bytes of the allocator that recorded it (PyTorch's native one for
+snapshots of torch.cuda.memory), followed event by event from the final
+segments back.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from array import array
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+from . import _C
+from ._config import as_size, conf_string
+from .snapshot_io import (
+    ALLOC,
+    FREE_COMPLETED,
+    FREE_REQUESTED,
+    OOM,
+    SEGMENT_ALLOC,
+    SEGMENT_FREE,
+    SEGMENT_MAP,
+    SEGMENT_UNMAP,
+    Trace,
+    TraceError,
+    load_snapshot,
+    read_trace,
+)
+
+__all__ = ["ReplayPlan", "ReplayResult", "TraceError", "add_arguments", "main", "plan_trace", "replay"]
+
+_KIND_ALLOC, _KIND_FREE, _KIND_NONE = 1, 2, 0
+
+#: The budget search stops once the bracket is this fraction of its upper end.
+BUDGET_PRECISION = 0.01
+
+#: Traces with at least this many events get a progress bar on a terminal.
+PROGRESS_MIN_EVENTS = 200_000
+
+
+# ---------------------------------------------------------------------------
+# From events to allocator calls
+
+
+@dataclass
+class ReplayPlan:
+    """A trace as allocator calls: op i is ``kinds[i]`` (1 alloc, 2 free) of
+    allocation ``ids[i]``, of ``sizes[i]`` requested bytes, on ``streams[i]``,
+    standing for trace event ``events[i]`` (-1: a block live before the trace)."""
+
+    kinds: array
+    ids: array
+    sizes: array
+    streams: array
+    events: array
+    allocs: int = 0                 # alloc events in the trace
+    preexisting_blocks: int = 0     # allocated first, live before the trace
+    preexisting_bytes: int = 0
+    missed_frees: int = 0           # allocs at an address still live (its free is missing)
+    stray_frees: int = 0            # frees of an address already freed
+    frees_at_request: int = 0       # freed at free_requested: no completion followed
+    pending_at_end: int = 0         # free requested, not completed when the trace ends
+    stream_count: int = 0
+    peak_live_bytes: int = 0
+    peak_live_op: int = -1
+    native_start_bytes: Optional[int] = None
+    native_peak_reserved_bytes: Optional[int] = None
+    native_points: List[Tuple[int, int]] = field(default_factory=list)  # (event, reserved after it)
+    native_ooms: int = 0
+
+    def __len__(self) -> int:
+        return len(self.kinds)
+
+
+def plan_trace(trace: Trace) -> ReplayPlan:
+    """Resolves a trace's addresses into allocations (see the module docstring)."""
+    actions, addrs, sizes, streams = trace.actions, trace.addrs, trace.sizes, trace.streams
+    uses_completions = FREE_COMPLETED in actions
+    plan = ReplayPlan(array("B"), array("I"), array("Q"), array("Q"), array("q"))
+    kinds: List[int] = []
+    ids: List[int] = []
+    events: List[int] = []
+    size_of: List[int] = []   # by id: requested bytes
+    stream_of: List[int] = []
+    # addr -> [id, op of its free_requested or -1], or None once freed
+    state: Dict[int, Optional[List[int]]] = {}
+    early: List[Tuple[int, int]] = []  # (addr, id) of blocks live before the trace
+
+    def new_id(size: int, stream: int) -> int:
+        size_of.append(size)
+        stream_of.append(stream)
+        return len(size_of) - 1
+
+    def emit(kind: int, id_: int, event: int) -> int:
+        kinds.append(kind)
+        ids.append(id_)
+        events.append(event)
+        return len(kinds) - 1
+
+    for i in range(len(actions)):
+        code = actions[i]
+        if code == ALLOC:
+            addr = addrs[i]
+            cur = state.get(addr)
+            if cur is not None:
+                if cur[1] >= 0:  # freed at its request: the completion never came
+                    kinds[cur[1]] = _KIND_FREE
+                    plan.frees_at_request += 1
+                else:
+                    emit(_KIND_FREE, cur[0], i)
+                    plan.missed_frees += 1
+            id_ = new_id(sizes[i], streams[i])
+            emit(_KIND_ALLOC, id_, i)
+            state[addr] = [id_, -1]
+            plan.allocs += 1
+        elif code == FREE_REQUESTED or code == FREE_COMPLETED:
+            addr = addrs[i]
+            if addr in state:
+                cur = state[addr]
+                if cur is None:
+                    plan.stray_frees += 1
+                    continue
+            else:
+                cur = [new_id(sizes[i], streams[i]), -1]
+                early.append((addr, cur[0]))
+                state[addr] = cur
+            if code == FREE_REQUESTED:
+                if cur[1] >= 0:
+                    plan.stray_frees += 1
+                elif uses_completions:
+                    cur[1] = emit(_KIND_NONE, cur[0], i)
+                else:
+                    emit(_KIND_FREE, cur[0], i)
+                    state[addr] = None
+            else:
+                emit(_KIND_FREE, cur[0], i)
+                state[addr] = None
+        elif code == OOM:
+            plan.native_ooms += 1
+    plan.pending_at_end = sum(1 for cur in state.values() if cur is not None and cur[1] >= 0)
+
+    # The final segments' live blocks that no event explains were live throughout.
+    for addr, requested, stream in trace.live_blocks:
+        if addr not in state:
+            early.append((addr, new_id(requested, stream)))
+    early.sort()
+    plan.preexisting_blocks = len(early)
+    plan.preexisting_bytes = sum(size_of[id_] for _, id_ in early)
+
+    # Blocks live before the trace come first, in address order, then the trace's calls.
+    for kind, id_, event in [(_KIND_ALLOC, id_, -1) for _, id_ in early] + list(zip(kinds, ids, events)):
+        if kind == _KIND_NONE:
+            continue
+        plan.kinds.append(kind)
+        plan.ids.append(id_)
+        plan.sizes.append(size_of[id_])
+        plan.streams.append(stream_of[id_])
+        plan.events.append(event)
+    plan.stream_count = len(set(stream_of))
+    _measure_live(plan)
+    _follow_native(plan, trace)
+    return plan
+
+
+def _measure_live(plan: ReplayPlan) -> None:
+    live = peak = 0
+    peak_op = -1
+    for op, (kind, size) in enumerate(zip(plan.kinds, plan.sizes)):
+        if kind == _KIND_ALLOC:
+            live += size
+            if live > peak:
+                peak, peak_op = live, op
+        else:
+            live -= size
+    plan.peak_live_bytes, plan.peak_live_op = peak, peak_op
+
+
+def _follow_native(plan: ReplayPlan, trace: Trace) -> None:
+    """The recording allocator's reserved bytes, from the final segments back to the
+    start of the trace, then forward event by event."""
+    grow, shrink = (SEGMENT_ALLOC, SEGMENT_MAP), (SEGMENT_FREE, SEGMENT_UNMAP)
+    changes = [
+        (i, size if code in grow else -size)
+        for i, (code, size) in enumerate(zip(trace.actions, trace.sizes))
+        if code in grow or code in shrink
+    ]
+    if trace.segments == 0 and not changes:
+        return  # nothing says what the recording allocator held
+    start = trace.segments_bytes - sum(delta for _, delta in changes)
+    if start < 0:
+        return  # segments and events disagree: no trustworthy figure
+    reserved = peak = start
+    for i, delta in changes:
+        reserved += delta
+        peak = max(peak, reserved)
+        plan.native_points.append((i, reserved))
+    plan.native_start_bytes = start
+    plan.native_peak_reserved_bytes = peak
+
+
+# ---------------------------------------------------------------------------
+# Running the plan
+
+
+@dataclass
+class ReplayResult:
+    """What one trace's replay found. Byte counts are bytes; ratios are to peak live."""
+
+    trace: str
+    device: int
+    events: int
+    allocs: int
+    frees: int
+    streams: int
+    peak_live_bytes: int
+    pyalloc_peak_reserved_bytes: int
+    pyalloc_ratio: Optional[float]
+    pyalloc_min_budget_bytes: Optional[int]
+    native_peak_reserved_bytes: Optional[int]
+    native_ratio: Optional[float]
+    fragmentation_at_peak: Dict[str, Any]
+    preexisting_blocks: int
+    preexisting_bytes: int
+    missed_frees: int
+    stray_frees: int
+    frees_at_request: int
+    native_ooms: int
+    config: str
+    budget_bytes: Optional[int] = None
+    budget_ooms: Optional[int] = None
+    budget_peak_reserved_bytes: Optional[int] = None
+    replay_seconds: float = 0.0
+    events_per_second: Optional[float] = None
+    calls_per_second: Optional[float] = None
+    search_replays: int = 0
+    ignored_actions: Dict[str, int] = field(default_factory=dict)
+    timeline: Dict[str, List[int]] = field(default_factory=dict, repr=False)
+    native_timeline: Dict[str, List[int]] = field(default_factory=dict, repr=False)
+
+    def to_dict(self, timelines: bool = False) -> Dict[str, Any]:
+        """A JSON-ready dict; the timelines only if asked for."""
+        d = asdict(self)
+        if not timelines:
+            d.pop("timeline")
+            d.pop("native_timeline")
+        return d
+
+
+def replay(
+    source: Union[str, "os.PathLike[str]", Dict[str, Any], Trace],
+    config: Optional[str] = None,
+    budget: Union[int, str, None] = None,
+    *,
+    device: Optional[int] = None,
+    search: bool = True,
+    timeline_points: int = 2000,
+    name: Optional[str] = None,
+    progress: Optional[bool] = None,
+) -> ReplayResult:
+    """Replays a memory snapshot through pyalloc on the virtual backend.
+
+    Args:
+        source: a snapshot file (``.pickle`` / ``.pickle.gz``), a loaded snapshot
+            dict, or a ``snapshot_io.Trace``.
+        config: pyalloc configuration, ``"key:value,..."``.
+        budget: bytes (or ``"80GiB"``) the simulated device holds for an extra
+            replay that counts the allocations refused under it.
+        device: which of the snapshot's devices (default: the one with most events).
+        search: find the smallest budget that replays without an OOM.
+        timeline_points: samples of live and reserved bytes to keep for plots.
+        name: what to call the trace in results (default: the file name).
+        progress: show progress bars (default: on a terminal, for long traces).
+
+    Raises TraceError for a malformed trace, ValueError for a bad config or budget.
+    """
+    conf = conf_string(config)
+    budget_bytes = None if budget is None else as_size(budget, "budget")
+    if budget_bytes == 0:
+        raise ValueError("budget must be at least 1 byte (a device of 0 bytes holds nothing)")
+    bars = _Bars(progress, name or (os.fspath(source) if isinstance(source, (str, os.PathLike)) else "trace"))
+    try:
+        if isinstance(source, Trace):
+            trace = source
+        elif isinstance(source, dict):
+            trace = read_trace(source, device, name=name)
+        else:
+            path = os.fspath(source)
+            snapshot = load_snapshot(path, progress=bars.bytes(_file_size(path)))
+            events = bars.events(_event_count(snapshot, device))
+            trace = read_trace(snapshot, device, name=name or path, progress=events)
+        bars.close()
+        return _replay_trace(trace, conf, budget_bytes, search, timeline_points, bars)
+    finally:
+        bars.close()
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0  # load_snapshot says what is wrong with it
+
+
+def _event_count(snapshot: Dict[str, Any], device: Optional[int]) -> int:
+    traces = snapshot["device_traces"]
+    if device is None:
+        return max((len(t) for t in traces), default=0)
+    return len(traces[device]) if 0 <= device < len(traces) else 0
+
+
+def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
+                  timeline_points: int, bars: "_Bars") -> ReplayResult:
+    plan = plan_trace(trace)
+    calls = _C.ReplayTrace(plan.kinds, plan.ids, plan.sizes, plan.streams)
+
+    # The main replay, unbounded, paused at peak live to look at the pool.
+    allocator = _C.Allocator("virtual", conf, 0)
+    main = _C.Replayer(allocator, calls, False, timeline_points)
+    frag: Dict[str, Any] = {}
+    if plan.peak_live_op >= 0:
+        main.run(plan.peak_live_op + 1)
+        frag = _fragmentation(allocator, plan, main)
+    main.run()
+    stats = allocator.stats()
+    peak_reserved = stats["reserved_bytes.all.peak"]
+
+    min_budget, replays = None, 0
+    if search and main.ooms == 0:
+        min_budget, replays = _min_budget(calls, conf, plan.peak_live_bytes, peak_reserved, bars)
+
+    result = ReplayResult(
+        trace=trace.name,
+        device=trace.device,
+        events=len(trace),
+        allocs=plan.allocs,
+        frees=main.frees + main.skipped_frees,
+        streams=plan.stream_count,
+        peak_live_bytes=plan.peak_live_bytes,
+        pyalloc_peak_reserved_bytes=peak_reserved,
+        pyalloc_ratio=_ratio(peak_reserved, plan.peak_live_bytes),
+        pyalloc_min_budget_bytes=min_budget,
+        native_peak_reserved_bytes=plan.native_peak_reserved_bytes,
+        native_ratio=_ratio(plan.native_peak_reserved_bytes, plan.peak_live_bytes),
+        fragmentation_at_peak=frag,
+        preexisting_blocks=plan.preexisting_blocks,
+        preexisting_bytes=plan.preexisting_bytes,
+        missed_frees=plan.missed_frees,
+        stray_frees=plan.stray_frees,
+        frees_at_request=plan.frees_at_request,
+        native_ooms=plan.native_ooms,
+        config=conf,
+        replay_seconds=main.seconds,
+        events_per_second=len(trace) / main.seconds if main.seconds > 0 else None,
+        calls_per_second=len(plan) / main.seconds if main.seconds > 0 else None,
+        search_replays=replays,
+        ignored_actions=dict(trace.ignored_actions),
+        timeline=_timeline(main, plan),
+        native_timeline=_native_timeline(plan, len(trace)),
+    )
+    if budget is not None:
+        result.budget_bytes = budget
+        try:
+            bounded = _C.Allocator("virtual", conf, budget)
+        except _C.OutOfMemoryError:  # pool_size alone does not fit: every request fails
+            result.budget_ooms = calls.allocs
+            result.budget_peak_reserved_bytes = 0
+        else:
+            run = _C.Replayer(bounded, calls, False, 0)
+            run.run()
+            result.budget_ooms = run.ooms
+            result.budget_peak_reserved_bytes = bounded.stats()["reserved_bytes.all.peak"]
+    return result
+
+
+def _fragmentation(allocator: Any, plan: ReplayPlan, run: Any) -> Dict[str, Any]:
+    f = allocator.fragmentation()
+    reserved = f["reserved_bytes"]
+    return {
+        "event": max(plan.events[plan.peak_live_op], 0),
+        "live_bytes": run.live_bytes,
+        "reserved_bytes": reserved,
+        "allocated_bytes": f["allocated_bytes"],
+        "free_bytes": f["free_bytes"],
+        "largest_free_block": f["largest_free_block"],
+        "free_blocks": f["free_blocks"],
+        "external_fragmentation": f["external_fragmentation"],
+        "unused_fraction": 1.0 - run.live_bytes / reserved if reserved else 0.0,
+    }
+
+
+def _fits(calls: Any, conf: str, capacity: int) -> bool:
+    """Whether the whole trace replays within `capacity` bytes without an OOM."""
+    try:
+        allocator = _C.Allocator("virtual", conf, capacity)
+    except _C.OutOfMemoryError:  # pool_size alone does not fit
+        return False
+    return _C.Replayer(allocator, calls, True, 0).run()
+
+
+def _min_budget(calls: Any, conf: str, peak_live: int, peak_reserved: int,
+                bars: "_Bars") -> Tuple[int, int]:
+    """Bisection on the backend's capacity, between peak live (too little: the
+    live bytes alone need that much) and the unbounded replay's peak reserved
+    (enough: the same replay never reserved more). Returns (budget, replays)."""
+    if peak_live == 0:
+        return 0, 0
+    lo, hi = peak_live - 1, peak_reserved
+    replays = 0
+    bar = bars.search()
+    while hi - lo > hi * BUDGET_PRECISION:
+        mid = (lo + hi) // 2
+        replays += 1
+        if _fits(calls, conf, mid):
+            hi = mid
+        else:
+            lo = mid
+        if bar is not None:
+            bar.update(1)
+    return hi, replays
+
+
+def _ratio(num: Optional[int], den: int) -> Optional[float]:
+    return None if num is None or den == 0 else num / den
+
+
+def _timeline(run: Any, plan: ReplayPlan) -> Dict[str, List[int]]:
+    points = run.timeline()
+    return {
+        "event": [max(plan.events[op], 0) for op, _, _, _ in points],
+        "live_bytes": [live for _, live, _, _ in points],
+        "reserved_bytes": [reserved for _, _, reserved, _ in points],
+    }
+
+
+def _native_timeline(plan: ReplayPlan, events: int) -> Dict[str, List[int]]:
+    if plan.native_start_bytes is None:
+        return {}
+    points = [(0, plan.native_start_bytes)] + plan.native_points
+    points.append((max(events - 1, 0), points[-1][1]))
+    return {"event": [e for e, _ in points], "reserved_bytes": [r for _, r in points]}
+
+
+class _Bars:
+    """tqdm progress bars on stderr: by default only on a terminal and only for
+    long traces (short ones replay faster than a bar can draw)."""
+
+    def __init__(self, enabled: Optional[bool], label: str) -> None:
+        self._enabled = enabled
+        self._label = os.path.basename(label)
+        self._long = False
+        self._bar: Any = None
+
+    def _want(self, long: bool) -> bool:
+        if self._enabled is not None:
+            return self._enabled
+        return long and sys.stderr.isatty()
+
+    def _open(self, **kwargs: Any) -> Any:
+        self.close()
+        from tqdm import tqdm
+
+        self._bar = tqdm(file=sys.stderr, leave=False, dynamic_ncols=True, **kwargs)
+        return self._bar
+
+    def bytes(self, total: int) -> Optional[Callable[[int], Any]]:
+        # A snapshot with stack frames takes a few hundred bytes per event.
+        if not self._want(total >= PROGRESS_MIN_EVENTS * 100):
+            return None
+        return self._open(total=total, unit="B", unit_scale=True, desc=f"load {self._label}").update
+
+    def events(self, count: int) -> Optional[Callable[[int], Any]]:
+        self._long = count >= PROGRESS_MIN_EVENTS
+        if not self._want(self._long):
+            return None
+        return self._open(total=count, unit="ev", unit_scale=True, desc=f"read {self._label}").update
+
+    def search(self) -> Any:
+        if not self._want(self._long):
+            return None
+        return self._open(desc=f"budget search {self._label}", unit="replay")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+# ---------------------------------------------------------------------------
+# Command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="+", metavar="FILE",
+                        help="memory snapshots (.pickle or .pickle.gz) as torch.cuda.memory._dump_snapshot "
+                             "or pyalloc record writes them")
+    parser.add_argument("--config", default=None, metavar="CONF",
+                        help="pyalloc configuration, 'key:value,...' (e.g. 'segment_size:64MiB')")
+    parser.add_argument("--budget", default=None, metavar="SIZE",
+                        help="also replay on a device of SIZE (e.g. 80GiB) and count the OOMs")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
+    parser.add_argument("--plot", default=None, metavar="OUT.png",
+                        help="plot reserved and live bytes over each trace (matplotlib)")
+    parser.add_argument("--device", type=int, default=None,
+                        help="which device's trace (default: the one with most events)")
+    parser.add_argument("--no-search", action="store_true",
+                        help="skip the search for the smallest budget")
+
+
+def main(args: argparse.Namespace) -> int:
+    from .replay_report import format_table, plot_results
+
+    try:
+        conf_string(args.config)
+        budget = None if args.budget is None else as_size(args.budget, "--budget")
+        if budget == 0:
+            raise ValueError("--budget must be at least 1 byte")
+    except (TypeError, ValueError) as e:
+        print(f"pyalloc replay: error: {e}", file=sys.stderr)
+        return 2
+    results: List[ReplayResult] = []
+    failed = 0
+    for path in args.files:
+        try:
+            results.append(replay(path, args.config, budget, device=args.device, search=not args.no_search))
+        except TraceError as e:
+            print(f"pyalloc replay: error: {e}", file=sys.stderr)
+            failed += 1
+    if results:
+        print(format_table(results))
+    try:
+        if args.json is not None:
+            with open(args.json, "w") as f:
+                json.dump([r.to_dict() for r in results], f, indent=1)
+                f.write("\n")
+        if args.plot is not None and results:
+            plot_results(results, args.plot)
+    except (OSError, ImportError) as e:
+        print(f"pyalloc replay: error: {e}", file=sys.stderr)
+        return 1
+    return 1 if failed else 0

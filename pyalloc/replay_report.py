@@ -1,0 +1,123 @@
+"""Showing replay results: the table (plain text or markdown) and the plot.
+
+Kept apart from replay.py so that the replay itself never imports matplotlib.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence
+
+from ._C import format_bytes
+from .replay import ReplayResult
+
+__all__ = ["COLUMNS", "LEGEND", "format_table", "plot_results"]
+
+COLUMNS = [
+    "trace",
+    "events",
+    "allocs",
+    "peak live",
+    "pyalloc reserved",
+    "ratio",
+    "min budget",
+    "native reserved",
+    "native ratio",
+    "frag at peak",
+]
+
+LEGEND = (
+    "peak live: most requested bytes live at once, the least any allocator must hold. "
+    "pyalloc reserved: pyalloc's peak reserved bytes replaying the trace (ratio: to peak live). "
+    "min budget: the smallest device size under which pyalloc replays the trace without an OOM "
+    "(bisection, within 1%). native reserved: peak reserved bytes of the allocator that recorded "
+    "the trace, from its segments ('-' where the trace has none). frag at peak: at peak live, "
+    "1 - largest free block / free bytes in pyalloc's pool."
+)
+
+
+def _bytes(n: Optional[int]) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def _ratio(r: Optional[float]) -> str:
+    return "-" if r is None else f"{r:.3f}"
+
+
+def _row(r: ReplayResult, with_budget: bool) -> List[str]:
+    frag = r.fragmentation_at_peak.get("external_fragmentation")
+    row = [
+        os.path.basename(r.trace),
+        str(r.events),
+        str(r.allocs),
+        _bytes(r.peak_live_bytes),
+        _bytes(r.pyalloc_peak_reserved_bytes),
+        _ratio(r.pyalloc_ratio),
+        _bytes(r.pyalloc_min_budget_bytes),
+        _bytes(r.native_peak_reserved_bytes),
+        _ratio(r.native_ratio),
+        "-" if frag is None else f"{frag:.1%}",
+    ]
+    if with_budget:
+        row.append("-" if r.budget_ooms is None else str(r.budget_ooms))
+    return row
+
+
+def format_table(results: Sequence[ReplayResult], markdown: bool = False) -> str:
+    """One row per trace. Adds an 'OOMs at budget' column when any replay had a budget."""
+    with_budget = any(r.budget_bytes is not None for r in results)
+    header = list(COLUMNS)
+    if with_budget:
+        budgets = {r.budget_bytes for r in results if r.budget_bytes is not None}
+        header.append(f"OOMs at {format_bytes(budgets.pop())}" if len(budgets) == 1 else "OOMs at budget")
+    rows = [_row(r, with_budget) for r in results]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join(lines)
+    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    # Names on the left, numbers on the right.
+    def fmt(row: List[str]) -> str:
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        return "  ".join(cells).rstrip()
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([fmt(header), rule] + [fmt(row) for row in rows])
+
+
+def plot_results(results: Sequence[ReplayResult], path: str) -> None:
+    """Reserved and live bytes over each trace, one panel per trace, to an image file."""
+    # The object API with the Agg canvas: no pyplot, so no display and no global state.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 3.2 * len(results)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(results), 1, squeeze=False)[:, 0]
+    for ax, r in zip(axes, results):
+        scale, unit = _unit(max(r.pyalloc_peak_reserved_bytes, r.native_peak_reserved_bytes or 0))
+        t = r.timeline
+        if t:
+            ax.plot(t["event"], [v / scale for v in t["reserved_bytes"]], label="pyalloc reserved",
+                    color="tab:blue", drawstyle="steps-post")
+            ax.plot(t["event"], [v / scale for v in t["live_bytes"]], label="live (requested)",
+                    color="tab:gray", linewidth=0.8)
+        n = r.native_timeline
+        if n:
+            ax.plot(n["event"], [v / scale for v in n["reserved_bytes"]], label="native reserved",
+                    color="tab:orange", drawstyle="steps-post")
+        title = f"{os.path.basename(r.trace)}: pyalloc {_ratio(r.pyalloc_ratio)}x peak live"
+        if r.native_ratio is not None:
+            title += f", native {_ratio(r.native_ratio)}x"
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("trace event")
+        ax.set_ylabel(unit)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.savefig(path, dpi=110)
+
+
+def _unit(n: int):
+    for scale, unit in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= 4 * scale:
+            return scale, unit
+    return 1, "bytes"

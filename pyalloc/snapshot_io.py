@@ -1,0 +1,380 @@
+"""Reading and writing PyTorch memory snapshots, safely.
+
+A memory snapshot is the dict ``torch.cuda.memory._snapshot()`` returns, pickled
+by ``torch.cuda.memory._dump_snapshot`` (section 3 of the snapshot format:
+``segments`` and one trace per device in ``device_traces``). Files come from
+users, so they are read with an unpickler that refuses every class: a snapshot
+holds only dicts, lists, tuples, strings and numbers, and a pickle that names a
+class or function (``os.system``...) is rejected before anything runs. Gzip is
+detected by its magic bytes, decompressed output is capped, and every field the
+replay uses is checked, so a bad file ends in one ``TraceError`` naming the file
+and the problem.
+
+``read_trace`` reduces a snapshot to what a replay needs: the events of one
+device as flat integer arrays, and the blocks that are live in its final
+segments.
+"""
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import reprlib
+import zlib
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple, Union
+
+__all__ = [
+    "ACTIONS",
+    "MAX_SNAPSHOT_BYTES",
+    "Trace",
+    "TraceError",
+    "check_snapshot",
+    "load_snapshot",
+    "read_trace",
+    "write_snapshot",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: Decompressed size past which a file is refused (a gzip bomb, or not a snapshot).
+MAX_SNAPSHOT_BYTES = 16 << 30
+
+# Event codes in Trace.actions, by PyTorch's trace action names. OTHER stands for
+# entries a replay ignores ("snapshot", "user_defined", actions of newer releases).
+ALLOC, FREE_REQUESTED, FREE_COMPLETED = 0, 1, 2
+SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP = 3, 4, 5, 6
+OOM, OTHER = 7, 8
+
+ACTIONS: Dict[str, int] = {
+    "alloc": ALLOC,
+    "free_requested": FREE_REQUESTED,
+    "free_completed": FREE_COMPLETED,
+    "segment_alloc": SEGMENT_ALLOC,
+    "segment_free": SEGMENT_FREE,
+    "segment_map": SEGMENT_MAP,
+    "segment_unmap": SEGMENT_UNMAP,
+    "oom": OOM,
+}
+
+_U64 = 1 << 64
+_MAX_SIZE = 1 << 63
+_ACTIVE_STATES = ("active_allocated", "active_pending_free")
+_GZIP_MAGIC = b"\x1f\x8b"
+
+_short = reprlib.Repr()
+_short.maxstring = 40
+_short.maxother = 40
+
+
+class TraceError(ValueError):
+    """A trace that cannot be replayed. The message is one line: "FILE: problem"."""
+
+
+# ---------------------------------------------------------------------------
+# Loading
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    """Builds dicts, lists, tuples, strings and numbers; refuses everything else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        # Every route to a class or callable (GLOBAL, STACK_GLOBAL, INST, OBJ, EXT*)
+        # comes through here, so refusing here means nothing in the file can run.
+        raise pickle.UnpicklingError(
+            f"refers to {_short.repr(module)[1:-1]}.{_short.repr(name)[1:-1]}; "
+            "a memory snapshot holds only plain data, so classes and functions are refused"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("uses persistent ids, which a memory snapshot never does")
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _CappedReader:
+    """A read-only view of a binary stream that fails past `limit` bytes and
+    reports the bytes read from the underlying file to `progress`."""
+
+    def __init__(self, f: BinaryIO, limit: int) -> None:
+        self._f = f
+        self._left = limit
+
+    def _took(self, n: int) -> None:
+        self._left -= n
+        if self._left < 0:
+            raise _TooLarge()
+
+    def read(self, n: Optional[int] = -1) -> bytes:
+        want = self._left + 1 if n is None or n < 0 else min(n, self._left + 1)
+        data = self._f.read(want)
+        self._took(len(data))
+        return data
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = self._f.readinto(view[: self._left + 1]) or 0
+        self._took(n)
+        return n
+
+    def readline(self, size: Optional[int] = -1) -> bytes:
+        want = self._left + 1 if size is None or size < 0 else min(size, self._left + 1)
+        data = self._f.readline(want)
+        self._took(len(data))
+        return data
+
+
+class _Progress:
+    """Passes reads through to a file and reports how many bytes were read."""
+
+    def __init__(self, f: BinaryIO, report: Callable[[int], None]) -> None:
+        self._f = f
+        self._report = report
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self._report(len(data))
+        return data
+
+    def readinto(self, b: Any) -> int:
+        n = self._f.readinto(b) or 0
+        self._report(n)
+        return n
+
+    def readline(self, size: int = -1) -> bytes:
+        data = self._f.readline(size)
+        self._report(len(data))
+        return data
+
+
+def load_snapshot(
+    path: PathLike,
+    *,
+    max_bytes: int = MAX_SNAPSHOT_BYTES,
+    progress: Optional[Callable[[int], None]] = None,
+) -> Dict[str, Any]:
+    """Loads a memory snapshot (``.pickle`` or gzip-compressed ``.pickle.gz``).
+
+    Only plain data is built; a file that names any class or function, is
+    truncated, is not a pickle, decompresses to more than ``max_bytes``, or is
+    not a snapshot dict raises TraceError("PATH: problem"). ``progress`` is
+    called with the number of file bytes read, as they are read.
+    """
+    name = os.fspath(path)
+    try:
+        f = open(name, "rb")
+    except OSError as e:
+        raise TraceError(f"{name}: cannot open: {e.strerror or e}") from None
+    with f:
+        head = f.read(2)
+        f.seek(0)
+        if not head:
+            raise TraceError(f"{name}: the file is empty")
+        compressed = head == _GZIP_MAGIC
+        raw: Any = _Progress(f, progress) if progress is not None else f
+        stream: Any = gzip.GzipFile(fileobj=raw, mode="rb") if compressed else raw
+        try:
+            data = _PlainDataUnpickler(_CappedReader(stream, max_bytes)).load()
+        except _TooLarge:
+            what = "decompresses to" if compressed else "is"
+            raise TraceError(
+                f"{name}: {what} more than {max_bytes} bytes; not a memory snapshot this "
+                "tool will read"
+            ) from None
+        except (gzip.BadGzipFile, zlib.error) as e:
+            raise TraceError(f"{name}: corrupt gzip data ({_one_line(e)})") from None
+        except EOFError:
+            kind = "gzip stream" if compressed else "pickle"
+            raise TraceError(f"{name}: truncated {kind}: the file ends too early") from None
+        except pickle.UnpicklingError as e:
+            raise TraceError(f"{name}: {_pickle_problem(e, head, compressed)}") from None
+        except MemoryError:
+            raise TraceError(f"{name}: the pickle asks for more memory than there is") from None
+        except Exception as e:  # the unpickler's other complaints about malformed input
+            raise TraceError(
+                f"{name}: not a valid pickle ({type(e).__name__}: {_one_line(e)})"
+            ) from None
+    check_snapshot(data, name)
+    return data
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text[:200] if text else type(e).__name__
+
+
+def _pickle_problem(e: pickle.UnpicklingError, head: bytes, compressed: bool) -> str:
+    text = _one_line(e)
+    if text.startswith("refers to ") or text.startswith("uses persistent"):
+        return "refused: the pickle " + text
+    if "truncated" in text:
+        return "truncated pickle: the file ends too early"
+    if not compressed and head[:1] != b"\x80":
+        return f"not a pickle or gzip file (it starts with {head!r}): {text}"
+    return f"not a valid pickle: {text}"
+
+
+def check_snapshot(data: Any, name: str) -> None:
+    """The top-level layout of a memory snapshot, or TraceError."""
+    if not isinstance(data, dict):
+        raise TraceError(
+            f"{name}: not a memory snapshot: the pickle holds a {type(data).__name__}, "
+            "not a dict with 'segments' and 'device_traces'"
+        )
+    if "device_traces" not in data:
+        raise TraceError(
+            f"{name}: not a memory snapshot: no 'device_traces' (was the history recorded? "
+            "torch.cuda.memory._record_memory_history() must run before the workload)"
+        )
+    traces = data["device_traces"]
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        raise TraceError(f"{name}: 'device_traces' must be a list of lists of events")
+    if not isinstance(data.get("segments", []), list):
+        raise TraceError(f"{name}: 'segments' must be a list")
+
+
+def write_snapshot(snapshot: Dict[str, Any], path: PathLike) -> None:
+    """Writes a snapshot as torch does (a pickle); gzip-compressed if the name ends in .gz."""
+    name = os.fspath(path)
+    data = pickle.dumps(snapshot, protocol=4)
+    if name.endswith(".gz"):
+        # No name and mtime 0 in the header: the same snapshot always gives the same bytes.
+        with open(name, "wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as f:
+            f.write(data)
+    else:
+        with open(name, "wb") as f:
+            f.write(data)
+
+
+# ---------------------------------------------------------------------------
+# Reduction to arrays
+
+
+@dataclass
+class Trace:
+    """One device's events from a snapshot, as flat arrays (index = event order).
+
+    ``actions`` holds the codes of ``ACTIONS`` (OTHER for entries a replay
+    ignores); ``addrs``, ``sizes`` (bytes; the requested size for alloc/free)
+    and ``streams`` are 0 where an action has none. ``live_blocks`` are the
+    final segments' active blocks as (address, requested bytes, stream).
+    """
+
+    name: str
+    device: int
+    actions: array
+    addrs: array
+    sizes: array
+    streams: array
+    live_blocks: List[Tuple[int, int, int]] = field(default_factory=list)
+    segments: int = 0
+    segments_bytes: int = 0
+    ignored_actions: Dict[str, int] = field(default_factory=dict)
+    metadata: Dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+
+def read_trace(
+    source: Union[PathLike, Dict[str, Any]],
+    device: Optional[int] = None,
+    *,
+    name: Optional[str] = None,
+    progress: Optional[Callable[[int], None]] = None,
+) -> Trace:
+    """The trace of one device of a snapshot file (or an already loaded snapshot dict).
+
+    ``device`` defaults to the device with the most events. Raises TraceError
+    naming the file and the first malformed entry.
+    """
+    if isinstance(source, dict):
+        label = name or "<snapshot>"
+        check_snapshot(source, label)
+        snapshot = source
+    else:
+        label = name or os.fspath(source)
+        snapshot = load_snapshot(source)
+    traces = snapshot["device_traces"]
+    if device is None:
+        device = max(range(len(traces)), key=lambda d: len(traces[d]), default=0)
+    elif not 0 <= device < max(len(traces), 1):
+        raise TraceError(f"{label}: no device {device}; the snapshot has {len(traces)}")
+    entries = traces[device] if traces else []
+    trace = Trace(label, device, array("B"), array("Q"), array("Q"), array("Q"))
+    _read_events(trace, entries, progress)
+    _read_segments(trace, snapshot.get("segments", []), device)
+    trace.metadata = {
+        k: v for k, v in snapshot.items() if k not in ("segments", "device_traces")
+    }
+    return trace
+
+
+def _read_events(trace: Trace, entries: List[Any], progress: Optional[Callable[[int], None]]) -> None:
+    actions, addrs, sizes, streams = trace.actions, trace.addrs, trace.sizes, trace.streams
+    ignored: Counter = Counter()
+    where = f"{trace.name}: device_traces[{trace.device}]"
+    step = 1 << 14
+    for i, e in enumerate(entries):
+        if type(e) is not dict:
+            raise TraceError(f"{where}[{i}]: an event must be a dict, got {type(e).__name__}")
+        action = e.get("action")
+        code = ACTIONS.get(action) if type(action) is str else None
+        addr = size = stream = 0
+        if code is None:
+            if type(action) is not str:
+                raise TraceError(f"{where}[{i}]: 'action' must be a string, got {_short.repr(action)}")
+            code = OTHER
+            ignored[action] += 1
+        elif code != OOM:
+            addr, size, stream = e.get("addr"), e.get("size"), e.get("stream", 0)
+            if type(addr) is not int or not 0 <= addr < _U64:
+                raise TraceError(f"{where}[{i}] ({action}): 'addr' must be an address, got {_short.repr(addr)}")
+            if type(size) is not int or not 0 <= size < _MAX_SIZE:
+                raise TraceError(f"{where}[{i}] ({action}): 'size' must be a byte count, got {_short.repr(size)}")
+            if type(stream) is not int or not -_MAX_SIZE <= stream < _U64:
+                raise TraceError(f"{where}[{i}] ({action}): 'stream' must be an integer handle, got {_short.repr(stream)}")
+            stream %= _U64
+        actions.append(code)
+        addrs.append(addr)
+        sizes.append(size)
+        streams.append(stream)
+        if progress is not None and i % step == step - 1:
+            progress(step)
+    if progress is not None:
+        progress(len(entries) % step)
+    trace.ignored_actions = dict(ignored)
+
+
+def _read_segments(trace: Trace, segments: List[Any], device: int) -> None:
+    where = f"{trace.name}: segments"
+    for i, seg in enumerate(segments):
+        if type(seg) is not dict:
+            raise TraceError(f"{where}[{i}]: a segment must be a dict, got {type(seg).__name__}")
+        if seg.get("device", device) != device:
+            continue
+        total, stream, blocks = seg.get("total_size"), seg.get("stream", 0), seg.get("blocks", [])
+        if type(total) is not int or not 0 <= total < _MAX_SIZE:
+            raise TraceError(f"{where}[{i}]: 'total_size' must be a byte count, got {_short.repr(total)}")
+        if type(stream) is not int or not -_MAX_SIZE <= stream < _U64:
+            raise TraceError(f"{where}[{i}]: 'stream' must be an integer handle, got {_short.repr(stream)}")
+        if type(blocks) is not list:
+            raise TraceError(f"{where}[{i}]: 'blocks' must be a list")
+        trace.segments += 1
+        trace.segments_bytes += total
+        for j, b in enumerate(blocks):
+            if type(b) is not dict:
+                raise TraceError(f"{where}[{i}].blocks[{j}]: a block must be a dict")
+            if b.get("state") not in _ACTIVE_STATES:
+                continue
+            addr, size = b.get("address"), b.get("size")
+            requested = b.get("requested_size", size)  # absent before torch 2.1
+            for key, v, limit in (("address", addr, _U64), ("size", size, _MAX_SIZE),
+                                  ("requested_size", requested, _MAX_SIZE)):
+                if type(v) is not int or not 0 <= v < limit:
+                    raise TraceError(f"{where}[{i}].blocks[{j}]: '{key}' must be a non-negative integer, got {_short.repr(v)}")
+            trace.live_blocks.append((addr, requested, stream % _U64))

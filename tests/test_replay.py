@@ -1,0 +1,485 @@
+"""Trace replay: address resolution, the state before the trace, streams, the
+native figure, the C++ replayer, the budget search, the bundled traces' known
+totals and the command line."""
+import json
+import os
+import re
+import subprocess
+import sys
+from array import array
+from pathlib import Path
+
+import pytest
+
+from pyalloc import _C
+from pyalloc.replay import _fits, plan_trace, replay
+from pyalloc.snapshot_io import read_trace, write_snapshot
+
+ROOT = Path(__file__).resolve().parents[1]
+BUNDLED = ROOT / "benchmarks" / "traces"
+SHARED = ROOT.parent / "shared" / "traces"
+MiB = 1 << 20
+
+
+def ev(action, addr, size, stream=0):
+    return {"action": action, "addr": addr, "size": size, "stream": stream, "time_us": 0, "frames": []}
+
+
+def life(addr, size, stream=0):
+    """An alloc whose free is requested and completed right away."""
+    return [ev("alloc", addr, size, stream), ev("free_requested", addr, size, stream),
+            ev("free_completed", addr, size, stream)]
+
+
+def snap(events, segments=()):
+    return {"segments": list(segments), "device_traces": [list(events)]}
+
+
+def segment(address, total, blocks, stream=0):
+    return {"device": 0, "address": address, "total_size": total, "stream": stream,
+            "segment_type": "large", "blocks": blocks}
+
+
+def block(address, size, requested, state="active_allocated"):
+    return {"address": address, "size": size, "requested_size": requested, "state": state, "frames": []}
+
+
+def plan_of(snapshot):
+    return plan_trace(read_trace(snapshot))
+
+
+def ops(plan):
+    """[(kind, id, size, stream, event)] with kinds as 'alloc' / 'free'."""
+    names = {1: "alloc", 2: "free"}
+    return [(names[k], i, s, st, e) for k, i, s, st, e in
+            zip(plan.kinds, plan.ids, plan.sizes, plan.streams, plan.events)]
+
+
+def readme_table(path):
+    """The rows of the first markdown table in a README, as dicts by header."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:]]
+
+
+# -- address resolution ------------------------------------------------------
+
+
+def test_addresses_are_reused_in_event_order():
+    p = plan_of(snap(life(0x1000, 100) + life(0x1000, 300) + [ev("alloc", 0x1000, 50)]))
+    allocs = [o for o in ops(p) if o[0] == "alloc"]
+    assert [o[2] for o in allocs] == [100, 300, 50]
+    assert len({o[1] for o in allocs}) == 3  # three allocations, not one
+    assert (p.allocs, p.peak_live_bytes) == (3, 300)
+
+
+def test_frees_happen_at_free_completed():
+    events = [ev("alloc", 1, 100), ev("alloc", 2, 200), ev("free_requested", 1, 100),
+              ev("alloc", 3, 50), ev("free_completed", 1, 100)]
+    p = plan_of(snap(events))
+    assert p.peak_live_bytes == 350  # block 1 is still in use by its stream when 3 arrives
+    free = [o for o in ops(p) if o[0] == "free"]
+    assert [o[4] for o in free] == [4]
+
+
+def test_a_trace_without_completions_frees_at_request():
+    events = [ev("alloc", 1, 100), ev("alloc", 2, 200), ev("free_requested", 1, 100), ev("alloc", 3, 50)]
+    p = plan_of(snap(events))
+    assert p.peak_live_bytes == 300
+    assert p.frees_at_request == 0
+
+
+def test_a_missing_completion_falls_back_to_the_request():
+    events = life(9, 10) + [ev("alloc", 1, 100), ev("free_requested", 1, 100),
+                            ev("alloc", 2, 500), ev("alloc", 1, 70)]
+    p = plan_of(snap(events))
+    assert p.frees_at_request == 1
+    frees = [o for o in ops(p) if o[0] == "free"]
+    assert [o[4] for o in frees] == [2, 4]  # the block at 1 is freed at its free_requested
+    assert p.peak_live_bytes == 570
+
+
+def test_a_free_still_pending_at_the_end_stays_live():
+    events = life(9, 10) + [ev("alloc", 1, 100), ev("free_requested", 1, 100)]
+    p = plan_of(snap(events))
+    assert p.pending_at_end == 1
+    assert sum(1 for o in ops(p) if o[0] == "free") == 1
+
+
+def test_an_alloc_at_a_live_address_is_counted_and_frees_the_old_block():
+    p = plan_of(snap([ev("alloc", 1, 100), ev("alloc", 1, 200), ev("free_completed", 1, 200)]))
+    assert p.missed_frees == 1
+    assert p.peak_live_bytes == 200
+    result = replay(snap([ev("alloc", 1, 100), ev("alloc", 1, 200)]))
+    assert result.missed_frees == 1 and result.allocs == 2
+
+
+def test_a_second_free_is_counted_as_stray():
+    p = plan_of(snap(life(1, 100) + [ev("free_completed", 1, 100), ev("free_requested", 1, 100)]))
+    assert p.stray_frees == 2
+    assert p.peak_live_bytes == 100
+
+
+# -- the state before the trace ----------------------------------------------
+
+
+def test_blocks_live_before_the_trace_are_allocated_first():
+    segments = [
+        segment(0x10000, 2 * MiB, [
+            block(0x10000, 1024, 1000),                          # live throughout
+            block(0x10400, 512, 7, "active_pending_free"),       # live throughout
+            block(0x10600, 512, 0, "inactive"),                  # free: not live
+            block(0x10800, 1024, 900),                           # allocated in the trace
+            block(0x10c00, 2 * MiB - 0xc00, 0, "inactive"),
+        ], stream=5),
+    ]
+    events = [
+        ev("free_requested", 0x90000, 3000, stream=6),  # a free with no alloc: live before
+        ev("free_completed", 0x90000, 3000, stream=6),
+        ev("alloc", 0x10800, 900, stream=5),
+        *life(0x20000, 700),
+    ]
+    p = plan_of(snap(events, segments))
+    assert (p.preexisting_blocks, p.preexisting_bytes) == (3, 1000 + 7 + 3000)
+    first = ops(p)[:3]
+    # In address order, by requested size, on their own streams, before any event.
+    assert [(o[0], o[2], o[3], o[4]) for o in first] == [
+        ("alloc", 1000, 5, -1), ("alloc", 7, 5, -1), ("alloc", 3000, 6, -1)]
+    assert p.peak_live_bytes == 1000 + 7 + 3000
+    # After the free of the early block: 1007 + 900 + 700 at most.
+    r = replay(snap(events, segments))
+    assert r.peak_live_bytes == 4007 and r.preexisting_blocks == 3
+
+
+def test_a_trace_of_only_frees_starts_from_those_blocks():
+    p = plan_of(snap([ev("free_completed", 1, 100), ev("free_completed", 2, 50)]))
+    assert (p.preexisting_blocks, p.peak_live_bytes, p.peak_live_op) == (2, 150, 1)
+
+
+# -- streams -----------------------------------------------------------------
+
+
+def test_each_allocation_stays_on_its_stream():
+    segments = [segment(0x50000, 2 * MiB, [block(0x50000, 2 * MiB, 2 * MiB)], stream=3)]
+    events = [ev("free_completed", 0x70000, 4 * MiB, stream=4)]
+    for i in range(30):
+        s = 1 + i % 2
+        events += [ev("alloc", 0x1000 * i, (i + 1) * 100_000, stream=s)]
+        if i % 3 == 0:
+            events += [ev("free_requested", 0x1000 * i, (i + 1) * 100_000, stream=s),
+                       ev("free_completed", 0x1000 * i, (i + 1) * 100_000, stream=s)]
+    p = plan_of(snap(events, segments))
+    assert p.stream_count == 4
+    calls = _C.ReplayTrace(p.kinds, p.ids, p.sizes, p.streams)
+    a = _C.Allocator("virtual", "", 0)
+    a.record_history(True, 10_000)
+    r = _C.Replayer(a, calls)
+    for stop in range(1, len(p) + 1):
+        r.run(stop)
+        a.check_invariants()
+    got = [(e["size"], e["stream"]) for e in a.history() if e["action"] == "alloc"]
+    want = [(o[2], o[3]) for o in ops(p) if o[0] == "alloc"]
+    assert got == want
+    assert replay(snap(events, segments)).streams == 4
+
+
+# -- the native allocator's reserved bytes -----------------------------------
+
+
+def test_native_reserved_is_followed_back_from_the_final_segments():
+    segments = [segment(0x100000, 60 * MiB, [block(0x100000, 10 * MiB, 10 * MiB)]),
+                segment(0x9000000, 40 * MiB, [])]
+    events = [
+        ev("segment_alloc", 0x9000000, 20 * MiB),
+        ev("alloc", 0x9000000, 5 * MiB),
+        ev("segment_free", 0x7000000, 10 * MiB),
+        ev("segment_map", 0xa000000, 4 * MiB),
+        ev("segment_unmap", 0xa000000, 2 * MiB),
+        {"action": "oom", "device_free": 0, "size": 1, "stream": 0},
+    ]
+    p = plan_of(snap(events, segments))
+    # 100 MiB at the end, less what the trace reserved, plus what it gave back.
+    assert p.native_start_bytes == (100 - 20 - 4 + 10 + 2) * MiB
+    assert p.native_peak_reserved_bytes == 108 * MiB
+    assert [r for _, r in p.native_points] == [108 * MiB, 98 * MiB, 102 * MiB, 100 * MiB]
+    assert p.native_ooms == 1
+    r = replay(snap(events, segments))
+    assert r.native_peak_reserved_bytes == 108 * MiB
+    assert r.native_ratio == pytest.approx(108 / 15)
+    assert r.native_timeline["reserved_bytes"][0] == 88 * MiB
+    assert r.native_timeline["reserved_bytes"][-1] == 100 * MiB
+
+
+def test_native_is_unknown_without_segments():
+    r = replay(snap(life(1, 100)))
+    assert r.native_peak_reserved_bytes is None and r.native_ratio is None
+    assert r.native_timeline == {}
+
+
+def test_native_is_unknown_when_segments_and_events_disagree():
+    p = plan_of(snap([ev("segment_alloc", 1, 40 * MiB)], [segment(1, 20 * MiB, [])]))
+    assert p.native_peak_reserved_bytes is None
+
+
+def test_segments_without_segment_events_mean_constant_reserved():
+    p = plan_of(snap(life(1, 100), [segment(1, 20 * MiB, [])]))
+    assert p.native_peak_reserved_bytes == 20 * MiB
+
+
+# -- the C++ replayer --------------------------------------------------------
+
+
+def trace_of(*ops_):
+    kinds, ids, sizes, streams = zip(*ops_)
+    return _C.ReplayTrace(array("B", kinds), array("I", ids), array("Q", sizes), array("Q", streams))
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ([(2, 0, 0, 0)], "frees an id that is not live"),
+        ([(1, 0, 8, 0), (1, 0, 8, 0)], "allocates an id that is still live"),
+        ([(3, 0, 8, 0)], "valid kinds"),
+    ],
+)
+def test_replay_trace_rejects_inconsistent_calls(bad, match):
+    with pytest.raises(ValueError, match=match):
+        trace_of(*bad)
+
+
+def test_replay_trace_checks_its_buffers():
+    with pytest.raises(ValueError, match="same length"):
+        _C.ReplayTrace(b"\x01", array("I", [0, 1]), array("Q", [1]), array("Q", [0]))
+    with pytest.raises(ValueError, match="expected integers"):
+        _C.ReplayTrace(b"\x01", array("I", [0]), array("d", [1.0]), array("Q", [0]))
+    with pytest.raises(ValueError, match="negative"):
+        _C.ReplayTrace(b"\x01", array("i", [-1]), array("Q", [1]), array("Q", [0]))
+    with pytest.raises(ValueError, match="below the number of ops"):
+        _C.ReplayTrace(b"\x01", array("I", [2**32 - 1]), array("Q", [1]), array("Q", [0]))
+
+
+def test_ids_are_slots_and_free_sizes_come_from_the_alloc():
+    t = trace_of((1, 0, 1000, 0), (2, 0, 0, 0), (1, 0, 3000, 0), (2, 0, 0, 0))
+    assert (len(t), t.allocs, t.slots) == (4, 2, 1)
+    r = _C.Replayer(_C.Allocator("virtual", "", 0), t)
+    assert r.run(3)
+    assert (r.live_bytes, r.peak_live_bytes, r.position) == (3000, 3000, 3)
+    assert r.run() and r.live_bytes == 0 and (r.mallocs, r.frees) == (2, 2)
+
+
+def test_an_allocation_that_does_not_fit_is_skipped_with_its_free():
+    t = trace_of((1, 0, 30 * MiB, 0), (1, 1, 30 * MiB, 0), (2, 1, 0, 0), (2, 0, 0, 0))
+    r = _C.Replayer(_C.Allocator("virtual", "", 40 * MiB), t)
+    assert r.run()
+    assert (r.ooms, r.first_oom_op, r.skipped_frees, r.frees) == (1, 1, 1, 1)
+    stop = _C.Replayer(_C.Allocator("virtual", "", 40 * MiB), t, stop_on_oom=True)
+    assert not stop.run()
+    assert stop.position == 1 and not stop.run()
+
+
+def test_the_timeline_samples_the_whole_trace():
+    t = trace_of(*[(1, i, MiB, 0) for i in range(100)], *[(2, i, 0, 0) for i in range(100)])
+    r = _C.Replayer(_C.Allocator("virtual", "", 0), t, timeline_points=20)
+    r.run()
+    points = r.timeline()
+    assert len(points) == 20 and points[-1][0] == 199
+    assert max(p[1] for p in points) == 100 * MiB == r.peak_live_bytes
+    assert points[-1][3] == 0  # nothing allocated at the end; reserved stays cached
+    assert points[-1][2] >= 100 * MiB
+
+
+def test_invariants_hold_after_every_op_of_a_bundled_trace():
+    p = plan_trace(read_trace(BUNDLED / "encoder-dynbatch-infer.pickle.gz"))
+    calls = _C.ReplayTrace(p.kinds, p.ids, p.sizes, p.streams)
+    a = _C.Allocator("virtual", "", 0)
+    r = _C.Replayer(a, calls)
+    for stop in range(1, min(len(p), 1500) + 1):
+        r.run(stop)
+        a.check_invariants()
+
+
+# -- replay() and the budget -------------------------------------------------
+
+
+def test_min_budget_fits_and_a_budget_below_peak_live_does_not():
+    path = BUNDLED / "encoder-dynbatch-infer.pickle.gz"
+    r = replay(path)
+    assert r.peak_live_bytes < r.pyalloc_min_budget_bytes <= r.pyalloc_peak_reserved_bytes
+    assert r.search_replays > 0
+    p = plan_trace(read_trace(path))
+    assert _fits(_C.ReplayTrace(p.kinds, p.ids, p.sizes, p.streams), "", r.pyalloc_min_budget_bytes)
+    assert replay(path, budget=r.pyalloc_min_budget_bytes, search=False).budget_ooms == 0
+    tight = replay(path, budget=r.peak_live_bytes // 2, search=False)
+    assert tight.budget_ooms > 0
+    assert tight.budget_peak_reserved_bytes <= r.peak_live_bytes // 2
+
+
+def test_a_budget_below_pool_size_refuses_everything():
+    r = replay(snap(life(1, 100) + life(2, 100)), config="pool_size:64MiB", budget="32MiB")
+    assert r.budget_ooms == 2
+
+
+def test_config_changes_the_replay_and_bad_config_is_a_value_error():
+    path = BUNDLED / "tiny-gpt-varlen-train.pickle.gz"
+    small = replay(path, config="segment_size:2MiB", search=False)
+    large = replay(path, config="segment_size:64MiB", search=False)
+    assert small.pyalloc_peak_reserved_bytes != large.pyalloc_peak_reserved_bytes
+    assert large.config == "segment_size:64MiB"
+    with pytest.raises(ValueError, match="bogus"):
+        replay(path, config="bogus:1")
+    with pytest.raises(ValueError, match="budget"):
+        replay(path, budget="lots")
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        replay(path, budget=0)
+
+
+def test_fragmentation_is_taken_at_peak_live():
+    r = replay(BUNDLED / "convnet-mixedres-train.pickle.gz", search=False)
+    f = r.fragmentation_at_peak
+    assert f["live_bytes"] == r.peak_live_bytes
+    assert f["allocated_bytes"] >= f["live_bytes"]
+    assert f["reserved_bytes"] == f["allocated_bytes"] + f["free_bytes"]
+    assert 0 <= f["external_fragmentation"] <= 1
+    assert 0 < f["event"] < r.events
+
+
+def test_result_dict_has_the_documented_keys():
+    d = replay(snap(life(1, 100))).to_dict()
+    for key in ("trace", "events", "allocs", "peak_live_bytes", "pyalloc_peak_reserved_bytes",
+                "pyalloc_min_budget_bytes", "native_peak_reserved_bytes"):
+        assert key in d
+    assert "timeline" not in d
+    json.dumps(d)
+
+
+def test_empty_trace():
+    r = replay(snap([]))
+    assert (r.events, r.allocs, r.peak_live_bytes, r.pyalloc_min_budget_bytes) == (0, 0, 0, 0)
+
+
+# -- known totals ------------------------------------------------------------
+
+
+BUNDLED_ROWS = readme_table(BUNDLED / "README.md")
+
+
+def test_every_bundled_trace_is_in_the_table():
+    assert sorted(r["file"] for r in BUNDLED_ROWS) == sorted(p.name for p in BUNDLED.glob("*.pickle.gz"))
+
+
+@pytest.mark.parametrize("row", BUNDLED_ROWS, ids=lambda r: r["file"])
+def test_bundled_trace_known_totals(row):
+    path = BUNDLED / row["file"]
+    assert path.stat().st_size < 1 << 20
+    r = replay(path)
+    assert (r.events, r.allocs, r.frees) == (int(row["events"]), int(row["allocs"]), int(row["frees"]))
+    assert r.peak_live_bytes == int(row["peak live bytes"])
+    assert (r.missed_frees, r.stray_frees, r.frees_at_request) == (0, 0, 0)
+    assert r.native_peak_reserved_bytes is None
+    assert r.peak_live_bytes <= r.pyalloc_min_budget_bytes <= r.pyalloc_peak_reserved_bytes
+
+
+@pytest.mark.skipif(not (SHARED / "README.md").exists(), reason="no shared benchmark traces here")
+@pytest.mark.parametrize("row", readme_table(SHARED / "README.md") if (SHARED / "README.md").exists() else [],
+                         ids=lambda r: r["file"])
+def test_shared_trace_totals(row):
+    r = replay(SHARED / row["file"], search=False)
+    assert (r.events, r.allocs) == (int(row["events"]), int(row["allocs"]))
+    assert round(r.peak_live_bytes / MiB) == int(row["peak live MiB"])
+    native = row["native peak reserved MiB"]
+    if native == "-":
+        assert r.native_peak_reserved_bytes is None
+    else:
+        assert round(r.native_peak_reserved_bytes / MiB) == int(native.split()[0])
+
+
+# -- the command line --------------------------------------------------------
+
+
+def cli(*args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "pyalloc", "replay", *map(str, args)],
+                          capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+def test_cli_prints_a_table_and_writes_json_and_a_plot(tmp_path):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    files = sorted(BUNDLED.glob("*.pickle.gz"))
+    p = cli(*files, "--json", out, "--plot", png)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].split()[:3] == ["trace", "events", "allocs"]
+    assert len(lines) == 2 + len(files)
+    data = json.loads(out.read_text())
+    assert [Path(d["trace"]).name for d in data] == [f.name for f in files]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_budget_adds_an_oom_column(tmp_path):
+    p = cli(BUNDLED / "encoder-dynbatch-infer.pickle.gz", "--budget", "16MiB", "--no-search")
+    assert p.returncode == 0, p.stderr
+    header, _, row = p.stdout.splitlines()
+    assert header.endswith("OOMs at 16.00 MiB")
+    assert int(row.split()[-1]) > 0
+
+
+def test_cli_bad_files_give_one_line_each_and_fail(tmp_path):
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.pickle"
+    # GLOBAL os.system, then REDUCE with one argument: would run the command.
+    evil.write_bytes(b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR.")
+    garbage = tmp_path / "g.pickle.gz"
+    garbage.write_bytes(b"\x1f\x8bnot really gzip")
+    good = BUNDLED / "encoder-dynbatch-infer.pickle.gz"
+    p = cli(evil, garbage, good, tmp_path / "missing.pickle", "--no-search")
+    assert p.returncode == 1
+    assert "Traceback" not in p.stderr
+    errors = p.stderr.strip().splitlines()
+    assert len(errors) == 3
+    for line, path in zip(errors, [evil, garbage, tmp_path / "missing.pickle"]):
+        assert line.startswith(f"pyalloc replay: error: {path}: ")
+    assert not marker.exists()
+    assert "encoder-dynbatch-infer" in p.stdout  # the good file is still reported
+
+
+def test_cli_bad_options_exit_2():
+    good = BUNDLED / "encoder-dynbatch-infer.pickle.gz"
+    p = cli(good, "--config", "nonsense:1")
+    assert p.returncode == 2 and "nonsense" in p.stderr and "Traceback" not in p.stderr
+    p = cli(good, "--budget", "a lot")
+    assert p.returncode == 2 and "--budget" in p.stderr
+
+
+def test_cli_needs_a_file():
+    p = cli()
+    assert p.returncode == 2 and "FILE" in p.stderr
+
+
+def test_plot_draws_native_where_known(tmp_path):
+    pytest.importorskip("matplotlib")
+    from pyalloc.replay_report import plot_results
+
+    segments = [segment(1, 40 * MiB, [])]
+    events = [ev("segment_alloc", 1, 20 * MiB)] + life(1, 5 * MiB) + life(2, 3 * MiB)
+    results = [replay(snap(events, segments), name="gpu"), replay(snap(life(1, 100)), name="cpu")]
+    png = tmp_path / "p.png"
+    plot_results(results, str(png))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_progress_bars_can_be_forced_on(capsys):
+    r = replay(BUNDLED / "encoder-dynbatch-infer.pickle.gz", progress=True)
+    assert r.search_replays > 0
+    assert "budget search" in capsys.readouterr().err
+
+
+def test_table_formats(tmp_path):
+    from pyalloc.replay_report import COLUMNS, format_table
+
+    results = [replay(snap(life(1, 100)), name="a/b.pickle", budget="1GiB", search=False)]
+    text = format_table(results).splitlines()
+    assert text[0].split("  ")[0].strip() == "trace" and text[0].endswith("OOMs at 1.00 GiB")
+    assert text[2].startswith("b.pickle")
+    md = format_table(results, markdown=True).splitlines()
+    assert md[0] == "| " + " | ".join(COLUMNS + ["OOMs at 1.00 GiB"]) + " |"
+    assert md[2].startswith("| b.pickle | 3 | 1 | 100 B |")

@@ -1,0 +1,270 @@
+"""Loading memory snapshots safely: round trips, and every kind of bad file
+ending in one TraceError that names the file, with nothing in the file run."""
+import gzip
+import os
+import pickle
+import pickletools
+
+import pytest
+
+from pyalloc.snapshot_io import (
+    ALLOC,
+    FREE_COMPLETED,
+    OTHER,
+    TraceError,
+    load_snapshot,
+    read_trace,
+    write_snapshot,
+)
+
+
+def event(action, addr, size, stream=0):
+    return {"action": action, "addr": addr, "size": size, "stream": stream, "time_us": 0, "frames": []}
+
+
+SNAPSHOT = {
+    "segments": [],
+    "device_traces": [[event("alloc", 4096, 100), event("free_requested", 4096, 100),
+                       event("free_completed", 4096, 100)]],
+}
+
+
+def open_head(path):
+    with open(path, "rb") as f:
+        return f.read(2)
+
+
+def write_bytes(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
+
+
+def assert_one_line_error(path, match, **kwargs):
+    with pytest.raises(TraceError) as info:
+        load_snapshot(path, **kwargs)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ")
+    assert "\n" not in message
+    assert match in message, message
+    return message
+
+
+# -- round trips -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["s.pickle", "s.pickle.gz"])
+def test_write_then_load_gives_the_same_snapshot(tmp_path, name):
+    path = str(tmp_path / name)
+    write_snapshot(SNAPSHOT, path)
+    assert load_snapshot(path) == SNAPSHOT
+    assert (open_head(path) == b"\x1f\x8b") == name.endswith(".gz")
+
+
+def test_gzip_is_recognised_by_content_not_name(tmp_path):
+    path = write_bytes(tmp_path, "plain-name.pickle", gzip.compress(pickle.dumps(SNAPSHOT)))
+    assert load_snapshot(path) == SNAPSHOT
+
+
+def test_gzip_output_is_reproducible(tmp_path):
+    a, b = tmp_path / "a.pickle.gz", tmp_path / "b.pickle.gz"
+    write_snapshot(SNAPSHOT, a)
+    write_snapshot(SNAPSHOT, b)
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_progress_reports_every_byte(tmp_path):
+    path = str(tmp_path / "s.pickle.gz")
+    write_snapshot(SNAPSHOT, path)
+    seen = []
+    load_snapshot(path, progress=seen.append)
+    assert sum(seen) == os.path.getsize(path)
+
+
+# -- bad files ---------------------------------------------------------------
+
+
+def test_missing_file(tmp_path):
+    assert_one_line_error(str(tmp_path / "nope.pickle"), "cannot open")
+
+
+def test_directory(tmp_path):
+    assert_one_line_error(str(tmp_path), "cannot open")
+
+
+def test_empty_file(tmp_path):
+    assert_one_line_error(write_bytes(tmp_path, "e.pickle", b""), "empty")
+
+
+def test_not_a_pickle(tmp_path):
+    assert_one_line_error(write_bytes(tmp_path, "t.pickle", b"hello world\n" * 10), "not a pickle")
+
+
+def test_json_instead_of_pickle(tmp_path):
+    assert_one_line_error(write_bytes(tmp_path, "j.pickle", b'{"segments": []}'), "not a pickle")
+
+
+def test_truncated_pickle(tmp_path):
+    data = pickle.dumps(SNAPSHOT, protocol=4)
+    assert_one_line_error(write_bytes(tmp_path, "t.pickle", data[: len(data) // 2]), "truncated")
+
+
+def test_truncated_gzip(tmp_path):
+    data = gzip.compress(pickle.dumps(SNAPSHOT))
+    assert_one_line_error(write_bytes(tmp_path, "t.pickle.gz", data[:-12]), "truncated")
+
+
+def test_gzip_garbage(tmp_path):
+    data = b"\x1f\x8b" + bytes(range(256)) * 4
+    assert_one_line_error(write_bytes(tmp_path, "g.pickle.gz", data), "gzip")
+
+
+def test_decompressed_size_is_capped(tmp_path):
+    bomb = gzip.compress(pickle.dumps({"segments": [], "device_traces": [[0] * 200_000]}))
+    path = write_bytes(tmp_path, "b.pickle.gz", bomb)
+    assert_one_line_error(path, "decompresses to more than 10000 bytes", max_bytes=10_000)
+    assert load_snapshot(path)  # well within the default cap
+
+
+class RunsACommand:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class Plain:
+    pass
+
+
+def test_a_pickle_that_calls_os_system_is_refused_without_running(tmp_path):
+    marker = tmp_path / "ran"
+    data = pickle.dumps({"segments": [], "device_traces": [[RunsACommand(marker)]]})
+    message = assert_one_line_error(write_bytes(tmp_path, "evil.pickle", data), "refused")
+    assert "system" in message
+    assert not marker.exists()
+
+
+def test_a_pickle_that_calls_eval_is_refused(tmp_path):
+    # Protocol 0 by hand: builtins.eval("...") via GLOBAL + REDUCE.
+    data = b"cbuiltins\neval\n(S'__import__(\"os\").getcwd()'\ntR."
+    assert [op.name for op, _, _ in pickletools.genops(data)][-2:] == ["REDUCE", "STOP"]
+    assert_one_line_error(write_bytes(tmp_path, "eval.pickle", data), "builtins.eval")
+
+
+def test_any_class_is_refused_even_a_harmless_one(tmp_path):
+    data = pickle.dumps({"segments": [], "device_traces": [[Plain()]]})
+    assert_one_line_error(write_bytes(tmp_path, "c.pickle", data), "refused")
+
+
+def test_persistent_ids_are_refused(tmp_path):
+    data = b"\x80\x02P0\n."  # PERSID "0"
+    assert_one_line_error(write_bytes(tmp_path, "p.pickle", data), "persistent")
+
+
+@pytest.mark.parametrize(
+    "obj, match",
+    [
+        ([1, 2, 3], "not a memory snapshot"),
+        ({"segments": []}, "no 'device_traces'"),
+        ({"device_traces": "abc"}, "'device_traces' must be a list"),
+        ({"device_traces": [{"a": 1}]}, "'device_traces' must be a list"),
+        ({"device_traces": [[]], "segments": 5}, "'segments' must be a list"),
+    ],
+)
+def test_wrong_structure(tmp_path, obj, match):
+    assert_one_line_error(write_bytes(tmp_path, "w.pickle", pickle.dumps(obj)), match)
+
+
+# -- reduction to arrays -----------------------------------------------------
+
+
+def read(tmp_path, snapshot, **kwargs):
+    path = str(tmp_path / "s.pickle")
+    write_snapshot(snapshot, path)
+    return read_trace(path, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("not a dict", "an event must be a dict"),
+        ({"action": 7, "addr": 1, "size": 1}, "'action' must be a string"),
+        ({"action": "alloc", "addr": -1, "size": 1}, "'addr' must be an address"),
+        ({"action": "alloc", "addr": True, "size": 1}, "'addr' must be an address"),
+        ({"action": "alloc", "size": 1}, "'addr' must be an address"),
+        ({"action": "alloc", "addr": 1, "size": "big"}, "'size' must be a byte count"),
+        ({"action": "alloc", "addr": 1, "size": -5}, "'size' must be a byte count"),
+        ({"action": "alloc", "addr": 1, "size": 2**70}, "'size' must be a byte count"),
+        ({"action": "free_completed", "addr": 1, "size": 1, "stream": 1.5}, "'stream'"),
+    ],
+)
+def test_bad_events_are_named(tmp_path, bad, match):
+    snapshot = {"segments": [], "device_traces": [[event("alloc", 1, 1), bad]]}
+    with pytest.raises(TraceError, match=match) as info:
+        read(tmp_path, snapshot)
+    assert "device_traces[0][1]" in str(info.value)
+    assert str(info.value).startswith(str(tmp_path / "s.pickle"))
+
+
+@pytest.mark.parametrize(
+    "segment, match",
+    [
+        ("x", "a segment must be a dict"),
+        ({"total_size": "x", "blocks": []}, "'total_size'"),
+        ({"total_size": 10, "blocks": 3}, "'blocks' must be a list"),
+        ({"total_size": 10, "blocks": [{"state": "active_allocated", "address": 1, "size": None}]},
+         "'size'"),
+    ],
+)
+def test_bad_segments_are_named(tmp_path, segment, match):
+    with pytest.raises(TraceError, match=match):
+        read(tmp_path, {"segments": [segment], "device_traces": [[]]})
+
+
+def test_events_become_arrays(tmp_path):
+    snapshot = {
+        "segments": [],
+        "device_traces": [[event("alloc", 10, 5, stream=-1), {"action": "snapshot"},
+                           event("free_completed", 10, 5, stream=-1), {"action": "oom", "device_free": 0},
+                           {"action": "something_new"}]],
+    }
+    t = read(tmp_path, snapshot)
+    assert len(t) == 5
+    assert list(t.actions)[:3] == [ALLOC, OTHER, FREE_COMPLETED]
+    assert t.streams[0] == 2**64 - 1  # a negative handle, as unsigned
+    assert t.ignored_actions == {"snapshot": 1, "something_new": 1}
+
+
+def test_device_defaults_to_the_busiest_and_can_be_chosen(tmp_path):
+    snapshot = {"segments": [], "device_traces": [[event("alloc", 1, 1)], [event("alloc", 1, 1)] * 3]}
+    assert read(tmp_path, snapshot).device == 1
+    assert read(tmp_path, snapshot, device=0).device == 0
+    with pytest.raises(TraceError, match="no device 5"):
+        read(tmp_path, snapshot, device=5)
+
+
+def test_live_blocks_of_the_device_with_requested_size(tmp_path):
+    blocks = [
+        {"address": 100, "size": 1024, "requested_size": 1000, "state": "active_allocated"},
+        {"address": 1124, "size": 512, "requested_size": 7, "state": "active_pending_free"},
+        {"address": 1636, "size": 512, "requested_size": 0, "state": "inactive"},
+        {"address": 2148, "size": 512, "state": "active_allocated"},  # before torch 2.1
+    ]
+    snapshot = {
+        "segments": [
+            {"device": 0, "address": 100, "total_size": 2 << 20, "stream": 3, "blocks": blocks},
+            {"device": 1, "address": 900, "total_size": 2 << 20, "stream": 0,
+             "blocks": [{"address": 900, "size": 512, "requested_size": 1, "state": "active_allocated"}]},
+        ],
+        "device_traces": [[], []],
+    }
+    t = read(tmp_path, snapshot, device=0)
+    assert t.live_blocks == [(100, 1000, 3), (1124, 7, 3), (2148, 512, 3)]
+    assert (t.segments, t.segments_bytes) == (1, 2 << 20)
+
+
+def test_a_loaded_dict_is_checked_too():
+    with pytest.raises(TraceError, match="<snapshot>: not a memory snapshot: no 'device_traces'"):
+        read_trace({"segments": []})
