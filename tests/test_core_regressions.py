@@ -1,21 +1,7 @@
-"""Regression tests for bugs found in the allocator core by trace replay.
-
-A test marked xfail(strict=True) shows a bug that is not fixed yet: it fails
-today, and the marker must go once the core is fixed (strict makes a passing
-xfail an error, so the fix cannot go unnoticed).
-"""
-import pytest
-
+"""Regression tests for bugs found in the allocator core, named after the bug."""
 import pyalloc
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pyalloc.InvariantError,
-    reason="core bug: insert_free() looks only at the freed block's two original neighbours; "
-    "after it absorbs a free neighbour of another stream, the block beyond that neighbour "
-    "may be a free block of the freed block's own stream, and the two stay unmerged",
-)
 def test_free_merges_with_its_own_stream_beyond_an_absorbed_neighbour():
     a = pyalloc.Allocator("virtual")
     # Four adjacent 512 B blocks of one small-pool chunk: x, y (stream 2), z, guard.
