@@ -535,7 +535,7 @@ size_t Allocator::release_cached() {
   stats_.num_sync_all_streams++;
   merge_ready_neighbours();
   reclaim_free_chunks();
-  size_t released = vmm_ ? unmap_free_pages(SIZE_MAX, 0, 0, /*wait=*/true) : 0;
+  size_t released = vmm_ ? unmap_free_pages(SIZE_MAX, 0, 0, /*wait=*/false) : 0;  // all waited for above
   for (auto it = segments_.begin(); it != segments_.end();) {
     Segment* seg = it->second;
     ++it;

@@ -18,7 +18,7 @@ enum class Strategy {
 struct Config {
   /// Placement strategy. "vmm" needs a backend with virtual memory; where
   /// the backend has none, the allocator falls back to "bestfit".
-  Strategy strategy = Strategy::kBestFit;
+  Strategy strategy = Strategy::kVmm;
   /// Reserved from the backend when the allocator is created (0: lazily).
   size_t pool_size = 0;
   /// Never reserve more than this in total (0: as much as the device has).

@@ -157,10 +157,16 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why) {
   m->mapped = true;
   m->stream = s;
   m->free_seq = 0;
-  m->state = BlockState::kAllocated;  // not free until insert_free()
-  Block* b = insert_free(m);
-  if (b->size < size || !(b->stream == s || is_ready(b))) return nullptr;
-  return b;
+  m->state = BlockState::kAllocated;
+  // Merge only with neighbours s may use: fresh pages are safe anywhere and
+  // would otherwise merge into (and take the label of) a block another
+  // stream may still be using.
+  for (Block* n : {m->prev, m->next})
+    if (usable_neighbour(n, s) != nullptr) merge_neighbour(m, n);
+  m->state = BlockState::kFree;
+  state(m->stream).free[kLargePool].insert(m);
+  track_inactive_split(m, +1);
+  return m->size >= size ? m : nullptr;
 }
 
 size_t Allocator::unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t keep_hi, bool wait) {

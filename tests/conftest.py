@@ -11,11 +11,17 @@ def backend(request):
     return request.param
 
 
+@pytest.fixture(params=["bestfit", "vmm"])
+def strategy(request):
+    return request.param
+
+
 @pytest.fixture
-def make(backend):
-    """make(**config) -> Allocator on the parametrized backend."""
+def make(backend, strategy):
+    """make(**config) -> Allocator on the parametrized backend and strategy."""
 
     def factory(conf=None, **kwargs):
+        kwargs.setdefault("strategy", strategy)
         return pyalloc.Allocator(backend, conf, **kwargs)
 
     return factory

@@ -75,7 +75,7 @@ def test_best_fit_takes_the_smallest_block_that_fits(make):
 
 
 def test_split_remainder_is_reused_and_coalesces_back(make):
-    a = make(pool_size=64 * MiB)
+    a = make(strategy="bestfit", pool_size=64 * MiB)
     p = a.malloc(8 * MiB)
     q = a.malloc(8 * MiB)
     assert q == p + 8 * MiB  # carved from the front of the remainder
@@ -91,7 +91,7 @@ def test_split_remainder_is_reused_and_coalesces_back(make):
 
 
 def test_small_remainders_of_large_blocks_are_not_split(make):
-    a = make(pool_size=4 * MiB, max_pool_size=4 * MiB)
+    a = make(strategy="bestfit", pool_size=4 * MiB, max_pool_size=4 * MiB)
     p = a.malloc(3 * MiB + 512 * KiB)  # remainder 512 KiB < small_size: kept whole
     assert a.stats()["allocated_bytes.large_pool.current"] == 4 * MiB
     a.free(p)
@@ -110,7 +110,7 @@ def test_pool_size_is_reserved_up_front(make):
 
 
 def test_growth_is_by_at_least_segment_size(make):
-    a = make(segment_size=64 * MiB)
+    a = make(strategy="bestfit", segment_size=64 * MiB)
     a.malloc(2 * MiB)
     assert current(a, "reserved_bytes.all") == 64 * MiB
     a.malloc(100 * MiB)  # bigger than a segment: exactly what it needs, rounded to 2 MiB
@@ -118,7 +118,7 @@ def test_growth_is_by_at_least_segment_size(make):
 
 
 def test_segments_are_never_merged(make):
-    a = make(segment_size=2 * MiB)
+    a = make(strategy="bestfit", segment_size=2 * MiB)
     p = a.malloc(2 * MiB)
     q = a.malloc(2 * MiB)
     a.free(p)
@@ -129,7 +129,7 @@ def test_segments_are_never_merged(make):
 
 
 def test_empty_cache_releases_wholly_free_segments_only(make):
-    a = make(segment_size=2 * MiB)
+    a = make(strategy="bestfit", segment_size=2 * MiB)
     keep = a.malloc(2 * MiB)
     drop = [a.malloc(2 * MiB) for _ in range(3)]
     small = a.malloc(100)
@@ -173,7 +173,7 @@ def test_large_requests_take_back_wholly_free_chunks_before_growing(make):
 
 
 def test_max_split_size_keeps_oversize_blocks_whole(make):
-    a = make(max_split_size=64 * MiB, segment_size=2 * MiB)
+    a = make(strategy="bestfit", max_split_size=64 * MiB, segment_size=2 * MiB)
     big = a.malloc(128 * MiB)
     s = a.stats()
     assert s["max_split_size"] == 64 * MiB

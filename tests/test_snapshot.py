@@ -33,7 +33,7 @@ def test_layout_and_tiling(make):
 
 
 def test_history_records_alloc_free_and_segment_events(make):
-    a = make(segment_size=2 * MiB)
+    a = make(strategy="bestfit", segment_size=2 * MiB)
     a.record_history(True, max_entries=1000)
     p = a.malloc(3 * MiB)
     a.free(p)

@@ -68,7 +68,7 @@ def test_all_is_the_sum_of_the_pools(make):
 
 
 def test_device_calls_are_counted(make):
-    a = make(segment_size=2 * MiB)
+    a = make(strategy="bestfit", segment_size=2 * MiB)
     ptrs = [a.malloc(2 * MiB) for _ in range(3)]
     for p in ptrs:
         a.free(p)
