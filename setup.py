@@ -20,9 +20,12 @@ sources = sorted(
     os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "csrc", "*.cpp"))
 )
 
+headers = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "csrc", "*.h")))
+
 ext = Pybind11Extension(
     "pyalloc._C",
     sources,
+    depends=headers,  # rebuild when a header changes, not only a .cpp
     cxx_std=17,
     define_macros=[("PYALLOC_VERSION", f'"{VERSION}"')],
     extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],

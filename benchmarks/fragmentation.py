@@ -9,7 +9,11 @@ bundled ones), prints the table, and writes benchmarks/results/fragmentation.md
 and fragmentation.json with the raw numbers, including the C++ replay's
 throughput in events per second. Needs no GPU.
 
-    python benchmarks/fragmentation.py [--config CONF] [--no-write]
+    python benchmarks/fragmentation.py [--config CONF] [--strategies bestfit,vmm] [--no-write]
+
+Besides the main table (the default configuration, or --config), every trace
+is replayed once per strategy, and a second table sets each strategy against
+the targets: smallest budget within 2% of peak live, peak reserved within 5%.
 """
 from __future__ import annotations
 
@@ -78,7 +82,52 @@ def machine() -> Dict[str, Any]:
             "python": platform.python_version()}
 
 
-def markdown(results: List[Dict[str, Any]], meta: Dict[str, Any], table: str) -> str:
+#: The targets the strategies are measured against (ratios to peak live).
+TARGET_BUDGET, TARGET_RESERVED = 1.02, 1.05
+
+
+def strategy_rows(files: List[Path], strategies: List[str], base: str) -> List[Dict[str, Any]]:
+    rows = []
+    for path in files:
+        row: Dict[str, Any] = {"trace": path.name}
+        for strategy in strategies:
+            conf = ",".join(c for c in (base, f"strategy:{strategy}") if c)
+            r = replay(path, conf)
+            live = r.peak_live_bytes
+            row["peak_live_bytes"] = live
+            row[strategy] = {
+                "peak_reserved_bytes": r.pyalloc_peak_reserved_bytes,
+                "min_budget_bytes": r.pyalloc_min_budget_bytes,
+                "reserved_ratio": r.pyalloc_peak_reserved_bytes / live if live else None,
+                "budget_ratio": r.pyalloc_min_budget_bytes / live if live and r.pyalloc_min_budget_bytes else None,
+            }
+            row["native_ratio"] = (r.native_peak_reserved_bytes / live
+                                   if live and r.native_peak_reserved_bytes else None)
+        rows.append(row)
+    return rows
+
+
+def strategy_table(rows: List[Dict[str, Any]], strategies: List[str]) -> str:
+    def cell(v: Any, target: float) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.3f}" + (" ✓" if v <= target else "")
+
+    head = ["trace"]
+    for st in strategies:
+        head += [f"{st} budget", f"{st} reserved"]
+    head.append("native reserved")
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for row in rows:
+        cells = [row["trace"]]
+        for st in strategies:
+            cells += [cell(row[st]["budget_ratio"], TARGET_BUDGET), cell(row[st]["reserved_ratio"], TARGET_RESERVED)]
+        cells.append("-" if row["native_ratio"] is None else f"{row['native_ratio']:.3f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown(results: List[Dict[str, Any]], meta: Dict[str, Any], table: str, strategies: str = "") -> str:
     t = meta["throughput"]
     return "\n".join([
         "# Fragmentation benchmark",
@@ -96,6 +145,13 @@ def markdown(results: List[Dict[str, Any]], meta: Dict[str, Any], table: str) ->
         f"{t['events']} events of {len(results)} traces; the slowest trace ran at "
         f"{t['min_events_per_second'] / 1e6:.1f} M events/s.",
         "",
+        "## Strategies against the targets",
+        "",
+        f"Ratios to peak live: the smallest budget without an OOM (target <= {TARGET_BUDGET}) and the peak "
+        f"reserved bytes with no cap (target <= {TARGET_RESERVED}); ✓ marks a target met.",
+        "",
+        strategies,
+        "",
     ])
 
 
@@ -103,7 +159,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="", help="pyalloc configuration, 'key:value,...'")
     parser.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
+    parser.add_argument("--strategies", default="bestfit,vmm", help="strategies to set against the targets")
     args = parser.parse_args()
+    strategies = [s for s in args.strategies.split(",") if s]
 
     files = trace_files()
     if not SHARED.is_dir():
@@ -134,15 +192,20 @@ def main() -> int:
             "min_events_per_second": min((row["events_per_second"] for row in rows), default=None),
         },
     }
+    by_strategy = strategy_rows(files, strategies, args.config)
     print(format_table(results))
+    print()
+    print(strategy_table(by_strategy, strategies))
     t = meta["throughput"]
     if t["events_per_second"] is not None:
         print(f"\nC++ replay: {t['events_per_second'] / 1e6:.1f} M events/s over {events} events")
     if not args.no_write:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "fragmentation.md").write_text(markdown(rows, meta, format_table(results, markdown=True)))
+        (RESULTS / "fragmentation.md").write_text(
+            markdown(rows, meta, format_table(results, markdown=True), strategy_table(by_strategy, strategies)))
         with open(RESULTS / "fragmentation.json", "w") as f:
-            json.dump({**meta, "traces": rows}, f, indent=1)
+            json.dump({**meta, "traces": rows, "strategies": by_strategy,
+                       "targets": {"budget_ratio": TARGET_BUDGET, "reserved_ratio": TARGET_RESERVED}}, f, indent=1)
             f.write("\n")
         print(f"wrote {os.path.relpath(RESULTS, Path.cwd())}/fragmentation.{{md,json}}", file=sys.stderr)
     return 0

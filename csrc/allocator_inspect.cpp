@@ -224,7 +224,7 @@ void Allocator::check_invariants() const {
       expect = b->end();
     }
     if (expect != seg->base + seg->size) fail(where + ": its blocks do not cover it");
-    t.segment[pool]++;
+    if (!seg->vmm || mapped_bytes > 0) t.segment[pool]++;  // a range counts while it holds memory
     t.reserved_bytes[pool] += seg->vmm ? mapped_bytes : static_cast<int64_t>(seg->size);
     if (pool == kSmallPool) t.reserved_bytes[kLargePool] -= static_cast<int64_t>(seg->size);
   };

@@ -44,7 +44,6 @@ void Allocator::init_vmm() {
   vmm_seg_->first = b;
   unmapped_.emplace(base, b);
   segments_.emplace(base, vmm_seg_);
-  stats_.segment.add(kLargePool, 1);
   if (cfg_.pool_size > 0) {
     std::string why;
     if (map_for(round_up(cfg_.pool_size, kGranularity), 0, &why) == nullptr)
@@ -123,6 +122,9 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why) {
       return nullptr;
     }
   }
+  // The range counts as a segment while it holds any memory.
+  if (stats_.reserved_bytes.large.current + stats_.reserved_bytes.small.current == 0)
+    stats_.segment.add(kLargePool, 1);
   stats_.reserved_bytes.add(kLargePool, static_cast<int64_t>(need));
   stats_.num_device_alloc++;
   if (history_on_) trace(TraceEntry::kSegmentMap, lo, need, s);
@@ -231,6 +233,7 @@ Block* Allocator::unmap_range(Block* f, uintptr_t lo, uintptr_t hi) {
   f->mapped = false;
   backend_->vmm_unmap(lo, hi - lo);
   stats_.reserved_bytes.add(kLargePool, -static_cast<int64_t>(hi - lo));
+  if (stats_.reserved_bytes.all.current == 0) stats_.segment.add(kLargePool, -1);
   stats_.num_device_free++;
   if (history_on_) trace(TraceEntry::kSegmentUnmap, lo, hi - lo, f->stream);
   for (Block* p : {head, tail}) {

@@ -321,10 +321,10 @@ def test_a_budget_below_pool_size_refuses_everything():
 
 def test_config_changes_the_replay_and_bad_config_is_a_value_error():
     path = BUNDLED / "tiny-gpt-varlen-train.pickle.gz"
-    small = replay(path, config="segment_size:2MiB", search=False)
-    large = replay(path, config="segment_size:64MiB", search=False)
-    assert small.pyalloc_peak_reserved_bytes != large.pyalloc_peak_reserved_bytes
-    assert large.config == "segment_size:64MiB"
+    bestfit = replay(path, config="strategy:bestfit,segment_size:64MiB", search=False)
+    vmm = replay(path, config="strategy:vmm", search=False)
+    assert vmm.pyalloc_peak_reserved_bytes < bestfit.pyalloc_peak_reserved_bytes
+    assert bestfit.config == "strategy:bestfit,segment_size:64MiB"
     with pytest.raises(ValueError, match="bogus"):
         replay(path, config="bogus:1")
     with pytest.raises(ValueError, match="budget"):

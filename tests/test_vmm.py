@@ -27,6 +27,7 @@ def test_reserved_is_the_mapped_pages(backend):
     a.check_invariants()
     assert a.empty_cache() == 50 * MiB
     assert a.stats()["reserved_bytes.all.current"] == 0
+    assert a.stats()["segment.all.current"] == 0  # the empty range holds no memory
     a.check_invariants()
 
 

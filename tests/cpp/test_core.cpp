@@ -186,8 +186,7 @@ void test_threads(const char* backend, const char* conf) {
   CHECK(s.allocation.all.current == 0);
   CHECK(s.active_bytes.all.current == 0);
   CHECK(s.reserved_bytes.all.current == 0);
-  // A vmm pool keeps its (empty) virtual range.
-  CHECK(s.segment.all.current == (a->config().strategy == Strategy::kVmm ? 1 : 0));
+  CHECK(s.segment.all.current == 0);
   CHECK(s.allocation.all.freed() == s.allocation.all.allocated);
 }
 
