@@ -11,4 +11,5 @@ PYBIND11_MODULE(_C, m) {
   m.attr("__version__") = PYALLOC_VERSION;
   pyalloc::bind_core(m);
   pyalloc::bind_bench(m);
+  pyalloc::bind_cuda(m);
 }
