@@ -160,9 +160,10 @@ class CudaBackend final : public Backend {
     bool done = false;
   };
 
-  // Records the slot's event on its stream unless the stream is capturing.
+  // Records the slot's event on its stream, unless a capture is underway:
+  // like PyTorch's own allocator, no event is recorded during any capture.
   bool try_record(Slot& slot) {
-    if (sh_->captures.probe(slot.stream).capturing) return false;
+    if (sh_->captures.blocks(slot.stream)) return false;
     try {
       if (slot.event == nullptr) {
         ContextGuard g(d_, sh_->ctx);

@@ -18,10 +18,10 @@
 //   EventId's CUevent serves the next record_event().
 // - Captures (capture.h): while a capture is underway on the device,
 //   is_capturing() is true for every stream, reserve() returns 0, and
-//   event_done() answers false without asking the driver. An event asked
-//   for on a capturing stream is not recorded into the graph: it is
-//   recorded on that stream once the capture is over, which completes no
-//   earlier than the work it stands for.
+//   event_done() answers false without asking the driver, and an event
+//   asked for is not recorded (it would land in the graph if its stream
+//   were capturing): it is recorded on its stream once the capture is over,
+//   which completes no earlier than the work it stands for.
 #pragma once
 
 #include <cstddef>
