@@ -161,7 +161,10 @@ void bind_cuda(py::module_& m) {
       "cuda_stats",
       [](int device, const std::string& pool) {
         Allocator* a = pool_of(device, pool);
-        return stats_dict(a != nullptr ? a->stats() : Stats());
+        if (a != nullptr) return stats_dict(a->stats());
+        Stats none;
+        none.max_split_size = -1;  // PyTorch's "no limit", as a pool without one reports
+        return stats_dict(none);
       },
       py::arg("device"), py::arg("pool") = "general",
       "torch.cuda.memory_stats() keys for one pool of a device (zeros before its first use).");

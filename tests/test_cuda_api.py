@@ -59,6 +59,7 @@ def test_stats_have_torchs_keys_and_count_both_pools(fake):
 
 def test_device_without_pools_reads_as_zero(fake):
     assert pyalloc.memory_allocated(5) == 0
+    assert pyalloc.memory_stats(5)["max_split_size"] == -1
     assert pyalloc.fragmentation(5)["free_bytes"] == 0
     assert pyalloc.empty_cache(5) == 0
     assert _C.cuda_devices() == []  # reading created nothing

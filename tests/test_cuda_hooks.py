@@ -101,8 +101,13 @@ def test_size_zero_null_and_foreign_pointers_need_no_device(lib):
     assert lib.pyalloc_base_alloc(4096 * 77, ctypes.byref(size)) == 4096 * 77
     assert size.value == 99  # untouched, as PyTorch's default
     lib.pyalloc_empty_cache()
+    assert _C.cuda_devices() == []
+
+
+def test_init_hook_records_the_device_count(fake, lib):
     lib.pyalloc_init(3)
     assert _C.cuda_hook_device_count() == 3
+    assert _C.cuda_devices() == []  # pools come with each device's first allocation
 
 
 @pytest.mark.skipif(_driver_present(), reason="a CUDA driver is installed here")
