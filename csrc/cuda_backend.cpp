@@ -62,13 +62,20 @@ CaptureState probe_stream(const Driver& d, Stream s) {
   return st;
 }
 
+// One for the process: CUDA's global capture mode forbids the calls it
+// guards from any thread, whatever the device.
+CaptureTracker& process_captures() {
+  static CaptureTracker* tracker =
+      new CaptureTracker([](Stream s) { return probe_stream(driver(), s); });
+  return *tracker;
+}
+
 // What the pools of one device share. Never destroyed while a backend lives.
 struct CudaShared {
-  CudaShared(int index, CUcontext ctx)
-      : index(index), ctx(ctx), captures([this](Stream s) { return probe_stream(driver(), s); }) {}
+  CudaShared(int index, CUcontext ctx) : index(index), ctx(ctx), captures(process_captures()) {}
   int index;
   CUcontext ctx;
-  CaptureTracker captures;
+  CaptureTracker& captures;
 };
 
 class CudaBackend final : public Backend {

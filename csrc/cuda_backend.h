@@ -4,7 +4,9 @@
 //
 // A Device is one GPU as the PyTorch hooks see it: it makes a Backend for
 // each pool on that GPU (the general pool and the buffer pool), and holds
-// what the pools share: the primary context and the capture tracker.
+// what the pools share: the primary context, and the capture tracker, which
+// is the same for every device of the process (CUDA's global capture mode
+// forbids the calls it guards from any thread, on any device).
 //
 // The CUDA Backend, beyond backend.h's contract:
 // - Every driver call runs with the device's primary context current. If
@@ -16,7 +18,7 @@
 //   work on that memory to finish.
 // - Events are created once (CU_EVENT_DISABLE_TIMING) and recycled: a freed
 //   EventId's CUevent serves the next record_event().
-// - Captures (capture.h): while a capture is underway on the device,
+// - Captures (capture.h): while a capture is underway in the process,
 //   is_capturing() is true for every stream, reserve() returns 0, and
 //   event_done() answers false without asking the driver, and an event
 //   asked for is not recorded (it would land in the graph if its stream
@@ -59,8 +61,8 @@ int cuda_device_count();
 /// set_fake_capture(). Its memory is real, so tests can write through it.
 std::unique_ptr<Device> open_fake_device(int index, size_t capacity);
 
-/// Makes the fake device's `stream` capturing with capture id `id`, or not
-/// capturing when id == 0.
-void set_fake_capture(int device, Stream stream, uint64_t id);
+/// Makes a fake device stream capturing with capture id `id`, or not
+/// capturing when id == 0. Stream handles are unique in the process.
+void set_fake_capture(Stream stream, uint64_t id);
 
 }  // namespace pyalloc

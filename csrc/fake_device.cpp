@@ -4,7 +4,6 @@
 // backend answers for captures exactly as the CUDA backend does.
 #include <map>
 #include <mutex>
-#include <utility>
 
 #include "cuda_backend.h"
 
@@ -12,20 +11,26 @@ namespace pyalloc {
 namespace {
 
 std::mutex fake_mu;
-std::map<std::pair<int, Stream>, uint64_t>& fake_captures() {
-  static auto* m = new std::map<std::pair<int, Stream>, uint64_t>();
+std::map<Stream, uint64_t>& fake_captures() {
+  static auto* m = new std::map<Stream, uint64_t>();
   return *m;
 }
 
-CaptureState fake_probe(int device, Stream s) {
+CaptureState fake_probe(Stream s) {
   std::lock_guard<std::mutex> g(fake_mu);
-  auto it = fake_captures().find({device, s});
+  auto it = fake_captures().find(s);
   CaptureState st;
   if (it != fake_captures().end()) {
     st.capturing = true;
     st.id = it->second;
   }
   return st;
+}
+
+// Process-wide, as for CUDA devices (cuda_backend.h).
+CaptureTracker& fake_tracker() {
+  static CaptureTracker* tracker = new CaptureTracker(&fake_probe);
+  return *tracker;
 }
 
 class FakeBackend final : public Backend {
@@ -56,8 +61,7 @@ class FakeBackend final : public Backend {
 class FakeDevice final : public Device {
  public:
   FakeDevice(int index, size_t capacity)
-      : index_(index), capacity_(capacity),
-        captures_([index](Stream s) { return fake_probe(index, s); }) {}
+      : index_(index), capacity_(capacity), captures_(fake_tracker()) {}
 
   int index() const override { return index_; }
   std::unique_ptr<Backend> make_backend() override {
@@ -72,7 +76,7 @@ class FakeDevice final : public Device {
  private:
   int index_;
   size_t capacity_;
-  CaptureTracker captures_;
+  CaptureTracker& captures_;
 };
 
 }  // namespace
@@ -81,10 +85,10 @@ std::unique_ptr<Device> open_fake_device(int index, size_t capacity) {
   return std::make_unique<FakeDevice>(index, capacity);
 }
 
-void set_fake_capture(int device, Stream stream, uint64_t id) {
+void set_fake_capture(Stream stream, uint64_t id) {
   std::lock_guard<std::mutex> g(fake_mu);
-  if (id == 0) fake_captures().erase({device, stream});
-  else fake_captures()[{device, stream}] = id;
+  if (id == 0) fake_captures().erase(stream);
+  else fake_captures()[stream] = id;
 }
 
 }  // namespace pyalloc

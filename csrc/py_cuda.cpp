@@ -251,8 +251,8 @@ void bind_cuda(py::module_& m) {
   m.def(
       "_testing_reset", [] { registry().reset_fake(); },
       "Tests: drops every fake pool and the configuration.");
-  m.def("_testing_set_capture", &set_fake_capture, py::arg("device"), py::arg("stream"),
-        py::arg("capture_id"), "Tests: a fake device's stream captures (id > 0) or not (0).");
+  m.def("_testing_set_capture", &set_fake_capture, py::arg("stream"), py::arg("capture_id"),
+        "Tests: a fake device stream captures (id > 0) or not (0).");
   m.def(
       "_testing_stream",
       [](int device, Stream stream, bool busy) {

@@ -150,12 +150,12 @@ def test_record_history_applies_to_pools_created_later(fake):
 def test_graph_memory_api(fake):
     _C.cuda_configure("pool_size:8MiB")
     hook_free(hook_malloc(512))
-    _C._testing_set_capture(0, 0x99, 3)
+    _C._testing_set_capture(0x99, 3)
     try:
         p = hook_malloc(MiB, stream=0x99)
         hook_free(p)
     finally:
-        _C._testing_set_capture(0, 0x99, 0)
+        _C._testing_set_capture(0x99, 0)
     assert pyalloc.graph_memory(0) == (1, MiB)
     assert "Held for CUDA graphs" in pyalloc.memory_summary(0)
     assert pyalloc.release_graph_memory(0) == MiB

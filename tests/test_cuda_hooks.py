@@ -304,11 +304,11 @@ def graph_pool(fake, lib):
     _C.cuda_configure("pool_size:16MiB")
     lib.pyalloc_free(lib.pyalloc_malloc(512, 0, None), 0, 0, None)
     yield lib
-    _C._testing_set_capture(0, CAPTURE_STREAM, 0)
+    _C._testing_set_capture(CAPTURE_STREAM, 0)
 
 
 def capture(capture_id: int) -> None:
-    _C._testing_set_capture(0, CAPTURE_STREAM, capture_id)
+    _C._testing_set_capture(CAPTURE_STREAM, capture_id)
 
 
 def test_capture_is_served_from_reserved_memory_only(graph_pool):
@@ -331,6 +331,23 @@ def test_capture_is_served_from_reserved_memory_only(graph_pool):
     q = lib.pyalloc_malloc(32 * MiB, 0, None)  # after the capture the pool grows again
     lib.pyalloc_free(q, 0, 0, None)
     check()
+
+
+def test_capture_on_one_device_blocks_releases_on_every_device(graph_pool):
+    # Regression: captures were tracked per device, so empty_cache() released
+    # device 1's memory while device 0 captured, which global capture mode forbids.
+    lib = graph_pool
+    lib.pyalloc_free(lib.pyalloc_malloc(30 * MiB, 1, None), 0, 1, None)
+    before = reserved(1)
+    capture(4)
+    lib.pyalloc_malloc(512, 0, CAPTURE_STREAM)  # the capture is seen
+    lib.pyalloc_empty_cache()
+    assert reserved(1) == before
+    with pytest.raises(RuntimeError, match="capture is underway"):
+        _C._testing_hook_malloc(40 * MiB, 1, 0)
+    capture(0)
+    lib.pyalloc_empty_cache()
+    assert reserved(1) == 16 * MiB
 
 
 def test_capture_blocks_are_held_and_reused_only_within_their_capture(graph_pool):
