@@ -108,7 +108,9 @@ class CudaBackend final : public Backend {
   }
 
   void mem_info(size_t* free_bytes, size_t* total_bytes) override {
-    device_mem_info(d_, sh_->ctx, free_bytes, total_bytes);
+    // Out-of-memory messages during a capture go without the device's numbers.
+    if (sh_->captures.underway()) *free_bytes = *total_bytes = 0;
+    else device_mem_info(d_, sh_->ctx, free_bytes, total_bytes);
   }
 
   EventId record_event(Stream s) override {
@@ -200,7 +202,8 @@ class CudaDevice final : public Device {
   std::unique_ptr<Backend> make_backend() override { return std::make_unique<CudaBackend>(sh_); }
   CaptureTracker& captures() override { return sh_->captures; }
   void mem_info(size_t* free_bytes, size_t* total_bytes) override {
-    device_mem_info(driver(), sh_->ctx, free_bytes, total_bytes);
+    if (sh_->captures.underway()) *free_bytes = *total_bytes = 0;
+    else device_mem_info(driver(), sh_->ctx, free_bytes, total_bytes);
   }
   int dlpack_device_type() const override { return 2; }  // kDLCUDA
 

@@ -107,8 +107,8 @@ void DevicePools::set_memory_fraction(double fraction) {
   size_t free_bytes = 0, total = 0;
   device_->mem_info(&free_bytes, &total);
   if (total == 0)
-    throw std::runtime_error("cannot apply a memory fraction: the total memory of device " +
-                             std::to_string(index()) + " is unknown");
+    throw std::runtime_error("cannot apply a memory fraction to device " + std::to_string(index()) +
+                             ": its total memory is unknown (a CUDA graph capture is underway?)");
   double limit = fraction * static_cast<double>(total);
   // 0 would mean "no cap" to the core; 1 byte lets nothing more be reserved.
   size_t cap = limit < 1.0 ? 1 : static_cast<size_t>(limit);

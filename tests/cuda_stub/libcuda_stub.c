@@ -3,8 +3,9 @@
  *
  * Memory is host memory. Contexts are per device and current per thread.
  * Streams are opaque numbers; the test marks one as capturing and counts every
- * call that CUDA's global capture mode forbids while a capture is underway
- * (allocating, freeing, recording, querying or waiting on events). Events
+ * call that CUDA's global capture mode forbids, or that pyalloc promises not to
+ * make, while a capture is underway (allocating, freeing, asking for free
+ * memory, recording, querying or waiting on events). Events
  * complete at once unless the test holds them pending.
  *
  * test_cuda_backend_stub.py compiles it as libcuda.so.1 and reads `stub` through
@@ -92,6 +93,7 @@ CUresult cuMemFree_v2(unsigned long long p) {
 }
 
 CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
+  during_capture();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   *total = (size_t)stub.capacity;
   *free_bytes = (size_t)(stub.capacity - stub.used[current->device]);
