@@ -141,7 +141,8 @@ void bind_cuda(py::module_& m) {
       "cuda_config", [] { return config_dict(registry().config()); },
       "The pools' effective configuration, in bytes.");
   m.def(
-      "cuda_set_installed", [](bool v) { registry().set_installed(v); }, py::arg("installed"));
+      "cuda_set_installed", [](bool v) { registry().set_installed(v); }, py::arg("installed"),
+      "Records that install() made pyalloc PyTorch's allocator.");
   m.def(
       "cuda_is_installed", [] { return registry().installed(); },
       "Whether pyalloc is PyTorch's CUDA allocator in this process.");
@@ -176,28 +177,31 @@ void bind_cuda(py::module_& m) {
           p->buffers().reset_peak_stats();
         }
       },
-      py::arg("device"));
+      py::arg("device"), "Sets every peak statistic of both pools of a device to its current value.");
   m.def(
       "cuda_fragmentation",
       [](int device, const std::string& pool) {
         Allocator* a = pool_of(device, pool);
         return fragmentation_dict(a != nullptr ? a->fragmentation() : FragmentationInfo());
       },
-      py::arg("device"), py::arg("pool") = "general");
+      py::arg("device"), py::arg("pool") = "general",
+      "Free bytes, largest free block and free blocks by size of one pool of a device.");
   m.def(
       "cuda_snapshot_segments",
       [](int device, const std::string& pool) {
         Allocator* a = pool_of(device, pool);
         return a != nullptr ? snapshot_list(a->snapshot(), device) : py::list();
       },
-      py::arg("device"), py::arg("pool") = "general");
+      py::arg("device"), py::arg("pool") = "general",
+      "One pool's segments in the layout of torch.cuda.memory._snapshot()['segments'].");
   m.def(
       "cuda_history",
       [](int device, const std::string& pool) {
         Allocator* a = pool_of(device, pool);
         return a != nullptr ? history_list(a->history()) : py::list();
       },
-      py::arg("device"), py::arg("pool") = "general");
+      py::arg("device"), py::arg("pool") = "general",
+      "One pool's recorded events, oldest first, as a snapshot's device_traces entries.");
   m.def(
       "cuda_record_history",
       [](bool enabled, size_t max_entries) { registry().record_history(enabled, max_entries); },
@@ -211,7 +215,8 @@ void bind_cuda(py::module_& m) {
           p->buffers().check_invariants();
         }
       },
-      py::arg("device"), nogil);
+      py::arg("device"), nogil,
+      "Verifies both pools of a device; raises InvariantError if anything is off.");
 
   m.def(
       "cuda_empty_cache",
@@ -242,7 +247,9 @@ void bind_cuda(py::module_& m) {
         DevicePools* p = registry().find(device);
         return p != nullptr ? p->release_graph_memory() : 0;
       },
-      py::arg("device"), nogil);
+      py::arg("device"), nogil,
+      "Returns the blocks held for CUDA graphs to the general pool; the bytes. Only once no "
+      "graph captured so far will run again.");
 
   m.def(
       "_testing_use_fake_devices",
