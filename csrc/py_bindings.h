@@ -9,5 +9,6 @@ namespace pyalloc {
 void bind_core(pybind11::module_& m);   // py_core.cpp: Allocator, config, errors
 void bind_bench(pybind11::module_& m);  // bench.cpp: C++ timing loops
 void bind_replay(pybind11::module_& m);  // py_replay.cpp: trace replay
+void bind_cuda(pybind11::module_& m);   // py_cuda.cpp: the CUDA pools behind PyTorch
 
 }  // namespace pyalloc

@@ -4,6 +4,7 @@
 
 #include "allocator.h"
 #include "py_bindings.h"
+#include "py_convert.h"
 #include "sim_streams.h"
 
 namespace py = pybind11;
@@ -26,6 +27,8 @@ SimStreams& sim_streams(Allocator& a) {
                                 "can be driven by hand");
   return *s;
 }
+
+}  // namespace
 
 py::dict config_dict(const Config& c) {
   py::dict d;
@@ -119,8 +122,6 @@ py::list history_list(const std::vector<TraceEntry>& entries) {
   }
   return out;
 }
-
-}  // namespace
 
 void bind_core(py::module_& m) {
   py::register_exception<OutOfMemoryError>(m, "OutOfMemoryError", PyExc_RuntimeError);

@@ -12,4 +12,5 @@ PYBIND11_MODULE(_C, m) {
   pyalloc::bind_core(m);
   pyalloc::bind_bench(m);
   pyalloc::bind_replay(m);
+  pyalloc::bind_cuda(m);
 }

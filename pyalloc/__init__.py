@@ -1,11 +1,32 @@
 """pyalloc: a CUDA caching allocator for PyTorch that fights fragmentation.
 
-The policy is C++ (``pyalloc._C``); this package wraps it. ``Allocator`` runs
-it over host or virtual memory, with no GPU needed.
+The policy is C++ (``pyalloc._C``); this package wraps it. ``install()`` makes it
+PyTorch's CUDA allocator (see ``pyalloc.cuda``); ``Allocator`` runs it over host
+or virtual memory, with no GPU needed. Importing pyalloc never imports torch.
 """
 from ._C import __version__
 from ._config import CONFIG_KEYS, parse_config
 from .allocator import Allocator, InvalidPointerError, InvariantError, OutOfMemoryError
+from .cuda import (
+    dump_snapshot,
+    empty_cache,
+    fragmentation,
+    graph_memory,
+    install,
+    is_installed,
+    max_memory_allocated,
+    max_memory_reserved,
+    memory_allocated,
+    memory_reserved,
+    memory_stats,
+    memory_summary,
+    record_history,
+    release_graph_memory,
+    reserve,
+    reserve_buffer,
+    reset_peak_memory_stats,
+    snapshot,
+)
 
 __all__ = [
     "Allocator",
@@ -14,5 +35,23 @@ __all__ = [
     "InvariantError",
     "OutOfMemoryError",
     "__version__",
+    "dump_snapshot",
+    "empty_cache",
+    "fragmentation",
+    "graph_memory",
+    "install",
+    "is_installed",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "memory_allocated",
+    "memory_reserved",
+    "memory_stats",
+    "memory_summary",
     "parse_config",
+    "record_history",
+    "release_graph_memory",
+    "reserve",
+    "reserve_buffer",
+    "reset_peak_memory_stats",
+    "snapshot",
 ]

@@ -1,0 +1,30 @@
+// Remembering capturing streams until the device says they are done: see capture.h.
+#include "capture.h"
+
+#include <algorithm>
+
+namespace pyalloc {
+
+CaptureState CaptureTracker::probe(Stream s) {
+  CaptureState st = probe_(s);
+  if (st.capturing) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (std::find(capturing_.begin(), capturing_.end(), s) == capturing_.end()) {
+      capturing_.push_back(s);
+      count_.store(capturing_.size(), std::memory_order_release);
+    }
+  }
+  return st;
+}
+
+bool CaptureTracker::underway() {
+  if (count_.load(std::memory_order_acquire) == 0) return false;
+  std::lock_guard<std::mutex> g(mu_);
+  capturing_.erase(std::remove_if(capturing_.begin(), capturing_.end(),
+                                  [&](Stream s) { return !probe_(s).capturing; }),
+                   capturing_.end());
+  count_.store(capturing_.size(), std::memory_order_release);
+  return !capturing_.empty();
+}
+
+}  // namespace pyalloc

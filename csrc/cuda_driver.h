@@ -1,0 +1,95 @@
+// The few CUDA driver API types and entry points the CUDA backend uses,
+// declared here so that pyalloc builds without the CUDA toolkit, and the
+// table that loads them from libcuda.so.1 at run time.
+//
+// Every entry point is fetched by the exact ABI name it has had since the
+// version noted beside it (the `_v2` names where the driver kept an older
+// ABI under the plain name), so a newer driver keeps serving this table.
+// Streams are taken with the legacy default-stream semantics, as PyTorch
+// uses them: stream 0 is the legacy default stream.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace pyalloc {
+namespace drv {
+
+enum CUresult : int {
+  CUDA_SUCCESS = 0,
+  CUDA_ERROR_OUT_OF_MEMORY = 2,
+  CUDA_ERROR_NOT_INITIALIZED = 3,
+  CUDA_ERROR_DEINITIALIZED = 4,
+  CUDA_ERROR_NO_DEVICE = 100,
+  CUDA_ERROR_INVALID_DEVICE = 101,
+  CUDA_ERROR_NOT_READY = 600,
+  CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+  CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906,
+  CUDA_ERROR_CAPTURED_EVENT = 907,
+};
+
+enum CUstreamCaptureStatus : int {
+  CU_STREAM_CAPTURE_STATUS_NONE = 0,
+  CU_STREAM_CAPTURE_STATUS_ACTIVE = 1,
+  CU_STREAM_CAPTURE_STATUS_INVALIDATED = 2,
+};
+
+constexpr unsigned int CU_EVENT_DISABLE_TIMING = 0x2;
+
+using CUdevice = int;
+using CUdeviceptr = unsigned long long;
+using cuuint64_t = uint64_t;
+struct CUctx_st;
+struct CUstream_st;
+struct CUevent_st;
+using CUcontext = CUctx_st*;
+using CUstream = CUstream_st*;
+using CUevent = CUevent_st*;
+
+/// The entry points, by the driver's symbol names.
+struct Driver {
+  CUresult (*Init)(unsigned int flags);                                  // cuInit
+  CUresult (*DriverGetVersion)(int* version);                            // cuDriverGetVersion
+  CUresult (*DeviceGet)(CUdevice* device, int ordinal);                  // cuDeviceGet
+  CUresult (*DeviceGetCount)(int* count);                                // cuDeviceGetCount
+  CUresult (*DevicePrimaryCtxRetain)(CUcontext* ctx, CUdevice device);   // cuDevicePrimaryCtxRetain
+  CUresult (*CtxGetCurrent)(CUcontext* ctx);                             // cuCtxGetCurrent
+  CUresult (*CtxSetCurrent)(CUcontext ctx);                              // cuCtxSetCurrent
+  CUresult (*MemAlloc)(CUdeviceptr* ptr, size_t bytes);                  // cuMemAlloc_v2
+  CUresult (*MemFree)(CUdeviceptr ptr);                                  // cuMemFree_v2
+  CUresult (*MemGetInfo)(size_t* free_bytes, size_t* total_bytes);       // cuMemGetInfo_v2
+  CUresult (*EventCreate)(CUevent* event, unsigned int flags);           // cuEventCreate
+  CUresult (*EventRecord)(CUevent event, CUstream stream);               // cuEventRecord
+  CUresult (*EventQuery)(CUevent event);                                 // cuEventQuery
+  CUresult (*EventSynchronize)(CUevent event);                           // cuEventSynchronize
+  CUresult (*EventDestroy)(CUevent event);                               // cuEventDestroy_v2
+  CUresult (*StreamIsCapturing)(CUstream stream, CUstreamCaptureStatus* status);  // cuStreamIsCapturing
+  /// Optional (null if absent): the CUDA 10.1 ABI, which also gives the
+  /// capture sequence's id.
+  CUresult (*StreamGetCaptureInfo)(CUstream stream, CUstreamCaptureStatus* status,
+                                   cuuint64_t* id);                       // cuStreamGetCaptureInfo
+  CUresult (*GetErrorName)(CUresult error, const char** name);           // cuGetErrorName
+  int version = 0;  // cuDriverGetVersion, e.g. 13000
+};
+
+/// The driver could not be loaded or initialised, or a call failed in a way
+/// the caller cannot absorb. The message says which call and why.
+class DriverError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Loads libcuda.so.1 and runs cuInit once; throws DriverError (every time)
+/// if that failed, with the reason and what to do about it.
+const Driver& driver();
+
+/// "CUDA_ERROR_OUT_OF_MEMORY (2)"; safe when the driver is not loaded.
+std::string error_name(CUresult r);
+
+/// Throws DriverError "<what> failed: <error name>" unless r is CUDA_SUCCESS.
+void check(CUresult r, const char* what);
+
+}  // namespace drv
+}  // namespace pyalloc

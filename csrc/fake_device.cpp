@@ -1,0 +1,94 @@
+// A stand-in for a CUDA device, so the PyTorch hooks and the pool registry
+// run in CI without a GPU: its pools are host memory (host_backend.cpp, with
+// simulated streams) and its captures are whatever the test says. Its
+// backend answers for captures exactly as the CUDA backend does.
+#include <map>
+#include <mutex>
+
+#include "cuda_backend.h"
+
+namespace pyalloc {
+namespace {
+
+std::mutex fake_mu;
+std::map<Stream, uint64_t>& fake_captures() {
+  static auto* m = new std::map<Stream, uint64_t>();
+  return *m;
+}
+
+CaptureState fake_probe(Stream s) {
+  std::lock_guard<std::mutex> g(fake_mu);
+  auto it = fake_captures().find(s);
+  CaptureState st;
+  if (it != fake_captures().end()) {
+    st.capturing = true;
+    st.id = it->second;
+  }
+  return st;
+}
+
+// Process-wide, as for CUDA devices (cuda_backend.h).
+CaptureTracker& fake_tracker() {
+  static CaptureTracker* tracker = new CaptureTracker(&fake_probe);
+  return *tracker;
+}
+
+class FakeBackend final : public Backend {
+ public:
+  FakeBackend(std::unique_ptr<Backend> host, CaptureTracker& captures)
+      : host_(std::move(host)), captures_(captures) {}
+
+  const char* name() const override { return "fake-cuda"; }
+  uintptr_t reserve(size_t size) override {
+    return captures_.underway() ? 0 : host_->reserve(size);
+  }
+  void release(uintptr_t base, size_t size) override { host_->release(base, size); }
+  void mem_info(size_t* free_bytes, size_t* total_bytes) override {
+    host_->mem_info(free_bytes, total_bytes);
+  }
+  EventId record_event(Stream s) override { return host_->record_event(s); }
+  bool event_done(EventId e) override { return !captures_.underway() && host_->event_done(e); }
+  void event_wait(EventId e) override { host_->event_wait(e); }
+  void event_free(EventId e) override { host_->event_free(e); }
+  bool is_capturing(Stream s) override { return captures_.blocks(s); }
+  SimStreams* sim_streams() override { return host_->sim_streams(); }
+
+ private:
+  std::unique_ptr<Backend> host_;
+  CaptureTracker& captures_;
+};
+
+class FakeDevice final : public Device {
+ public:
+  FakeDevice(int index, size_t capacity)
+      : index_(index), capacity_(capacity), captures_(fake_tracker()) {}
+
+  int index() const override { return index_; }
+  std::unique_ptr<Backend> make_backend() override {
+    return std::make_unique<FakeBackend>(make_host_backend(capacity_), captures_);
+  }
+  CaptureTracker& captures() override { return captures_; }
+  void mem_info(size_t* free_bytes, size_t* total_bytes) override {
+    *free_bytes = *total_bytes = capacity_;
+  }
+  int dlpack_device_type() const override { return 1; }  // kDLCPU: host memory
+
+ private:
+  int index_;
+  size_t capacity_;
+  CaptureTracker& captures_;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> open_fake_device(int index, size_t capacity) {
+  return std::make_unique<FakeDevice>(index, capacity);
+}
+
+void set_fake_capture(Stream stream, uint64_t id) {
+  std::lock_guard<std::mutex> g(fake_mu);
+  if (id == 0) fake_captures().erase(stream);
+  else fake_captures()[stream] = id;
+}
+
+}  // namespace pyalloc

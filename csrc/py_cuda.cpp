@@ -1,0 +1,281 @@
+// Python bindings of the CUDA pools (cuda_pools.h): configuration, per-device
+// stats, fragmentation, snapshots and history, cache control, and buffers
+// handed to PyTorch as DLPack capsules. pyalloc/cuda.py builds the public
+// API on these. The `_testing_` functions drive the same code over fake
+// devices of host memory, for CI without a GPU.
+#include <Python.h>
+#include <pybind11/stl.h>
+
+#include <cstdio>
+
+#include "cuda_driver.h"
+#include "cuda_pools.h"
+#include "py_bindings.h"
+#include "py_convert.h"
+#include "sim_streams.h"
+
+namespace py = pybind11;
+
+namespace pyalloc {
+namespace {
+
+PoolRegistry& registry() { return PoolRegistry::instance(); }
+
+/// The named pool of a device, or null while the device has no pools.
+Allocator* pool_of(int device, const std::string& which) {
+  if (which != "general" && which != "buffers")
+    throw std::invalid_argument("unknown pool '" + which + "'; the pools are 'general' and 'buffers'");
+  DevicePools* p = registry().find(device);
+  if (p == nullptr) return nullptr;
+  return which == "general" ? &p->general() : &p->buffers();
+}
+
+// ---------------------------------------------------------------------------
+// DLPack: the few structs of dlpack.h (v0.8 ABI, the "dltensor" capsule),
+// declared here as they are fixed by that ABI.
+
+struct DLDevice {
+  int32_t device_type;
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // kDLUInt = 1
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor* self);
+};
+
+/// One reserve_buffer() block: what the tensor's deleter needs to free it.
+struct BufferHandle {
+  DLManagedTensor managed{};
+  int64_t shape[1] = {0};
+  int64_t strides[1] = {1};
+  int device = 0;
+  uintptr_t ptr = 0;
+};
+
+// Runs when the tensor made from the capsule dies, on whatever thread
+// releases it, without the GIL: it touches only the pool.
+void free_buffer(DLManagedTensor* self) {
+  auto* h = static_cast<BufferHandle*>(self->manager_ctx);
+  try {
+    if (DevicePools* p = registry().find(h->device)) p->free_buffer(h->ptr);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "pyalloc: freeing a reserved buffer failed: %s\n", e.what());
+  }
+  delete h;
+}
+
+void capsule_destructor(PyObject* capsule) {
+  // A capsule never consumed (still named "dltensor") owns its buffer.
+  if (PyCapsule_IsValid(capsule, "dltensor")) {
+    auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+    m->deleter(m);
+  }
+}
+
+py::object buffer_capsule(int device, size_t nbytes, Stream stream) {
+  if (nbytes == 0) throw std::invalid_argument("reserve_buffer needs at least one byte");
+  DevicePools* pools;
+  uintptr_t ptr;
+  {
+    py::gil_scoped_release nogil;
+    pools = &registry().get(device);
+    ptr = pools->malloc_buffer(nbytes, stream);
+  }
+  auto* h = new BufferHandle();
+  h->device = device;
+  h->ptr = ptr;
+  h->shape[0] = static_cast<int64_t>(nbytes);
+  DLTensor& t = h->managed.dl_tensor;
+  t.data = reinterpret_cast<void*>(ptr);
+  t.device = DLDevice{pools->device().dlpack_device_type(), device};
+  t.ndim = 1;
+  t.dtype = DLDataType{1, 8, 1};
+  t.shape = h->shape;
+  t.strides = h->strides;
+  t.byte_offset = 0;
+  h->managed.manager_ctx = h;
+  h->managed.deleter = &free_buffer;
+  PyObject* capsule = PyCapsule_New(&h->managed, "dltensor", &capsule_destructor);
+  if (capsule == nullptr) {
+    free_buffer(&h->managed);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(capsule);
+}
+
+}  // namespace
+
+void bind_cuda(py::module_& m) {
+  py::register_exception<drv::DriverError>(m, "CudaDriverError", PyExc_RuntimeError);
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+
+  m.def("library_path", &library_path,
+        "The file of this library, which holds the pyalloc_* functions PyTorch calls.");
+  m.def(
+      "cuda_check_driver", [] { return drv::driver().version; },
+      "Loads libcuda.so.1 and runs cuInit; returns the driver's CUDA version (e.g. 13000). "
+      "Raises CudaDriverError (a RuntimeError) saying why it cannot.");
+  m.def("cuda_device_count", &cuda_device_count, "The number of CUDA devices the driver sees.");
+
+  m.def(
+      "cuda_configure", [](const std::string& text) { registry().configure(text); },
+      py::arg("conf"),
+      "Sets the pools' configuration ('key:value,...') before their first use. ValueError for "
+      "a bad one; RuntimeError if pools already use a different one.");
+  m.def(
+      "cuda_config", [] { return config_dict(registry().config()); },
+      "The pools' effective configuration, in bytes.");
+  m.def(
+      "cuda_set_installed", [](bool v) { registry().set_installed(v); }, py::arg("installed"),
+      "Records that install() made pyalloc PyTorch's allocator.");
+  m.def(
+      "cuda_is_installed", [] { return registry().installed(); },
+      "Whether pyalloc is PyTorch's CUDA allocator in this process.");
+  m.def(
+      "cuda_hook_device_count", [] { return registry().device_count(); },
+      "The device count PyTorch's init hook passed (-1 before it ran).");
+  m.def(
+      "cuda_devices",
+      [] {
+        std::vector<int> out;
+        for (DevicePools* p : registry().all()) out.push_back(p->index());
+        return out;
+      },
+      "The devices whose pools exist.");
+
+  m.def(
+      "cuda_stats",
+      [](int device, const std::string& pool) {
+        Allocator* a = pool_of(device, pool);
+        if (a != nullptr) return stats_dict(a->stats());
+        Stats none;
+        none.max_split_size = -1;  // PyTorch's "no limit", as a pool without one reports
+        return stats_dict(none);
+      },
+      py::arg("device"), py::arg("pool") = "general",
+      "torch.cuda.memory_stats() keys for one pool of a device (zeros before its first use).");
+  m.def(
+      "cuda_reset_peak_stats",
+      [](int device) {
+        if (DevicePools* p = registry().find(device)) {
+          p->general().reset_peak_stats();
+          p->buffers().reset_peak_stats();
+        }
+      },
+      py::arg("device"), "Sets every peak statistic of both pools of a device to its current value.");
+  m.def(
+      "cuda_fragmentation",
+      [](int device, const std::string& pool) {
+        Allocator* a = pool_of(device, pool);
+        return fragmentation_dict(a != nullptr ? a->fragmentation() : FragmentationInfo());
+      },
+      py::arg("device"), py::arg("pool") = "general",
+      "Free bytes, largest free block and free blocks by size of one pool of a device.");
+  m.def(
+      "cuda_snapshot_segments",
+      [](int device, const std::string& pool) {
+        Allocator* a = pool_of(device, pool);
+        return a != nullptr ? snapshot_list(a->snapshot(), device) : py::list();
+      },
+      py::arg("device"), py::arg("pool") = "general",
+      "One pool's segments in the layout of torch.cuda.memory._snapshot()['segments'].");
+  m.def(
+      "cuda_history",
+      [](int device, const std::string& pool) {
+        Allocator* a = pool_of(device, pool);
+        return a != nullptr ? history_list(a->history()) : py::list();
+      },
+      py::arg("device"), py::arg("pool") = "general",
+      "One pool's recorded events, oldest first, as a snapshot's device_traces entries.");
+  m.def(
+      "cuda_record_history",
+      [](bool enabled, size_t max_entries) { registry().record_history(enabled, max_entries); },
+      py::arg("enabled"), py::arg("max_entries"),
+      "Keeps the last max_entries events of every pool, present and future.");
+  m.def(
+      "cuda_check_invariants",
+      [](int device) {
+        if (DevicePools* p = registry().find(device)) {
+          p->general().check_invariants();
+          p->buffers().check_invariants();
+        }
+      },
+      py::arg("device"), nogil,
+      "Verifies both pools of a device; raises InvariantError if anything is off.");
+
+  m.def(
+      "cuda_empty_cache",
+      [](int device) -> size_t {
+        DevicePools* p = registry().find(device);
+        return p != nullptr ? p->empty_cache() : 0;
+      },
+      py::arg("device"), nogil,
+      "Releases the device's cached segments (keeping pool_size); the bytes released.");
+  m.def(
+      "cuda_reserve",
+      [](int device, size_t nbytes) { return registry().get(device).general().reserve(nbytes); },
+      py::arg("device"), py::arg("nbytes"), nogil,
+      "Grows the device's general pool so that nbytes are free in one range; the bytes reserved.");
+  m.def("cuda_buffer", &buffer_capsule, py::arg("device"), py::arg("nbytes"), py::arg("stream"),
+        "A DLPack capsule of nbytes uint8 from the device's buffer pool; the tensor made from it "
+        "frees the buffer when it dies.");
+  m.def(
+      "cuda_graph_memory",
+      [](int device) {
+        DevicePools* p = registry().find(device);
+        return p != nullptr ? p->graph_memory() : std::pair<size_t, size_t>(0, 0);
+      },
+      py::arg("device"), "(blocks, bytes) held for CUDA graphs on the device.");
+  m.def(
+      "cuda_release_graph_memory",
+      [](int device) -> size_t {
+        DevicePools* p = registry().find(device);
+        return p != nullptr ? p->release_graph_memory() : 0;
+      },
+      py::arg("device"), nogil,
+      "Returns the blocks held for CUDA graphs to the general pool; the bytes. Only once no "
+      "graph captured so far will run again.");
+
+  m.def(
+      "_testing_use_fake_devices",
+      [](size_t capacity) { registry().use_fake_devices(capacity); }, py::arg("capacity"),
+      "Tests: pools created from now on live on fake devices of host memory.");
+  m.def(
+      "_testing_reset", [] { registry().reset_fake(); },
+      "Tests: drops every fake pool and the configuration.");
+  m.def("_testing_set_capture", &set_fake_capture, py::arg("stream"), py::arg("capture_id"),
+        "Tests: a fake device stream captures (id > 0) or not (0).");
+  m.def(
+      "_testing_stream",
+      [](int device, Stream stream, bool busy) {
+        DevicePools* p = registry().find(device);
+        SimStreams* sim = p != nullptr ? p->general().backend().sim_streams() : nullptr;
+        if (sim == nullptr) throw std::invalid_argument("no fake device " + std::to_string(device));
+        if (busy) sim->set_busy(stream);
+        else sim->complete(stream);
+      },
+      py::arg("device"), py::arg("stream"), py::arg("busy"),
+      "Tests: work is queued on a fake device's stream (busy) or has finished.");
+  m.def(
+      "_testing_hook_malloc",
+      [](size_t size, int device, Stream stream) { return hooks::malloc(size, device, stream); },
+      py::arg("size"), py::arg("device"), py::arg("stream"), nogil,
+      "Tests: what pyalloc_malloc does, with its exceptions raised in Python.");
+}
+
+}  // namespace pyalloc

@@ -1,0 +1,386 @@
+"""pyalloc as PyTorch's CUDA allocator: ``install()`` and the API over its pools.
+
+``install()`` swaps PyTorch's CUDA caching allocator for pyalloc's, once, before
+the process's first CUDA allocation. From then on every CUDA tensor comes from
+pyalloc's pool on its device, and ``torch.cuda.empty_cache()``,
+``Tensor.record_stream``, ``torch.cuda.set_per_process_memory_fraction`` and the
+``torch.cuda`` memory statistics keep working.
+
+Every function taking ``device`` accepts ``None`` (the current device), an index,
+``"cuda:N"`` or a ``torch.device``. Sizes are in bytes. Nothing here imports torch
+until it is needed, so ``import pyalloc`` stays cheap and works without torch.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import operator
+import os
+import pickle
+from typing import Any, Dict, List, Optional, Tuple
+
+from . import _C
+from ._config import Size, as_size, conf_string, parse_config
+from ._summary import format_summary
+
+#: The environment variable install() reads its settings from.
+CONF_ENV = "PYALLOC_CONF"
+
+# PyTorch's setter on its pluggable-allocator object -> the function it is given.
+_HOOKS = (
+    ("set_init_fn", "pyalloc_init"),
+    ("set_reset_fn", "pyalloc_empty_cache"),
+    ("set_memory_fraction_fn", "pyalloc_set_memory_fraction"),
+    ("set_base_alloc_fn", "pyalloc_base_alloc"),
+    ("set_record_stream_fn", "pyalloc_record_stream"),
+)
+
+_ALREADY_INITIALIZED = (
+    "pyalloc.install() must run before PyTorch initializes CUDA, and CUDA is already "
+    "initialized in this process (a CUDA tensor was created, or something like "
+    "torch.cuda.current_device() was called), so PyTorch's allocator can no longer be "
+    "swapped. Fix: call pyalloc.install() first, before any CUDA work (right after the "
+    "imports); or start the program with `python -m pyalloc run script.py ...` (also "
+    "`pyalloc run`, and `torchrun ... -m pyalloc run script.py`), which installs pyalloc "
+    "before the script runs, with settings from PYALLOC_CONF."
+)
+
+
+class _State:
+    """What install() set up in this process (it runs at most once)."""
+
+    conf: Optional[str] = None  # the effective settings string
+    config: Optional[Dict[str, int]] = None
+    patched: bool = False
+    allocator: Any = None  # torch's CUDAPluggableAllocator, kept alive
+    hooks: Tuple[str, ...] = ()
+
+
+_state = _State()
+
+
+# -- installing ---------------------------------------------------------------------------
+
+
+def settings_text(conf: Optional[str] = None, config: Optional[Dict[str, Size]] = None) -> str:
+    """The settings install() would use: PYALLOC_CONF, then ``conf``, then keywords.
+
+    Later sources override earlier ones key by key. ValueError names the bad
+    source, key or value.
+    """
+    if conf is not None and not isinstance(conf, str):
+        raise TypeError(f"conf must be a 'key:value,...' string, got {type(conf).__name__}")
+    env = os.environ.get(CONF_ENV, "")
+    if env:
+        try:
+            parse_config(env)
+        except ValueError as e:
+            raise ValueError(f"{CONF_ENV}={env!r}: {e}") from None
+    base = ",".join(p for p in (env, conf or "") if p)
+    return conf_string(base, config)
+
+
+def install(conf: Optional[str] = None, *, patch_torch: bool = True, **config: Size) -> None:
+    """Makes pyalloc PyTorch's CUDA allocator for the rest of the process.
+
+    Call it before any CUDA work, e.g. right after ``import torch``. Every rank
+    of a distributed job calls it for itself; each device gets its own pool
+    when first used.
+
+    Args:
+        conf: settings as ``"key:value,..."``, e.g. ``"pool_size:40GiB"``.
+        patch_torch: also make ``torch.cuda.memory_stats``, ``memory_allocated``,
+            ``max_memory_allocated``, ``memory_reserved``, ``max_memory_reserved``,
+            ``reset_peak_memory_stats`` and ``memory_summary`` answer from pyalloc
+            (they raise under any pluggable allocator otherwise).
+        **config: the same settings as keywords (``pool_size="40GiB"``,
+            ``max_pool_size=2**34``); see ``pyalloc.CONFIG_KEYS``.
+
+    Settings merge key by key, later winning: ``PYALLOC_CONF`` from the
+    environment, then ``conf``, then the keywords.
+
+    Calling it again with the same settings does nothing; with other settings
+    it raises RuntimeError, as does a CPU-only PyTorch, a machine without a GPU,
+    or a process that already initialized CUDA. ValueError for bad settings.
+    """
+    text = settings_text(conf, config)
+    wanted = parse_config(text)
+    if _state.config is not None:
+        if wanted != _state.config:
+            raise RuntimeError(
+                f"pyalloc is already installed with settings '{_state.conf}' and cannot be "
+                f"reinstalled with '{text}': the allocator can be chosen only once per process. "
+                f"Give install() the same settings everywhere, or set them once in {CONF_ENV}."
+            )
+        if patch_torch and not _state.patched:
+            _patch_torch()
+        return
+
+    torch = _import_torch()
+    _check_torch_can_swap(torch)
+    _C.cuda_check_driver()
+    _C.cuda_configure(text)
+
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(
+        _C.library_path(), "pyalloc_malloc", "pyalloc_free"
+    )
+    hooks = allocator.allocator()
+    lib = ctypes.CDLL(_C.library_path())
+    installed_hooks = []
+    for setter, symbol in _HOOKS:
+        set_fn = getattr(hooks, setter, None)  # each where the installed torch has it
+        if set_fn is not None:
+            set_fn(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value)
+            installed_hooks.append(setter)
+    try:
+        torch.cuda.memory.change_current_allocator(allocator)
+    except RuntimeError as e:
+        if "already initialized" in str(e):
+            raise RuntimeError(_ALREADY_INITIALIZED) from e
+        raise
+
+    _C.cuda_set_installed(True)
+    _state.conf, _state.config = text, wanted
+    _state.allocator, _state.hooks = allocator, tuple(installed_hooks)
+    if patch_torch:
+        _patch_torch()
+
+
+def is_installed() -> bool:
+    """Whether pyalloc is PyTorch's CUDA allocator in this process."""
+    return bool(_C.cuda_is_installed())
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError as e:
+        raise RuntimeError(
+            "pyalloc.install() needs PyTorch with CUDA support; torch cannot be imported: "
+            f"{e}. Install a CUDA build of PyTorch (https://pytorch.org/get-started/)."
+        ) from e
+    return torch
+
+
+def _check_torch_can_swap(torch) -> None:
+    if getattr(torch.version, "hip", None):
+        raise RuntimeError(
+            f"pyalloc supports CUDA builds of PyTorch; this one (torch {torch.__version__}) is "
+            "built for ROCm."
+        )
+    if torch.version.cuda is None:
+        raise RuntimeError(
+            f"pyalloc.install() needs a CUDA build of PyTorch, and this one (torch "
+            f"{torch.__version__}) is CPU-only: it has no CUDA allocator to replace. Install "
+            "a CUDA build (https://pytorch.org/get-started/), or use pyalloc.Allocator "
+            "(host or virtual memory) on this machine."
+        )
+    if not hasattr(torch.cuda.memory, "CUDAPluggableAllocator"):
+        raise RuntimeError(
+            f"torch {torch.__version__} has no torch.cuda.memory.CUDAPluggableAllocator; "
+            "pyalloc needs torch 2.3 or newer."
+        )
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "pyalloc.install() found no usable CUDA GPU (torch.cuda.is_available() is False): "
+            "check the NVIDIA driver (nvidia-smi) and CUDA_VISIBLE_DEVICES."
+        )
+    if torch.cuda.is_initialized():
+        raise RuntimeError(_ALREADY_INITIALIZED)
+
+
+def _patch_torch() -> None:
+    from . import _torch_patch
+
+    _torch_patch.apply()
+    _state.patched = True
+
+
+# -- devices ------------------------------------------------------------------------------
+
+
+def _device_index(device: Any = None) -> int:
+    """A CUDA device index from None (current), an int, 'cuda[:N]' or a torch.device."""
+    if device is None:
+        import torch
+
+        # Before PyTorch initializes CUDA the current device is 0; asking
+        # torch.cuda.current_device() then would initialize it.
+        if not torch.cuda.is_initialized():
+            return 0
+        return torch.cuda.current_device()
+    if isinstance(device, bool):
+        raise TypeError("device must be an index, 'cuda:N' or a torch.device, not a bool")
+    if isinstance(device, str):
+        kind, _, index = device.partition(":")
+        if kind != "cuda" or (index and not index.isdigit()):
+            raise ValueError(f"expected a CUDA device like 'cuda' or 'cuda:1', got {device!r}")
+        return int(index) if index else _device_index(None)
+    if hasattr(device, "type") and hasattr(device, "index"):  # torch.device
+        if device.type != "cuda":
+            raise ValueError(f"expected a CUDA device, got {device}")
+        return _device_index(None) if device.index is None else int(device.index)
+    if hasattr(device, "__index__"):
+        index = operator.index(device)
+        if index < 0:
+            raise ValueError(f"device index must not be negative, got {index}")
+        return index
+    raise TypeError(f"device must be an index, 'cuda:N' or a torch.device, got {type(device).__name__}")
+
+
+# -- statistics ---------------------------------------------------------------------------
+
+
+def _merge_stats(general: Dict[str, int], buffers: Dict[str, int]) -> Dict[str, int]:
+    # The pools' counts add up; their peaks add to an upper bound of the
+    # combined peak (exact while the buffer pool is unused or unchanged).
+    merged = {k: v + buffers.get(k, 0) for k, v in general.items()}
+    merged["max_split_size"] = general["max_split_size"]
+    return merged
+
+
+def memory_stats(device: Any = None) -> Dict[str, int]:
+    """Every key of ``torch.cuda.memory_stats()``, for pyalloc's pools on the device.
+
+    The general pool and the buffer pool (``reserve_buffer``) are counted together;
+    peaks are the sum of each pool's peak. Keys are sorted, as torch's are.
+    """
+    d = _device_index(device)
+    stats = _merge_stats(_C.cuda_stats(d, "general"), _C.cuda_stats(d, "buffers"))
+    return collections.OrderedDict(sorted(stats.items()))
+
+
+def memory_allocated(device: Any = None) -> int:
+    """Bytes in blocks handed out to tensors on the device (rounded up to 512 B)."""
+    return memory_stats(device)["allocated_bytes.all.current"]
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    """The peak of memory_allocated() since the start or reset_peak_memory_stats()."""
+    return memory_stats(device)["allocated_bytes.all.peak"]
+
+
+def memory_reserved(device: Any = None) -> int:
+    """Bytes pyalloc holds from the driver on the device, allocated or cached."""
+    return memory_stats(device)["reserved_bytes.all.current"]
+
+
+def max_memory_reserved(device: Any = None) -> int:
+    """The peak of memory_reserved() since the start or reset_peak_memory_stats()."""
+    return memory_stats(device)["reserved_bytes.all.peak"]
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    """Sets every peak statistic of the device to its current value."""
+    _C.cuda_reset_peak_stats(_device_index(device))
+
+
+def fragmentation(device: Any = None) -> Dict[str, Any]:
+    """The device's general pool: free bytes, largest free block, external
+    fragmentation (1 - largest free block / free bytes), free blocks by size."""
+    return _C.cuda_fragmentation(_device_index(device), "general")
+
+
+def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
+    """A readable table of the device's statistics, like ``torch.cuda.memory_summary()``,
+    followed by a section on fragmentation."""
+    d = _device_index(device)
+    blocks, held = _C.cuda_graph_memory(d)
+    return format_summary(
+        memory_stats(d), fragmentation(d), device=d, abbreviated=abbreviated,
+        graph_blocks=blocks, graph_bytes=held,
+    )
+
+
+# -- pool control -------------------------------------------------------------------------
+
+
+def empty_cache(device: Any = None) -> int:
+    """Returns the device's cached (free) segments to the driver, keeping ``pool_size``
+    reserved; the bytes released. ``torch.cuda.empty_cache()`` does this for every device."""
+    return _C.cuda_empty_cache(_device_index(device))
+
+
+def reserve(nbytes: Size, device: Any = None) -> int:
+    """Grows the device's pool so that ``nbytes`` are free in one range now; the bytes
+    newly reserved (0 if such a range existed). empty_cache() may release them again."""
+    return _C.cuda_reserve(_device_index(device), as_size(nbytes, "nbytes"))
+
+
+def reserve_buffer(nbytes: Size, device: Any = None):
+    """A CUDA tensor of ``nbytes`` uint8 carved from the device's buffer pool.
+
+    The buffer pool is kept apart from the general pool, so long-lived buffers
+    (KV caches, workspaces, pinned activations) never split the general pool's
+    free ranges. View the tensor as you need (``t.view(torch.float16)``); when
+    the last tensor using it dies, the region goes back to the buffer pool.
+    The buffer is ordered on the current stream.
+    """
+    import torch
+    import torch.utils.dlpack
+
+    d = _device_index(device)
+    size = as_size(nbytes, "nbytes")
+    stream = torch.cuda.current_stream(d).cuda_stream if torch.cuda.is_available() else 0
+    return torch.utils.dlpack.from_dlpack(_C.cuda_buffer(d, size, stream))
+
+
+def graph_memory(device: Any = None) -> Tuple[int, int]:
+    """(blocks, bytes) allocated during CUDA graph captures on the device, which pyalloc
+    holds for the graphs' replays even after PyTorch frees them."""
+    return tuple(_C.cuda_graph_memory(_device_index(device)))
+
+
+def release_graph_memory(device: Any = None) -> int:
+    """Returns the memory held for CUDA graphs on the device to its pool; the bytes.
+
+    Call it only once no graph captured so far will be replayed again. It waits
+    for the device's queued work first.
+    """
+    d = _device_index(device)
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize(d)
+    return _C.cuda_release_graph_memory(d)
+
+
+# -- snapshots ----------------------------------------------------------------------------
+
+
+def record_history(enabled: bool = True, max_entries: int = 100_000) -> None:
+    """Keeps the last ``max_entries`` alloc / free / segment events of every device's
+    pools, for snapshot() and dump_snapshot(); ``enabled=False`` stops and forgets them."""
+    n = operator.index(max_entries)
+    if enabled and n <= 0:
+        raise ValueError(f"max_entries must be positive, got {n}")
+    _C.cuda_record_history(bool(enabled), n if enabled else 0)
+
+
+def snapshot() -> Dict[str, Any]:
+    """Every device's pools in PyTorch's memory-snapshot format
+    (``torch.cuda.memory._snapshot()``), with the recorded history as device_traces.
+    The buffer pool's segments carry segment_pool_id (0, 1)."""
+    devices = _C.cuda_devices()
+    count = max([d + 1 for d in devices] + [max(_C.cuda_hook_device_count(), 0)])
+    segments: List[Dict[str, Any]] = []
+    traces: List[List[Dict[str, Any]]] = [[] for _ in range(count)]
+    for d in devices:
+        segments.extend(_C.cuda_snapshot_segments(d, "general"))
+        for seg in _C.cuda_snapshot_segments(d, "buffers"):
+            seg["segment_pool_id"] = (0, 1)
+            segments.append(seg)
+        events = _C.cuda_history(d, "general") + _C.cuda_history(d, "buffers")
+        traces[d] = sorted(events, key=lambda e: e["time_us"])
+    return {
+        "segments": segments,
+        "device_traces": traces,
+        "allocator_settings": {"backend": "pyalloc", **_C.cuda_config()},
+    }
+
+
+def dump_snapshot(path: str = "dump_snapshot.pickle") -> None:
+    """Writes snapshot() as a pickle, like ``torch.cuda.memory._dump_snapshot()``:
+    open it at pytorch.org/memory_viz or with ``python -m torch.cuda._memory_viz``."""
+    with open(path, "wb") as f:
+        pickle.dump(snapshot(), f)

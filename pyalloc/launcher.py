@@ -1,0 +1,71 @@
+"""``pyalloc run``: run a Python program with pyalloc installed as torch's CUDA allocator.
+
+    pyalloc run [--conf SETTINGS] [--no-patch-torch] script.py [args ...]
+    pyalloc run [--conf SETTINGS] [--no-patch-torch] -m module [args ...]
+    torchrun --nproc-per-node=N -m pyalloc run train.py [args ...]
+
+pyalloc is installed (settings from PYALLOC_CONF, then --conf) before the
+program's first line runs; the program then runs as ``__main__`` with its own
+``sys.argv``, as under ``python script.py`` or ``python -m module``. The
+effective settings are exported in PYALLOC_CONF for the processes it starts.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from typing import List
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.usage = (
+        "pyalloc run [--conf SETTINGS] [--no-patch-torch] (script.py | -m module) [args ...]"
+    )
+    parser.epilog = (
+        "Settings are 'key:value,...' (e.g. pool_size:40GiB,max_pool_size:70GiB); "
+        "--conf overrides PYALLOC_CONF key by key."
+    )
+    parser.add_argument("--conf", metavar="SETTINGS", default=None,
+                        help="pyalloc settings, on top of those in PYALLOC_CONF")
+    parser.add_argument("--no-patch-torch", action="store_true",
+                        help="leave torch.cuda.memory_stats() and friends untouched")
+    parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="module ...",
+                        help="run a library module as a script, like python -m")
+    parser.add_argument("script", nargs=argparse.REMAINDER, metavar="script.py ...",
+                        help="the program and its arguments")
+
+
+def _fail(message: str) -> int:
+    print(f"pyalloc run: error: {message}", file=sys.stderr)
+    return 1
+
+
+def main(args: argparse.Namespace) -> int:
+    command: List[str] = args.module if args.module is not None else args.script
+    if not command:
+        return _fail("name a script (pyalloc run script.py ...) or a module (pyalloc run -m module ...)")
+    target, argv = command[0], command[1:]
+    is_module = args.module is not None
+    if not is_module and not os.path.exists(target):
+        return _fail(f"cannot open {target!r}: no such file")
+
+    from . import cuda
+
+    try:
+        conf = cuda.settings_text(args.conf)
+        cuda.install(args.conf, patch_torch=not args.no_patch_torch)
+    except (RuntimeError, ValueError, TypeError) as e:
+        return _fail(str(e))
+    # Processes the program starts (workers, torch.multiprocessing) use the same settings.
+    os.environ[cuda.CONF_ENV] = conf
+
+    if is_module:
+        sys.argv = [target] + argv
+        sys.path[0] = os.getcwd()
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [target] + argv
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+    return 0

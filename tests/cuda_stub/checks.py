@@ -1,0 +1,187 @@
+"""pyalloc's CUDA backend against the stand-in driver (libcuda_stub.c).
+
+Run by test_cuda_backend_stub.py in a fresh process whose LD_LIBRARY_PATH finds
+the stand-in as libcuda.so.1:  checks.py PATH/TO/libcuda.so.1
+Prints OK when every check passed.
+"""
+import ctypes
+import sys
+
+from pyalloc import _C
+
+MiB = 1 << 20
+c = ctypes
+
+
+class Stub(c.Structure):
+    _fields_ = [
+        ("capacity", c.c_int64), ("used", c.c_int64 * 2), ("fail_alloc_size", c.c_int64),
+        ("events_pending", c.c_int), ("capturing_stream", c.c_uint64), ("capture_id", c.c_uint64),
+        ("mem_alloc", c.c_int64), ("mem_free", c.c_int64), ("event_create", c.c_int64),
+        ("event_record", c.c_int64), ("event_query", c.c_int64), ("event_sync", c.c_int64),
+        ("event_destroy", c.c_int64), ("capture_queries", c.c_int64),
+        ("forbidden_during_capture", c.c_int64), ("wrong_context", c.c_int64),
+    ]
+
+
+driver = c.CDLL(sys.argv[1])
+stub = Stub.in_dll(driver, "stub")
+driver.stub_context.restype = c.c_void_p
+driver.stub_context.argtypes = [c.c_int]
+driver.stub_current.restype = c.c_void_p
+driver.cuCtxSetCurrent.argtypes = [c.c_void_p]
+
+hooks = c.CDLL(_C.library_path())
+hooks.pyalloc_free.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]
+hooks.pyalloc_record_stream.argtypes = [c.c_void_p, c.c_void_p]
+hooks.pyalloc_empty_cache.restype = None
+hooks.pyalloc_base_alloc.restype = c.c_void_p
+hooks.pyalloc_base_alloc.argtypes = [c.c_void_p, c.POINTER(c.c_size_t)]
+
+
+def malloc(size, device=0, stream=0):
+    return _C._testing_hook_malloc(size, device, stream)
+
+
+def free(ptr, device=0):
+    hooks.pyalloc_free(ptr, 0, device, None)
+
+
+def stats(device=0):
+    return _C.cuda_stats(device)
+
+
+def check_driver_loads():
+    assert _C.cuda_check_driver() == 13000
+    assert _C.cuda_device_count() == 2
+    _C.cuda_configure("pool_size:32MiB")
+
+
+def check_contexts():
+    # No context on this thread: the device's primary context becomes current.
+    assert driver.stub_current() is None
+    p = malloc(MiB, device=1)
+    assert driver.stub_current() == driver.stub_context(1)
+    c.memset(p, 1, MiB)  # the stand-in's memory is host memory
+    # Another device's context current: used for the call, then restored.
+    driver.cuCtxSetCurrent(driver.stub_context(0))
+    q = malloc(40 * MiB, device=1)  # grows device 1's pool: a cuMemAlloc
+    assert driver.stub_current() == driver.stub_context(0)
+    assert stub.used[1] >= 72 * MiB and stub.used[0] == 0
+    free(p, device=1)
+    free(q, device=0)  # a wrong device hint: the pointer's owner decides
+    assert stats(1)["allocated_bytes.all.current"] == 0
+    hooks.pyalloc_empty_cache()
+    assert driver.stub_current() == driver.stub_context(0)
+    assert stub.wrong_context == 0
+
+
+def check_events_are_recycled():
+    s1, s2 = 0x1000, 0x2000
+    created = stub.event_create
+    recorded = stub.event_record
+    for _ in range(50):
+        # Each stream takes memory the other freed: an event each time.
+        free(malloc(4 * MiB, 0, s1))
+        free(malloc(4 * MiB, 0, s2))
+    assert stub.event_record - recorded >= 50, stub.event_record - recorded
+    assert stub.event_create - created <= 2, stub.event_create - created
+    assert stub.event_destroy == 0
+    _C.cuda_check_invariants(0)
+
+
+def check_record_stream_waits_for_the_event():
+    s1, s2 = 0x1000, 0x2000
+    p = malloc(MiB, 0, s1)
+    hooks.pyalloc_record_stream(p, s2)
+    stub.events_pending = 1
+    free(p)
+    st = stats()
+    assert st["active_bytes.all.current"] - st["allocated_bytes.all.current"] == MiB
+    q = malloc(MiB, 0, s1)
+    assert q != p
+    stub.events_pending = 0
+    free(q)
+    free(malloc(512, 0, s1))  # the pending free completes on the way
+    st = stats()
+    assert st["active_bytes.all.current"] == st["allocated_bytes.all.current"] == 0
+    _C.cuda_check_invariants(0)
+
+
+def check_out_of_memory():
+    try:
+        malloc(1 << 30)
+        raise AssertionError("1 GiB from a 256 MiB device")
+    except RuntimeError as e:
+        message = str(e)
+    assert message.startswith("CUDA out of memory. Tried to allocate 1.00 GiB on device 0"), message
+    assert "GPU 0 has a total capacity of 256.00 MiB" in message, message
+    free(malloc(8 * MiB))  # the process goes on
+
+
+def check_other_driver_errors_are_not_oom():
+    stub.fail_alloc_size = 46 * MiB
+    try:
+        malloc(46 * MiB)
+        raise AssertionError("the failing cuMemAlloc succeeded")
+    except RuntimeError as e:
+        message = str(e)
+    stub.fail_alloc_size = 0
+    assert "cuMemAlloc failed: CUDA_ERROR_STUB_FAILURE (999)" in message, message
+    assert "out of memory" not in message
+    _C.cuda_check_invariants(0)
+
+
+def check_empty_cache_frees_segments():
+    free(malloc(100 * MiB))
+    before = stub.mem_free
+    hooks.pyalloc_empty_cache()
+    assert stub.mem_free > before
+    assert stub.used[0] == 32 * MiB  # pool_size stays reserved
+    assert stats()["reserved_bytes.all.current"] == 32 * MiB
+
+
+def check_capture():
+    capture_stream, other = 0x5000, 0x6000
+    eager = malloc(MiB, 0, other)
+    hooks.pyalloc_record_stream(eager, capture_stream)
+    allocs = stub.mem_alloc
+    stub.capture_id, stub.capturing_stream = 77, capture_stream
+    stub.forbidden_during_capture = 0
+    a = malloc(2 * MiB, 0, capture_stream)  # served from pool_size
+    free(a)
+    assert malloc(2 * MiB, 0, capture_stream) == a  # reused within the capture
+    b = malloc(4096, 0, 0)  # eager work during the capture, from reserved memory
+    try:
+        malloc(64 * MiB, 0, capture_stream)
+        raise AssertionError("the pool grew during a capture")
+    except RuntimeError as e:
+        assert "CUDA graph capture is underway" in str(e)
+    free(eager)  # used by the capturing stream: its event must wait for the capture
+    hooks.pyalloc_empty_cache()  # nothing may be released during the capture
+    free(b)
+    assert stub.forbidden_during_capture == 0, stub.forbidden_during_capture
+    assert stub.mem_alloc == allocs
+    recorded = stub.event_record
+    stub.capturing_stream = 0
+    free(malloc(512, 0, other))  # after the capture the deferred event is recorded
+    free(malloc(512, 0, other))
+    assert stub.event_record > recorded
+    assert _C.cuda_graph_memory(0) == (1, 2 * MiB)
+    assert _C.cuda_release_graph_memory(0) == 0  # `a` is still live
+    free(a)
+    _C.cuda_check_invariants(0)
+
+
+def check_base_alloc():
+    p = malloc(3 * MiB)
+    size = c.c_size_t(0)
+    base = hooks.pyalloc_base_alloc(p + 10, c.byref(size))
+    assert base <= p < base + size.value and size.value >= 3 * MiB
+    free(p)
+
+
+for name, fn in list(globals().items()):
+    if name.startswith("check_") and callable(fn):
+        fn()
+print("OK")

@@ -1,0 +1,61 @@
+"""An OOM is a RuntimeError batch-size finders recognise, and the process goes on."""
+import torch
+
+import pyalloc
+
+MiB = 1 << 20
+
+
+def is_oom(e):
+    # What accelerate's find_executable_batch_size and Lightning's scaler test.
+    return isinstance(e, RuntimeError) and len(e.args) == 1 and "CUDA out of memory." in e.args[0]
+
+
+def main():
+    pyalloc.install()
+    total = torch.cuda.get_device_properties(0).total_memory
+    keep = torch.ones(MiB, device="cuda")
+    try:
+        torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+        raise AssertionError("allocating twice the device's memory succeeded")
+    except RuntimeError as e:
+        assert is_oom(e), e
+        message = str(e)
+        assert message.startswith("CUDA out of memory. Tried to allocate"), message
+        for words in ("allocated", "reserved", "is free", "largest free block"):
+            assert words in message, (words, message)
+
+    # Retrying with smaller batches works, as a batch-size finder does.
+    model = torch.nn.Linear(4096, 4096).cuda()
+    batch = 1 << 24
+    while True:
+        try:
+            x = torch.randn(batch, 4096, device="cuda")
+            model(x).sum().backward()
+            break
+        except RuntimeError as e:
+            if not is_oom(e):
+                raise
+            batch //= 2
+    assert batch >= 1024, batch
+    del x
+    assert torch.cuda.memory_stats()["num_ooms"] >= 2
+    assert float(keep.sum()) == MiB
+
+    # set_per_process_memory_fraction caps the pool.
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(0.25)
+    try:
+        torch.empty(int(0.4 * total), dtype=torch.uint8, device="cuda")
+        raise AssertionError("the memory fraction did not cap the pool")
+    except RuntimeError as e:
+        assert is_oom(e) and "max_pool_size" in str(e), e
+    small = torch.empty(int(0.1 * total), dtype=torch.uint8, device="cuda")
+    assert torch.cuda.memory_reserved() <= 0.25 * total
+    del small
+    pyalloc._C.cuda_check_invariants(0)
+    print("OK")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""dump_snapshot() writes PyTorch's memory-snapshot format with the recorded history.
+
+    snapshot.py OUT.pickle
+"""
+import pickle
+import sys
+
+import torch
+from torch.cuda import _memory_viz
+
+import pyalloc
+
+
+def main(path):
+    pyalloc.install()
+    pyalloc.record_history(max_entries=10_000)
+    xs = [torch.randn(n, device="cuda") for n in (10, 1000, 300_000, 5_000_000)]
+    del xs[1]
+    buf = pyalloc.reserve_buffer(1 << 20)
+    pyalloc.dump_snapshot(path)
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    actions = {e["action"] for e in snap["device_traces"][0]}
+    assert {"segment_alloc", "alloc", "free_requested", "free_completed"} <= actions, actions
+    assert any(s["segment_pool_id"] == (0, 1) for s in snap["segments"])
+    assert "total_reserved" in _memory_viz.segsum(snap)
+    assert "Device 0" in _memory_viz.trace(snap)
+    assert "<html>" in _memory_viz.trace_plot(snap)
+    del buf
+    print("OK")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

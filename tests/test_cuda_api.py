@@ -1,0 +1,244 @@
+"""pyalloc's Python API over the CUDA pools, on CPU.
+
+The pools live on fake devices of host memory (see test_cuda_hooks.py); PyTorch's
+side is the allocation hook, driven directly. Buffers from reserve_buffer() are
+CPU tensors there, over the fake device's memory.
+"""
+from __future__ import annotations
+
+import gc
+import pickle
+
+import pytest
+
+import pyalloc
+from pyalloc import _C
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def fake():
+    _C._testing_use_fake_devices(64 * MiB)
+    try:
+        yield
+    finally:
+        gc.collect()
+        _C._testing_reset()
+
+
+def hook_malloc(size: int, device: int = 0, stream: int = 0) -> int:
+    return _C._testing_hook_malloc(size, device, stream)
+
+
+def hook_free(ptr: int, device: int = 0) -> None:
+    import ctypes
+
+    lib = ctypes.CDLL(_C.library_path())
+    lib.pyalloc_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.pyalloc_free(ptr, 0, device, None)
+
+
+def test_stats_have_torchs_keys_and_count_both_pools(fake):
+    host = pyalloc.Allocator("host")
+    p = hook_malloc(3 * MiB)
+    stats = pyalloc.memory_stats(0)
+    assert list(stats) == sorted(host.stats())
+    assert pyalloc.memory_allocated(0) == 3 * MiB
+    assert pyalloc.memory_reserved("cuda:0") == stats["reserved_bytes.all.current"] > 0
+    cap = _C.cuda_buffer(0, MiB, 0)  # the buffer pool counts in the same numbers
+    assert pyalloc.memory_allocated(0) == 4 * MiB
+    del cap
+    hook_free(p)
+    assert pyalloc.memory_allocated(0) == 0
+    assert pyalloc.max_memory_allocated(0) == 4 * MiB
+    pyalloc.reset_peak_memory_stats(0)
+    assert pyalloc.max_memory_allocated(0) == 0
+    assert pyalloc.max_memory_reserved(0) == pyalloc.memory_reserved(0)
+
+
+def test_device_without_pools_reads_as_zero(fake):
+    assert pyalloc.memory_allocated(5) == 0
+    assert pyalloc.memory_stats(5)["max_split_size"] == -1
+    assert pyalloc.fragmentation(5)["free_bytes"] == 0
+    assert pyalloc.empty_cache(5) == 0
+    assert _C.cuda_devices() == []  # reading created nothing
+
+
+@pytest.mark.parametrize("device", [True, -1, "cpu", "cuda:x", 1.5])
+def test_bad_devices_are_refused(device):
+    with pytest.raises((TypeError, ValueError)):
+        pyalloc.memory_allocated(device)
+
+
+def test_fragmentation_empty_cache_and_reserve(fake):
+    ptrs = [hook_malloc(2 * MiB) for _ in range(6)]
+    for p in ptrs[::2]:
+        hook_free(p)
+    frag = pyalloc.fragmentation(0)
+    assert frag["free_bytes"] >= 6 * MiB and frag["largest_free_block"] < frag["free_bytes"]
+    assert 0 < frag["external_fragmentation"] < 1
+    for p in ptrs[1::2]:
+        hook_free(p)
+    assert pyalloc.empty_cache(0) == pyalloc.max_memory_reserved(0)
+    assert pyalloc.memory_reserved(0) == 0
+    assert pyalloc.reserve(10 * MiB, device=0) == 10 * MiB
+    assert pyalloc.reserve("4MiB", device=0) == 0  # a large enough range exists
+    assert pyalloc.fragmentation(0)["largest_free_block"] == 10 * MiB
+    with pytest.raises(RuntimeError, match="out of memory"):
+        pyalloc.reserve(1 << 30, device=0)
+
+
+def test_memory_summary_of_a_device(fake):
+    p = hook_malloc(5 * MiB)
+    text = pyalloc.memory_summary(0)
+    assert "pyalloc CUDA memory summary, device 0" in text
+    assert "Fragmentation of the general pool" in text and "5.0 MiB" in text
+    assert len(pyalloc.memory_summary(0, abbreviated=True)) < len(text)
+    hook_free(p)
+
+
+def test_snapshot_and_history_in_torchs_format(fake, tmp_path):
+    pyalloc.record_history(True, max_entries=1000)
+    p = hook_malloc(MiB)
+    q = hook_malloc(4096)
+    hook_free(q)
+    with pytest.raises(RuntimeError):
+        hook_malloc(1 << 30)
+    cap = _C.cuda_buffer(0, 2 * MiB, 0)
+    snap = pyalloc.snapshot()
+    assert {"segments", "device_traces", "allocator_settings"} <= set(snap)
+    seg = snap["segments"][0]
+    assert {"device", "address", "total_size", "allocated_size", "active_size", "requested_size",
+            "stream", "segment_type", "segment_pool_id", "is_expandable", "frames",
+            "blocks"} <= set(seg)
+    assert {"address", "size", "requested_size", "state", "frames"} <= set(seg["blocks"][0])
+    assert [s["segment_pool_id"] for s in snap["segments"]] == [(0, 0), (0, 1)]
+    actions = [e["action"] for e in snap["device_traces"][0]]
+    assert actions[:5] == ["segment_alloc", "alloc", "alloc", "free_requested", "free_completed"]
+    assert "oom" in actions and actions[-2:] == ["segment_alloc", "alloc"]
+    oom = next(e for e in snap["device_traces"][0] if e["action"] == "oom")
+    assert "device_free" in oom and oom["size"] == 1 << 30
+
+    path = tmp_path / "snap.pickle"
+    pyalloc.dump_snapshot(str(path))
+    with open(path, "rb") as f:
+        assert pickle.load(f)["segments"] == snap["segments"]
+
+    # PyTorch's own readers of the format accept it.
+    memory_viz = pytest.importorskip("torch.cuda._memory_viz")
+    assert "total_reserved" in memory_viz.segsum(snap)
+    assert "Device 0" in memory_viz.trace(snap)
+    assert memory_viz.memory(snap, format_flamegraph=lambda lines: lines)
+
+    pyalloc.record_history(False)
+    assert pyalloc.snapshot()["device_traces"][0] == []
+    del cap
+    hook_free(p)
+
+
+def test_record_history_applies_to_pools_created_later(fake):
+    pyalloc.record_history(max_entries=10)
+    hook_free(hook_malloc(4096, device=2))
+    traces = pyalloc.snapshot()["device_traces"]
+    assert len(traces) == 3 and traces[0] == traces[1] == []
+    assert [e["action"] for e in traces[2]][-2:] == ["free_requested", "free_completed"]
+    with pytest.raises(ValueError):
+        pyalloc.record_history(True, max_entries=0)
+
+
+def test_graph_memory_api(fake):
+    _C.cuda_configure("pool_size:8MiB")
+    hook_free(hook_malloc(512))
+    _C._testing_set_capture(0x99, 3)
+    try:
+        p = hook_malloc(MiB, stream=0x99)
+        hook_free(p)
+    finally:
+        _C._testing_set_capture(0x99, 0)
+    assert pyalloc.graph_memory(0) == (1, MiB)
+    assert "Held for CUDA graphs" in pyalloc.memory_summary(0)
+    assert pyalloc.release_graph_memory(0) == MiB
+    assert pyalloc.memory_allocated(0) == 0
+
+
+# -- reserve_buffer ----------------------------------------------------------------------
+
+
+def test_reserve_buffer_is_a_tensor_apart_from_the_general_pool(fake):
+    torch = pytest.importorskip("torch")
+    general_before = _C.cuda_stats(0, "general")["reserved_bytes.all.current"]
+    t = pyalloc.reserve_buffer(6 * MiB, device=0)
+    assert t.dtype == torch.uint8 and t.shape == (6 * MiB,)
+    assert _C.cuda_stats(0, "buffers")["allocated_bytes.all.current"] == 6 * MiB
+    assert _C.cuda_stats(0, "general")["reserved_bytes.all.current"] == general_before
+    # It is real memory of the device, usable under any view.
+    f = t.view(torch.float32)
+    f.fill_(1.5)
+    assert float(f.sum()) == 1.5 * f.numel()
+    seg = _C.cuda_snapshot_segments(0, "buffers")[0]
+    assert seg["address"] <= t.data_ptr() < seg["address"] + seg["total_size"]
+    # The region returns when the last tensor using it dies.
+    del t
+    assert _C.cuda_stats(0, "buffers")["allocated_bytes.all.current"] == 6 * MiB  # f lives
+    del f
+    gc.collect()
+    assert _C.cuda_stats(0, "buffers")["allocated_bytes.all.current"] == 0
+    _C.cuda_check_invariants(0)
+
+
+def test_reserve_buffer_errors(fake):
+    pytest.importorskip("torch")
+    with pytest.raises(ValueError):
+        pyalloc.reserve_buffer(0, device=0)
+    with pytest.raises(ValueError):
+        pyalloc.reserve_buffer(-1, device=0)
+    with pytest.raises(RuntimeError, match=r"^CUDA out of memory\..*buffer pool"):
+        pyalloc.reserve_buffer("1GiB", device=0)
+
+
+def test_many_buffers_pack_their_segments(fake):
+    pytest.importorskip("torch")
+    bufs = [pyalloc.reserve_buffer(3 * MiB, device=0) for _ in range(4)]
+    stats = _C.cuda_stats(0, "buffers")
+    assert stats["allocated_bytes.all.current"] == 12 * MiB
+    assert stats["reserved_bytes.all.current"] <= 16 * MiB
+    for i, b in enumerate(bufs):
+        b.fill_(i)
+    assert [int(b[123]) for b in bufs] == [0, 1, 2, 3]
+    del bufs, b
+    gc.collect()
+    assert _C.cuda_stats(0, "buffers")["allocated_bytes.all.current"] == 0
+
+
+# -- torch's functions answering from pyalloc --------------------------------------------
+
+
+def test_patched_torch_functions_answer_from_pyalloc(fake):
+    torch = pytest.importorskip("torch")
+    from pyalloc import _torch_patch
+
+    original = torch.cuda.memory_allocated
+    _torch_patch.apply()
+    try:
+        assert _torch_patch.is_applied()
+        p = hook_malloc(2 * MiB)
+        assert torch.cuda.memory_allocated(0) == 2 * MiB
+        assert torch.cuda.memory.memory_allocated(device=0) == 2 * MiB
+        assert torch.cuda.memory_stats(0)["allocated_bytes.all.current"] == 2 * MiB
+        assert torch.cuda.memory_reserved(torch.device("cuda", 0)) >= 2 * MiB
+        hook_free(p)
+        assert torch.cuda.max_memory_allocated("cuda:0") == 2 * MiB
+        torch.cuda.reset_peak_memory_stats(0)
+        assert torch.cuda.max_memory_allocated(0) == 0
+        assert torch.cuda.max_memory_reserved(0) == torch.cuda.memory_reserved(0)
+        assert "pyalloc" in torch.cuda.memory_summary(0, abbreviated=True)
+        # torch's own helpers built on memory_stats follow too.
+        with pytest.warns(FutureWarning):
+            assert torch.cuda.memory_cached(0) == torch.cuda.memory_reserved(0)
+        # With no device given, the current device (0 before CUDA is initialized).
+        assert torch.cuda.memory_allocated() == 0
+    finally:
+        _torch_patch.remove()
+    assert torch.cuda.memory_allocated is original
+    assert not _torch_patch.is_applied()

@@ -1,0 +1,418 @@
+"""PyTorch's hooks and the per-device pools behind them, on CPU.
+
+The functions PyTorch calls are called here through ctypes, exactly as PyTorch
+calls them, over fake devices whose pools are host memory and whose stream
+captures the tests set (``_C._testing_*``). What needs a real GPU is in
+tests/gpu/, run by test_gpu.py.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+
+import pytest
+
+import pyalloc
+from pyalloc import _C
+
+MiB = 1 << 20
+CAPACITY = 64 * MiB
+
+HOOKS = (
+    "pyalloc_malloc",
+    "pyalloc_free",
+    "pyalloc_init",
+    "pyalloc_empty_cache",
+    "pyalloc_set_memory_fraction",
+    "pyalloc_base_alloc",
+    "pyalloc_record_stream",
+)
+
+
+def _driver_present() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def lib():
+    """The hooks with PyTorch's signatures (torch/csrc/cuda/CUDAPluggableAllocator.h)."""
+    lib = ctypes.CDLL(_C.library_path())
+    c = ctypes
+    lib.pyalloc_malloc.restype = c.c_void_p
+    lib.pyalloc_malloc.argtypes = [c.c_size_t, c.c_int, c.c_void_p]
+    lib.pyalloc_free.restype = None
+    lib.pyalloc_free.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]
+    lib.pyalloc_init.restype = None
+    lib.pyalloc_init.argtypes = [c.c_int]
+    lib.pyalloc_empty_cache.restype = None
+    lib.pyalloc_empty_cache.argtypes = []
+    lib.pyalloc_set_memory_fraction.restype = None
+    lib.pyalloc_set_memory_fraction.argtypes = [c.c_double, c.c_int]
+    lib.pyalloc_base_alloc.restype = c.c_void_p
+    lib.pyalloc_base_alloc.argtypes = [c.c_void_p, c.POINTER(c.c_size_t)]
+    lib.pyalloc_record_stream.restype = None
+    lib.pyalloc_record_stream.argtypes = [c.c_void_p, c.c_void_p]
+    return lib
+
+
+@pytest.fixture
+def fake():
+    """Pools on fake devices of 64 MiB each, dropped after the test."""
+    _C._testing_use_fake_devices(CAPACITY)
+    try:
+        yield
+    finally:
+        gc.collect()  # tensors over fake memory must die before it is unmapped
+        _C._testing_reset()
+
+
+def allocated(device: int = 0) -> int:
+    return _C.cuda_stats(device)["allocated_bytes.all.current"]
+
+
+def reserved(device: int = 0) -> int:
+    return _C.cuda_stats(device)["reserved_bytes.all.current"]
+
+
+def check(device: int = 0) -> None:
+    _C.cuda_check_invariants(device)
+
+
+# -- the library as PyTorch sees it ------------------------------------------------------
+
+
+def test_hooks_are_exported_from_the_module_library():
+    lib = ctypes.CDLL(pyalloc._C.__file__)
+    for name in HOOKS:
+        assert ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+    assert _C.library_path().endswith(pyalloc._C.__file__.rsplit("/", 1)[-1])
+
+
+def test_size_zero_null_and_foreign_pointers_need_no_device(lib):
+    # PyTorch asks for 0 bytes at times: nullptr, as from its own allocator.
+    assert lib.pyalloc_malloc(0, 0, None) is None
+    lib.pyalloc_free(None, 0, 0, None)
+    lib.pyalloc_record_stream(1234 * 4096, 7)  # not ours: ignored
+    size = ctypes.c_size_t(99)
+    assert lib.pyalloc_base_alloc(4096 * 77, ctypes.byref(size)) == 4096 * 77
+    assert size.value == 99  # untouched, as PyTorch's default
+    lib.pyalloc_empty_cache()
+    assert _C.cuda_devices() == []
+
+
+def test_init_hook_records_the_device_count(fake, lib):
+    lib.pyalloc_init(3)
+    assert _C.cuda_hook_device_count() == 3
+    assert _C.cuda_devices() == []  # pools come with each device's first allocation
+
+
+@pytest.mark.skipif(_driver_present(), reason="a CUDA driver is installed here")
+def test_missing_driver_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r"libcuda\.so\.1.*NVIDIA") as e:
+        _C.cuda_check_driver()
+    assert isinstance(e.value, _C.CudaDriverError)
+    # The same reason reaches PyTorch from the allocation hook, and nothing is left behind.
+    with pytest.raises(RuntimeError, match=r"cannot load the CUDA driver library libcuda\.so\.1"):
+        _C._testing_hook_malloc(4096, 0, 0)
+    with pytest.raises(RuntimeError, match="libcuda"):
+        _C.cuda_reserve(0, MiB)
+    assert _C.cuda_devices() == []
+
+
+# -- malloc and free ---------------------------------------------------------------------
+
+
+def test_malloc_free_through_the_hooks(fake, lib):
+    ptrs = [lib.pyalloc_malloc(n, 0, None) for n in (1, 512, 1000, 3 * MiB, 100_000)]
+    assert all(ptrs) and len(set(ptrs)) == len(ptrs)
+    for p, n in zip(ptrs, (1, 512, 1000, 3 * MiB, 100_000)):
+        ctypes.memset(p, 0xAB, n)  # fake device memory is real: every byte is usable
+    assert allocated() == 512 + 512 + 1024 + 3 * MiB + 100_352
+    for p in ptrs:
+        lib.pyalloc_free(p, 0, 0, None)  # the size PyTorch passes is not trusted
+    assert allocated() == 0
+    check()
+
+
+def test_free_goes_to_the_device_that_owns_the_pointer(fake, lib):
+    p = lib.pyalloc_malloc(4096, 1, None)
+    assert allocated(1) == 4096
+    lib.pyalloc_free(p, 4096, 0, None)  # a wrong device index from the caller
+    assert allocated(1) == 0
+    assert _C.cuda_devices() == [1]  # device 0 got no pool from the bad hint
+    check(1)
+
+
+def test_bad_frees_are_reported_not_raised(fake, lib, capfd):
+    p = lib.pyalloc_malloc(4096, 0, None)
+    lib.pyalloc_free(p, 4096, 0, None)
+    lib.pyalloc_free(p, 4096, 0, None)
+    lib.pyalloc_free(p + 512, 4096, 0, None)
+    lib.pyalloc_free(0x1000, 16, 0, None)
+    err = capfd.readouterr().err
+    assert "double free" in err
+    assert "not a pointer from pyalloc" in err
+    check()
+
+
+def test_base_alloc_gives_the_segment(fake, lib):
+    p = lib.pyalloc_malloc(MiB, 0, None)
+    q = lib.pyalloc_malloc(MiB, 0, None)
+    size = ctypes.c_size_t(0)
+    base = lib.pyalloc_base_alloc(q + 100, ctypes.byref(size))
+    assert base <= p < base + size.value and base <= q < base + size.value
+    assert (base, size.value) == tuple(_C.cuda_snapshot_segments(0)[0][k] for k in ("address", "total_size"))
+    lib.pyalloc_free(p, 0, 0, None)
+    lib.pyalloc_free(q, 0, 0, None)
+
+
+# -- out of memory -----------------------------------------------------------------------
+
+
+def test_oom_message_is_what_batch_size_finders_look_for(fake):
+    keep = _C._testing_hook_malloc(8 * MiB, 0, 0)
+    with pytest.raises(RuntimeError) as e:
+        _C._testing_hook_malloc(512 * MiB, 0, 0)
+    message = str(e.value)
+    # accelerate's find_executable_batch_size and Lightning's scaler test this text.
+    assert message.startswith("CUDA out of memory. Tried to allocate 512.00 MiB on device 0")
+    for words in ("8.00 MiB allocated", "reserved", "of which", "is free",
+                  "the largest free block is"):
+        assert words in message
+    assert isinstance(e.value, pyalloc.OutOfMemoryError)
+    # The process goes on: a smaller request succeeds.
+    p = _C._testing_hook_malloc(8 * MiB, 0, 0)
+    stats = _C.cuda_stats(0)
+    assert stats["num_ooms"] == 1 and stats["allocated_bytes.all.current"] == 16 * MiB
+    for q in (p, keep):
+        ctypes.CDLL(_C.library_path()).pyalloc_free(ctypes.c_void_p(q), 0, 0, None)
+    check()
+
+
+def test_batch_size_finder_loop_recovers(fake):
+    batch = 384
+    while True:
+        try:
+            ptr = _C._testing_hook_malloc(batch * MiB, 0, 0)
+            break
+        except RuntimeError as e:
+            assert "CUDA out of memory." in str(e)
+            batch //= 2
+    assert batch == 48  # 64 MiB device: the first size that fits
+    lib = ctypes.CDLL(_C.library_path())
+    lib.pyalloc_free(ctypes.c_void_p(ptr), 0, 0, None)
+    assert allocated() == 0
+    check()
+
+
+# -- streams -----------------------------------------------------------------------------
+
+
+def test_record_stream_holds_a_block_until_the_other_stream_is_done(fake, lib):
+    s1, s2 = 0x1100, 0x2200
+    p = lib.pyalloc_malloc(MiB, 0, s1)
+    _C._testing_hook_malloc(512, 0, s2)  # s2 has a pool state of its own now
+    _C._testing_stream(0, s2, True)  # work queued on s2, reading p
+    lib.pyalloc_record_stream(p, s2)
+    lib.pyalloc_free(p, MiB, 0, s1)
+    stats = _C.cuda_stats(0)
+    assert stats["allocated_bytes.all.current"] == 512
+    assert stats["active_bytes.all.current"] == 512 + MiB  # pending: s2 may still read it
+    q = lib.pyalloc_malloc(MiB, 0, s1)
+    assert q != p  # not reused while s2 is busy
+    _C._testing_stream(0, s2, False)
+    lib.pyalloc_free(q, MiB, 0, s1)
+    r = lib.pyalloc_malloc(MiB, 0, s1)  # the pending free completes on the way
+    assert _C.cuda_stats(0)["active_bytes.all.current"] == 512 + MiB
+    lib.pyalloc_free(r, MiB, 0, s1)
+    check()
+
+
+# -- cache, fraction, configuration ------------------------------------------------------
+
+
+def test_empty_cache_hook_releases_every_device(fake, lib):
+    for d in (0, 1):
+        lib.pyalloc_free(lib.pyalloc_malloc(5 * MiB, d, None), 0, d, None)
+        assert reserved(d) > 0
+    lib.pyalloc_empty_cache()
+    assert reserved(0) == reserved(1) == 0
+
+
+def test_empty_cache_keeps_pool_size(fake, lib):
+    _C.cuda_configure("pool_size:8MiB")
+    p = lib.pyalloc_malloc(20 * MiB, 0, None)
+    lib.pyalloc_free(p, 0, 0, None)
+    assert reserved() >= 28 * MiB
+    assert _C.cuda_empty_cache(0) >= 20 * MiB
+    assert reserved() == 8 * MiB
+    check()
+
+
+def test_memory_fraction_caps_the_pool(fake, lib):
+    lib.pyalloc_set_memory_fraction(0.25, 0)  # 16 MiB of the 64 MiB fake device
+    with pytest.raises(RuntimeError, match="CUDA out of memory.*max_pool_size 16.00 MiB"):
+        _C._testing_hook_malloc(20 * MiB, 0, 0)
+    p = lib.pyalloc_malloc(12 * MiB, 0, None)
+    assert p and reserved() <= 16 * MiB
+    lib.pyalloc_free(p, 0, 0, None)
+
+
+def test_configuration_is_fixed_once_pools_exist(fake, lib):
+    _C.cuda_configure("segment_size:4MiB")
+    _C.cuda_configure("segment_size:8MiB")  # nothing allocated yet: still free to change
+    lib.pyalloc_free(lib.pyalloc_malloc(4096, 0, None), 0, 0, None)
+    _C.cuda_configure("segment_size:8MiB")  # the same settings: fine
+    with pytest.raises(RuntimeError, match="cannot change"):
+        _C.cuda_configure("segment_size:2MiB")
+    with pytest.raises(ValueError, match="unknown config key 'bogus'"):
+        _C.cuda_configure("bogus:1")
+    assert _C.cuda_config()["segment_size"] == 8 * MiB
+
+
+def test_pools_read_pyalloc_conf_when_not_configured(fake, lib, monkeypatch):
+    monkeypatch.setenv("PYALLOC_CONF", "pool_size:6MiB")
+    lib.pyalloc_free(lib.pyalloc_malloc(4096, 0, None), 0, 0, None)
+    assert reserved() == 6 * MiB
+
+
+def test_bad_pyalloc_conf_is_named(fake, monkeypatch):
+    monkeypatch.setenv("PYALLOC_CONF", "pool_size:lots")
+    with pytest.raises(ValueError, match="PYALLOC_CONF: bad value for config key 'pool_size'"):
+        _C._testing_hook_malloc(4096, 0, 0)
+
+
+def test_pool_size_the_device_cannot_hold_is_an_oom(fake):
+    _C.cuda_configure("pool_size:1GiB")
+    with pytest.raises(RuntimeError, match=r"^CUDA out of memory\. pyalloc could not create its pool"):
+        _C._testing_hook_malloc(4096, 0, 0)
+    assert _C.cuda_devices() == []
+
+
+# -- CUDA graph capture ------------------------------------------------------------------
+
+CAPTURE_STREAM = 0x5000
+
+
+@pytest.fixture
+def graph_pool(fake, lib):
+    """A device with 16 MiB reserved, as pool_size gives, and no capture yet."""
+    _C.cuda_configure("pool_size:16MiB")
+    lib.pyalloc_free(lib.pyalloc_malloc(512, 0, None), 0, 0, None)
+    yield lib
+    _C._testing_set_capture(CAPTURE_STREAM, 0)
+
+
+def capture(capture_id: int) -> None:
+    _C._testing_set_capture(CAPTURE_STREAM, capture_id)
+
+
+def test_capture_is_served_from_reserved_memory_only(graph_pool):
+    lib = graph_pool
+    segments = _C.cuda_stats(0)["num_device_alloc"]
+    capture(1)
+    p = lib.pyalloc_malloc(4 * MiB, 0, CAPTURE_STREAM)
+    assert p
+    with pytest.raises(RuntimeError) as e:
+        _C._testing_hook_malloc(32 * MiB, 0, CAPTURE_STREAM)
+    assert str(e.value).startswith("CUDA out of memory.")
+    assert "CUDA graph capture is underway" in str(e.value) and "pool_size" in str(e.value)
+    # Eager work on another stream cannot grow the pool during the capture either.
+    with pytest.raises(RuntimeError, match="capture is underway"):
+        _C._testing_hook_malloc(32 * MiB, 0, 0)
+    assert _C.cuda_stats(0)["num_device_alloc"] == segments
+    # Nor does empty_cache release anything while the capture runs.
+    assert lib.pyalloc_empty_cache() is None and reserved() == 16 * MiB
+    capture(0)
+    q = lib.pyalloc_malloc(32 * MiB, 0, None)  # after the capture the pool grows again
+    lib.pyalloc_free(q, 0, 0, None)
+    check()
+
+
+def test_capture_on_one_device_blocks_releases_on_every_device(graph_pool):
+    # Regression: captures were tracked per device, so empty_cache() released
+    # device 1's memory while device 0 captured, which global capture mode forbids.
+    lib = graph_pool
+    lib.pyalloc_free(lib.pyalloc_malloc(30 * MiB, 1, None), 0, 1, None)
+    before = reserved(1)
+    capture(4)
+    lib.pyalloc_malloc(512, 0, CAPTURE_STREAM)  # the capture is seen
+    lib.pyalloc_empty_cache()
+    assert reserved(1) == before
+    with pytest.raises(RuntimeError, match="capture is underway"):
+        _C._testing_hook_malloc(40 * MiB, 1, 0)
+    capture(0)
+    lib.pyalloc_empty_cache()
+    assert reserved(1) == 16 * MiB
+
+
+def test_capture_blocks_are_held_and_reused_only_within_their_capture(graph_pool):
+    lib = graph_pool
+    capture(7)
+    a = lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM)
+    lib.pyalloc_free(a, MiB, 0, CAPTURE_STREAM)
+    assert allocated() == MiB  # held: the graph's replays still use it
+    b = lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM)
+    assert b == a  # same capture, same stream, same size: the graph orders the reuse
+    c = lib.pyalloc_malloc(2 * MiB, 0, CAPTURE_STREAM)
+    assert c not in (a, b)
+    lib.pyalloc_free(b, 0, 0, None)
+    capture(0)
+    lib.pyalloc_free(c, 0, 0, None)
+    assert allocated() == 3 * MiB
+    assert _C.cuda_graph_memory(0) == (2, 3 * MiB)
+    capture(8)  # a new graph never gets the old one's memory
+    d = lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM)
+    assert d not in (a, c)
+    capture(0)
+    e = lib.pyalloc_malloc(MiB, 0, None)  # nor does eager work
+    assert e not in (a, c)
+    lib.pyalloc_free(e, 0, 0, None)
+    assert _C.cuda_release_graph_memory(0) == 3 * MiB
+    assert allocated() == MiB  # d is still live; freed now it goes straight back
+    lib.pyalloc_free(d, 0, 0, None)
+    assert allocated() == 0 and _C.cuda_graph_memory(0) == (0, 0)
+    check()
+
+
+def test_capture_block_used_by_another_stream_is_not_reused(graph_pool):
+    lib = graph_pool
+    capture(9)
+    a = lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM)
+    lib.pyalloc_record_stream(a, 0x7777)
+    lib.pyalloc_free(a, 0, 0, None)
+    b = lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM)
+    assert b != a
+    lib.pyalloc_free(b, 0, 0, None)
+    capture(0)
+    _C.cuda_release_graph_memory(0)
+    assert allocated() == 0
+    check()
+
+
+# -- buffers -----------------------------------------------------------------------------
+
+
+def test_buffer_capsule_not_consumed_frees_its_buffer(fake):
+    cap = _C.cuda_buffer(0, 3 * MiB, 0)
+    assert _C.cuda_stats(0, "buffers")["allocated_bytes.all.current"] == 3 * MiB
+    assert _C.cuda_stats(0, "general")["reserved_bytes.all.current"] == 0
+    del cap
+    assert _C.cuda_stats(0, "buffers")["allocated_bytes.all.current"] == 0
+
+
+def test_buffer_pointers_are_known_to_the_hooks(fake, lib):
+    torch = pytest.importorskip("torch")
+    t = pyalloc.reserve_buffer(2 * MiB, device=0)
+    size = ctypes.c_size_t(0)
+    base = lib.pyalloc_base_alloc(t.data_ptr(), ctypes.byref(size))
+    assert base <= t.data_ptr() < base + size.value
+    lib.pyalloc_record_stream(t.data_ptr(), 0x42)  # honoured, not an error
+    assert t.dtype == torch.uint8
+    del t
+    gc.collect()
+    assert _C.cuda_stats(0, "buffers")["active_bytes.all.current"] in (0, 2 * MiB)

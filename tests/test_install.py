@@ -1,0 +1,218 @@
+"""install(): settings, the clear errors, and the swap itself against a stand-in torch.
+
+The real swap needs a CUDA GPU (tests/gpu/); here the CPU build of torch must be
+refused clearly, and install()'s own logic is run against a stand-in for torch's
+pluggable-allocator API.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+import pyalloc
+from pyalloc import _C
+from pyalloc import cuda as api
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cpu_torch() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.version.cuda is None
+
+
+cpu_torch = pytest.mark.skipif(not _cpu_torch(), reason="needs the CPU build of torch")
+
+
+@pytest.fixture(autouse=True)
+def no_env_conf(monkeypatch):
+    monkeypatch.delenv("PYALLOC_CONF", raising=False)
+
+
+def test_import_pyalloc_does_not_import_torch():
+    code = "import sys, pyalloc; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@cpu_torch
+def test_install_on_a_cpu_build_of_torch_is_a_clear_error():
+    import torch
+
+    original = torch.cuda.memory_stats
+    with pytest.raises(RuntimeError) as e:
+        pyalloc.install(pool_size="1GiB")
+    message = str(e.value)
+    assert "needs a CUDA build of PyTorch" in message and "CPU-only" in message
+    assert torch.__version__ in message
+    assert not pyalloc.is_installed()
+    assert torch.cuda.memory_stats is original
+
+
+def test_bad_settings_are_refused_first(monkeypatch):
+    monkeypatch.setenv("PYALLOC_CONF", "pool_size:2GiB,bogus:1")
+    with pytest.raises(ValueError, match=r"PYALLOC_CONF='pool_size:2GiB,bogus:1': unknown config key 'bogus'; valid keys: strategy, pool_size"):
+        pyalloc.install()
+    monkeypatch.delenv("PYALLOC_CONF")
+    with pytest.raises(ValueError, match="unknown config key 'poolsize'"):
+        pyalloc.install(poolsize="1GiB")
+    with pytest.raises(ValueError, match="larger than max_pool_size"):
+        pyalloc.install(pool_size="2GiB", max_pool_size="1GiB")
+    with pytest.raises(ValueError, match="unknown unit"):
+        pyalloc.install("pool_size:2 parsecs")
+    with pytest.raises(TypeError):
+        pyalloc.install(pool_size=1.5)
+    with pytest.raises(TypeError):
+        pyalloc.install(123)
+
+
+def test_settings_merge_env_then_conf_then_keywords(monkeypatch):
+    monkeypatch.setenv("PYALLOC_CONF", "pool_size:1GiB,segment_size:4MiB")
+    text = api.settings_text("segment_size:8MiB,max_pool_size:4GiB", {"pool_size": "2GiB"})
+    config = pyalloc.parse_config(text)
+    assert config["pool_size"] == 2 << 30
+    assert config["segment_size"] == 8 << 20
+    assert config["max_pool_size"] == 4 << 30
+    assert pyalloc.parse_config(api.settings_text())["pool_size"] == 1 << 30
+
+
+# -- install() against a stand-in torch --------------------------------------------------
+
+
+class FakeHooks:
+    """torch._C._CUDAPluggableAllocator's setters, recording what they are given."""
+
+    def __init__(self, setters):
+        self.given = {}
+        for name in setters:
+            setattr(self, name, lambda address, name=name: self.given.__setitem__(name, address))
+
+
+def fake_torch(cuda="12.8", hip=None, available=True, initialized=False, pluggable=True,
+               setters=tuple(s for s, _ in api._HOOKS), swap_error=None):
+    swaps = []
+
+    class PluggableAllocator:
+        def __init__(self, path, alloc_fn, free_fn):
+            self.args = (path, alloc_fn, free_fn)
+            self.hooks = FakeHooks(setters)
+
+        def allocator(self):
+            return self.hooks
+
+    def change_current_allocator(allocator):
+        if swap_error:
+            raise RuntimeError(swap_error)
+        swaps.append(allocator)
+
+    memory = types.SimpleNamespace(change_current_allocator=change_current_allocator)
+    if pluggable:
+        memory.CUDAPluggableAllocator = PluggableAllocator
+    return types.SimpleNamespace(
+        __version__="2.11.0+cu130",
+        version=types.SimpleNamespace(cuda=cuda, hip=hip),
+        cuda=types.SimpleNamespace(memory=memory, is_available=lambda: available,
+                                   is_initialized=lambda: initialized),
+        swaps=swaps,
+    )
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """install() with a stand-in torch and driver; its state is undone afterwards."""
+    calls = {"configured": [], "installed": [], "patched": 0}
+    fake_c = types.SimpleNamespace(
+        cuda_check_driver=lambda: 13000,
+        cuda_configure=calls["configured"].append,
+        cuda_set_installed=calls["installed"].append,
+        library_path=_C.library_path,
+    )
+    monkeypatch.setattr(api, "_C", fake_c)
+    for name in ("conf", "config", "allocator", "hooks"):
+        monkeypatch.setattr(api._state, name, None)
+    monkeypatch.setattr(api._state, "patched", False)
+
+    def patch():
+        calls["patched"] += 1
+        api._state.patched = True
+
+    monkeypatch.setattr(api, "_patch_torch", patch)
+
+    def use(torch):
+        monkeypatch.setattr(api, "_import_torch", lambda: torch)
+        return calls
+
+    return use
+
+
+def test_install_registers_every_hook_torch_offers(stand_in):
+    torch = fake_torch()
+    calls = stand_in(torch)
+    pyalloc.install(pool_size="1GiB")
+    (allocator,) = torch.swaps
+    assert allocator.args == (_C.library_path(), "pyalloc_malloc", "pyalloc_free")
+    lib = ctypes.CDLL(_C.library_path())
+    for setter, symbol in api._HOOKS:
+        assert allocator.hooks.given[setter] == ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
+    assert calls["configured"] == ["pool_size:1073741824"]
+    assert calls["installed"] == [True] and calls["patched"] == 1
+
+    # Again with the same settings: nothing happens. With others: a clear error.
+    pyalloc.install("pool_size:1024MiB")
+    assert len(torch.swaps) == 1
+    with pytest.raises(RuntimeError, match="already installed with settings 'pool_size:1073741824'.*only once per process"):
+        pyalloc.install(pool_size="2GiB")
+
+
+def test_install_sets_only_the_hooks_the_installed_torch_has(stand_in):
+    torch = fake_torch(setters=("set_reset_fn", "set_record_stream_fn"))
+    stand_in(torch)
+    pyalloc.install(patch_torch=False)
+    assert set(torch.swaps[0].hooks.given) == {"set_reset_fn", "set_record_stream_fn"}
+    assert api._state.hooks == ("set_reset_fn", "set_record_stream_fn")
+    assert not api._state.patched
+
+
+def test_install_later_can_add_the_torch_patch(stand_in):
+    calls = stand_in(fake_torch())
+    pyalloc.install(patch_torch=False)
+    pyalloc.install()
+    assert calls["patched"] == 1
+
+
+@pytest.mark.parametrize(
+    "torch_kwargs, words",
+    [
+        (dict(cuda=None), "CPU-only"),
+        (dict(hip="6.2"), "ROCm"),
+        (dict(pluggable=False), "torch 2.3 or newer"),
+        (dict(available=False), "found no usable CUDA GPU"),
+        (dict(initialized=True), "CUDA is already initialized"),
+        (dict(swap_error="Can't swap an already initialized allocator"), "CUDA is already initialized"),
+    ],
+)
+def test_install_refusals_are_clear(stand_in, torch_kwargs, words):
+    torch = fake_torch(**torch_kwargs)
+    calls = stand_in(torch)
+    with pytest.raises(RuntimeError, match=words):
+        pyalloc.install()
+    assert calls["installed"] == [] and api._state.config is None
+
+
+def test_already_initialized_error_names_the_fixes(stand_in):
+    stand_in(fake_torch(initialized=True))
+    with pytest.raises(RuntimeError) as e:
+        pyalloc.install()
+    message = str(e.value)
+    for fix in ("call pyalloc.install() first", "python -m pyalloc run script.py",
+                "torchrun ... -m pyalloc run", "PYALLOC_CONF"):
+        assert fix in message

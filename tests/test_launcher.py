@@ -1,0 +1,145 @@
+"""``pyalloc run``: argument handling, errors, and running the program as __main__."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pyalloc import __main__ as cli
+from pyalloc import cuda as api
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+REPORT = (
+    "import json, sys\n"
+    "print(json.dumps({'name': __name__, 'argv': sys.argv, 'path0': sys.path[0]}))\n"
+)
+
+
+def pyalloc_cli(*args, env_conf=None, cwd=None):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("PYALLOC_CONF", None)
+    if env_conf is not None:
+        env["PYALLOC_CONF"] = env_conf
+    return subprocess.run([sys.executable, "-m", "pyalloc", *args], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=300)
+
+
+def _cpu_torch() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.version.cuda is None
+
+
+def test_help():
+    out = pyalloc_cli("run", "--help")
+    assert out.returncode == 0
+    for words in ("script.py", "-m module", "--conf", "PYALLOC_CONF", "--no-patch-torch"):
+        assert words in out.stdout
+
+
+@pytest.mark.skipif(not _cpu_torch(), reason="needs the CPU build of torch")
+def test_without_a_gpu_the_program_does_not_run(tmp_path):
+    marker = tmp_path / "ran"
+    script = tmp_path / "train.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    out = pyalloc_cli("run", str(script), "--epochs", "1")
+    assert out.returncode == 1
+    assert out.stderr.startswith("pyalloc run: error: ")
+    assert "CPU-only" in out.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        ((), "name a script"),
+        (("no_such_script.py",), "no such file"),
+        (("--conf", "bogus:1", "x.py"), "unknown config key 'bogus'"),
+    ],
+)
+def test_usage_errors(args, words, tmp_path):
+    (tmp_path / "x.py").write_text("")
+    out = pyalloc_cli("run", *args, cwd=tmp_path)
+    assert out.returncode == 1
+    assert words in out.stderr
+
+
+def test_bad_pyalloc_conf_is_named(tmp_path):
+    script = tmp_path / "x.py"
+    script.write_text("")
+    out = pyalloc_cli("run", str(script), env_conf="pool_size:huge")
+    assert out.returncode == 1
+    assert "PYALLOC_CONF='pool_size:huge'" in out.stderr
+
+
+# -- running the program (install() replaced: it needs a GPU) -----------------------------
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Records install() calls instead of swapping torch's allocator."""
+    calls = []
+    monkeypatch.setattr(api, "install", lambda conf=None, patch_torch=True: calls.append((conf, patch_torch)))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("PYALLOC_CONF", raising=False)
+    return calls
+
+
+def test_script_runs_as_main_with_its_own_arguments(launched, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYALLOC_CONF", "segment_size:4MiB")
+    script = tmp_path / "train.py"
+    script.write_text(REPORT)
+    # Options after the script belong to the script, pyalloc's own included.
+    rc = cli.main(["run", "--conf", "pool_size:1GiB", str(script), "--lr", "0.1", "--conf", "-m", "x"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report == {
+        "name": "__main__",
+        "argv": [str(script), "--lr", "0.1", "--conf", "-m", "x"],
+        "path0": str(tmp_path),
+    }
+    assert launched == [("pool_size:1GiB", True)]
+    # The program and the processes it starts see the effective settings.
+    assert os.environ["PYALLOC_CONF"] == "segment_size:4MiB,pool_size:1GiB"
+
+
+def test_module_runs_as_main(launched, tmp_path, capsys, monkeypatch):
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(REPORT)
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["run", "--no-patch-torch", "-m", "mypkg.train", "a", "--b", "-m", "c"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["name"] == "__main__"
+    assert report["argv"][0].endswith(os.path.join("mypkg", "train.py"))
+    assert report["argv"][1:] == ["a", "--b", "-m", "c"]
+    assert report["path0"] == str(tmp_path)
+    assert launched == [(None, False)]
+
+
+def test_the_programs_exit_status_is_the_processes(launched, tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("raise SystemExit(3)\n")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", str(script)])
+    assert e.value.code == 3
+
+
+def test_install_errors_stop_the_launch(monkeypatch, tmp_path, capsys):
+    def refuse(conf=None, patch_torch=True):
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(api, "install", refuse)
+    script = tmp_path / "x.py"
+    script.write_text("raise AssertionError('must not run')\n")
+    assert cli.main(["run", str(script)]) == 1
+    assert capsys.readouterr().err == "pyalloc run: error: no GPU here\n"

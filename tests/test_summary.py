@@ -1,0 +1,84 @@
+"""memory_summary()'s text, from the stats of a host-backend Allocator."""
+from __future__ import annotations
+
+import pytest
+
+import pyalloc
+from pyalloc._summary import WIDTH, format_summary, size_text
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pool():
+    a = pyalloc.Allocator("host")
+    ptrs = [a.malloc(n) for n in (1000, 3 * MiB, 700, 50 * MiB, MiB)]
+    a.free(ptrs[1])
+    a.free(ptrs[2])
+    return a
+
+
+def row_cells(line: str):
+    return [c.strip() for c in line.strip("|").split("|")[1:]]
+
+
+def cells(text: str, label: str):
+    return row_cells(next(l for l in text.splitlines() if l.startswith(f"| {label} ")))
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [(0, "0 B"), (512, "512 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (20 * MiB, "20.0 MiB"),
+     (3 << 30, "3.0 GiB"), (5 << 40, "5.0 TiB")],
+)
+def test_size_text(n, text):
+    assert size_text(n) == text
+
+
+def test_table_of_every_metric(pool):
+    stats, frag = pool.stats(), pool.fragmentation()
+    text = format_summary(stats, frag, device=3)
+    assert all(len(line) == WIDTH for line in text.splitlines())
+    assert "pyalloc CUDA memory summary, device 3" in text
+    assert cells(text, "Metric") == ["Current", "Peak", "Tot alloc", "Tot freed"]
+    assert cells(text, "Allocated memory") == [
+        size_text(stats[f"allocated_bytes.all.{k}"]) for k in ("current", "peak", "allocated", "freed")
+    ]
+    assert cells(text, "Reserved segments") == [
+        f"{stats[f'segment.all.{k}']:,}" for k in ("current", "peak", "allocated", "freed")
+    ]
+    for label in ("Active memory", "Requested memory", "Reserved memory", "Non-releasable memory",
+                  "Allocations", "Active allocs", "Non-releasable allocs", "Oversize allocations",
+                  "Oversize segments"):
+        assert cells(text, label)
+    assert text.count("from large pool") == 9 and text.count("from small pool") == 9
+
+
+def test_fragmentation_section(pool):
+    stats, frag = pool.stats(), pool.fragmentation()
+    text = format_summary(stats, frag)
+    assert f"Free in reserved memory:  {size_text(frag['free_bytes'])} in {frag['free_blocks']} blocks" in text
+    assert f"Largest free block:       {size_text(frag['largest_free_block'])}" in text
+    assert f"External fragmentation:   {100 * frag['external_fragmentation']:.1f} %" in text
+    assert "Max split size:           unlimited" in text
+    histogram = text.split("Free blocks by size")[1].splitlines()[1:-1]
+    assert [row_cells(line) for line in histogram] == [
+        [f"{h['count']:,}", size_text(h["bytes"])] for h in frag["histogram"]
+    ]
+    assert "Held for CUDA graphs" not in text
+
+
+def test_abbreviated_and_extras(pool):
+    stats, frag = pool.stats(), pool.fragmentation()
+    short = format_summary(stats, frag, abbreviated=True, graph_blocks=2, graph_bytes=3 * MiB)
+    assert "from large pool" not in short and "Free blocks by size" not in short
+    assert "Held for CUDA graphs:      3.0 MiB in 2 blocks" in short
+    capped = pyalloc.Allocator("host", max_split_size="64MiB")
+    assert "Max split size:           64.0 MiB" in format_summary(capped.stats(), capped.fragmentation())
+
+
+def test_counts_large_numbers_readably():
+    stats = pyalloc.Allocator("virtual").stats()
+    stats["allocation.all.allocated"] = 12_345_678
+    text = format_summary(stats, pyalloc.Allocator("virtual").fragmentation())
+    assert cells(text, "Allocations")[2] == "12,345,678"
