@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "cuda_driver.h"
@@ -72,11 +73,35 @@ CaptureTracker& process_captures() {
 
 // What the pools of one device share. Never destroyed while a backend lives.
 struct CudaShared {
-  CudaShared(int index, CUcontext ctx) : index(index), ctx(ctx), captures(process_captures()) {}
+  CudaShared(int index, CUdevice dev, CUcontext ctx)
+      : index(index), dev(dev), ctx(ctx), captures(process_captures()) {}
   int index;
+  CUdevice dev;
   CUcontext ctx;
   CaptureTracker& captures;
+  size_t vmm_page = 0;  // the device's mapping granularity; 0: no virtual memory
+  CUmemAllocationProp prop{};  // device memory, pinned, on this device
 };
+
+// Whether the device and driver do virtual memory management, and its page.
+size_t probe_vmm(const Driver& d, CudaShared& sh) {
+  if (!d.has_vmm()) return 0;
+  int supported = 0;
+  if (d.DeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, sh.dev) !=
+          CUDA_SUCCESS ||
+      supported == 0)
+    return 0;
+  sh.prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  sh.prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  sh.prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  sh.prop.location.id = sh.dev;
+  size_t page = 0;
+  ContextGuard g(d, sh.ctx);
+  if (d.MemGetAllocationGranularity(&page, &sh.prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS)
+    return 0;
+  // The core sizes pages in units of its 512 B granularity.
+  return page != 0 && page % kGranularity == 0 ? page : 0;
+}
 
 class CudaBackend final : public Backend {
  public:
@@ -161,7 +186,86 @@ class CudaBackend final : public Backend {
 
   bool is_capturing(Stream s) override { return sh_->captures.blocks(s); }
 
+  // Virtual memory: one physical allocation (cuMemCreate handle) per page,
+  // so that any page can be unmapped and returned on its own.
+  size_t vmm_page_size() override { return sh_->vmm_page; }
+
+  uintptr_t vmm_reserve(size_t size) override {
+    ContextGuard g(d_, sh_->ctx);
+    CUdeviceptr p = 0;
+    if (d_.MemAddressReserve(&p, size, sh_->vmm_page, 0, 0) != CUDA_SUCCESS) return 0;
+    return static_cast<uintptr_t>(p);
+  }
+
+  void vmm_release(uintptr_t base, size_t size) override {
+    try {
+      ContextGuard g(d_, sh_->ctx);
+      for (auto it = handles_.begin(); it != handles_.end();) {
+        if (it->first >= base && it->first < base + size) {
+          d_.MemUnmap(static_cast<CUdeviceptr>(it->first), sh_->vmm_page);
+          d_.MemRelease(it->second);
+          it = handles_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      d_.MemAddressFree(static_cast<CUdeviceptr>(base), size);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "pyalloc: releasing a virtual range failed: %s\n", e.what());
+    }
+  }
+
+  bool vmm_map(uintptr_t addr, size_t size) override {
+    if (sh_->captures.underway()) return false;
+    ContextGuard g(d_, sh_->ctx);
+    size_t page = sh_->vmm_page;
+    for (size_t off = 0; off < size; off += page) {
+      CUmemGenericAllocationHandle h = 0;
+      CUresult r = d_.MemCreate(&h, page, &sh_->prop, 0);
+      if (r == CUDA_SUCCESS) {
+        r = d_.MemMap(static_cast<CUdeviceptr>(addr + off), page, 0, h, 0);
+        if (r != CUDA_SUCCESS) d_.MemRelease(h);
+      }
+      if (r != CUDA_SUCCESS) {
+        unmap_pages(addr, off);  // nothing stays mapped from this call
+        if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
+        check(r, "cuMemCreate/cuMemMap");
+      }
+      handles_[addr + off] = h;
+    }
+    CUmemAccessDesc access{};
+    access.location = sh_->prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CUresult r = d_.MemSetAccess(static_cast<CUdeviceptr>(addr), size, &access, 1);
+    if (r != CUDA_SUCCESS) {
+      unmap_pages(addr, size);
+      if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
+      check(r, "cuMemSetAccess");
+    }
+    return true;
+  }
+
+  void vmm_unmap(uintptr_t addr, size_t size) override {
+    // The core unmaps only pages every stream is done with (backend.h).
+    try {
+      ContextGuard g(d_, sh_->ctx);
+      unmap_pages(addr, size);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "pyalloc: unmapping pages failed: %s\n", e.what());
+    }
+  }
+
  private:
+  void unmap_pages(uintptr_t addr, size_t size) {
+    for (size_t off = 0; off < size; off += sh_->vmm_page) {
+      auto it = handles_.find(addr + off);
+      if (it == handles_.end()) continue;
+      d_.MemUnmap(static_cast<CUdeviceptr>(it->first), sh_->vmm_page);
+      d_.MemRelease(it->second);  // the memory goes back to the device
+      handles_.erase(it);
+    }
+  }
+
   struct Slot {
     CUevent event = nullptr;
     Stream stream = 0;
@@ -192,6 +296,7 @@ class CudaBackend final : public Backend {
   // Used only under the owning core's lock (backend.h), so no lock here.
   std::vector<Slot> slots_;
   std::vector<EventId> spare_;
+  std::unordered_map<uintptr_t, CUmemGenericAllocationHandle> handles_;  // mapped page -> handle
 };
 
 class CudaDevice final : public Device {
@@ -232,7 +337,9 @@ std::unique_ptr<Device> open_cuda_device(int index) {
   // It is retained for the life of the process, like the pools on it.
   CUcontext ctx = nullptr;
   check(d.DevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
-  return std::make_unique<CudaDevice>(std::make_shared<CudaShared>(index, ctx));
+  auto shared = std::make_shared<CudaShared>(index, dev, ctx);
+  shared->vmm_page = probe_vmm(d, *shared);
+  return std::make_unique<CudaDevice>(std::move(shared));
 }
 
 }  // namespace pyalloc

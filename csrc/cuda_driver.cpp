@@ -66,6 +66,17 @@ Loaded load() {
   fetch(lib, "cuStreamIsCapturing", &d.StreamIsCapturing, &missing);
   fetch(lib, "cuGetErrorName", &d.GetErrorName, &missing);
   fetch(lib, "cuStreamGetCaptureInfo", &d.StreamGetCaptureInfo, nullptr);
+  std::string no_vmm;
+  fetch(lib, "cuDeviceGetAttribute", &d.DeviceGetAttribute, &no_vmm);
+  fetch(lib, "cuMemAddressReserve", &d.MemAddressReserve, &no_vmm);
+  fetch(lib, "cuMemAddressFree", &d.MemAddressFree, &no_vmm);
+  fetch(lib, "cuMemCreate", &d.MemCreate, &no_vmm);
+  fetch(lib, "cuMemRelease", &d.MemRelease, &no_vmm);
+  fetch(lib, "cuMemMap", &d.MemMap, &no_vmm);
+  fetch(lib, "cuMemUnmap", &d.MemUnmap, &no_vmm);
+  fetch(lib, "cuMemSetAccess", &d.MemSetAccess, &no_vmm);
+  fetch(lib, "cuMemGetAllocationGranularity", &d.MemGetAllocationGranularity, &no_vmm);
+  if (!no_vmm.empty()) d.MemMap = nullptr;  // has_vmm() false: pools use plain segments
   if (!missing.empty()) {
     out.error = std::string("the CUDA driver library ") + name +
                 " lacks entry points pyalloc needs (" + missing +

@@ -38,6 +38,38 @@ enum CUstreamCaptureStatus : int {
 
 constexpr unsigned int CU_EVENT_DISABLE_TIMING = 0x2;
 
+// Virtual memory management (cuda.h: CUmemAllocationProp_v1 and friends).
+constexpr int CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102;
+constexpr int CU_MEM_ALLOCATION_TYPE_PINNED = 1;
+constexpr int CU_MEM_HANDLE_TYPE_NONE = 0;
+constexpr int CU_MEM_LOCATION_TYPE_DEVICE = 1;
+constexpr int CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3;
+constexpr int CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0;
+using CUmemGenericAllocationHandle = unsigned long long;
+
+struct CUmemLocation {
+  int type;
+  int id;
+};
+
+struct CUmemAllocationProp {
+  int type;
+  int requestedHandleTypes;
+  CUmemLocation location;
+  void* win32HandleMetaData;
+  struct {
+    unsigned char compressionType;
+    unsigned char gpuDirectRDMACapable;
+    unsigned short usage;
+    unsigned char reserved[4];
+  } allocFlags;
+};
+
+struct CUmemAccessDesc {
+  CUmemLocation location;
+  int flags;
+};
+
 using CUdevice = int;
 using CUdeviceptr = unsigned long long;
 using cuuint64_t = uint64_t;
@@ -71,6 +103,22 @@ struct Driver {
   CUresult (*StreamGetCaptureInfo)(CUstream stream, CUstreamCaptureStatus* status,
                                    cuuint64_t* id);                       // cuStreamGetCaptureInfo
   CUresult (*GetErrorName)(CUresult error, const char** name);           // cuGetErrorName
+  /// Optional (all null if any is absent): virtual memory management.
+  CUresult (*DeviceGetAttribute)(int* value, int attribute, CUdevice device);  // cuDeviceGetAttribute
+  CUresult (*MemAddressReserve)(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                unsigned long long flags);                      // cuMemAddressReserve
+  CUresult (*MemAddressFree)(CUdeviceptr ptr, size_t size);                    // cuMemAddressFree
+  CUresult (*MemCreate)(CUmemGenericAllocationHandle* handle, size_t size,
+                        const CUmemAllocationProp* prop, unsigned long long flags);  // cuMemCreate
+  CUresult (*MemRelease)(CUmemGenericAllocationHandle handle);                 // cuMemRelease
+  CUresult (*MemMap)(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                     unsigned long long flags);                                // cuMemMap
+  CUresult (*MemUnmap)(CUdeviceptr ptr, size_t size);                          // cuMemUnmap
+  CUresult (*MemSetAccess)(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc,
+                           size_t count);                                      // cuMemSetAccess
+  CUresult (*MemGetAllocationGranularity)(size_t* granularity, const CUmemAllocationProp* prop,
+                                          int option);  // cuMemGetAllocationGranularity
+  bool has_vmm() const { return MemMap != nullptr; }
   int version = 0;  // cuDriverGetVersion, e.g. 13000
 };
 

@@ -27,6 +27,19 @@ void Allocator::init_vmm() {
   range = round_up(range, page);
   uintptr_t base = backend_->vmm_reserve(range);
   if (base == 0) return;
+  // Map and unmap one page first: if the backend cannot map at all, the
+  // pool stays on plain segments rather than failing every request.
+  bool mappable = false;
+  try {
+    mappable = backend_->vmm_map(base, page);
+    if (mappable) backend_->vmm_unmap(base, page);
+  } catch (const std::exception&) {
+    mappable = false;
+  }
+  if (!mappable) {
+    backend_->vmm_release(base, range);
+    return;
+  }
   vmm_ = true;
   page_ = page;
   vmm_seg_ = new Segment();

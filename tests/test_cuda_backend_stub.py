@@ -34,11 +34,12 @@ def stub_driver(tmp_path_factory):
     return library
 
 
-def test_cuda_backend_against_the_stand_in_driver(stub_driver):
+@pytest.mark.parametrize("mode", ["segments", "vmm"])
+def test_cuda_backend_against_the_stand_in_driver(stub_driver, mode):
     env = dict(os.environ, PYTHONPATH=REPO, LD_LIBRARY_PATH=str(stub_driver.parent))
     env.pop("PYALLOC_CONF", None)
     out = subprocess.run(
-        [sys.executable, os.path.join(STUB_DIR, "checks.py"), str(stub_driver)],
+        [sys.executable, os.path.join(STUB_DIR, "checks.py"), str(stub_driver)] + (["vmm"] if mode == "vmm" else []),
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr

@@ -1,8 +1,10 @@
 """pyalloc's CUDA backend against the stand-in driver (libcuda_stub.c).
 
 Run by test_cuda_backend_stub.py in a fresh process whose LD_LIBRARY_PATH finds
-the stand-in as libcuda.so.1:  checks.py PATH/TO/libcuda.so.1
-Prints OK when every check passed.
+the stand-in as libcuda.so.1:  checks.py PATH/TO/libcuda.so.1 [vmm]
+With "vmm" the stand-in reports virtual memory management and the vmm checks
+run (pools map pages); without, the segment checks run. Prints OK when every
+check passed.
 """
 import ctypes
 import sys
@@ -21,6 +23,8 @@ class Stub(c.Structure):
         ("event_record", c.c_int64), ("event_query", c.c_int64), ("event_sync", c.c_int64),
         ("event_destroy", c.c_int64), ("capture_queries", c.c_int64),
         ("forbidden_during_capture", c.c_int64), ("wrong_context", c.c_int64),
+        ("vmm", c.c_int), ("mem_create", c.c_int64), ("mem_release", c.c_int64),
+        ("mem_map", c.c_int64), ("mem_unmap", c.c_int64), ("mapped", c.c_int64 * 2),
     ]
 
 
@@ -37,6 +41,7 @@ hooks.pyalloc_record_stream.argtypes = [c.c_void_p, c.c_void_p]
 hooks.pyalloc_empty_cache.restype = None
 hooks.pyalloc_base_alloc.restype = c.c_void_p
 hooks.pyalloc_base_alloc.argtypes = [c.c_void_p, c.POINTER(c.c_size_t)]
+hooks.pyalloc_set_memory_fraction.argtypes = [c.c_double, c.c_int]
 
 
 def malloc(size, device=0, stream=0):
@@ -181,7 +186,61 @@ def check_base_alloc():
     free(p)
 
 
+def vmm_check_pages_are_mapped_on_demand():
+    assert _C.cuda_check_driver() == 13000
+    _C.cuda_configure("strategy:vmm")
+    p = malloc(5 * MiB)
+    q = malloc(5 * MiB)
+    assert stub.mem_alloc == 0  # no cuMemAlloc: pages are mapped
+    assert stub.mem_map >= 5 and stub.mapped[0] == stats()["reserved_bytes.all.current"] == 10 * MiB
+    c.memset(p, 7, 5 * MiB)
+    c.memset(q, 8, 5 * MiB)
+    assert c.string_at(p, 5 * MiB) == b"\x07" * (5 * MiB)
+    free(p)
+    free(q)
+    hooks.pyalloc_empty_cache()
+    assert stub.mapped[0] == 0 and stub.mem_release == stub.mem_create
+    assert stats()["reserved_bytes.all.current"] == 0
+    assert stub.wrong_context == 0
+    _C.cuda_check_invariants(0)
+
+
+def vmm_check_holes_back_a_large_allocation():
+    hooks.pyalloc_set_memory_fraction(64 / 256, 0)  # cap the pool at 64 MiB
+    ptrs = [malloc(4 * MiB) for _ in range(16)]
+    for p in ptrs[::2]:
+        free(p)
+    big = malloc(24 * MiB)  # only by moving pages out of the 4 MiB holes
+    assert stub.mapped[0] <= 64 * MiB
+    free(big)
+    for p in ptrs[1::2]:
+        free(p)
+    hooks.pyalloc_set_memory_fraction(1.0, 0)
+    _C.cuda_check_invariants(0)
+
+
+def vmm_check_no_mapping_during_capture():
+    capture_stream = 0x5000
+    free(malloc(8 * MiB, 0, capture_stream))  # 8 MiB mapped and cached
+    maps = stub.mem_map
+    stub.capture_id, stub.capturing_stream = 78, capture_stream
+    stub.forbidden_during_capture = 0
+    a = malloc(6 * MiB, 0, capture_stream)  # from mapped pages
+    try:
+        malloc(64 * MiB, 0, capture_stream)
+        raise AssertionError("pages were mapped during a capture")
+    except RuntimeError as e:
+        assert "capture" in str(e)
+    assert stub.forbidden_during_capture == 0 and stub.mem_map == maps
+    stub.capturing_stream = 0
+    free(a)
+    _C.cuda_release_graph_memory(0)
+    _C.cuda_check_invariants(0)
+
+
+prefix = "vmm_check_" if sys.argv[2:] == ["vmm"] else "check_"
+stub.vmm = 1 if prefix == "vmm_check_" else 0
 for name, fn in list(globals().items()):
-    if name.startswith("check_") and callable(fn):
+    if name.startswith(prefix) and callable(fn):
         fn()
 print("OK")

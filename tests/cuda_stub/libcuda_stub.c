@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 typedef int CUresult;
 typedef struct Ctx { int device; } *CUcontext;
@@ -34,6 +35,8 @@ struct Stub {
   uint64_t capture_id;
   int64_t mem_alloc, mem_free, event_create, event_record, event_query, event_sync,
       event_destroy, capture_queries, forbidden_during_capture, wrong_context;
+  int vmm;                   /* the device reports virtual memory management */
+  int64_t mem_create, mem_release, mem_map, mem_unmap, mapped[DEVICES];
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -143,6 +146,82 @@ CUresult cuGetErrorName(CUresult r, const char** name) {
   *name = r == OUT_OF_MEMORY ? "CUDA_ERROR_OUT_OF_MEMORY"
           : r == STUB_FAILURE ? "CUDA_ERROR_STUB_FAILURE" : "CUDA_ERROR_OTHER";
   return SUCCESS;
+}
+
+/* Virtual memory management: reserved ranges are PROT_NONE host mappings,
+ * a handle is a page-sized piece of a device's capacity, and mapping makes
+ * the range read-write (contents are not kept across remaps). */
+#define PAGE (2u << 20)
+static int64_t handle_device[1 << 16];
+static int next_handle = 1;
+
+CUresult cuDeviceGetAttribute(int* value, int attribute, int device) {
+  (void)device;
+  *value = attribute == 102 ? stub.vmm : 0;
+  return SUCCESS;
+}
+CUresult cuMemGetAllocationGranularity(size_t* g, const void* prop, int option) {
+  (void)prop; (void)option;
+  *g = PAGE;
+  return SUCCESS;
+}
+CUresult cuMemAddressReserve(unsigned long long* p, size_t size, size_t align, unsigned long long addr,
+                             unsigned long long flags) {
+  (void)align; (void)addr; (void)flags;
+  void* m = mmap(0, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return OUT_OF_MEMORY;
+  *p = (unsigned long long)(uintptr_t)m;
+  return SUCCESS;
+}
+CUresult cuMemAddressFree(unsigned long long p, size_t size) {
+  munmap((void*)(uintptr_t)p, size);
+  return SUCCESS;
+}
+CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsigned long long flags) {
+  (void)prop; (void)flags;
+  during_capture();
+  if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
+  int d = current->device;
+  if (size != PAGE) return INVALID_VALUE;
+  if (stub.used[d] + (int64_t)size > stub.capacity) return OUT_OF_MEMORY;
+  if (next_handle >= (1 << 16)) return OUT_OF_MEMORY;
+  stub.used[d] += (int64_t)size;
+  handle_device[next_handle] = d;
+  *h = (unsigned long long)next_handle++;
+  stub.mem_create++;
+  return SUCCESS;
+}
+CUresult cuMemRelease(unsigned long long h) {
+  during_capture();
+  stub.used[handle_device[h]] -= PAGE;
+  stub.mem_release++;
+  return SUCCESS;
+}
+CUresult cuMemMap(unsigned long long p, size_t size, size_t offset, unsigned long long h,
+                  unsigned long long flags) {
+  (void)offset; (void)flags;
+  during_capture();
+  if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
+  void* m = mmap((void*)(uintptr_t)p, size, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+  if (m == MAP_FAILED) return INVALID_VALUE;
+  stub.mapped[handle_device[h]] += (int64_t)size;
+  stub.mem_map++;
+  return SUCCESS;
+}
+CUresult cuMemUnmap(unsigned long long p, size_t size) {
+  during_capture();
+  if (current == 0) stub.wrong_context++;
+  mmap((void*)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
+       -1, 0);
+  stub.mapped[current != 0 ? current->device : 0] -= (int64_t)size;
+  stub.mem_unmap++;
+  return SUCCESS;
+}
+CUresult cuMemSetAccess(unsigned long long p, size_t size, const void* desc, size_t count) {
+  (void)p; (void)size; (void)desc;
+  during_capture();
+  return count == 1 ? SUCCESS : INVALID_VALUE;
 }
 
 /* For the test: the primary context of a device, to make it current by hand. */
