@@ -39,7 +39,7 @@ def test_another_stream_reuses_once_the_freeing_stream_is_idle(make):
 
 
 def test_small_blocks_follow_the_same_rule(make):
-    a = make()
+    a = make(small_size=MiB, small_chunk_size=2 * MiB)
     p = a.malloc(MiB, S)  # half of a 2 MiB chunk
     a.stream_set_busy(S)
     a.free(p)
