@@ -8,6 +8,7 @@ marked gpu run the real thing with both allocators and skip without CUDA.
 """
 import json
 import os
+import pickle
 import re
 import shlex
 import subprocess
@@ -157,6 +158,15 @@ def test_specs_are_consistent():
         else:
             assert spec.kind == "micro" and not spec.trace
     assert {s.name for s in workloads.SPECS.values() if s.trace} == set(workloads.GROUPS["fragmenting"])
+
+
+def test_readme_says_what_the_traces_hold():
+    with open(README) as f:
+        text = " ".join(f.read().split())
+    steps = {s.name: s.trace_steps for s in workloads.SPECS.values() if s.trace}
+    assert steps == {"llm_train": 6, "llm_train_bf16_ckpt": 6, "bert_infer": 40, "generate": 2, "vision_train": 10}
+    assert "6 steps of each training, 40 BERT requests, 10 ViT steps and 2 generate() calls" in text
+    assert f"max_entries={_parser().get_default('trace_max_entries')})" in text
 
 
 def test_oom_is_recognised():
@@ -451,6 +461,21 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 def test_device_check_on_gpu():
     run = harness("--device-check")
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_trace_on_gpu(tmp_path):
+    pytest.importorskip("transformers")
+    run = harness("--smoke", "--no-timing", "--traces", "--only", "bert_infer", "--out-dir", str(tmp_path),
+                  "--name", "gpu", "--trace-dir", str(tmp_path / "traces"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    with open(tmp_path / "traces" / "index.json") as f:
+        (info,) = json.load(f).values()
+    assert info["status"] == "ok" and info["entries"] > 0 and not info["wrapped"]
+    with open(info["path"], "rb") as f:  # a memory snapshot, as torch's own tools read it
+        snapshot = pickle.load(f)
+    assert {"segments", "device_traces"} <= set(snapshot)
 
 
 @pytest.mark.gpu

@@ -235,7 +235,7 @@ class Harness:
         os.makedirs(self.trace_dir, exist_ok=True)
         path = os.path.join(self.trace_dir, f"{spec.name}-{report.slug(self.device.get('name', 'gpu'))}.pickle")
         print(f"== {spec.name} / native: recording the memory history into {_show(path)}", flush=True)
-        steps = 2 if a.smoke else a.trace_steps
+        steps = 2 if a.smoke else a.trace_steps or spec.trace_steps
         worker_args = self._common(spec) + ["--size", str(self.size(spec)), "--steps", str(steps),
                                             "--warmup", "0", "--trace", path,
                                             "--trace-max-entries", str(a.trace_max_entries)]
@@ -243,6 +243,8 @@ class Harness:
         info = dict(r.get("trace") or {}, status=r["status"], steps=steps, seed=a.seed, size=self.size(spec),
                     max_entries=a.trace_max_entries, device=self.device.get("name"),
                     torch=self.device.get("torch"), invocation=self.command)
+        # A full ring buffer has dropped its oldest events: a replay must start from the blocks then live.
+        info["wrapped"] = info.get("entries", 0) >= a.trace_max_entries
         if "path" in info:
             info["path"] = _show(info["path"])
         if r["status"] != "ok":
@@ -305,8 +307,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-steps", type=int, default=6, help="drawn steps before the worst shape in a probe")
     p.add_argument("--traces", action="store_true", help="record native memory histories (workloads 2-5)")
     p.add_argument("--trace-dir", default=TRACES_DIR)
-    p.add_argument("--trace-steps", type=int, default=6)
-    p.add_argument("--trace-max-entries", type=int, default=100_000)
+    p.add_argument("--trace-steps", type=int, default=0, help="steps per trace (default: the workload's)")
+    p.add_argument("--trace-max-entries", type=int, default=200_000,
+                   help="events kept per trace; past this the oldest are dropped (about 50 bytes each)")
     p.add_argument("--out-dir", default=None, help=f"default {_show(RESULTS_DIR)} "
                    "(a temporary directory with --smoke)")
     p.add_argument("--name", default=None, help="results file stem (default gpu-<date>-<gpu>)")

@@ -305,7 +305,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--probe", action="store_true", help="batch-search probe: drawn shapes, then the worst twice")
     p.add_argument("--probe-steps", type=int, default=6)
     p.add_argument("--trace", default="", help="record the native memory history into this snapshot file")
-    p.add_argument("--trace-max-entries", type=int, default=100_000)
+    p.add_argument("--trace-max-entries", type=int, default=200_000)
     p.add_argument("--smoke", action="store_true", help="tiny models, for testing the harness")
     p.add_argument("--quick", action="store_true", help="fewer iterations (alloc_speed)")
     return p

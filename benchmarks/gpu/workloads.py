@@ -60,6 +60,7 @@ class Spec:
     quick_steps: int
     warmup: int
     trace: bool  # record its native memory history for the replay benchmark
+    trace_steps: int = 0  # steps in that recording: enough to show the pattern, few enough to stay small
     build: Optional[Callable[[torch.device, int, bool], Runner]] = None
     smoke_size: int = 2
 
@@ -401,20 +402,20 @@ SPECS: Dict[str, Spec] = {s.name: s for s in [
          size=0, size_name="", search_start=0, search_hi=0, steps=0, quick_steps=0, warmup=0, trace=False),
     Spec("llm_train", "GPT-2 medium training, fp32, length 128-2048 per step", "steps", HF,
          size=4, size_name="batch", search_start=4, search_hi=256,
-         steps=60, quick_steps=20, warmup=3, trace=True, build=build_llm_train),
+         steps=60, quick_steps=20, warmup=3, trace=True, trace_steps=6, build=build_llm_train),
     Spec("llm_train_bf16_ckpt", "GPT-2 medium training, bf16 autocast + activation checkpointing, "
          "length 128-2048 per step", "steps", HF,
          size=8, size_name="batch", search_start=16, search_hi=1024,
-         steps=60, quick_steps=20, warmup=3, trace=True, build=build_llm_train_bf16_ckpt),
+         steps=60, quick_steps=20, warmup=3, trace=True, trace_steps=6, build=build_llm_train_bf16_ckpt),
     Spec("bert_infer", "BERT-base inference, batch 1-N and length 16-512 per request", "steps", HF,
          size=64, size_name="max batch", search_start=1024, search_hi=16384,
-         steps=200, quick_steps=60, warmup=5, trace=True, build=build_bert_infer),
+         steps=200, quick_steps=60, warmup=5, trace=True, trace_steps=40, build=build_bert_infer),
     Spec("generate", "GPT-2 small generate(), batch 1-N, prompt 16-512, 16-256 new tokens", "steps", HF,
          size=8, size_name="max batch", search_start=128, search_hi=4096,
-         steps=30, quick_steps=10, warmup=2, trace=True, build=build_generate),
+         steps=30, quick_steps=10, warmup=2, trace=True, trace_steps=2, build=build_generate),
     Spec("vision_train", "ViT-B/16 training, image side 128-384 per step", "steps", HF,
          size=32, size_name="batch", search_start=64, search_hi=2048,
-         steps=60, quick_steps=20, warmup=3, trace=True, build=build_vision_train),
+         steps=60, quick_steps=20, warmup=3, trace=True, trace_steps=10, build=build_vision_train),
     Spec("control_resnet50", "ResNet-50 training, fixed 224x224 (control)", "steps", HF,
          size=64, size_name="batch", search_start=256, search_hi=4096,
          steps=50, quick_steps=20, warmup=3, trace=False, build=build_control_resnet50),
