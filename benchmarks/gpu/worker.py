@@ -21,11 +21,13 @@ ok and oom, 1 for error. Its progress goes to stdout.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import pickle
 import platform
 import random
+import signal
 import statistics
 import sys
 import time
@@ -322,8 +324,23 @@ def parse_conf(text: str) -> Dict[str, str]:
     return conf
 
 
+def die_with_parent() -> None:
+    """Ends this process when the harness dies (killed at a time limit), instead of holding the GPU."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    die_with_parent()
     result: Dict[str, Any] = {
         "workload": args.workload, "allocator": args.allocator, "device": args.device, "seed": args.seed,
         "budget": args.budget or None, "probe": args.probe, "smoke": args.smoke, "quick": args.quick,
