@@ -160,13 +160,17 @@ def test_specs_are_consistent():
     assert {s.name for s in workloads.SPECS.values() if s.trace} == set(workloads.GROUPS["fragmenting"])
 
 
-def test_readme_says_what_the_traces_hold():
+def test_readme_numbers_match_the_code():
     with open(README) as f:
         text = " ".join(f.read().split())
     steps = {s.name: s.trace_steps for s in workloads.SPECS.values() if s.trace}
     assert steps == {"llm_train": 6, "llm_train_bf16_ckpt": 6, "bert_infer": 40, "generate": 2, "vision_train": 10}
     assert "6 steps of each training, 40 BERT requests, 10 ViT steps and 2 generate() calls" in text
     assert f"max_entries={_parser().get_default('trace_max_entries')})" in text
+    probes = {s.name: s.probe_steps for s in workloads.SPECS.values() if s.kind == "steps"}
+    assert set(probes.values()) == {6, 3} and probes["generate"] == 3
+    assert "runs 6 drawn shapes (3 generate() calls; `--probe-steps`)" in text
+    assert f"known to {_parser().get_default('search_tolerance'):.0%}" in text
 
 
 def test_oom_is_recognised():

@@ -198,7 +198,7 @@ class Harness:
         a = self.args
         hi = min(spec.search_hi, 4) if a.smoke else spec.search_hi
         max_probes = 3 if a.smoke else a.max_probes
-        probe_steps = 1 if a.smoke else a.probe_steps
+        probe_steps = 1 if a.smoke else a.probe_steps or spec.probe_steps
         entry = report.workload_entry(self.results, spec.name, spec.title, spec.kind, spec.size_name)
         searches = entry.setdefault("search", {})
         searches["budget"] = self.budget
@@ -304,7 +304,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-probes", type=int, default=8, help="probes per allocator in the batch search")
     p.add_argument("--search-tolerance", type=float, default=0.03,
                    help="stop the search when the answer is known to this fraction (default 0.03)")
-    p.add_argument("--probe-steps", type=int, default=6, help="drawn steps before the worst shape in a probe")
+    p.add_argument("--probe-steps", type=int, default=0,
+                   help="drawn steps before the worst shape in a probe (default: the workload's)")
     p.add_argument("--traces", action="store_true", help="record native memory histories (workloads 2-5)")
     p.add_argument("--trace-dir", default=TRACES_DIR)
     p.add_argument("--trace-steps", type=int, default=0, help="steps per trace (default: the workload's)")

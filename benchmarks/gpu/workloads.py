@@ -61,6 +61,7 @@ class Spec:
     warmup: int
     trace: bool  # record its native memory history for the replay benchmark
     trace_steps: int = 0  # steps in that recording: enough to show the pattern, few enough to stay small
+    probe_steps: int = 6  # drawn steps in each batch-search probe, before the worst shape twice
     build: Optional[Callable[[torch.device, int, bool], Runner]] = None
     smoke_size: int = 2
 
@@ -412,7 +413,7 @@ SPECS: Dict[str, Spec] = {s.name: s for s in [
          steps=200, quick_steps=60, warmup=5, trace=True, trace_steps=40, build=build_bert_infer),
     Spec("generate", "GPT-2 small generate(), batch 1-N, prompt 16-512, 16-256 new tokens", "steps", HF,
          size=8, size_name="max batch", search_start=128, search_hi=4096,
-         steps=30, quick_steps=10, warmup=2, trace=True, trace_steps=2, build=build_generate),
+         steps=30, quick_steps=10, warmup=2, trace=True, trace_steps=2, probe_steps=3, build=build_generate),
     Spec("vision_train", "ViT-B/16 training, image side 128-384 per step", "steps", HF,
          size=32, size_name="batch", search_start=64, search_hi=2048,
          steps=60, quick_steps=20, warmup=3, trace=True, trace_steps=10, build=build_vision_train),
