@@ -203,8 +203,8 @@ class Harness:
         searches = entry.setdefault("search", {})
         searches["budget"] = self.budget
         for allocator in self.allocators:
-            print(f"== {spec.name} / {allocator}: the largest {spec.size_name} under "
-                  f"{'no cap' if not self.budget else f'{self.budget / 2**30:.1f} GiB'}", flush=True)
+            cap = f"a {self.budget / 2**30:.1f} GiB budget" if self.budget else "no memory cap"
+            print(f"== {spec.name} / {allocator}: searching the {spec.size_name} under {cap}", flush=True)
 
             def probe(size: int, allocator: str = allocator):
                 worker_args = self._common(spec) + ["--probe", "--size", str(size), "--probe-steps",
@@ -223,7 +223,7 @@ class Harness:
             searches[allocator] = found
             if found["stopped"] == "error":
                 self.failures += 1
-            print(f"   {spec.size_name}: {found['largest']} ({found['stopped']})", flush=True)
+            print(f"   largest that runs: {found['largest']} ({found['stopped']})", flush=True)
             self.save()
 
     def trace(self, spec: Spec) -> None:
