@@ -108,13 +108,11 @@ def _utc_now() -> str:
 
 def environment() -> Dict[str, Any]:
     """Where the harness ran; pyalloc's version and the commit when they can be had."""
-    try:
-        from benchmarks._env import environment as env
-    except ImportError as exc:  # pyalloc not built: native runs still work
-        return {"pyalloc": f"not importable ({exc})"}
+    from benchmarks._env import environment as env
+
     try:
         return env()
-    except ImportError as exc:
+    except ImportError as exc:  # pyalloc not built: native runs still work
         return {"pyalloc": f"not importable ({exc})"}
 
 
@@ -130,11 +128,14 @@ class Harness:
         date = args.date or datetime.datetime.now(datetime.timezone.utc).date().isoformat()
         stem = args.name or report.results_stem(device, date)
         self.json_path = os.path.join(args.out_dir, stem + ".json")
-        self.results = self._start_results()
+        env = environment()
+        self.results = self._start_results(env)
         self.command = "python -m benchmarks.gpu " + shlex.join(args.argv)
+        # Commands of one results file may run from different commits: each says its own.
         self.invocation = {"command": self.command, "started": _utc_now(), "finished": None,
                            "workloads": [], "allocators": self.allocators, "quick": args.quick,
-                           "smoke": args.smoke, "seed": args.seed}
+                           "smoke": args.smoke, "seed": args.seed, "git_commit": env.get("git_commit"),
+                           "pyalloc": env.get("pyalloc")}
         self.results["invocations"].append(self.invocation)
         self.trace_dir = args.trace_dir
 
@@ -147,13 +148,13 @@ class Harness:
             allocators = ["native"]
         return allocators
 
-    def _start_results(self) -> Dict[str, Any]:
+    def _start_results(self, env: Dict[str, Any]) -> Dict[str, Any]:
         base = self.args.extend or self.json_path
         if os.path.exists(base) and not self.args.fresh:
             results = report.load(base)
             print(f"extending {_show(base)}")
         else:
-            results = report.new_results(self.device, environment())
+            results = report.new_results(self.device, env)
         results["device"] = self.device
         return results
 

@@ -266,7 +266,9 @@ def markdown(results: Dict[str, Any], images: Sequence[str] = (), level: int = 1
     lines += _table(["", ""], [
         ["device", _device_line(device)],
         ["software", ", ".join(lib) + f", Python {device.get('python')}"],
-        ["pyalloc", f"{env.get('pyalloc', '?')} (commit {env.get('git_commit', '?')})"],
+        ["pyalloc", f"{env.get('pyalloc', '?')} (commit "
+                    + ", ".join(sorted({inv.get("git_commit") or env.get("git_commit") or "?"
+                                        for inv in invocations} or {env.get("git_commit") or "?"})) + ")"],
         ["date", ", ".join(dates) or "?"],
         ["allocators", ", ".join(allocs)],
     ] + ([["results", f"`{source}`"]] if source else []), right_from=2)
