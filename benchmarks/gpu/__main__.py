@@ -1,0 +1,428 @@
+"""Benchmarks pyalloc against PyTorch's native CUDA allocator on a GPU.
+
+    python -m benchmarks.gpu [--only NAME ...] [--quick] [--budget-search] [--traces] [--no-timing]
+                             [--out-dir DIR] [--name STEM] [--extend FILE] [--fresh]
+    python -m benchmarks.gpu --device-check
+    python -m benchmarks.gpu --device cpu --smoke          # the whole pipeline, tiny models, no GPU
+    python -m benchmarks.gpu --render FILE.json [--update-readme]
+    python -m benchmarks.gpu --list
+
+Every (workload, allocator) pair runs in a fresh process (benchmarks.gpu.worker):
+torch can swap its CUDA allocator only before the first allocation, and a
+fresh process gives both allocators the same start. The allocators of one
+workload run back to back, with the same seeds.
+
+Results accumulate in one file per GPU and date, <out-dir>/gpu-<date>-<gpu>.json,
+which is rewritten, with its markdown and plots, after every run: a command
+killed by a time limit keeps what it measured, and several commands (one per
+group of workloads) fill one file.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+from . import report
+from .search import largest_passing
+from .worker import ALLOCATORS
+from .workloads import GROUPS, SPECS, Spec, select
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
+TRACES_DIR = os.path.join(REPO, "benchmarks", "traces")
+README = os.path.join(HERE, "README.md")
+DEFAULT_ALLOCATORS = ("native", "pyalloc")
+# Allocator settings the harness owns: inherited values would change what "native" means.
+OWNED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYALLOC_CONF")
+
+UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+         "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def parse_budget(text: str, total: Optional[int]) -> Optional[int]:
+    """'0.5' (a fraction of the device's memory) or '40GiB' (bytes) -> bytes; None without a total."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in UNITS:
+        raise ValueError(f"bad budget '{text}': give a fraction of the GPU's memory (0.5) or a size (40GiB)")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    if unit == "" and number <= 1.0:
+        if number <= 0:
+            raise ValueError("the budget must be positive")
+        return int(number * total) if total else None
+    return int(number * UNITS[unit])
+
+
+# ---------------------------------------------------------------------------
+# Running workers
+# ---------------------------------------------------------------------------
+
+
+def child_env(allocator: str) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in OWNED_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
+    if allocator == "native_expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return env
+
+
+def spawn(worker_args: List[str], allocator: str, timeout: float) -> Dict[str, Any]:
+    """Runs one worker and returns its JSON result (or what went wrong)."""
+    with tempfile.TemporaryDirectory(prefix="pyalloc-gpu-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "benchmarks.gpu.worker", "--allocator", allocator, *worker_args,
+               "--result", out]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=child_env(allocator), timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"status": "timeout", "error": f"no result within {timeout:.0f} s", "wall_s": timeout}
+        if not os.path.exists(out):
+            return {"status": "crashed", "error": f"worker exited with {proc.returncode} and no result",
+                    "wall_s": time.perf_counter() - start}
+        with open(out) as f:
+            return json.load(f)
+
+
+def _show(path: str, start: str = REPO) -> str:
+    """A path relative to the repository when it lies inside it."""
+    rel = os.path.relpath(os.path.abspath(path), start)
+    return path if rel.startswith("..") else rel
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def environment() -> Dict[str, Any]:
+    """Where the harness ran; pyalloc's version and the commit when they can be had."""
+    from benchmarks._env import environment as env
+
+    try:
+        return env()
+    except ImportError as exc:  # pyalloc not built: native runs still work
+        return {"pyalloc": f"not importable ({exc})"}
+
+
+class Harness:
+    """One invocation: which workloads, which allocators, where the results go."""
+
+    def __init__(self, args: argparse.Namespace, device: Dict[str, Any]):
+        self.args = args
+        self.device = device
+        self.failures = 0
+        self.allocators = self._allocators()
+        self.budget = parse_budget(args.budget, device.get("total_memory"))
+        date = args.date or datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+        stem = args.name or report.results_stem(device, date)
+        self.json_path = os.path.join(args.out_dir, stem + ".json")
+        env = environment()
+        self.results = self._start_results(env)
+        self.command = "python -m benchmarks.gpu " + shlex.join(args.argv)
+        # Commands of one results file may run from different commits: each says its own.
+        self.invocation = {"command": self.command, "started": _utc_now(), "finished": None,
+                           "workloads": [], "allocators": self.allocators, "quick": args.quick,
+                           "smoke": args.smoke, "seed": args.seed, "git_commit": env.get("git_commit"),
+                           "pyalloc": env.get("pyalloc")}
+        self.results["invocations"].append(self.invocation)
+        self.trace_dir = args.trace_dir
+
+    def _allocators(self) -> List[str]:
+        allocators = [a.strip() for a in self.args.allocators.split(",") if a.strip()]
+        if self.args.device == "cpu":
+            dropped = [a for a in allocators if a != "native"]
+            if dropped:
+                print(f"on a CPU only the native allocator runs; not running {', '.join(dropped)}")
+            allocators = ["native"]
+        return allocators
+
+    def _start_results(self, env: Dict[str, Any]) -> Dict[str, Any]:
+        base = self.args.extend or self.json_path
+        if os.path.exists(base) and not self.args.fresh:
+            results = report.load(base)
+            print(f"extending {_show(base)}")
+        else:
+            results = report.new_results(self.device, env)
+        results["device"] = self.device
+        return results
+
+    def save(self) -> None:
+        report.save(self.results, self.json_path)
+        report.render(self.results, self.json_path)
+
+    # -- the three kinds of run ------------------------------------------------
+
+    def _common(self, spec: Spec) -> List[str]:
+        a = self.args
+        out = ["--workload", spec.name, "--device", a.device, "--seed", str(a.seed)]
+        if a.smoke:
+            out.append("--smoke")
+        if a.quick:
+            out.append("--quick")
+        if a.pyalloc_conf:
+            out += ["--pyalloc-conf", a.pyalloc_conf]
+        return out
+
+    def size(self, spec: Spec) -> int:
+        return spec.smoke_size if self.args.smoke else spec.size
+
+    def timing(self, spec: Spec) -> None:
+        a = self.args
+        if spec.kind == "steps":
+            steps = a.steps or (2 if a.smoke else spec.quick_steps if a.quick else spec.steps)
+            warmup = 1 if a.smoke else spec.warmup
+            extra = ["--size", str(self.size(spec)), "--steps", str(steps), "--warmup", str(warmup)]
+        else:
+            extra = []
+        entry = report.workload_entry(self.results, spec.name, spec.title, spec.kind, spec.size_name)
+        for allocator in self.allocators:
+            print(f"== {spec.name} / {allocator}", flush=True)
+            result = spawn(self._common(spec) + extra, allocator, a.worker_timeout)
+            result["invocation"] = self.command
+            entry["runs"][allocator] = result
+            self._report(spec, allocator, result)
+            self.save()
+
+    def search(self, spec: Spec) -> None:
+        a = self.args
+        hi = min(spec.search_hi, 4) if a.smoke else spec.search_hi
+        max_probes = 3 if a.smoke else a.max_probes
+        probe_steps = 1 if a.smoke else a.probe_steps or spec.probe_steps
+        entry = report.workload_entry(self.results, spec.name, spec.title, spec.kind, spec.size_name)
+        searches = entry.setdefault("search", {})
+        searches["budget"] = self.budget
+        for allocator in self.allocators:
+            cap = f"a {self.budget / 2**30:.1f} GiB budget" if self.budget else "no memory cap"
+            print(f"== {spec.name} / {allocator}: searching the {spec.size_name} under {cap}", flush=True)
+
+            def probe(size: int, allocator: str = allocator):
+                worker_args = self._common(spec) + ["--probe", "--size", str(size), "--probe-steps",
+                                                    str(probe_steps), "--budget", str(self.budget or 0)]
+                r = spawn(worker_args, allocator, a.worker_timeout)
+                print(f"   probe {size}: {r['status']}"
+                      + (f" (peak reserved {r['peak_reserved'] / 2**30:.2f} GiB)" if r.get("peak_reserved") else ""),
+                      flush=True)
+                keep = {k: r.get(k) for k in ("peak_allocated", "peak_reserved", "error", "wall_s", "at_step")
+                        if r.get(k) is not None}
+                return r["status"], keep
+
+            start = spec.smoke_size if a.smoke else spec.search_start
+            found = largest_passing(probe, start=start, hi=hi, max_probes=max_probes, rel_tol=a.search_tolerance)
+            found.update(budget=self.budget, probe_steps=probe_steps, invocation=self.command)
+            searches[allocator] = found
+            if found["stopped"] == "error":
+                self.failures += 1
+            print(f"   largest that runs: {found['largest']} ({found['stopped']})", flush=True)
+            self.save()
+
+    def trace(self, spec: Spec) -> None:
+        a = self.args
+        entry = report.workload_entry(self.results, spec.name, spec.title, spec.kind, spec.size_name)
+        if a.device != "cuda":
+            print(f"== {spec.name}: memory history needs CUDA; no trace on a CPU")
+            return
+        os.makedirs(self.trace_dir, exist_ok=True)
+        path = os.path.join(self.trace_dir, f"{spec.name}-{report.slug(self.device.get('name', 'gpu'))}.pickle")
+        print(f"== {spec.name} / native: recording the memory history into {_show(path)}", flush=True)
+        steps = 2 if a.smoke else a.trace_steps or spec.trace_steps
+        worker_args = self._common(spec) + ["--size", str(self.size(spec)), "--steps", str(steps),
+                                            "--warmup", "0", "--trace", path,
+                                            "--trace-max-entries", str(a.trace_max_entries)]
+        r = spawn(worker_args, "native", a.worker_timeout)
+        info = dict(r.get("trace") or {}, status=r["status"], steps=steps, seed=a.seed, size=self.size(spec),
+                    max_entries=a.trace_max_entries, device=self.device.get("name"),
+                    torch=self.device.get("torch"), invocation=self.command)
+        # A full ring buffer has dropped its oldest events: a replay must start from the blocks then live.
+        info["wrapped"] = info.get("entries", 0) >= a.trace_max_entries
+        if "path" in info:
+            info["path"] = _show(info["path"])
+        if r["status"] != "ok":
+            info["error"] = r.get("error")
+            self.failures += 1
+        entry["trace"] = info
+        self._write_trace_index(spec.name, info)
+        print(f"   {info['status']}: {info.get('entries', '?')} entries, "
+              f"{(info.get('bytes') or 0) / 2**20:.1f} MiB", flush=True)
+        self.save()
+
+    def _write_trace_index(self, name: str, info: Dict[str, Any]) -> None:
+        path = os.path.join(self.trace_dir, "index.json")
+        index = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                index = json.load(f)
+        index[os.path.basename(info.get("path") or f"{name}.pickle")] = dict(info, workload=name)
+        with open(path, "w") as f:
+            json.dump(index, f, indent=1, sort_keys=True)
+            f.write("\n")
+
+    def _report(self, spec: Spec, allocator: str, r: Dict[str, Any]) -> None:
+        status = r.get("status")
+        if status not in ("ok", "oom"):
+            self.failures += 1
+        text = f"   {status} in {r.get('wall_s', 0):.0f} s"
+        if status == "ok" and spec.kind == "steps":
+            text += f": median {r['median_ms']:.1f} ms"
+        if r.get("peak_reserved") is not None:
+            text += (f", peak allocated {r['peak_allocated'] / 2**30:.2f} GiB,"
+                     f" reserved {r['peak_reserved'] / 2**30:.2f} GiB")
+        if r.get("error"):
+            text += f": {r['error']}"
+        print(text, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=f"workloads: {', '.join(SPECS)}\ngroups: {', '.join(GROUPS)}")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="workloads or groups to run (default: all)")
+    p.add_argument("--quick", action="store_true", help="fewer steps, to fit a 10-minute command")
+    p.add_argument("--steps", type=int, default=0, help="timed steps per run (default: the workload's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allocators", default=",".join(DEFAULT_ALLOCATORS),
+                   help="comma-separated: native, pyalloc, native_expandable (default: native,pyalloc)")
+    p.add_argument("--pyalloc-conf", default="", help="extra pyalloc.install() config, 'key:value,...'")
+    p.add_argument("--no-timing", action="store_true", help="skip the timed runs (with --budget-search/--traces)")
+    p.add_argument("--budget-search", action="store_true", help="find the largest batch under --budget")
+    p.add_argument("--budget", default="0.5", help="fraction of GPU memory (0.5) or a size (40GiB)")
+    p.add_argument("--max-probes", type=int, default=8, help="probes per allocator in the batch search")
+    p.add_argument("--search-tolerance", type=float, default=0.03,
+                   help="stop the search when the answer is known to this fraction (default 0.03)")
+    p.add_argument("--probe-steps", type=int, default=0,
+                   help="drawn steps before the worst shape in a probe (default: the workload's)")
+    p.add_argument("--traces", action="store_true", help="record native memory histories (workloads 2-5)")
+    p.add_argument("--trace-dir", default=TRACES_DIR)
+    p.add_argument("--trace-steps", type=int, default=0, help="steps per trace (default: the workload's)")
+    p.add_argument("--trace-max-entries", type=int, default=200_000,
+                   help="events kept per trace; past this the oldest are dropped (about 50 bytes each)")
+    p.add_argument("--out-dir", default=None, help=f"default {_show(RESULTS_DIR)} "
+                   "(a temporary directory with --smoke)")
+    p.add_argument("--name", default=None, help="results file stem (default gpu-<date>-<gpu>)")
+    p.add_argument("--date", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--extend", default=None, metavar="FILE",
+                   help="start from this results JSON (default: the same-named file in --out-dir)")
+    p.add_argument("--fresh", action="store_true", help="do not extend an existing results file")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--smoke", action="store_true", help="tiny models and 2 steps: tests the harness")
+    p.add_argument("--device-check", action="store_true", help="check the GPU and each allocator, then stop")
+    p.add_argument("--worker-timeout", type=float, default=540, help="seconds before a worker is killed")
+    p.add_argument("--render", metavar="FILE", help="only rebuild the markdown and plots of a results JSON")
+    p.add_argument("--update-readme", action="store_true",
+                   help="put the results into benchmarks/gpu/README.md's results section")
+    p.add_argument("--list", action="store_true", help="list the workloads and groups")
+    return p
+
+
+def _list() -> int:
+    for spec in SPECS.values():
+        needs = f" (needs {', '.join(spec.requires)})" if spec.requires else ""
+        print(f"{spec.name:<22} {spec.title}{needs}")
+    print()
+    for group, names in GROUPS.items():
+        print(f"{group:<22} {' '.join(names)}")
+    return 0
+
+
+def _render(args) -> int:
+    results = report.load(args.render)
+    for path in report.render(results, args.render):
+        print(f"wrote {_show(path)}")
+    if args.update_readme:
+        report.update_readme(README, results, args.render)
+        print(f"updated {_show(README)}")
+    return 0
+
+
+def _device_check(args, device: Dict[str, Any], allocators: List[str]) -> int:
+    print(json.dumps(device, indent=1))
+    bad = 0
+    for allocator in allocators:
+        r = spawn(["--check", "--device", args.device], allocator, args.worker_timeout)
+        print(f"== {allocator}: {r.get('status')}")
+        print(json.dumps({k: v for k, v in r.items() if k != "traceback"}, indent=1, default=str))
+        if r.get("traceback"):
+            print(r["traceback"])
+        bad += r.get("status") != "ok" or r.get("figures_agree") is False
+    return 1 if bad else 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    args.argv = argv
+    if args.list:
+        return _list()
+    if args.render:
+        return _render(args)
+    try:
+        names = select([w for word in args.only or [] for w in word.split(",") if w])
+        parse_budget(args.budget, 1)
+        unknown = [a for a in args.allocators.split(",") if a.strip() not in ALLOCATORS]
+        if unknown:
+            raise ValueError(f"unknown allocator '{unknown[0]}'; allocators: {', '.join(ALLOCATORS)}")
+        if args.no_timing and not (args.budget_search or args.traces):
+            raise ValueError("--no-timing leaves nothing to run: add --budget-search or --traces")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    info = spawn(["--info", "--device", args.device], "native", args.worker_timeout)
+    if info.get("status") != "ok":
+        print(f"error: cannot use device '{args.device}': {info.get('error')}", file=sys.stderr)
+        if args.device == "cuda":
+            print("(to test the harness without a GPU: --device cpu --smoke)", file=sys.stderr)
+        return 2
+    device = {k: v for k, v in info.items() if k not in ("status", "wall_s", "workload", "allocator", "seed",
+                                                        "budget", "probe", "smoke", "quick", "device")}
+    if args.device_check:
+        harness_allocators = ["native"] if args.device == "cpu" else args.allocators.split(",")
+        return _device_check(args, device, harness_allocators)
+    if args.out_dir is None:
+        args.out_dir = tempfile.mkdtemp(prefix="pyalloc-gpu-smoke-") if args.smoke else RESULTS_DIR
+    harness = Harness(args, device)
+    print(f"device: {device.get('name')}; torch {device.get('torch')}, CUDA {device.get('cuda')}; "
+          f"allocators: {', '.join(harness.allocators)}; results: {_show(harness.json_path)}", flush=True)
+    started = time.perf_counter()
+    for i, name in enumerate(names, 1):
+        spec = SPECS[name]
+        missing = [m for m in spec.requires if importlib.util.find_spec(m) is None]
+        if missing:
+            print(f"[{i}/{len(names)}] {name}: skipped, needs {', '.join(missing)}", flush=True)
+            continue
+        print(f"[{i}/{len(names)}] {name}: {spec.title} ({time.perf_counter() - started:.0f} s so far)", flush=True)
+        harness.invocation["workloads"].append(name)
+        if not args.no_timing:
+            harness.timing(spec)
+        if args.budget_search and spec.kind == "steps":
+            harness.search(spec)
+        if args.traces and spec.trace:
+            harness.trace(spec)
+    harness.invocation["finished"] = _utc_now()
+    harness.save()
+    if args.update_readme:
+        report.update_readme(README, harness.results, harness.json_path)
+    print()
+    print(report.markdown(harness.results))
+    print(f"results: {_show(harness.json_path)} (+ .md, plots) after {time.perf_counter() - started:.0f} s")
+    return 1 if harness.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,496 @@
+"""The GPU benchmark harness (benchmarks/gpu), tested without a GPU.
+
+The writers (JSON, markdown, plots, README section) and the batch search run on
+made-up results; the whole pipeline (parent, worker processes, results file)
+runs in its CPU smoke mode, native allocator only, on tiny models. Workloads
+that need transformers are smoke-tested only where it is installed. The tests
+marked gpu run the real thing with both allocators and skip without CUDA.
+"""
+import json
+import os
+import pickle
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from benchmarks.gpu import report, worker, workloads  # noqa: E402
+from benchmarks.gpu.__main__ import README, _parser, main, parse_budget  # noqa: E402
+from benchmarks.gpu.search import largest_passing  # noqa: E402
+
+GiB = 1 << 30
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def harness(*args, timeout=600):
+    """Runs `python -m benchmarks.gpu ARGS` from the repository root."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------
+# The batch search, with a fake probe
+# ---------------------------------------------------------------------------
+
+
+def threshold_probe(limit, calls=None):
+    def probe(size):
+        if calls is not None:
+            calls.append(size)
+        return "ok" if size <= limit else "oom"
+
+    return probe
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2, 3, 4, 5, 7, 8, 13, 31, 63, 64, 100])
+def test_search_finds_the_threshold(limit):
+    calls = []
+    found = largest_passing(threshold_probe(limit, calls), start=4, hi=64, max_probes=20)
+    assert found["largest"] == min(limit, 64)
+    assert found["smallest_failing"] == (limit + 1 if limit < 64 else None)
+    assert found["exact"] and found["stopped"] == "found"
+    assert len(calls) == len(set(calls)), "no size is probed twice"
+    assert len(calls) <= 12  # gallop (at most log2(64) + 1) then bisect (at most log2(64))
+    assert [p["size"] for p in found["probes"]] == calls
+
+
+def test_search_gallops_from_the_start_then_bisects():
+    calls = []
+    largest_passing(threshold_probe(21, calls), start=4, hi=1000, max_probes=20)
+    assert calls[:4] == [4, 8, 16, 32]  # doubling until the first failure
+    assert calls[4:] == [24, 20, 22, 21]  # then bisecting (16, 32)
+
+
+def test_search_halves_when_the_start_fails():
+    calls = []
+    found = largest_passing(threshold_probe(3, calls), start=16, hi=64, max_probes=20)
+    assert calls[:3] == [16, 8, 4] and found["largest"] == 3
+
+
+def test_search_stops_at_max_probes_with_a_bracket():
+    found = largest_passing(threshold_probe(37), start=4, hi=1024, max_probes=5)
+    assert len(found["probes"]) == 5 and found["stopped"] == "max_probes" and not found["exact"]
+    assert found["largest"] <= 37 < found["smallest_failing"]
+
+
+def test_search_stops_within_the_tolerance():
+    calls = []
+    found = largest_passing(threshold_probe(300, calls), start=100, hi=10_000, max_probes=20, rel_tol=0.05)
+    assert found["stopped"] == "tolerance" and not found["exact"]
+    assert found["largest"] <= 300 < found["smallest_failing"] <= found["largest"] * 1.05 + 1
+    assert len(calls) <= 8
+    exact = largest_passing(threshold_probe(300), start=100, hi=10_000, max_probes=20)
+    assert exact["largest"] == 300 and len(exact["probes"]) > len(calls)
+
+
+def test_search_stops_on_an_error_and_keeps_details():
+    def probe(size):
+        if size >= 8:
+            return "error", {"error": "boom"}
+        return "ok", {"peak_reserved": size * 10}
+
+    found = largest_passing(probe, start=2, hi=64)
+    assert found["stopped"] == "error" and found["largest"] == 4
+    assert found["probes"][0] == {"size": 2, "status": "ok", "peak_reserved": 20}
+    assert found["probes"][-1] == {"size": 8, "status": "error", "error": "boom"}
+
+
+def test_search_when_nothing_fits_and_bad_arguments():
+    found = largest_passing(threshold_probe(0), start=8, hi=64)
+    assert found["largest"] == 0 and found["smallest_failing"] == 1 and found["exact"]
+    with pytest.raises(ValueError):
+        largest_passing(threshold_probe(3), start=1, hi=0)
+    with pytest.raises(ValueError):
+        largest_passing(threshold_probe(3), start=1, hi=8, max_probes=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(limit=st.integers(0, 300), start=st.integers(-5, 400), hi=st.integers(1, 300))
+def test_search_property(limit, start, hi):
+    found = largest_passing(threshold_probe(limit), start=start, hi=hi, max_probes=64)
+    assert found["largest"] == min(limit, hi) and found["exact"]
+    assert all(1 <= p["size"] <= hi for p in found["probes"])
+
+
+# ---------------------------------------------------------------------------
+# Small parsers
+# ---------------------------------------------------------------------------
+
+
+def test_parse_budget():
+    assert parse_budget("0.5", 80 * GiB) == 40 * GiB
+    assert parse_budget("1", 80 * GiB) == 80 * GiB
+    assert parse_budget("40GiB", 80 * GiB) == 40 * GiB
+    assert parse_budget("40 GB", None) == 40 * GiB  # GB means GiB, as in PyTorch
+    assert parse_budget("512MiB", None) == 512 << 20
+    assert parse_budget("0.5", None) is None  # a fraction of nothing: no cap (CPU)
+    for bad in ("abc", "-1", "0", "10parsecs", ""):
+        with pytest.raises(ValueError):
+            parse_budget(bad, 80 * GiB)
+
+
+def test_select_names_and_groups():
+    assert workloads.select(None) == list(workloads.SPECS)
+    assert workloads.select(["control_transformer", "alloc_speed"]) == ["alloc_speed", "control_transformer"]
+    assert workloads.select(["llm", "generate"]) == ["llm_train", "llm_train_bf16_ckpt", "generate"]
+    with pytest.raises(ValueError, match="unknown workload 'nope'.*alloc_speed.*groups.*fragmenting"):
+        workloads.select(["nope"])
+    for names in workloads.GROUPS.values():
+        assert set(names) <= set(workloads.SPECS)
+
+
+def test_specs_are_consistent():
+    for spec in workloads.SPECS.values():
+        if spec.kind == "steps":
+            assert spec.build and spec.steps >= 30 and 0 < spec.quick_steps <= spec.steps
+            assert 1 <= spec.size <= spec.search_hi and 1 <= spec.search_start <= spec.search_hi
+            assert spec.size_name
+        else:
+            assert spec.kind == "micro" and not spec.trace
+    assert {s.name for s in workloads.SPECS.values() if s.trace} == set(workloads.GROUPS["fragmenting"])
+
+
+def test_readme_numbers_match_the_code():
+    with open(README) as f:
+        text = " ".join(f.read().split())
+    steps = {s.name: s.trace_steps for s in workloads.SPECS.values() if s.trace}
+    assert steps == {"llm_train": 6, "llm_train_bf16_ckpt": 6, "bert_infer": 40, "generate": 2, "vision_train": 10}
+    assert "6 steps of each training, 40 BERT requests, 10 ViT steps and 2 generate() calls" in text
+    assert f"max_entries={_parser().get_default('trace_max_entries')})" in text
+    probes = {s.name: s.probe_steps for s in workloads.SPECS.values() if s.kind == "steps"}
+    assert set(probes.values()) == {6, 3} and probes["generate"] == 3
+    assert "runs 6 drawn shapes (3 generate() calls; `--probe-steps`)" in text
+    assert f"known to {_parser().get_default('search_tolerance'):.0%}" in text
+
+
+def test_oom_is_recognised():
+    assert worker.is_oom(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert worker.is_oom(RuntimeError("CUDA out of memory. Tried to allocate 20 MiB (pyalloc)"))
+    assert worker.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    assert not worker.is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not worker.is_oom(ValueError("out of memory is not a value"))
+
+
+def test_parse_conf():
+    assert worker.parse_conf("") == {}
+    assert worker.parse_conf("pool_size:2GiB, segment_size:64MiB") == {"pool_size": "2GiB",
+                                                                       "segment_size": "64MiB"}
+    with pytest.raises(ValueError, match="key:value"):
+        worker.parse_conf("pool_size")
+
+
+def test_mixed_sizes_span_the_range():
+    sizes = workloads.mixed_sizes(4096, 512, 256 << 20, seed=0)
+    assert sizes == workloads.mixed_sizes(4096, 512, 256 << 20, seed=0)
+    assert min(sizes) >= 512 and max(sizes) <= 256 << 20
+    assert min(sizes) < 4096 and max(sizes) > 64 << 20  # both ends are exercised
+
+
+# ---------------------------------------------------------------------------
+# The results file: JSON, markdown, plots, README
+# ---------------------------------------------------------------------------
+
+
+def fake_run(median, peak_a, peak_r, steps=6, **extra):
+    return dict(status="ok", size=4, median_ms=median, mean_ms=median, step_ms=[median * (1 + i % 2 / 10)
+                for i in range(steps)], allocated_after=[peak_a // 2] * steps,
+                reserved_after=[peak_r * (i + 1) // steps for i in range(steps)], peak_allocated=peak_a,
+                peak_reserved=peak_r, reserved_over_allocated=peak_r / peak_a, **extra)
+
+
+def fake_search(largest, hi=64, budget=40 * GiB):
+    return dict(largest=largest, smallest_failing=largest + 1, exact=True, stopped="found", range=[1, hi],
+                budget=budget, probes=[{"size": largest, "status": "ok"}, {"size": largest + 1, "status": "oom"}])
+
+
+def fake_results():
+    device = dict(device_type="cuda", name="NVIDIA H100 80GB HBM3", total_memory=80 * GiB, torch="2.11.0",
+                  cuda="13.0", capability="9.0", python="3.11.7", transformers="4.57.0")
+    results = report.new_results(device, {"pyalloc": "0.1.0", "git_commit": "abc1234"})
+    results["invocations"] = [{"command": "python -m benchmarks.gpu --only micro llm",
+                               "started": "2026-11-22T10:00:00"}]
+    speed = report.workload_entry(results, "alloc_speed", "torch.empty pairs", "micro", "")
+    speed["runs"] = {
+        "native": {"status": "ok", "cases": [{"name": "one size (4 KiB)", "ns_per_pair": 1000.0},
+                                             {"name": "mixed", "ns_per_pair": 2000.0}]},
+        "pyalloc": {"status": "ok", "cases": [{"name": "one size (4 KiB)", "ns_per_pair": 1300.0},
+                                              {"name": "mixed", "ns_per_pair": 1500.0}]},
+    }
+    llm = report.workload_entry(results, "llm_train", "GPT-2 training", "steps", "batch")
+    llm["runs"] = {"native": fake_run(200.0, 30 * GiB, 45 * GiB), "pyalloc": fake_run(199.0, 30 * GiB, 33 * GiB)}
+    llm["search"] = {"budget": 40 * GiB, "native": fake_search(6), "pyalloc": fake_search(8)}
+    llm["trace"] = {"path": "benchmarks/traces/llm_train-nvidia-h100.pickle", "steps": 6, "entries": 54321,
+                    "bytes": 3 << 20, "status": "ok"}
+    control = report.workload_entry(results, "control_transformer", "fixed", "steps", "batch")
+    control["runs"] = {"native": fake_run(100.0, 10 * GiB, 11 * GiB), "pyalloc": fake_run(105.0, 10 * GiB, 12 * GiB)}
+    control["search"] = {"budget": 40 * GiB, "native": fake_search(40), "pyalloc": fake_search(39)}
+    gen = report.workload_entry(results, "generate", "generate()", "steps", "max batch")
+    gen["runs"] = {"native": fake_run(50.0, 5 * GiB, 9 * GiB),
+                   "pyalloc": {"status": "error", "error": "RuntimeError: boom", "phase": "steps", "at_step": 3}}
+    return results
+
+
+def test_markdown_tables_and_ratios():
+    text = report.markdown(fake_results(), images=["x-speed.png"])
+    assert "# pyalloc vs PyTorch's native allocator: NVIDIA H100 80GB HBM3" in text
+    assert "torch 2.11.0, CUDA 13.0" in text and "80.0 GiB" in text
+    assert "python -m benchmarks.gpu --only micro llm" in text
+    assert "| one size (4 KiB) | 1000 | 1300 | 1.30 |" in text
+    assert "| mixed | 2000 | 1500 | 0.75 |" in text
+    assert "| llm_train | batch 4 | 6 | 200.0 | 199.0 | 0.995 |" in text
+    assert "| generate | max batch 4 | 6 | 50.0 | error |  |" in text
+    assert "| llm_train | 30.00 | 30.00 | 45.00 | 33.00 | 1.500 | 1.100 |" in text
+    assert "under a 40.0 GiB budget" in text and "| llm_train | batch | 6 | 8 | 1.33 | 4 |" in text
+    assert "| llm_train | `llm_train-nvidia-h100.pickle` | 6 | 54321 | 3.0 | ok |" in text
+    assert "![speed](x-speed.png)" in text
+
+
+def test_losses_name_every_figure_where_pyalloc_is_worse_and_only_those():
+    lost = report.losses(fake_results())
+    text = "\n".join(lost)
+    assert "allocation speed, one size (4 KiB): 1.30x" in text
+    assert "control_transformer: median step 1.050x" in text
+    assert "control_transformer: peak reserved 12.00 GiB vs native's 11.00 GiB" in text
+    assert "control_transformer: the largest batch that runs under the budget is 39, native's 40" in text
+    assert "generate: the run ended with 'error' where native's finished (RuntimeError: boom)" in text
+    assert "llm_train" not in text and "mixed" not in text  # where pyalloc wins, nothing is said
+    md = report.markdown(fake_results())
+    assert "# Where pyalloc loses to native" in md and "Runs that did not finish" in md
+    assert "generate / pyalloc: error during steps at step 3: RuntimeError: boom" in md
+
+
+def test_markdown_says_when_pyalloc_loses_nowhere():
+    results = fake_results()
+    del results["workloads"]["control_transformer"], results["workloads"]["generate"]
+    results["workloads"]["alloc_speed"]["runs"]["pyalloc"]["cases"][0]["ns_per_pair"] = 1010.0  # within noise
+    assert report.losses(results) == []
+    assert "- nowhere in these runs" in report.markdown(results)
+
+
+def test_save_load_render(tmp_path):
+    results = fake_results()
+    path = str(tmp_path / "gpu-2026-11-22-nvidia-h100-80gb-hbm3.json")
+    report.save(results, path)
+    assert report.load(path) == json.loads(json.dumps(results))
+    written = report.render(report.load(path), path)
+    names = sorted(os.path.basename(p) for p in written)
+    stem = "gpu-2026-11-22-nvidia-h100-80gb-hbm3"
+    assert names == sorted([f"{stem}.md"] + [f"{stem}-{k}.png" for k in report.PLOTS])
+    for p in written[1:]:
+        with open(p, "rb") as f:
+            assert f.read(8) == PNG_MAGIC
+    md = (tmp_path / f"{stem}.md").read_text()
+    assert f"![batch]({stem}-batch.png)" in md and f"`{stem}.json`" in md
+
+    # A plot whose data is gone is removed, not left stale.
+    for entry in results["workloads"].values():
+        entry.pop("search", None)
+    written = report.render(results, path)
+    assert not (tmp_path / f"{stem}-batch.png").exists()
+    assert "batch.png" not in (tmp_path / f"{stem}.md").read_text()
+
+
+def test_load_rejects_another_schema(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"schema": 0, "workloads": {}}))
+    with pytest.raises(ValueError, match="schema"):
+        report.load(str(path))
+
+
+def test_stem_and_slug():
+    assert report.slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert report.results_stem({"device_type": "cuda", "name": "NVIDIA H200"}, "2026-11-22") == \
+        "gpu-2026-11-22-nvidia-h200"
+    assert report.results_stem({"device_type": "cpu", "name": "Xeon (R)"}, "2026-11-22") == "cpu-2026-11-22-xeon-r"
+
+
+def test_update_readme_replaces_only_its_section(tmp_path):
+    results = fake_results()
+    out = tmp_path / "results"
+    out.mkdir()
+    path = str(out / "gpu-x.json")
+    report.save(results, path)
+    report.render(results, path)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.README_BEGIN}\nold table\n{report.README_END}\noutro\n")
+    report.update_readme(str(readme), results, path)
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "old table" not in text
+    assert "### pyalloc vs PyTorch's native allocator" in text
+    assert "![memory](results/gpu-x-memory.png)" in text and "`results/gpu-x.json`" in text
+    report.update_readme(str(readme), results, path)  # idempotent
+    assert readme.read_text() == text
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="gpu-results:begin"):
+        report.update_readme(str(readme), results, path)
+
+
+def test_the_benchmark_readme_has_a_results_section():
+    with open(README) as f:
+        text = f.read()
+    assert report.README_BEGIN in text and report.README_END in text
+    for name in workloads.SPECS:
+        assert f"`{name}`" in text, f"README does not describe {name}"
+
+
+def test_the_readme_commands_are_valid():
+    with open(README) as f:
+        commands = re.findall(r"^python -m benchmarks\.gpu(.*)$", f.read(), re.M)
+    assert len(commands) >= 12
+    for line in commands:
+        args = _parser().parse_args(shlex.split(line.replace("<date>-<gpu>", "x")))
+        workloads.select(args.only)
+        parse_budget(args.budget, 80 * GiB)
+
+
+# ---------------------------------------------------------------------------
+# The whole pipeline on a CPU
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smoke_pipeline_on_cpu(tmp_path):
+    out = str(tmp_path)
+    run = harness("--device", "cpu", "--smoke", "--only", "alloc_speed", "control_transformer", "--budget-search",
+                  "--out-dir", out, "--name", "smoke")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "on a CPU only the native allocator runs" in run.stdout
+    results = report.load(os.path.join(out, "smoke.json"))
+    assert results["device"]["device_type"] == "cpu" and results["device"]["torch"] == torch.__version__
+    speed = results["workloads"]["alloc_speed"]["runs"]
+    assert list(speed) == ["native"] and speed["native"]["status"] == "ok"
+    assert len(speed["native"]["cases"]) == 4 and all(c["ns_per_pair"] > 0 for c in speed["native"]["cases"])
+    control = results["workloads"]["control_transformer"]
+    run_ = control["runs"]["native"]
+    assert run_["status"] == "ok" and len(run_["step_ms"]) == 2 and run_["median_ms"] > 0
+    assert run_["shapes"] == [{"batch": 2, "length": 8}] * 2 and run_["peak_reserved"] is None
+    found = control["search"]["native"]
+    assert found["largest"] == 4 and found["stopped"] == "found"  # nothing runs out of memory on a CPU
+    assert [p["status"] for p in found["probes"]] == ["ok", "ok"]
+    with open(os.path.join(out, "smoke.md")) as f:
+        md = f.read()
+    assert "| control_transformer | batch 2 | 2 |" in md and "| control_transformer | batch | ≥ 4 (cap) |" in md
+    with open(os.path.join(out, "smoke-timeline.png"), "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+
+    # A second command extends the same file.
+    again = harness("--device", "cpu", "--smoke", "--only", "alloc_speed", "--out-dir", out, "--name", "smoke")
+    assert again.returncode == 0, again.stdout + again.stderr
+    results = report.load(os.path.join(out, "smoke.json"))
+    assert len(results["invocations"]) == 2 and "control_transformer" in results["workloads"]
+    assert results["invocations"][1]["command"].endswith("--only alloc_speed --out-dir " + out + " --name smoke")
+
+
+HF_WORKLOADS = ["llm_train", "llm_train_bf16_ckpt", "bert_infer", "generate", "vision_train", "control_resnet50"]
+
+
+@pytest.mark.slow
+def test_smoke_transformers_workloads_on_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    run = harness("--device", "cpu", "--smoke", "--only", *HF_WORKLOADS, "--out-dir", str(tmp_path), "--name", "hf")
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = report.load(str(tmp_path / "hf.json"))
+    for name in HF_WORKLOADS:
+        r = results["workloads"][name]["runs"]["native"]
+        assert r["status"] == "ok" and len(r["step_ms"]) == 2 and r["params"] > 0, (name, r.get("traceback"))
+
+
+def test_without_a_gpu_the_harness_says_how_to_test_it(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    run = harness("--only", "control_transformer", "--out-dir", str(tmp_path))
+    assert run.returncode == 2
+    assert "no CUDA device" in run.stderr and "--device cpu --smoke" in run.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_list_and_render(tmp_path, capsys):
+    assert main(["--list"]) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in workloads.SPECS) and "fragmenting" in listing
+    path = str(tmp_path / "gpu-x.json")
+    report.save(fake_results(), path)
+    assert main(["--render", path]) == 0
+    assert (tmp_path / "gpu-x.md").exists() and (tmp_path / "gpu-x-timeline.png").exists()
+
+
+def test_device_check_on_cpu(capsys):
+    assert main(["--device-check", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "== native: ok" in out and '"device_type": "cpu"' in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--only", "llm_trian"], "unknown workload 'llm_trian'"),
+    (["--allocators", "native,pyaloc"], "unknown allocator 'pyaloc'"),
+    (["--budget", "lots"], "bad budget 'lots'"),
+    (["--no-timing"], "--no-timing leaves nothing to run"),
+])
+def test_bad_arguments_are_refused(args, message):
+    run = harness(*args)
+    assert run.returncode == 2 and message in run.stderr
+
+
+def test_worker_reports_errors_as_json(tmp_path):
+    out = str(tmp_path / "r.json")
+    env = dict(os.environ, PYTHONPATH=REPO)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu.worker", "--workload", "control_transformer",
+                          "--device", "cpu", "--smoke", "--size", "-1", "--steps", "1", "--result", out],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    with open(out) as f:
+        result = json.load(f)
+    assert run.returncode == 1 and result["status"] == "error" and result["phase"] == "steps"
+    assert "Traceback" in result["traceback"]
+
+
+# ---------------------------------------------------------------------------
+# On a GPU: both allocators for real
+# ---------------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_device_check_on_gpu():
+    run = harness("--device-check")
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_trace_on_gpu(tmp_path):
+    pytest.importorskip("transformers")
+    run = harness("--smoke", "--no-timing", "--traces", "--only", "bert_infer", "--out-dir", str(tmp_path),
+                  "--name", "gpu", "--trace-dir", str(tmp_path / "traces"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    with open(tmp_path / "traces" / "index.json") as f:
+        (info,) = json.load(f).values()
+    assert info["status"] == "ok" and info["entries"] > 0 and not info["wrapped"]
+    with open(info["path"], "rb") as f:  # a memory snapshot, as torch's own tools read it
+        snapshot = pickle.load(f)
+    assert {"segments", "device_traces"} <= set(snapshot)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_both_allocators_on_gpu(tmp_path):
+    run = harness("--smoke", "--only", "alloc_speed", "control_transformer", "--budget-search", "--budget", "0.5",
+                  "--out-dir", str(tmp_path), "--name", "gpu")
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = report.load(str(tmp_path / "gpu.json"))
+    runs = results["workloads"]["control_transformer"]["runs"]
+    for allocator in ("native", "pyalloc"):
+        assert runs[allocator]["status"] == "ok"
+        assert 0 < runs[allocator]["peak_allocated"] <= runs[allocator]["peak_reserved"]
+    assert results["workloads"]["control_transformer"]["search"]["budget"] > 0
