@@ -166,7 +166,7 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
     b = find_free(kLargePool, size, s);
   std::string why;
   if (b == nullptr) b = vmm_ ? map_for(size, s, &why) : grow(size, s, &why);
-  if (b == nullptr && !backend_->is_capturing(s)) {
+  if (b == nullptr && !backend_->is_capturing(s) && !backend_->capture_underway()) {
     // Give back everything cached and try once more, as PyTorch does.
     stats_.num_alloc_retries++;
     release_cached();
@@ -178,8 +178,11 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
 }
 
 bool Allocator::fits_split_rule(const Block* b, size_t size) const {
+  // A bestfit rule: under vmm, splitting a big block strands no memory (its
+  // free pages can be unmapped), and map_for() relies on best fit taking any
+  // mapped block that fits.
   size_t limit = cfg_.max_split_size;
-  if (limit == 0 || b->segment->pool == kSmallPool) return true;
+  if (limit == 0 || vmm_ || b->segment->pool == kSmallPool) return true;
   if (size < limit) return b->size < limit;
   return b->size < size + kOversizeSlack;
 }
@@ -222,7 +225,7 @@ Block* Allocator::take(Block* b, size_t size, Stream s) {
   bool split = pool == kSmallPool
                    ? rest >= kGranularity
                    : rest > (vmm_ ? kGranularity - 1 : cfg_.small_size) &&
-                         (cfg_.max_split_size == 0 || size < cfg_.max_split_size);
+                         (cfg_.max_split_size == 0 || vmm_ || size < cfg_.max_split_size);
   if (!split) {
     track_inactive_split(b, -1);
     index.remove(b);
@@ -439,8 +442,7 @@ void Allocator::poll_syncs(StreamState& st, bool wait) {
   }
   while (!st.syncs.empty()) {
     auto [event, seq] = st.syncs.front();
-    if (wait) backend_->event_wait(event);
-    else if (!backend_->event_done(event)) break;
+    if (wait ? !backend_->event_wait(event) : !backend_->event_done(event)) break;
     backend_->event_free(event);
     st.ready_seq = std::max(st.ready_seq, seq);
     st.syncs.pop_front();
@@ -453,9 +455,7 @@ void Allocator::process_pending(bool wait) {
     PendingFree& pf = pending_[i];
     bool done = true;
     for (EventId e : pf.events) {
-      if (wait) {
-        backend_->event_wait(e);
-      } else if (!backend_->event_done(e)) {
+      if (wait ? !backend_->event_wait(e) : !backend_->event_done(e)) {
         done = false;
         break;
       }
@@ -529,6 +529,8 @@ void Allocator::merge_ready_neighbours() {
 }
 
 size_t Allocator::release_cached() {
+  // Nothing may be waited for or returned while a graph is being captured.
+  if (backend_->capture_underway()) return 0;
   // Wait for every stream so that every free block is safe anywhere.
   process_pending(true);
   for (auto& [stream, st] : streams_) poll_syncs(*st, true);
@@ -576,7 +578,7 @@ size_t Allocator::reserve(size_t nbytes) {
   if (vmm_) {
     int64_t before = stats_.reserved_bytes.all.current;
     std::string why;
-    if (map_for(round_up(nbytes, kGranularity), 0, &why) == nullptr)
+    if (map_for(round_up(nbytes, kGranularity), 0, &why, /*recycle=*/false) == nullptr)
       throw OutOfMemoryError("out of memory: reserve(" + format_bytes(nbytes) + "): " + why);
     return static_cast<size_t>(stats_.reserved_bytes.all.current - before);
   }

@@ -184,7 +184,7 @@ class Allocator {
   bool merge_neighbour(Block* b, Block* n);
   // Virtual memory (strategy vmm)
   void init_vmm();
-  Block* map_for(size_t size, Stream s, std::string* why);
+  Block* map_for(size_t size, Stream s, std::string* why, bool recycle = true);
   Block* usable_neighbour(Block* n, Stream s);
   size_t unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t keep_hi, bool wait);
   Block* unmap_range(Block* f, uintptr_t lo, uintptr_t hi);

@@ -7,11 +7,15 @@
 // - release(base, size) takes back exactly a range reserve() returned.
 // - Events order the host against a stream: record_event(s) marks the point
 //   reached by the work queued on s so far; event_done() says whether s has
-//   passed it; event_wait() blocks until it has; event_free() recycles it.
+//   passed it; event_wait() blocks until it has, and returns false if it
+//   cannot wait (the event could not be recorded yet): the event is then not
+//   done; event_free() recycles it.
 //   An event recorded later on a stream completes no earlier than one
 //   recorded before it.
 // - is_capturing(s): true while s is being captured into a CUDA graph. The
 //   core then calls none of reserve/release/record/query/wait for that stream.
+//   capture_underway(): a capture is underway anywhere in the process (CUDA's
+//   global capture mode): the core then releases and unmaps nothing.
 // - Virtual memory (optional; vmm_page_size() == 0 means none): an address
 //   range is reserved without memory (vmm_reserve), and physical pages are
 //   mapped into page-aligned parts of it (vmm_map, false when no memory is
@@ -52,10 +56,11 @@ class Backend {
 
   virtual EventId record_event(Stream stream) = 0;
   virtual bool event_done(EventId event) = 0;
-  virtual void event_wait(EventId event) = 0;
+  virtual bool event_wait(EventId event) = 0;
   virtual void event_free(EventId event) = 0;
 
   virtual bool is_capturing(Stream /*stream*/) { return false; }
+  virtual bool capture_underway() { return false; }
 
   virtual size_t vmm_page_size() { return 0; }
   virtual uintptr_t vmm_reserve(size_t /*size*/) { return 0; }

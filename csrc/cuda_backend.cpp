@@ -161,30 +161,46 @@ class CudaBackend final : public Backend {
     // No queries while a capture is on: they may break it (global mode).
     if (sh_->captures.underway()) return false;
     if (slot.unrecorded && !try_record(slot)) return false;
-    CUresult r = d_.EventQuery(slot.event);
+    CUresult r;
+    try {
+      ContextGuard g(d_, sh_->ctx);
+      r = d_.EventQuery(slot.event);
+    } catch (const DriverError& e) {
+      std::fprintf(stderr, "pyalloc: %s\n", e.what());
+      return false;
+    }
     if (r == CUDA_ERROR_NOT_READY) return false;
     // Any other answer ends the wait: a failed context never completes events.
     slot.done = true;
     return true;
   }
 
-  void event_wait(EventId id) override {
+  bool event_wait(EventId id) override {
     Slot& slot = slots_[id];
-    if (slot.done) return;
-    // The core waits only when no capture is underway (is_capturing() is
-    // false), so an event is unrecorded here only if recording failed.
-    if (slot.unrecorded && !try_record(slot)) {
-      std::fprintf(stderr, "pyalloc: cannot wait for stream 0x%llx, which is capturing\n",
-                   static_cast<unsigned long long>(slot.stream));
-      return;
+    if (slot.done) return true;
+    // An event that cannot be recorded yet (its stream is capturing) cannot
+    // be waited for: the core keeps treating it as not done.
+    if (sh_->captures.underway()) return false;
+    if (slot.unrecorded && !try_record(slot)) return false;
+    try {
+      ContextGuard g(d_, sh_->ctx);
+      CUresult r = d_.EventSynchronize(slot.event);
+      if (r != CUDA_SUCCESS) {
+        std::fprintf(stderr, "pyalloc: cuEventSynchronize failed: %s\n", error_name(r).c_str());
+        return false;
+      }
+    } catch (const DriverError& e) {
+      std::fprintf(stderr, "pyalloc: %s\n", e.what());
+      return false;
     }
-    d_.EventSynchronize(slot.event);
     slot.done = true;
+    return true;
   }
 
   void event_free(EventId id) override { spare_.push_back(id); }
 
   bool is_capturing(Stream s) override { return sh_->captures.blocks(s); }
+  bool capture_underway() override { return sh_->captures.underway(); }
 
   // Virtual memory: one physical allocation (cuMemCreate handle) per page,
   // so that any page can be unmapped and returned on its own.
@@ -278,10 +294,9 @@ class CudaBackend final : public Backend {
   bool try_record(Slot& slot) {
     if (sh_->captures.blocks(slot.stream)) return false;
     try {
-      if (slot.event == nullptr) {
-        ContextGuard g(d_, sh_->ctx);
+      ContextGuard g(d_, sh_->ctx);
+      if (slot.event == nullptr)
         check(d_.EventCreate(&slot.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-      }
       check(d_.EventRecord(slot.event, as_stream(slot.stream)), "cuEventRecord");
     } catch (const DriverError& e) {
       std::fprintf(stderr, "pyalloc: %s\n", e.what());

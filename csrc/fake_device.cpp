@@ -48,9 +48,10 @@ class FakeBackend final : public Backend {
   }
   EventId record_event(Stream s) override { return host_->record_event(s); }
   bool event_done(EventId e) override { return !captures_.underway() && host_->event_done(e); }
-  void event_wait(EventId e) override { host_->event_wait(e); }
+  bool event_wait(EventId e) override { return !captures_.underway() && host_->event_wait(e); }
   void event_free(EventId e) override { host_->event_free(e); }
   bool is_capturing(Stream s) override { return captures_.blocks(s); }
+  bool capture_underway() override { return captures_.underway(); }
   SimStreams* sim_streams() override { return host_->sim_streams(); }
 
  private:

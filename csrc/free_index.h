@@ -20,8 +20,9 @@ namespace pyalloc {
 class FreeIndex {
  public:
   static constexpr int kSubBins = 64;
-  static constexpr int kNumBins = 2816;  // sizes up to 2^57 bytes
+  static constexpr int kNumBins = 3200;  // any size_t: units of 512 B below 2^55
   static constexpr int kWords = kNumBins / 64;
+  static_assert(kWords <= 64, "the summary word has one bit per word of bins");
 
   FreeIndex();
 

@@ -55,7 +55,10 @@ class HostBackend final : public Backend {
 
   EventId record_event(Stream s) override { return streams_.record(s); }
   bool event_done(EventId e) override { return streams_.done(e); }
-  void event_wait(EventId e) override { streams_.wait(e); }
+  bool event_wait(EventId e) override {
+    streams_.wait(e);
+    return true;
+  }
   void event_free(EventId e) override { streams_.release(e); }
   SimStreams* sim_streams() override { return &streams_; }
 

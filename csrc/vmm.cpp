@@ -23,7 +23,8 @@ void Allocator::init_vmm() {
   size_t basis = cfg_.max_pool_size != 0 ? cfg_.max_pool_size : dev_total;
   // Address space is cheap: room for the pool four times over, so that
   // holes in the range never make it run out.
-  size_t range = basis != 0 ? std::max(basis * 4, size_t(64) << 30) : size_t(1) << 42;
+  size_t range = basis != 0 ? std::max(std::min(basis, size_t(1) << 44) * 4, size_t(64) << 30)
+                            : size_t(1) << 42;
   range = round_up(range, page);
   uintptr_t base = backend_->vmm_reserve(range);
   if (base == 0) return;
@@ -70,8 +71,8 @@ Block* Allocator::usable_neighbour(Block* n, Stream s) {
   return n->stream == s || is_ready(n) ? n : nullptr;
 }
 
-Block* Allocator::map_for(size_t size, Stream s, std::string* why) {
-  if (backend_->is_capturing(s)) {
+Block* Allocator::map_for(size_t size, Stream s, std::string* why, bool recycle) {
+  if (backend_->is_capturing(s) || backend_->capture_underway()) {
     *why = "the stream is being captured into a CUDA graph and no pages can be mapped during "
            "capture; reserve the memory before capture (pyalloc reserve())";
     return nullptr;
@@ -116,7 +117,7 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why) {
 
   // Recycle before growing: pages of free blocks that every stream is done
   // with move here rather than the pool growing around them.
-  unmap_free_pages(need, keep_lo, keep_hi, /*wait=*/false);
+  if (recycle) unmap_free_pages(need, keep_lo, keep_hi, /*wait=*/false);
   size_t cap = cfg_.max_pool_size;
   size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   if (cap != 0 && reserved + need > cap) {
@@ -176,8 +177,9 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why) {
   // Merge only with neighbours s may use: fresh pages are safe anywhere and
   // would otherwise merge into (and take the label of) a block another
   // stream may still be using.
-  for (Block* n : {m->prev, m->next})
-    if (usable_neighbour(n, s) != nullptr) merge_neighbour(m, n);
+  while ((usable_neighbour(m->prev, s) != nullptr && merge_neighbour(m, m->prev)) ||
+         (usable_neighbour(m->next, s) != nullptr && merge_neighbour(m, m->next))) {
+  }
   m->state = BlockState::kFree;
   state(m->stream).free[kLargePool].insert(m);
   track_inactive_split(m, +1);
@@ -185,7 +187,7 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why) {
 }
 
 size_t Allocator::unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t keep_hi, bool wait) {
-  if (!vmm_) return 0;
+  if (!vmm_ || backend_->capture_underway()) return 0;
   // A page may be unmapped only once no queued work can touch it: mark how
   // far each stream has got (waiting for it only if asked to).
   for (auto& [stream, st] : streams_) {

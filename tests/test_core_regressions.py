@@ -16,3 +16,38 @@ def test_free_merges_with_its_own_stream_beyond_an_absorbed_neighbour():
     a.check_invariants()
     a.free(z)  # z absorbs y (safe), and now lies next to x, a free block of its own stream
     a.check_invariants()
+
+
+def test_a_huge_cap_neither_overflows_the_bins_nor_the_range():
+    """Bins covered sizes below 2^57 only, and a vmm range of four times a huge
+    max_pool_size merged into free blocks past that: writes past the bin table.
+    Bins now cover every size, and the range is bounded."""
+    a = pyalloc.Allocator("virtual", strategy="vmm", max_pool_size=(1 << 59) + (1 << 58))
+    ptrs = [a.malloc(1 << 42) for _ in range(8)]
+    for p in ptrs:
+        a.free(p)
+    a.check_invariants()
+    assert a.fragmentation()["largest_free_block"] >= 8 << 42
+    a.empty_cache()
+    a.check_invariants()
+
+
+def test_vmm_takes_a_mapped_block_that_max_split_size_would_keep_whole():
+    """Under vmm a mapped free block larger than max_split_size was skipped by
+    best fit and by the mapping path alike, so a 1 MiB request dropped the whole
+    cache through the out-of-memory retry."""
+    a = pyalloc.Allocator("virtual", strategy="vmm", max_split_size=64 << 20, capacity=1 << 30)
+    a.free(a.malloc(100 << 20))
+    a.malloc(1 << 20)
+    s = a.stats()
+    assert s["num_alloc_retries"] == 0
+    assert s["reserved_bytes.all.current"] == 100 << 20
+
+
+def test_fresh_pages_merge_with_every_usable_neighbour():
+    """Mapped pages merged once per side; absorbing a ready block of another
+    stream could leave them next to a free block of their own stream."""
+    for seed in (13, 21, 34):
+        from test_stream_safety import run
+
+        run(seed, "virtual", "vmm", "max_pool_size:48MiB", steps=400)
