@@ -1,0 +1,40 @@
+"""The main job: ``python -m benchmarks``.
+
+On a machine with a CUDA GPU, compares pyalloc with PyTorch's native allocator
+live (``python -m benchmarks.gpu --quick``: every workload under both
+allocators, each in its own process). Without one, replays the recorded traces
+(the bundled ones, and ``../shared/traces`` when present) through pyalloc's core
+and prints where it stands against peak live memory and against PyTorch's
+allocator (``benchmarks/fragmentation.py``). Extra arguments go to whichever runs.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def has_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.version.cuda is not None and torch.cuda.is_available()
+
+
+def main(argv: list) -> int:
+    if has_gpu():
+        print("CUDA GPU found: pyalloc against the native allocator, live (python -m benchmarks.gpu --quick)",
+              flush=True)
+        cmd = [sys.executable, "-m", "benchmarks.gpu", "--quick"] + argv
+    else:
+        print("no CUDA GPU: replaying recorded traces through pyalloc (benchmarks/fragmentation.py)",
+              flush=True)
+        cmd = [sys.executable, os.path.join(HERE, "fragmentation.py"), "--no-write"] + argv
+    return subprocess.call(cmd, cwd=os.path.dirname(HERE))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
