@@ -11,7 +11,8 @@ from typing import Any, Dict
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The processor's model name (from /proc/cpuinfo where there is one)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -39,7 +40,7 @@ def environment() -> Dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "machine": platform.machine(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "pyalloc": pyalloc.__version__,

@@ -30,6 +30,9 @@ from typing import Any, Dict, List
 
 import pyalloc
 from pyalloc import _C
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _env import cpu_model  # noqa: E402
 from pyalloc.replay import plan_trace, replay
 from pyalloc.replay_report import LEGEND, format_table
 from pyalloc.snapshot_io import read_trace
@@ -71,14 +74,7 @@ def throughput(path: Path, conf: str) -> Dict[str, float]:
 
 
 def machine() -> Dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "system": platform.platform(),
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "system": platform.platform(),
             "python": platform.python_version()}
 
 

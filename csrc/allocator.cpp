@@ -378,21 +378,12 @@ Block* Allocator::insert_free(Block* b) {
     if (m->stream == b->stream && (far == nullptr || !far->free_mapped())) {
       int64_t before_blocks = 1, before_bytes = static_cast<int64_t>(m->size);  // m is split
       m->free_seq = std::max(m->free_seq, b->free_seq);
-      if (m == next) {
-        m->addr = b->addr;
-        m->prev = b->prev;
-        if (b->prev != nullptr) b->prev->next = m;
-        else b->segment->first = m;
-      } else {
-        m->next = b->next;
-        if (b->next != nullptr) b->next->prev = m;
-      }
       Pool pool = m->segment->pool;
       state(m->stream).free[pool].resize(m, m->size + b->size);
+      take_place_of(m, b);
       bool split = m->is_split();
       change_inactive_split(pool, (split ? 1 : 0) - before_blocks,
                             (split ? static_cast<int64_t>(m->size) : 0) - before_bytes);
-      drop_block(b);
       return m;
     }
   }
@@ -418,6 +409,12 @@ bool Allocator::merge_neighbour(Block* b, Block* n) {
   }
   state(n->stream).free[b->segment->pool].remove(n);
   track_inactive_split(n, -1);
+  b->size += n->size;
+  take_place_of(b, n);
+  return true;
+}
+
+void Allocator::take_place_of(Block* b, Block* n) {
   if (n == b->prev) {
     b->addr = n->addr;
     b->prev = n->prev;
@@ -427,9 +424,7 @@ bool Allocator::merge_neighbour(Block* b, Block* n) {
     b->next = n->next;
     if (n->next != nullptr) n->next->prev = b;
   }
-  b->size += n->size;
   drop_block(n);
-  return true;
 }
 
 // ---------------------------------------------------------------------------
@@ -516,9 +511,7 @@ void Allocator::merge_ready_neighbours() {
         state(n->stream).free[seg->pool].remove(n);
         track_inactive_split(n, -1);
         b->size += n->size;
-        b->next = n->next;
-        if (n->next != nullptr) n->next->prev = b;
-        drop_block(n);
+        take_place_of(b, n);
       }
       state(b->stream).free[seg->pool].insert(b);
       track_inactive_split(b, +1);

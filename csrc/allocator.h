@@ -182,6 +182,8 @@ class Allocator {
   Block* add_segment(uintptr_t base, size_t size, Stream s);
   Block* insert_free(Block* b);
   bool merge_neighbour(Block* b, Block* n);
+  // b takes n's place in the address list (b->size already covers n); n is dropped.
+  void take_place_of(Block* b, Block* n);
   // Virtual memory (strategy vmm)
   void init_vmm();
   Block* map_for(size_t size, Stream s, std::string* why, bool recycle = true);

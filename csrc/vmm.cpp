@@ -260,17 +260,8 @@ Block* Allocator::unmap_range(Block* f, uintptr_t lo, uintptr_t hi) {
   for (Block* n : {f->prev, f->next}) {
     if (n == nullptr || n->mapped) continue;
     unmapped_.erase(n->addr);
-    if (n == f->prev) {
-      f->addr = n->addr;
-      f->prev = n->prev;
-      if (n->prev != nullptr) n->prev->next = f;
-      else f->segment->first = f;
-    } else {
-      f->next = n->next;
-      if (n->next != nullptr) n->next->prev = f;
-    }
     f->size += n->size;
-    drop_block(n);
+    take_place_of(f, n);
   }
   unmapped_[f->addr] = f;
   return tail != nullptr ? tail : f;

@@ -37,6 +37,8 @@ from typing import Any, Dict, List, Optional
 import numpy
 import torch
 
+from .._env import cpu_model
+
 ALLOCATORS = ("native", "pyalloc", "native_expandable")
 
 # memory_stats() keys worth keeping beside the peaks (same keys under both allocators).
@@ -154,19 +156,10 @@ def device_info(device) -> Dict[str, Any]:
             device_count=torch.cuda.device_count(),
         )
     else:
-        info.update(name=_cpu_name(), total_memory=None)
+        info.update(name=cpu_model(), total_memory=None)
     return info
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
 
 
 def check(allocator: str, device) -> Dict[str, Any]:
