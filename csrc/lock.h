@@ -29,7 +29,9 @@ class Lock {
 
  private:
   void lock_slow() {
-    for (int i = 0; i < 128; ++i) {
+    // A short spin: the critical sections are tens of nanoseconds, and longer
+    // spins measured slower with two threads on two cores (bench_core.py).
+    for (int i = 0; i < 16; ++i) {
       int expected = 0;
       if (state_.load(std::memory_order_relaxed) == 0 &&
           state_.compare_exchange_weak(expected, 1, std::memory_order_acquire))
