@@ -92,6 +92,7 @@ def strategy_rows(files: List[Path], strategies: List[str], base: str) -> List[D
             live = r.peak_live_bytes
             row["peak_live_bytes"] = live
             row[strategy] = {
+                "at_peak_live": r.fragmentation_at_peak,
                 "peak_reserved_bytes": r.pyalloc_peak_reserved_bytes,
                 "min_budget_bytes": r.pyalloc_min_budget_bytes,
                 "reserved_ratio": r.pyalloc_peak_reserved_bytes / live if live else None,
@@ -101,6 +102,29 @@ def strategy_rows(files: List[Path], strategies: List[str], base: str) -> List[D
                                    if live and r.native_peak_reserved_bytes else None)
         rows.append(row)
     return rows
+
+
+PAGE = 2 << 20  # the virtual-memory page (CUDA's granularity, and the simulated backends')
+
+
+def why(row: Dict[str, Any], strategy: str) -> str:
+    """Where the bytes over peak live sit, at the moment of peak live."""
+    r = row[strategy]
+    if r["budget_ratio"] is not None and r["budget_ratio"] <= TARGET_BUDGET and r["reserved_ratio"] <= TARGET_RESERVED:
+        return "targets met"
+    at = r["at_peak_live"]
+    mib = 1 << 20
+    large, small = at.get("large_pool_free_bytes", 0), at.get("small_pool_free_bytes", 0)
+    text = (f"at peak live, {(large + small) / mib:.1f} MiB reserved is free: {large / mib:.1f} MiB in the "
+            f"large pool, {small / mib:.1f} MiB in small-pool chunks")
+    if strategy == "vmm":
+        text += (f"; pages are mapped and unmapped whole, so free bytes in pages partly under live "
+                 f"blocks stay reserved (and cached pages stay until a mapping needs them); one 2 MiB "
+                 f"page is {PAGE / row['peak_live_bytes']:.1%} of peak live")
+    else:
+        text += ("; segments are never merged or split across, so free space in one cannot serve a "
+                 "request that another needs")
+    return text
 
 
 def strategy_table(rows: List[Dict[str, Any]], strategies: List[str]) -> str:
@@ -120,6 +144,10 @@ def strategy_table(rows: List[Dict[str, Any]], strategies: List[str]) -> str:
             cells += [cell(row[st]["budget_ratio"], TARGET_BUDGET), cell(row[st]["reserved_ratio"], TARGET_RESERVED)]
         cells.append("-" if row["native_ratio"] is None else f"{row['native_ratio']:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Where each strategy lands and why (the default strategy first):", ""]
+    for st in sorted(strategies, key=lambda x: x != "vmm"):
+        for row in rows:
+            lines.append(f"- {st}, {row['trace']}: {why(row, st)}.")
     return "\n".join(lines)
 
 

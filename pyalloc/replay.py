@@ -408,6 +408,8 @@ def _fragmentation(allocator: Any, plan: ReplayPlan, run: Any) -> Dict[str, Any]
         "free_bytes": f["free_bytes"],
         "largest_free_block": f["largest_free_block"],
         "free_blocks": f["free_blocks"],
+        "large_pool_free_bytes": f["large_pool_free_bytes"],
+        "small_pool_free_bytes": f["small_pool_free_bytes"],
         "external_fragmentation": f["external_fragmentation"],
         "unused_fraction": 1.0 - run.live_bytes / reserved if reserved else 0.0,
     }
