@@ -134,3 +134,22 @@ def test_strategy_is_reported_and_validated():
         pyalloc.Allocator("host", strategy="firstfit")
     with pytest.raises(TypeError):
         pyalloc.Allocator("host", strategy=1)
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt-varlen-train", "convnet-mixedres-train", "encoder-dynbatch-infer"])
+def test_replay_serves_the_same_allocations_under_every_strategy(name):
+    """The strategy changes where blocks go and what is reserved, never what is served."""
+    import os
+
+    from pyalloc.replay import replay
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "benchmarks", "traces", f"{name}.pickle.gz")
+    results = [replay(path, config=f"strategy:{s}", search=False) for s in ("bestfit", "vmm")]
+    keys = ("events", "allocs", "frees", "peak_live_bytes", "preexisting_bytes", "missed_frees",
+            "stray_frees")
+    assert {k: getattr(results[0], k) for k in keys} == {k: getattr(results[1], k) for k in keys}
+    for r in results:
+        assert r.pyalloc_peak_reserved_bytes >= r.peak_live_bytes
+        assert r.fragmentation_at_peak["live_bytes"] == r.peak_live_bytes
+    assert results[1].pyalloc_peak_reserved_bytes < results[0].pyalloc_peak_reserved_bytes
