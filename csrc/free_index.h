@@ -57,6 +57,14 @@ class FreeIndex {
   /// Largest block in the index (linear in the bins; for stats).
   Block* largest() const;
 
+  /// Calls f on every block in the bins that can hold min_size or more
+  /// (blocks a little smaller may be included: callers check sizes).
+  template <typename F>
+  void for_each_from(size_t min_size, F f) const {
+    for (int bin = next_nonempty(bin_of(min_size)); bin >= 0; bin = next_nonempty(bin + 1))
+      for (Block* b = heads_[bin]; b != nullptr; b = b->bin_next) f(b);
+  }
+
   template <typename F>
   void for_each(F f) const {
     for (int w = 0; w < kWords; ++w)

@@ -10,6 +10,7 @@
 // interiors of free blocks that every stream is done with are unmapped first:
 // physical memory stranded in holes moves to where it is needed.
 #include <algorithm>
+#include <vector>
 
 #include "allocator.h"
 
@@ -199,16 +200,30 @@ size_t Allocator::unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t kee
     poll_syncs(*st, wait);
   }
   if (wait) stats_.num_sync_all_streams++;
+  // Only free blocks of a page or more can hold a whole page: take them from
+  // the free indexes rather than walking every block of the range. They are
+  // unmapped in address order: largest-first measured worse in replay
+  // (encoder-dynbatch-infer reserved 1.21x peak live against 1.14x).
+  std::vector<Block*> candidates;
+  for (auto& [stream, st] : streams_) {
+    st->free[kLargePool].for_each_from(page_, [&](Block* b) {
+      if (!(b->addr < keep_hi && b->end() > keep_lo) && is_ready(b)) candidates.push_back(b);
+    });
+  }
+  std::sort(candidates.begin(), candidates.end(),
+            [](const Block* x, const Block* y) { return x->addr < y->addr; });
   size_t done = 0;
   uintptr_t base = vmm_seg_->base;
-  for (Block* b = vmm_seg_->first; b != nullptr && done < want; b = b->next) {
-    if (!b->free_mapped() || (b->addr < keep_hi && b->end() > keep_lo) || !is_ready(b)) continue;
+  // unmap_range() changes only the block it is given (and drops unmapped
+  // neighbours, which are no candidates), so the list stays valid.
+  for (Block* b : candidates) {
+    if (done >= want) break;
     uintptr_t lo = base + round_up(b->addr - base, page_);
     uintptr_t hi = base + (b->end() - base) / page_ * page_;
     if (hi <= lo) continue;
     size_t n = std::min(hi - lo, round_up(std::min(want - done, hi - lo), page_));
     done += n;
-    b = unmap_range(b, lo, lo + n);
+    unmap_range(b, lo, lo + n);
   }
   return done;
 }
