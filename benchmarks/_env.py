@@ -24,6 +24,9 @@ def cpu_model() -> str:
 
 
 def _git_commit() -> str:
+    # A copy of the tree without its .git (a GPU machine) is told the commit by its caller.
+    if os.environ.get("PYALLOC_GIT_COMMIT"):
+        return os.environ["PYALLOC_GIT_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

@@ -20,10 +20,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_DIR = os.path.join(REPO, "tests", "gpu")
 
 
+# PYALLOC_CONF in the environment of pytest (say strategy:bestfit) applies to every
+# check; a check that sets its own adds its keys to it.
+BASE_CONF = os.environ.get("PYALLOC_CONF", "")
+
+
 def run(args, env=None, timeout=600) -> str:
     full_env = dict(os.environ, PYTHONPATH=REPO, CUBLAS_WORKSPACE_CONFIG=":4096:8")
     full_env.pop("PYALLOC_CONF", None)
     full_env.update(env or {})
+    conf = ",".join(c for c in (BASE_CONF, full_env.get("PYALLOC_CONF", "")) if c)
+    if conf:
+        full_env["PYALLOC_CONF"] = conf
     out = subprocess.run(args, capture_output=True, text=True, env=full_env, cwd=REPO, timeout=timeout)
     assert out.returncode == 0, (
         f"{' '.join(args)} exited with {out.returncode}\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
@@ -32,7 +40,8 @@ def run(args, env=None, timeout=600) -> str:
 
 
 def script(name: str, *args: str, **kwargs) -> str:
-    return run([sys.executable, os.path.join(GPU_DIR, name), *args], **kwargs)
+    # faulthandler: a check that crashes in native code still says where in Python.
+    return run([sys.executable, "-X", "faulthandler", os.path.join(GPU_DIR, name), *args], **kwargs)
 
 
 def test_training_matches_the_native_allocator_bitwise():

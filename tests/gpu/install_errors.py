@@ -11,7 +11,7 @@ import pyalloc
 
 def main(mode):
     if mode == "after-cuda":
-        torch.zeros(1, device="cuda")  # PyTorch's own allocator is now in use
+        x = torch.zeros(1, device="cuda")  # PyTorch's own allocator is now in use
         try:
             pyalloc.install()
             raise AssertionError("install() after CUDA use succeeded")
