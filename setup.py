@@ -16,17 +16,28 @@ VERSION = "0.1.0"
 ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 
 here = os.path.dirname(os.path.abspath(__file__))
-sources = sorted(
-    os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "csrc", "*.cpp"))
-)
+# csrc/ holds one folder per layer (csrc/README.md). Everything but the bridge,
+# which is built later against the installed torch, goes into pyalloc._C.
+LAYERS = ("core", "backends", "cuda", "replay", "python")
 
-headers = sorted(os.path.relpath(p, here) for p in glob.glob(os.path.join(here, "csrc", "*.h")))
+
+def _files(pattern):
+    return sorted(
+        os.path.relpath(p, here)
+        for layer in LAYERS
+        for p in glob.glob(os.path.join(here, "csrc", layer, pattern))
+    )
+
+
+sources = _files("*.cpp")
+headers = _files("*.h")
 
 ext = Pybind11Extension(
     "pyalloc._C",
     sources,
     depends=headers,  # rebuild when a header changes, not only a .cpp
     cxx_std=17,
+    include_dirs=["csrc"],  # includes name their layer: "core/allocator.h"
     define_macros=[("PYALLOC_VERSION", f'"{VERSION}"')],
     extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],
     libraries=["dl"],

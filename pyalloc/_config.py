@@ -1,6 +1,6 @@
 """Turning keyword and string configuration into the one string the core parses.
 
-The C++ core owns the keys, their defaults and the parser (csrc/config.cpp), so
+The C++ core owns the keys, their defaults and the parser (csrc/core/config.cpp), so
 the rules live in one place; this module only joins a base string and keyword
 overrides and checks the Python types.
 """

@@ -2,79 +2,37 @@
 
 Under any pluggable allocator, ``torch.cuda.memory_stats()`` and the functions
 built on it raise "CUDAPluggableAllocator does not yet support ...", which breaks
-training loops and libraries that log memory. ``apply()`` replaces them, in both
-``torch.cuda`` and ``torch.cuda.memory`` (torch's own helpers look them up
-there), with functions of the same signatures that read pyalloc's pools.
-``remove()`` puts torch's back.
+training loops and libraries that log memory. ``apply(replacements)`` puts the
+given functions (pyalloc.cuda's, which take the same arguments and give the same
+results) in place of torch's of the same names, in both ``torch.cuda`` and
+``torch.cuda.memory`` (torch's own helpers look them up there). ``remove()``
+puts torch's back. This module knows nothing of pyalloc's pools, so it imports
+none of pyalloc.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Tuple
-
-from . import cuda as _api
-
-
-def memory_stats(device: Any = None) -> Dict[str, Any]:
-    return _api.memory_stats(device)
-
-
-def memory_allocated(device: Any = None) -> int:
-    return _api.memory_allocated(device)
-
-
-def max_memory_allocated(device: Any = None) -> int:
-    return _api.max_memory_allocated(device)
-
-
-def memory_reserved(device: Any = None) -> int:
-    return _api.memory_reserved(device)
-
-
-def max_memory_reserved(device: Any = None) -> int:
-    return _api.max_memory_reserved(device)
-
-
-def reset_peak_memory_stats(device: Any = None) -> None:
-    _api.reset_peak_memory_stats(device)
-
-
-def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
-    return _api.memory_summary(device, abbreviated)
-
-
-REPLACEMENTS: Tuple[Callable[..., Any], ...] = (
-    memory_stats,
-    memory_allocated,
-    max_memory_allocated,
-    memory_reserved,
-    max_memory_reserved,
-    reset_peak_memory_stats,
-    memory_summary,
-)
-
-for _fn in REPLACEMENTS:
-    _fn.__doc__ = (
-        f"pyalloc's torch.cuda.{_fn.__name__}: the same arguments and result, from "
-        f"pyalloc's pools (see pyalloc.{_fn.__name__})."
-    )
+from typing import Any, Callable, Dict, Iterable, Tuple
 
 # (module, name) -> torch's function, while patched
 _originals: Dict[Tuple[Any, str], Any] = {}
+# name -> the function put in torch's place
+_applied: Dict[str, Callable[..., Any]] = {}
 
 
-def apply() -> None:
-    """Installs the replacements (idempotent)."""
+def apply(replacements: Iterable[Callable[..., Any]]) -> None:
+    """Installs the replacements, each under its own __name__ (idempotent)."""
     import torch.cuda
     import torch.cuda.memory
 
-    for module in (torch.cuda, torch.cuda.memory):
-        for fn in REPLACEMENTS:
-            name = fn.__name__
+    for fn in replacements:
+        name = fn.__name__
+        for module in (torch.cuda, torch.cuda.memory):
             current = getattr(module, name, None)
             if current is None or current is fn:
                 continue
-            _originals[(module, name)] = current
+            _originals.setdefault((module, name), current)
             setattr(module, name, fn)
+        _applied[name] = fn
 
 
 def remove() -> None:
@@ -82,9 +40,11 @@ def remove() -> None:
     for (module, name), original in _originals.items():
         setattr(module, name, original)
     _originals.clear()
+    _applied.clear()
 
 
 def is_applied() -> bool:
     import torch.cuda
 
-    return torch.cuda.memory_stats is memory_stats
+    fn = _applied.get("memory_stats")
+    return fn is not None and torch.cuda.memory_stats is fn

@@ -192,7 +192,7 @@ def _check_torch_can_swap(torch) -> None:
 def _patch_torch() -> None:
     from . import _torch_patch
 
-    _torch_patch.apply()
+    _torch_patch.apply(TORCH_REPLACEMENTS)
     _state.patched = True
 
 
@@ -290,6 +290,19 @@ def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
         memory_stats(d), fragmentation(d), device=d, abbreviated=abbreviated,
         graph_blocks=blocks, graph_bytes=held,
     )
+
+
+# What install() puts in place of torch.cuda's functions of the same names
+# (_torch_patch.py), which raise under any pluggable allocator.
+TORCH_REPLACEMENTS = (
+    memory_stats,
+    memory_allocated,
+    max_memory_allocated,
+    memory_reserved,
+    max_memory_reserved,
+    reset_peak_memory_stats,
+    memory_summary,
+)
 
 
 # -- pool control -------------------------------------------------------------------------

@@ -13,7 +13,7 @@ have held this run, and in how much memory?" for PyTorch memory snapshots:
    its stream. A block is freed at its ``free_completed`` (when the stream work
    using it was done), or at its ``free_requested`` when the trace has no
    completion for it.
-3. The C++ replayer (csrc/replay.h) runs the calls against pyalloc's core on
+3. The C++ replayer (csrc/replay/replay.h) runs the calls against pyalloc's core on
    the virtual backend, which hands out addresses only: the whole trace in one
    call, without the GIL.
 4. The same replay, bounded by a capacity, finds by bisection the smallest
@@ -32,11 +32,13 @@ import json
 import os
 import sys
 from array import array
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _C
 from ._config import as_size, conf_string
+from .replay_report import format_table, plot_results
+from .replay_result import ReplayResult
 from .snapshot_io import (
     ALLOC,
     FREE_COMPLETED,
@@ -225,50 +227,6 @@ def _follow_native(plan: ReplayPlan, trace: Trace) -> None:
 
 # ---------------------------------------------------------------------------
 # Running the plan
-
-
-@dataclass
-class ReplayResult:
-    """What one trace's replay found. Byte counts are bytes; ratios are to peak live."""
-
-    trace: str
-    device: int
-    events: int
-    allocs: int
-    frees: int
-    streams: int
-    peak_live_bytes: int
-    pyalloc_peak_reserved_bytes: int
-    pyalloc_ratio: Optional[float]
-    pyalloc_min_budget_bytes: Optional[int]
-    native_peak_reserved_bytes: Optional[int]
-    native_ratio: Optional[float]
-    fragmentation_at_peak: Dict[str, Any]
-    preexisting_blocks: int
-    preexisting_bytes: int
-    missed_frees: int
-    stray_frees: int
-    frees_at_request: int
-    native_ooms: int
-    config: str
-    budget_bytes: Optional[int] = None
-    budget_ooms: Optional[int] = None
-    budget_peak_reserved_bytes: Optional[int] = None
-    replay_seconds: float = 0.0
-    events_per_second: Optional[float] = None
-    calls_per_second: Optional[float] = None
-    search_replays: int = 0
-    ignored_actions: Dict[str, int] = field(default_factory=dict)
-    timeline: Dict[str, List[int]] = field(default_factory=dict, repr=False)
-    native_timeline: Dict[str, List[int]] = field(default_factory=dict, repr=False)
-
-    def to_dict(self, timelines: bool = False) -> Dict[str, Any]:
-        """A JSON-ready dict; the timelines only if asked for."""
-        d = asdict(self)
-        if not timelines:
-            d.pop("timeline")
-            d.pop("native_timeline")
-        return d
 
 
 def replay(
@@ -534,7 +492,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .replay_report import format_table, plot_results
 
     try:
         conf_string(args.config)

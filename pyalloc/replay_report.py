@@ -8,7 +8,7 @@ import os
 from typing import List, Optional, Sequence
 
 from ._C import format_bytes
-from .replay import ReplayResult
+from .replay_result import ReplayResult
 
 __all__ = ["COLUMNS", "LEGEND", "format_table", "plot_results"]
 

@@ -217,9 +217,10 @@ def test_many_buffers_pack_their_segments(fake):
 def test_patched_torch_functions_answer_from_pyalloc(fake):
     torch = pytest.importorskip("torch")
     from pyalloc import _torch_patch
+    from pyalloc.cuda import TORCH_REPLACEMENTS
 
     original = torch.cuda.memory_allocated
-    _torch_patch.apply()
+    _torch_patch.apply(TORCH_REPLACEMENTS)
     try:
         assert _torch_patch.is_applied()
         p = hook_malloc(2 * MiB)

@@ -9,8 +9,8 @@ root="$(cd "$here/../.." && pwd)"
 out="$here/bin"
 mkdir -p "$out"
 CXX="${CXX:-g++}"
-# The core is every csrc/*.cpp that does not bind to Python.
-mapfile -t core < <(grep -L -e 'pybind11' "$root"/csrc/*.cpp)
+# Every layer but the Python module (and the bridge, built against torch).
+mapfile -t core < <(ls "$root"/csrc/{core,backends,cuda,replay}/*.cpp)
 common=(-std=c++17 -g -O1 -fno-omit-frame-pointer -Wall -Wextra -I"$root/csrc")
 
 echo "== building with ASan + UBSan"

@@ -13,8 +13,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../../csrc/allocator.h"
-#include "../../csrc/sim_streams.h"
+#include "core/allocator.h"
+#include "backends/sim_streams.h"
 
 using namespace pyalloc;
 

@@ -1,5 +1,5 @@
 /* A stand-in for libcuda.so.1, so that CI without a GPU can run pyalloc's CUDA
- * backend (csrc/cuda_backend.cpp) against the driver API it uses.
+ * backend (csrc/cuda/cuda_backend.cpp) against the driver API it uses.
  *
  * Memory is host memory. Contexts are per device and current per thread.
  * Streams are opaque numbers; the test marks one as capturing and counts every

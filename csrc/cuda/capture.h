@@ -17,7 +17,7 @@
 #include <mutex>
 #include <vector>
 
-#include "common.h"
+#include "core/common.h"
 
 namespace pyalloc {
 

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "py_bindings.h"
-#include "replay.h"
+#include "replay/replay.h"
 
 namespace py = pybind11;
 

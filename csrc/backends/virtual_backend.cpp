@@ -5,7 +5,7 @@
 // segments and mapped virtual-memory pages together.
 #include <mutex>
 
-#include "backend.h"
+#include "core/backend.h"
 #include "sim_streams.h"
 
 namespace pyalloc {

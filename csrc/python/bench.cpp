@@ -6,7 +6,7 @@
 #include <thread>
 #include <vector>
 
-#include "allocator.h"
+#include "core/allocator.h"
 #include "py_bindings.h"
 
 namespace py = pybind11;

@@ -30,7 +30,7 @@
 #include <cstddef>
 #include <memory>
 
-#include "backend.h"
+#include "core/backend.h"
 #include "capture.h"
 
 namespace pyalloc {

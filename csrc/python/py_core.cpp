@@ -2,10 +2,10 @@
 // virtual backend, configuration parsing, and the error types.
 #include <pybind11/stl.h>
 
-#include "allocator.h"
+#include "core/allocator.h"
 #include "py_bindings.h"
 #include "py_convert.h"
-#include "sim_streams.h"
+#include "backends/sim_streams.h"
 
 namespace py = pybind11;
 

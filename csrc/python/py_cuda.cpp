@@ -8,11 +8,11 @@
 
 #include <cstdio>
 
-#include "cuda_driver.h"
-#include "cuda_pools.h"
+#include "cuda/cuda_driver.h"
+#include "cuda/cuda_pools.h"
 #include "py_bindings.h"
 #include "py_convert.h"
-#include "sim_streams.h"
+#include "backends/sim_streams.h"
 
 namespace py = pybind11;
 

@@ -34,7 +34,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "allocator.h"
+#include "core/allocator.h"
 #include "cuda_backend.h"
 
 namespace pyalloc {

@@ -7,7 +7,7 @@
 
 #include <vector>
 
-#include "allocator.h"
+#include "core/allocator.h"
 
 namespace pyalloc {
 

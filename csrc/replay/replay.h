@@ -19,7 +19,7 @@
 #include <mutex>
 #include <vector>
 
-#include "allocator.h"
+#include "core/allocator.h"
 
 namespace pyalloc {
 

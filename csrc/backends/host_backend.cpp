@@ -15,7 +15,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "backend.h"
+#include "core/backend.h"
 #include "sim_streams.h"
 
 namespace pyalloc {

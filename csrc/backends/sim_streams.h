@@ -12,7 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "backend.h"
+#include "core/backend.h"
 
 namespace pyalloc {
 

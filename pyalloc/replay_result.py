@@ -1,0 +1,50 @@
+"""What one trace's replay found: the record pyalloc.replay returns and the
+report (replay_report) formats. Its own module so that neither imports the other."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class ReplayResult:
+    """What one trace's replay found. Byte counts are bytes; ratios are to peak live."""
+
+    trace: str
+    device: int
+    events: int
+    allocs: int
+    frees: int
+    streams: int
+    peak_live_bytes: int
+    pyalloc_peak_reserved_bytes: int
+    pyalloc_ratio: Optional[float]
+    pyalloc_min_budget_bytes: Optional[int]
+    native_peak_reserved_bytes: Optional[int]
+    native_ratio: Optional[float]
+    fragmentation_at_peak: Dict[str, Any]
+    preexisting_blocks: int
+    preexisting_bytes: int
+    missed_frees: int
+    stray_frees: int
+    frees_at_request: int
+    native_ooms: int
+    config: str
+    budget_bytes: Optional[int] = None
+    budget_ooms: Optional[int] = None
+    budget_peak_reserved_bytes: Optional[int] = None
+    replay_seconds: float = 0.0
+    events_per_second: Optional[float] = None
+    calls_per_second: Optional[float] = None
+    search_replays: int = 0
+    ignored_actions: Dict[str, int] = field(default_factory=dict)
+    timeline: Dict[str, List[int]] = field(default_factory=dict, repr=False)
+    native_timeline: Dict[str, List[int]] = field(default_factory=dict, repr=False)
+
+    def to_dict(self, timelines: bool = False) -> Dict[str, Any]:
+        """A JSON-ready dict; the timelines only if asked for."""
+        d = asdict(self)
+        if not timelines:
+            d.pop("timeline")
+            d.pop("native_timeline")
+        return d
