@@ -34,12 +34,26 @@ def stub_driver(tmp_path_factory):
     return library
 
 
-@pytest.mark.parametrize("mode", ["segments", "vmm"])
+# What each mode must say on stderr, exactly once (and nothing else from pyalloc).
+STDERR = {
+    "segments": ["cuEventQuery failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)"],
+    "vmm": ["cuMemSetAccess for peer devices failed: CUDA_ERROR_NOT_SUPPORTED (801)"],
+    "fallback": ["device 0 cannot use strategy vmm (the driver refused a trial mapping: "
+                 "cuMemCreate failed: CUDA_ERROR_NOT_PERMITTED (800)); its pools use strategy bestfit"],
+}
+
+
+@pytest.mark.parametrize("mode", ["segments", "vmm", "fallback"])
 def test_cuda_backend_against_the_stand_in_driver(stub_driver, mode):
     env = dict(os.environ, PYTHONPATH=REPO, LD_LIBRARY_PATH=str(stub_driver.parent))
     env.pop("PYALLOC_CONF", None)
     out = subprocess.run(
-        [sys.executable, os.path.join(STUB_DIR, "checks.py"), str(stub_driver)] + (["vmm"] if mode == "vmm" else []),
+        [sys.executable, os.path.join(STUB_DIR, "checks.py"), str(stub_driver)]
+        + ([mode] if mode != "segments" else []),
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+    said = [line for line in out.stderr.splitlines() if line.startswith("pyalloc:")]
+    assert len(said) == len(STDERR[mode]), out.stderr
+    for words in STDERR[mode]:
+        assert sum(words in line for line in said) == 1, (words, out.stderr)

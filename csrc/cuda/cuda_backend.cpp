@@ -1,7 +1,9 @@
 // The CUDA backend and device over the run-time-loaded driver: see cuda_backend.h.
 #include "cuda_backend.h"
 
+#include <atomic>
 #include <cstdio>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -15,18 +17,22 @@ using namespace drv;
 
 CUstream as_stream(Stream s) { return reinterpret_cast<CUstream>(static_cast<uintptr_t>(s)); }
 
-/// Makes ctx current for the scope; restores another context the thread had.
+/// Makes ctx current for the scope, and then what the thread had current
+/// before: another context, or none (a thread pyalloc runs on is left as it
+/// found it). Costs one cuCtxGetCurrent when ctx is already current.
 class ContextGuard {
  public:
   ContextGuard(const Driver& d, CUcontext ctx) : d_(d) {
-    if (d_.CtxGetCurrent(&prev_) != CUDA_SUCCESS) prev_ = nullptr;
-    if (prev_ != ctx) {
+    CUcontext prev = nullptr;
+    if (d_.CtxGetCurrent(&prev) != CUDA_SUCCESS) prev = nullptr;
+    if (prev != ctx) {
       check(d_.CtxSetCurrent(ctx), "cuCtxSetCurrent");
-      restore_ = prev_ != nullptr;
+      prev_ = prev;
+      restore_ = true;
     }
   }
   ~ContextGuard() {
-    if (restore_) d_.CtxSetCurrent(prev_);
+    if (restore_) d_.CtxSetCurrent(prev_);  // nullptr: no context current, as before
   }
   ContextGuard(const ContextGuard&) = delete;
   ContextGuard& operator=(const ContextGuard&) = delete;
@@ -49,8 +55,9 @@ void device_mem_info(const Driver& d, CUcontext ctx, size_t* free_bytes, size_t*
 CaptureState probe_stream(const Driver& d, Stream s) {
   CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
   cuuint64_t id = 0;
-  CUresult r = d.StreamGetCaptureInfo != nullptr ? d.StreamGetCaptureInfo(as_stream(s), &status, &id)
-                                                 : d.StreamIsCapturing(as_stream(s), &status);
+  CUresult r = d.StreamGetCaptureInfo != nullptr
+                   ? d.StreamGetCaptureInfo(as_stream(s), &status, &id, nullptr, nullptr, nullptr)
+                   : d.StreamIsCapturing(as_stream(s), &status);
   CaptureState st;
   if (r == CUDA_SUCCESS) {
     // An invalidated capture is still a capture until it is ended.
@@ -60,6 +67,8 @@ CaptureState probe_stream(const Driver& d, Stream s) {
     // The legacy stream while a blocking stream captures: it may not be used.
     st.capturing = true;
   }
+  // Any other error (a destroyed stream, a context torn down at exit) means
+  // not capturing, so the tracker forgets the stream and never asks again.
   return st;
 }
 
@@ -80,27 +89,158 @@ struct CudaShared {
   CUcontext ctx;
   CaptureTracker& captures;
   size_t vmm_page = 0;  // the device's mapping granularity; 0: no virtual memory
+  std::string vmm_why;  // when vmm_page is 0: why
   CUmemAllocationProp prop{};  // device memory, pinned, on this device
+  // Who may read and write mapped pages: this device first, then each
+  // device that can access it as a peer (cuDeviceCanAccessPeer).
+  std::vector<CUmemAccessDesc> access;
+  std::vector<int> peers;                   // their ordinals
+  std::atomic<bool> peers_refused{false};   // the driver refused them: this device alone
+  std::string peers_why;
+
+  // The first error that left memory unusable, until an allocation raises it.
+  std::mutex error_mu;
+  std::string error;
+  bool error_told = false;
+
+  size_t access_count() const { return peers_refused.load(std::memory_order_acquire) ? 1 : access.size(); }
+
+  // A driver call about the work on a block failed: the block stays out of
+  // use (kernels may still be using it). Said once on stderr, and kept for
+  // the next allocation on this device to raise (take_error()).
+  void report_error(const std::string& what, CUresult r, Stream stream) {
+    std::string message = "CUDA error on device " + std::to_string(index) + ": " + what + " failed: " +
+                          error_name(r) + ". pyalloc keeps the memory last used on stream " +
+                          format_ptr(static_cast<uintptr_t>(stream)) +
+                          " out of use, since the device may still be using it; a failed kernel "
+                          "(an illegal address, an assert) usually leaves the device unusable "
+                          "until the process restarts";
+    std::lock_guard<std::mutex> g(error_mu);
+    if (error.empty()) error = message;
+    // At exit the driver is torn down before the last frees: nothing to tell then.
+    if (error_told || r == CUDA_ERROR_DEINITIALIZED) return;
+    error_told = true;
+    std::fprintf(stderr, "pyalloc: %s\n", message.c_str());
+  }
+
+  void refuse_peers(CUresult r) {
+    if (peers_refused.exchange(true)) return;
+    peers_why = "cuMemSetAccess for peer devices failed: " + error_name(r);
+    std::fprintf(stderr,
+                 "pyalloc: device %d: %s; its pages are mapped for device %d alone, and peer "
+                 "devices reading them directly will fault\n",
+                 index, peers_why.c_str(), index);
+  }
 };
 
-// Whether the device and driver do virtual memory management, and its page.
+// Sets the access of a mapped range: this device and its peers, or this
+// device alone once the driver has refused the peers.
+CUresult set_access(const Driver& d, CudaShared& sh, uintptr_t addr, size_t size) {
+  size_t n = sh.access_count();
+  CUresult r = d.MemSetAccess(static_cast<CUdeviceptr>(addr), size, sh.access.data(), n);
+  if (r != CUDA_SUCCESS && n > 1 && r != CUDA_ERROR_OUT_OF_MEMORY) {
+    CUresult alone = d.MemSetAccess(static_cast<CUdeviceptr>(addr), size, sh.access.data(), 1);
+    if (alone == CUDA_SUCCESS) sh.refuse_peers(r);
+    r = alone;
+  }
+  return r;
+}
+
+// The devices that can access `sh`'s memory as peers, as access descriptors.
+void find_peers(const Driver& d, CudaShared& sh) {
+  CUmemAccessDesc own{};
+  own.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  own.location.id = sh.dev;
+  own.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  sh.access.assign(1, own);
+  int count = 0;
+  if (d.DeviceCanAccessPeer == nullptr || d.DeviceGetCount(&count) != CUDA_SUCCESS) return;
+  for (int i = 0; i < count; ++i) {
+    CUdevice other = 0;
+    int can = 0;
+    if (i == sh.index || d.DeviceGet(&other, i) != CUDA_SUCCESS || other == sh.dev) continue;
+    if (d.DeviceCanAccessPeer(&can, other, sh.dev) != CUDA_SUCCESS || can == 0) continue;
+    CUmemAccessDesc peer = own;
+    peer.location.id = other;
+    sh.access.push_back(peer);
+    sh.peers.push_back(i);
+  }
+}
+
+// Whether the device and driver do virtual memory management, and its page;
+// on 0, sh.vmm_why says why. Maps one page once: a driver that lists the
+// entry points but refuses the calls (a sandbox, a vGPU) is found here.
 size_t probe_vmm(const Driver& d, CudaShared& sh) {
-  if (!d.has_vmm()) return 0;
-  int supported = 0;
-  if (d.DeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, sh.dev) !=
-          CUDA_SUCCESS ||
-      supported == 0)
+  if (!d.has_vmm()) {
+    sh.vmm_why = "the CUDA driver lacks its virtual memory entry points (" + d.vmm_missing + ")";
     return 0;
+  }
+  int supported = 0;
+  CUresult r = d.DeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, sh.dev);
+  if (r != CUDA_SUCCESS || supported == 0) {
+    sh.vmm_why = r != CUDA_SUCCESS ? "asking whether the device supports virtual memory failed: " + error_name(r)
+                                   : "the device does not support virtual memory management";
+    return 0;
+  }
   sh.prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   sh.prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
   sh.prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   sh.prop.location.id = sh.dev;
   size_t page = 0;
   ContextGuard g(d, sh.ctx);
-  if (d.MemGetAllocationGranularity(&page, &sh.prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS)
+  r = d.MemGetAllocationGranularity(&page, &sh.prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r != CUDA_SUCCESS) {
+    sh.vmm_why = "cuMemGetAllocationGranularity failed: " + error_name(r);
     return 0;
+  }
   // The core sizes pages in units of its 512 B granularity.
-  return page != 0 && page % kGranularity == 0 ? page : 0;
+  if (page == 0 || page % kGranularity != 0) {
+    sh.vmm_why = "the device's mapping granularity (" + std::to_string(page) + " bytes) is unusable";
+    return 0;
+  }
+  // No trial during a capture: it would break it. The pools find out later.
+  if (sh.captures.underway()) return page;
+  CUdeviceptr va = 0;
+  CUmemGenericAllocationHandle h = 0;
+  const char* step = "cuMemAddressReserve";
+  r = d.MemAddressReserve(&va, page, page, 0, 0);
+  if (r == CUDA_SUCCESS) {
+    step = "cuMemCreate";
+    r = d.MemCreate(&h, page, &sh.prop, 0);
+    if (r == CUDA_SUCCESS) {
+      step = "cuMemMap";
+      r = d.MemMap(va, page, 0, h, 0);
+      if (r == CUDA_SUCCESS) {
+        step = "cuMemSetAccess";
+        r = set_access(d, sh, static_cast<uintptr_t>(va), page);
+        d.MemUnmap(va, page);
+      }
+      d.MemRelease(h);
+    }
+    d.MemAddressFree(va, page);
+  }
+  if (r != CUDA_SUCCESS) {
+    sh.vmm_why = std::string("the driver refused a trial mapping: ") + step + " failed: " + error_name(r);
+    return 0;
+  }
+  return page;
+}
+
+std::shared_ptr<CudaShared> open_shared(const Driver& d, int index) {
+  int count = cuda_device_count();
+  if (index < 0 || index >= count)
+    throw DriverError("invalid CUDA device index " + std::to_string(index) + ": the driver sees " +
+                      std::to_string(count) + " device(s)");
+  CUdevice dev = 0;
+  check(d.DeviceGet(&dev, index), "cuDeviceGet");
+  // The primary context is the one the CUDA runtime, and so PyTorch, uses.
+  // It is retained for the life of the process, like the pools on it.
+  CUcontext ctx = nullptr;
+  check(d.DevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  auto shared = std::make_shared<CudaShared>(index, dev, ctx);
+  find_peers(d, *shared);
+  shared->vmm_page = probe_vmm(d, *shared);
+  return shared;
 }
 
 class CudaBackend final : public Backend {
@@ -138,6 +278,10 @@ class CudaBackend final : public Backend {
     else device_mem_info(d_, sh_->ctx, free_bytes, total_bytes);
   }
 
+  // Events. Only CUDA_SUCCESS means the work is done. CUDA_ERROR_NOT_READY
+  // and the capture errors mean not yet. Any other answer fails the event:
+  // it never completes, so its block is never reused, and the error is
+  // reported (CudaShared::report_error).
   EventId record_event(Stream s) override {
     EventId id;
     if (!spare_.empty()) {
@@ -150,6 +294,7 @@ class CudaBackend final : public Backend {
     Slot& slot = slots_[id];
     slot.stream = s;
     slot.done = false;
+    slot.failed = false;
     slot.unrecorded = true;
     try_record(slot);
     return id;
@@ -158,43 +303,40 @@ class CudaBackend final : public Backend {
   bool event_done(EventId id) override {
     Slot& slot = slots_[id];
     if (slot.done) return true;
+    if (slot.failed) return false;
     // No queries while a capture is on: they may break it (global mode).
     if (sh_->captures.underway()) return false;
     if (slot.unrecorded && !try_record(slot)) return false;
     CUresult r;
     try {
-      ContextGuard g(d_, sh_->ctx);
+      ContextGuard g(d_, slot.ctx);
       r = d_.EventQuery(slot.event);
     } catch (const DriverError& e) {
-      std::fprintf(stderr, "pyalloc: %s\n", e.what());
-      return false;
+      return fail(slot, e.what());
     }
-    if (r == CUDA_ERROR_NOT_READY) return false;
-    // Any other answer ends the wait: a failed context never completes events.
-    slot.done = true;
-    return true;
+    if (r == CUDA_SUCCESS) return slot.done = true;
+    if (r == CUDA_ERROR_NOT_READY || is_capture_error(r)) return false;
+    return fail(slot, "cuEventQuery", r);
   }
 
   bool event_wait(EventId id) override {
     Slot& slot = slots_[id];
     if (slot.done) return true;
+    if (slot.failed) return false;
     // An event that cannot be recorded yet (its stream is capturing) cannot
     // be waited for: the core keeps treating it as not done.
     if (sh_->captures.underway()) return false;
     if (slot.unrecorded && !try_record(slot)) return false;
+    CUresult r;
     try {
-      ContextGuard g(d_, sh_->ctx);
-      CUresult r = d_.EventSynchronize(slot.event);
-      if (r != CUDA_SUCCESS) {
-        std::fprintf(stderr, "pyalloc: cuEventSynchronize failed: %s\n", error_name(r).c_str());
-        return false;
-      }
+      ContextGuard g(d_, slot.ctx);
+      r = d_.EventSynchronize(slot.event);
     } catch (const DriverError& e) {
-      std::fprintf(stderr, "pyalloc: %s\n", e.what());
-      return false;
+      return fail(slot, e.what());
     }
-    slot.done = true;
-    return true;
+    if (r == CUDA_SUCCESS) return slot.done = true;
+    if (is_capture_error(r)) return false;
+    return fail(slot, "cuEventSynchronize", r);
   }
 
   void event_free(EventId id) override { spare_.push_back(id); }
@@ -249,10 +391,8 @@ class CudaBackend final : public Backend {
       }
       handles_[addr + off] = h;
     }
-    CUmemAccessDesc access{};
-    access.location = sh_->prop.location;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    CUresult r = d_.MemSetAccess(static_cast<CUdeviceptr>(addr), size, &access, 1);
+    // Peers too: their kernels and cudaMemcpyAsync read these pages directly.
+    CUresult r = set_access(d_, *sh_, addr, size);
     if (r != CUDA_SUCCESS) {
       unmap_pages(addr, size);
       if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
@@ -284,26 +424,73 @@ class CudaBackend final : public Backend {
 
   struct Slot {
     CUevent event = nullptr;
+    CUcontext ctx = nullptr;  // the event's context: its stream's
     Stream stream = 0;
     bool unrecorded = false;  // recording waits for the stream's capture to end
     bool done = false;
+    bool failed = false;      // never done: its block stays out of use
   };
+
+  bool fail(Slot& slot, const std::string& what, CUresult r = CUDA_SUCCESS) {
+    slot.failed = true;
+    if (r == CUDA_SUCCESS) {  // the context could not be made current
+      std::lock_guard<std::mutex> g(sh_->error_mu);
+      std::string message = "CUDA error on device " + std::to_string(sh_->index) + ": " + what;
+      if (sh_->error.empty()) sh_->error = message;
+      if (!sh_->error_told) std::fprintf(stderr, "pyalloc: %s\n", message.c_str());
+      sh_->error_told = true;
+    } else {
+      sh_->report_error(what, r, slot.stream);
+    }
+    return false;
+  }
 
   // Records the slot's event on its stream, unless a capture is underway:
   // like PyTorch's own allocator, no event is recorded during any capture.
+  // A stream of another device (record_stream) has another context, where
+  // the event is made: an event and its stream must share a context.
   bool try_record(Slot& slot) {
     if (sh_->captures.blocks(slot.stream)) return false;
+    if (slot.ctx == nullptr) slot.ctx = sh_->ctx;
+    const char* what = "cuEventRecord";
+    CUresult r;
     try {
-      ContextGuard g(d_, sh_->ctx);
-      if (slot.event == nullptr)
-        check(d_.EventCreate(&slot.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-      check(d_.EventRecord(slot.event, as_stream(slot.stream)), "cuEventRecord");
+      r = record_in(slot, slot.ctx, &what);
+      CUcontext owner = nullptr;
+      if (r == CUDA_ERROR_INVALID_HANDLE && d_.StreamGetCtx != nullptr &&
+          d_.StreamGetCtx(as_stream(slot.stream), &owner) == CUDA_SUCCESS && owner != nullptr &&
+          owner != slot.ctx) {
+        {
+          ContextGuard g(d_, slot.ctx);
+          d_.EventDestroy(slot.event);
+        }
+        slot.event = nullptr;
+        slot.ctx = owner;
+        what = "cuEventRecord";
+        r = record_in(slot, owner, &what);
+      }
     } catch (const DriverError& e) {
-      std::fprintf(stderr, "pyalloc: %s\n", e.what());
-      return false;
+      return fail(slot, e.what());
     }
-    slot.unrecorded = false;
-    return true;
+    if (r == CUDA_SUCCESS) {
+      slot.unrecorded = false;
+      return true;
+    }
+    if (!is_capture_error(r)) fail(slot, what, r);
+    return false;
+  }
+
+  CUresult record_in(Slot& slot, CUcontext ctx, const char** what) {
+    ContextGuard g(d_, ctx);
+    if (slot.event == nullptr) {
+      CUresult r = d_.EventCreate(&slot.event, CU_EVENT_DISABLE_TIMING);
+      if (r != CUDA_SUCCESS) {
+        slot.event = nullptr;
+        *what = "cuEventCreate";
+        return r;
+      }
+    }
+    return d_.EventRecord(slot.event, as_stream(slot.stream));
   }
 
   const Driver& d_;
@@ -326,6 +513,13 @@ class CudaDevice final : public Device {
     else device_mem_info(driver(), sh_->ctx, free_bytes, total_bytes);
   }
   int dlpack_device_type() const override { return 2; }  // kDLCUDA
+  std::string vmm_unavailable() const override { return sh_->vmm_page != 0 ? "" : sh_->vmm_why; }
+  std::string take_error() override {
+    std::lock_guard<std::mutex> g(sh_->error_mu);
+    std::string e;
+    e.swap(sh_->error);
+    return e;
+  }
 
  private:
   std::shared_ptr<CudaShared> sh_;
@@ -341,20 +535,24 @@ int cuda_device_count() {
 }
 
 std::unique_ptr<Device> open_cuda_device(int index) {
+  return std::make_unique<CudaDevice>(open_shared(driver(), index));
+}
+
+CudaDeviceInfo describe_cuda_device(int index) {
   const Driver& d = driver();
-  int count = cuda_device_count();
-  if (index < 0 || index >= count)
-    throw DriverError("invalid CUDA device index " + std::to_string(index) + ": the driver sees " +
-                      std::to_string(count) + " device(s)");
-  CUdevice dev = 0;
-  check(d.DeviceGet(&dev, index), "cuDeviceGet");
-  // The primary context is the one the CUDA runtime, and so PyTorch, uses.
-  // It is retained for the life of the process, like the pools on it.
-  CUcontext ctx = nullptr;
-  check(d.DevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
-  auto shared = std::make_shared<CudaShared>(index, dev, ctx);
-  shared->vmm_page = probe_vmm(d, *shared);
-  return std::make_unique<CudaDevice>(std::move(shared));
+  CudaDeviceInfo info;
+  info.index = index;
+  std::shared_ptr<CudaShared> sh = open_shared(d, index);
+  char name[256] = {0};
+  if (d.DeviceGetName != nullptr && d.DeviceGetName(name, sizeof(name) - 1, sh->dev) == CUDA_SUCCESS)
+    info.name = name;
+  device_mem_info(d, sh->ctx, &info.free_bytes, &info.total_bytes);
+  if (info.total_bytes == 0 && d.DeviceTotalMem != nullptr) d.DeviceTotalMem(&info.total_bytes, sh->dev);
+  info.vmm_page = sh->vmm_page;
+  info.vmm_why = sh->vmm_why;
+  info.peers = sh->peers;
+  info.peers_why = sh->peers_refused.load() ? sh->peers_why : "";
+  return info;
 }
 
 }  // namespace pyalloc

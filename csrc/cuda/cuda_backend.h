@@ -9,15 +9,26 @@
 // forbids the calls it guards from any thread, on any device).
 //
 // The CUDA Backend, beyond backend.h's contract:
-// - Every driver call runs with the device's primary context current. If
-//   the calling thread has another context current (another device), it is
-//   restored afterwards; if it has none, the primary context stays current.
+// - Every driver call runs with the device's primary context current; the
+//   calling thread gets back what it had current: another context, or none.
 // - reserve() is cuMemAlloc; it returns 0 for CUDA_ERROR_OUT_OF_MEMORY and
 //   throws DriverError for any other failure (a broken context is not an
 //   out-of-memory). release() is cuMemFree, which waits for the device's
 //   work on that memory to finish.
 // - Events are created once (CU_EVENT_DISABLE_TIMING) and recycled: a freed
-//   EventId's CUevent serves the next record_event().
+//   EventId's CUevent serves the next record_event(). An event recorded on a
+//   stream of another device (record_stream) is made in that stream's
+//   context. Only CUDA_SUCCESS from cuEventQuery means done; NOT_READY and
+//   the capture errors mean not yet; any other answer fails the event for
+//   good (its block is never reused, as the device may still use it), is
+//   said once on stderr, and is raised by the device's next allocation
+//   (Device::take_error()).
+// - Pages (virtual memory) are mapped for the device and every device that
+//   can access it as a peer (cuDeviceCanAccessPeer); if the driver refuses
+//   the peers, for the device alone, said once on stderr.
+// - Virtual memory is offered (vmm_page_size() != 0) only when the driver
+//   has the entry points, the device supports it and a trial mapping of one
+//   page at open succeeded; otherwise Device::vmm_unavailable() says why.
 // - Captures (capture.h): while a capture is underway in the process,
 //   is_capturing() is true for every stream, reserve() returns 0,
 //   mem_info() answers 0 (unknown) and event_done() false without asking
@@ -29,6 +40,8 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "core/backend.h"
 #include "capture.h"
@@ -48,7 +61,28 @@ class Device {
   virtual void mem_info(size_t* free_bytes, size_t* total_bytes) = 0;
   /// The DLPack device type of its memory (kDLCUDA = 2; kDLCPU = 1 for the fake).
   virtual int dlpack_device_type() const = 0;
+  /// Why its backends offer no virtual memory; empty when they do.
+  virtual std::string vmm_unavailable() const { return ""; }
+  /// The error that has left memory of this device unusable since the last
+  /// call, as a message for the user; empty if none. Cleared by the call.
+  virtual std::string take_error() { return ""; }
 };
+
+/// What `pyalloc doctor` shows of a CUDA device.
+struct CudaDeviceInfo {
+  int index = 0;
+  std::string name;
+  size_t total_bytes = 0;
+  size_t free_bytes = 0;
+  size_t vmm_page = 0;      // mapping granularity; 0: no virtual memory
+  std::string vmm_why;      // when vmm_page is 0: why
+  std::vector<int> peers;   // devices that can access its memory
+  std::string peers_why;    // non-empty: the driver refused mapping for them
+};
+
+/// Opens device `index` as open_cuda_device() does (retaining its primary
+/// context, a trial mapping) and describes it. Throws drv::DriverError.
+CudaDeviceInfo describe_cuda_device(int index);
 
 /// Opens CUDA device `index`: loads the driver and retains the device's
 /// primary context. Throws drv::DriverError saying what is missing.

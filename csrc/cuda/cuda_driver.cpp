@@ -65,7 +65,11 @@ Loaded load() {
   fetch(lib, "cuEventDestroy_v2", &d.EventDestroy, &missing);
   fetch(lib, "cuStreamIsCapturing", &d.StreamIsCapturing, &missing);
   fetch(lib, "cuGetErrorName", &d.GetErrorName, &missing);
-  fetch(lib, "cuStreamGetCaptureInfo", &d.StreamGetCaptureInfo, nullptr);
+  fetch(lib, "cuStreamGetCaptureInfo_v2", &d.StreamGetCaptureInfo, nullptr);
+  fetch(lib, "cuStreamGetCtx", &d.StreamGetCtx, nullptr);
+  fetch(lib, "cuDeviceCanAccessPeer", &d.DeviceCanAccessPeer, nullptr);
+  fetch(lib, "cuDeviceTotalMem_v2", &d.DeviceTotalMem, nullptr);
+  fetch(lib, "cuDeviceGetName", &d.DeviceGetName, nullptr);
   std::string no_vmm;
   fetch(lib, "cuDeviceGetAttribute", &d.DeviceGetAttribute, &no_vmm);
   fetch(lib, "cuMemAddressReserve", &d.MemAddressReserve, &no_vmm);
@@ -76,7 +80,10 @@ Loaded load() {
   fetch(lib, "cuMemUnmap", &d.MemUnmap, &no_vmm);
   fetch(lib, "cuMemSetAccess", &d.MemSetAccess, &no_vmm);
   fetch(lib, "cuMemGetAllocationGranularity", &d.MemGetAllocationGranularity, &no_vmm);
-  if (!no_vmm.empty()) d.MemMap = nullptr;  // has_vmm() false: pools use plain segments
+  if (!no_vmm.empty()) {
+    d.MemMap = nullptr;  // has_vmm() false: pools use plain segments
+    d.vmm_missing = no_vmm;
+  }
   if (!missing.empty()) {
     out.error = std::string("the CUDA driver library ") + name +
                 " lacks entry points pyalloc needs (" + missing +

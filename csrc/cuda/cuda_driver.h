@@ -24,11 +24,22 @@ enum CUresult : int {
   CUDA_ERROR_DEINITIALIZED = 4,
   CUDA_ERROR_NO_DEVICE = 100,
   CUDA_ERROR_INVALID_DEVICE = 101,
+  CUDA_ERROR_INVALID_HANDLE = 400,
   CUDA_ERROR_NOT_READY = 600,
+  CUDA_ERROR_NOT_PERMITTED = 800,
+  CUDA_ERROR_NOT_SUPPORTED = 801,
   CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
   CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906,
   CUDA_ERROR_CAPTURED_EVENT = 907,
+  CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD = 908,
 };
+
+/// The errors of stream capture (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED ..
+/// CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD): a call was refused because of a
+/// capture, which says nothing about the work it asked about.
+inline bool is_capture_error(CUresult r) {
+  return r >= CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED && r <= CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD;
+}
 
 enum CUstreamCaptureStatus : int {
   CU_STREAM_CAPTURE_STATUS_NONE = 0,
@@ -98,10 +109,19 @@ struct Driver {
   CUresult (*EventSynchronize)(CUevent event);                           // cuEventSynchronize
   CUresult (*EventDestroy)(CUevent event);                               // cuEventDestroy_v2
   CUresult (*StreamIsCapturing)(CUstream stream, CUstreamCaptureStatus* status);  // cuStreamIsCapturing
-  /// Optional (null if absent): the CUDA 10.1 ABI, which also gives the
-  /// capture sequence's id.
-  CUresult (*StreamGetCaptureInfo)(CUstream stream, CUstreamCaptureStatus* status,
-                                   cuuint64_t* id);                       // cuStreamGetCaptureInfo
+  /// Optional (null if absent): the CUDA 11.3 ABI (`_v2`, six arguments;
+  /// CUDA 13's headers map the plain name to the seven-argument `_v3`), which
+  /// also gives the capture sequence's id. The last three may be null.
+  CUresult (*StreamGetCaptureInfo)(CUstream stream, CUstreamCaptureStatus* status, cuuint64_t* id,
+                                   void** graph, const void** deps,
+                                   size_t* num_deps);                     // cuStreamGetCaptureInfo_v2
+  /// Optional (null if absent): the context a stream belongs to.
+  CUresult (*StreamGetCtx)(CUstream stream, CUcontext* ctx);              // cuStreamGetCtx
+  /// Optional (null if absent): whether `device` can access `peer`'s memory.
+  CUresult (*DeviceCanAccessPeer)(int* can, CUdevice device, CUdevice peer);  // cuDeviceCanAccessPeer
+  /// Optional (null if absent): for `pyalloc doctor`, which needs no context.
+  CUresult (*DeviceTotalMem)(size_t* bytes, CUdevice device);            // cuDeviceTotalMem_v2
+  CUresult (*DeviceGetName)(char* name, int len, CUdevice device);       // cuDeviceGetName
   CUresult (*GetErrorName)(CUresult error, const char** name);           // cuGetErrorName
   /// Optional (all null if any is absent): virtual memory management.
   CUresult (*DeviceGetAttribute)(int* value, int attribute, CUdevice device);  // cuDeviceGetAttribute
@@ -119,6 +139,8 @@ struct Driver {
   CUresult (*MemGetAllocationGranularity)(size_t* granularity, const CUmemAllocationProp* prop,
                                           int option);  // cuMemGetAllocationGranularity
   bool has_vmm() const { return MemMap != nullptr; }
+  /// When !has_vmm(): the virtual memory entry points the library lacks.
+  std::string vmm_missing;
   int version = 0;  // cuDriverGetVersion, e.g. 13000
 };
 

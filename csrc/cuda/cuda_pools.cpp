@@ -28,6 +28,17 @@ DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config)
     : device_(std::move(device)), config_(config) {
   general_ = std::make_unique<Allocator>(device_->make_backend(), config_);
   buffers_ = std::make_unique<Allocator>(device_->make_backend(), buffer_config());
+  // Asked for vmm, got bestfit (no virtual memory, or the driver refused it):
+  // said once per process; reports name the strategy in use (general()).
+  static std::atomic<bool> told{false};
+  if (config_.strategy == Strategy::kVmm && general_->config().strategy != Strategy::kVmm &&
+      !told.exchange(true)) {
+    std::string why = device_->vmm_unavailable();
+    std::fprintf(stderr,
+                 "pyalloc: device %d cannot use strategy vmm (%s); its pools use strategy "
+                 "bestfit\n",
+                 index(), why.empty() ? "the trial mapping failed" : why.c_str());
+  }
 }
 
 uintptr_t DevicePools::malloc(size_t size, Stream stream) {
@@ -351,6 +362,9 @@ uintptr_t malloc(size_t size, int device, Stream stream) {
     throw OutOfMemoryError("CUDA out of memory. pyalloc could not create its pool on device " +
                            std::to_string(device) + ": " + e.what());
   }
+  // A failed event left memory out of use: say so where the user sees it.
+  std::string error = pools->device().take_error();
+  if (!error.empty()) throw std::runtime_error(error);
   return pools->malloc(size, stream);
 }
 

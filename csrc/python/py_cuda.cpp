@@ -131,6 +131,25 @@ void bind_cuda(py::module_& m) {
       "Loads libcuda.so.1 and runs cuInit; returns the driver's CUDA version (e.g. 13000). "
       "Raises CudaDriverError (a RuntimeError) saying why it cannot.");
   m.def("cuda_device_count", &cuda_device_count, "The number of CUDA devices the driver sees.");
+  m.def(
+      "cuda_describe_device",
+      [](int index) {
+        CudaDeviceInfo i = describe_cuda_device(index);
+        py::dict d;
+        d["index"] = i.index;
+        d["name"] = i.name;
+        d["total_bytes"] = i.total_bytes;
+        d["free_bytes"] = i.free_bytes;
+        d["vmm"] = i.vmm_page != 0;
+        d["vmm_granularity"] = i.vmm_page;
+        d["vmm_why"] = i.vmm_why;
+        d["peers"] = i.peers;
+        d["peers_why"] = i.peers_why;
+        return d;
+      },
+      py::arg("index"),
+      "For pyalloc doctor: a device's name, memory, virtual memory support (a trial mapping) "
+      "and peers. Retains the device's primary context. Raises CudaDriverError.");
 
   m.def(
       "cuda_configure", [](const std::string& text) { registry().configure(text); },
@@ -138,8 +157,16 @@ void bind_cuda(py::module_& m) {
       "Sets the pools' configuration ('key:value,...') before their first use. ValueError for "
       "a bad one; RuntimeError if pools already use a different one.");
   m.def(
-      "cuda_config", [] { return config_dict(registry().config()); },
-      "The pools' effective configuration, in bytes.");
+      "cuda_config",
+      [] {
+        py::dict d = config_dict(registry().config());
+        // The strategy in use: bestfit where a device's pools could not use vmm.
+        for (DevicePools* p : registry().all())
+          if (p->general().config().strategy != registry().config().strategy)
+            d["strategy"] = strategy_name(p->general().config().strategy);
+        return d;
+      },
+      "The pools' effective configuration, in bytes; 'strategy' is the one in use.");
   m.def(
       "cuda_set_installed", [](bool v) { registry().set_installed(v); }, py::arg("installed"),
       "Records that install() made pyalloc PyTorch's allocator.");

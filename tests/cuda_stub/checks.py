@@ -1,10 +1,11 @@
 """pyalloc's CUDA backend against the stand-in driver (libcuda_stub.c).
 
 Run by test_cuda_backend_stub.py in a fresh process whose LD_LIBRARY_PATH finds
-the stand-in as libcuda.so.1:  checks.py PATH/TO/libcuda.so.1 [vmm]
-With "vmm" the stand-in reports virtual memory management and the vmm checks
-run (pools map pages); without, the segment checks run. Prints OK when every
-check passed.
+the stand-in as libcuda.so.1:  checks.py PATH/TO/libcuda.so.1 [MODE]
+Without MODE the segment checks (check_*) run; with MODE the MODE_check_*
+ones: "vmm" (the stand-in reports virtual memory management: pools map
+pages), "fallback" (vmm asked for where it cannot work). A device's pools are
+made once per process, hence the modes. Prints OK when every check passed.
 """
 import ctypes
 import sys
@@ -25,6 +26,11 @@ class Stub(c.Structure):
         ("forbidden_during_capture", c.c_int64), ("wrong_context", c.c_int64),
         ("vmm", c.c_int), ("mem_create", c.c_int64), ("mem_release", c.c_int64),
         ("mem_map", c.c_int64), ("mem_unmap", c.c_int64), ("mapped", c.c_int64 * 2),
+        ("event_error", c.c_int), ("sync_error", c.c_int), ("peer_access", c.c_int),
+        ("refuse_peers", c.c_int), ("vmm_refuse", c.c_int),
+        ("ctx_set", c.c_int64), ("event_record_errors", c.c_int64), ("stream_get_ctx", c.c_int64),
+        ("capture_info_v1", c.c_int64), ("access_count", c.c_int64), ("access_mask", c.c_int64),
+        ("destroyed_stream", c.c_uint64), ("destroyed_queries", c.c_int64),
     ]
 
 
@@ -59,14 +65,15 @@ def stats(device=0):
 def check_driver_loads():
     assert _C.cuda_check_driver() == 13000
     assert _C.cuda_device_count() == 2
-    _C.cuda_configure("pool_size:32MiB")
+    _C.cuda_configure("pool_size:32MiB,strategy:bestfit")
 
 
 def check_contexts():
-    # No context on this thread: the device's primary context becomes current.
+    # No context on this thread: one is made current for the call, and none after.
     assert driver.stub_current() is None
     p = malloc(MiB, device=1)
-    assert driver.stub_current() == driver.stub_context(1)
+    assert driver.stub_current() is None
+    assert stub.used[1] >= 32 * MiB and stub.wrong_context == 0
     c.memset(p, 1, MiB)  # the stand-in's memory is host memory
     # Another device's context current: used for the call, then restored.
     driver.cuCtxSetCurrent(driver.stub_context(0))
@@ -79,6 +86,32 @@ def check_contexts():
     hooks.pyalloc_empty_cache()
     assert driver.stub_current() == driver.stub_context(0)
     assert stub.wrong_context == 0
+    # Back to none: every entry point leaves the thread without a context.
+    driver.cuCtxSetCurrent(None)
+    p = malloc(MiB, 0, 0x1000)
+    hooks.pyalloc_record_stream(p, 0x2000)
+    free(p)
+    free(malloc(MiB, 1, (1 << 32) | 0x1000))  # a stream of device 1
+    hooks.pyalloc_empty_cache()
+    stats(0), _C.cuda_config()
+    assert driver.stub_current() is None
+    # The steady state sets no context where the thread has the device's current.
+    driver.cuCtxSetCurrent(driver.stub_context(0))
+    free(malloc(MiB, 0, 0x1000))
+    sets = stub.ctx_set
+    for _ in range(20):
+        free(malloc(MiB, 0, 0x1000))
+    assert stub.ctx_set == sets, stub.ctx_set - sets
+    driver.cuCtxSetCurrent(None)
+
+
+def check_capture_info_uses_the_versioned_entry_point():
+    # CUDA 13's headers map cuStreamGetCaptureInfo to a seven-argument _v3;
+    # the plain symbol is another ABI. pyalloc asks for cuStreamGetCaptureInfo_v2.
+    queries = stub.capture_queries
+    free(malloc(MiB, 0, 0x1000))
+    assert stub.capture_queries > queries
+    assert stub.capture_info_v1 == 0
 
 
 def check_events_are_recycled():
@@ -110,6 +143,65 @@ def check_record_stream_waits_for_the_event():
     free(malloc(512, 0, s1))  # the pending free completes on the way
     st = stats()
     assert st["active_bytes.all.current"] == st["allocated_bytes.all.current"] == 0
+    _C.cuda_check_invariants(0)
+
+
+def pending(device=0):
+    st = stats(device)
+    return st["active_bytes.all.current"] - st["allocated_bytes.all.current"]
+
+
+def check_capture_errors_mean_not_yet():
+    # cuEventQuery refused because of some capture: not done, no error.
+    p = malloc(MiB, 0, 0x1000)
+    hooks.pyalloc_record_stream(p, 0x2000)
+    stub.event_error = 900  # CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+    free(p)
+    free(malloc(512, 0, 0x1000))
+    assert pending() == MiB
+    free(malloc(512, 0, 0x1000))  # still no error to raise
+    stub.event_error = 0
+    free(malloc(512, 0, 0x1000))
+    assert pending() == 0
+    _C.cuda_check_invariants(0)
+
+
+def check_record_stream_on_another_device():
+    # A stream of device 1 used a block of device 0: its event is made in
+    # device 1's context (an event and its stream share one), and completes.
+    other = (1 << 32) | 0x2000
+    for _ in range(3):
+        p = malloc(MiB, 0, 0x1000)
+        hooks.pyalloc_record_stream(p, other)
+        free(p)
+        free(malloc(512, 0, 0x1000))
+        assert pending() == 0
+    assert stub.stream_get_ctx >= 1
+    assert stub.event_record_errors <= 1, stub.event_record_errors  # then the event stays there
+    _C.cuda_check_invariants(0)
+
+
+def check_failed_event_keeps_the_block_and_raises_once():
+    p = malloc(MiB, 0, 0x1000)
+    hooks.pyalloc_record_stream(p, 0x2000)
+    stub.event_error = 700  # CUDA_ERROR_ILLEGAL_ADDRESS: a kernel failed
+    free(p)
+    free(malloc(512, 0, 0x1000))  # the query fails here
+    assert pending() == MiB
+    queries = stub.event_query
+    try:
+        malloc(512, 0, 0x1000)
+        raise AssertionError("the failed event was not raised")
+    except RuntimeError as e:
+        message = str(e)
+    assert "cuEventQuery failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)" in message, message
+    assert "device 0" in message, message
+    stub.event_error = 0  # even if the device recovers, the block stays out of use
+    for _ in range(5):
+        free(malloc(512, 0, 0x1000))  # raised once; not asked again
+    assert pending() == MiB
+    assert stub.event_query == queries
+    assert malloc(MiB, 0, 0x1000) != p
     _C.cuda_check_invariants(0)
 
 
@@ -178,6 +270,22 @@ def check_capture():
     _C.cuda_check_invariants(0)
 
 
+def check_gone_streams_are_not_probed_again():
+    gone = 0x7000
+    stub.capture_id, stub.capturing_stream = 79, gone
+    a = malloc(MiB, 0, gone)  # seen capturing: remembered
+    stub.capturing_stream = 0
+    stub.destroyed_stream = gone  # destroyed without the capture ending
+    free(malloc(512, 0, 0x1000))
+    assert stub.destroyed_queries == 1
+    for _ in range(10):
+        free(malloc(512, 0, 0x1000))
+    assert stub.destroyed_queries == 1
+    stub.destroyed_stream = 0
+    free(a)
+    _C.cuda_release_graph_memory(0)
+
+
 def check_base_alloc():
     p = malloc(3 * MiB)
     size = c.c_size_t(0)
@@ -189,6 +297,7 @@ def check_base_alloc():
 def vmm_check_pages_are_mapped_on_demand():
     assert _C.cuda_check_driver() == 13000
     _C.cuda_configure("strategy:vmm")
+    stub.peer_access = 1  # before the devices open: they find their peers then
     p = malloc(5 * MiB)
     q = malloc(5 * MiB)
     assert stub.mem_alloc == 0  # no cuMemAlloc: pages are mapped
@@ -203,6 +312,26 @@ def vmm_check_pages_are_mapped_on_demand():
     assert stats()["reserved_bytes.all.current"] == 0
     assert stub.wrong_context == 0
     _C.cuda_check_invariants(0)
+
+
+def vmm_check_peers_may_access_the_pages():
+    p = malloc(6 * MiB)  # device 0's pages: device 1 may access them too
+    assert stub.access_count == 2 and stub.access_mask == 0b11, (stub.access_count, stub.access_mask)
+    free(p)
+    assert _C.cuda_config()["strategy"] == "vmm"
+    # A driver that refuses peer mappings: the device alone, said on stderr once.
+    stub.refuse_peers = 1
+    q = malloc(6 * MiB, device=1)
+    assert stub.access_count == 1 and stub.access_mask == 0b10
+    c.memset(q, 3, 6 * MiB)
+    free(q)
+    stub.refuse_peers = 0
+    r = malloc(40 * MiB, device=1)
+    assert stub.access_count == 1  # not asked again
+    free(r)
+    info = _C.cuda_describe_device(0)
+    assert info["peers"] == [1] and info["vmm"] and info["vmm_granularity"] == 2 * MiB, info
+    _C.cuda_check_invariants(1)
 
 
 def vmm_check_holes_back_a_large_allocation():
@@ -238,8 +367,33 @@ def vmm_check_no_mapping_during_capture():
     _C.cuda_check_invariants(0)
 
 
-prefix = "vmm_check_" if sys.argv[2:] == ["vmm"] else "check_"
-stub.vmm = 1 if prefix == "vmm_check_" else 0
+def fallback_check_vmm_refused_by_a_sandbox():
+    stub.vmm = 1
+    stub.vmm_refuse = 1  # cuMemCreate: CUDA_ERROR_NOT_PERMITTED
+    _C.cuda_configure("strategy:vmm")
+    p = malloc(5 * MiB)
+    assert stub.mem_alloc > 0 and stub.mem_map == 0  # plain segments
+    free(p)
+    # Every report names the strategy in use (stderr said why, once).
+    assert _C.cuda_config()["strategy"] == "bestfit"
+    from pyalloc import cuda
+    assert cuda.snapshot()["allocator_settings"]["strategy"] == "bestfit"
+    why = _C.cuda_describe_device(0)["vmm_why"]
+    assert "cuMemCreate failed: CUDA_ERROR_NOT_PERMITTED (800)" in why, why
+
+
+def fallback_check_no_vmm_support():
+    stub.vmm = 0
+    stub.vmm_refuse = 0
+    free(malloc(5 * MiB, device=1))
+    info = _C.cuda_describe_device(1)
+    assert not info["vmm"] and "does not support virtual memory" in info["vmm_why"], info
+    assert _C.cuda_config()["strategy"] == "bestfit"
+
+
+mode = sys.argv[2] if len(sys.argv) > 2 else ""
+prefix = mode + "_check_" if mode else "check_"
+stub.vmm = 1 if mode == "vmm" else 0
 for name, fn in list(globals().items()):
     if name.startswith(prefix) and callable(fn):
         fn()

@@ -6,7 +6,14 @@
  * call that CUDA's global capture mode forbids, or that pyalloc promises not to
  * make, while a capture is underway (allocating, freeing, asking for free
  * memory, recording, querying or waiting on events). Events
- * complete at once unless the test holds them pending.
+ * complete at once unless the test holds them pending or makes them fail.
+ *
+ * Streams are numbers; a stream's device is its bits 32 and up (0x1_0000_2000
+ * is a stream of device 1), stream 0 is the current context's. As in the real
+ * driver, an event may be recorded only on a stream of its own context. The
+ * test can also let the devices be peers (or have the driver refuse peer
+ * mappings), make virtual memory calls fail as in a sandbox, and mark a
+ * stream destroyed (capture queries on it fail).
  *
  * test_cuda_backend_stub.py compiles it as libcuda.so.1 and reads `stub` through
  * ctypes. */
@@ -17,11 +24,12 @@
 
 typedef int CUresult;
 typedef struct Ctx { int device; } *CUcontext;
-typedef struct Event { int flags; int recorded; } *CUevent;
+typedef struct Event { int flags; int recorded; CUcontext ctx; } *CUevent;
 typedef void* CUstream;
 
 enum { SUCCESS = 0, OUT_OF_MEMORY = 2, INVALID_VALUE = 1, INVALID_DEVICE = 101,
-       INVALID_CONTEXT = 201, NOT_READY = 600, STUB_FAILURE = 999 };
+       INVALID_CONTEXT = 201, INVALID_HANDLE = 400, NOT_READY = 600, ILLEGAL_ADDRESS = 700,
+       NOT_PERMITTED = 800, NOT_SUPPORTED = 801, CAPTURE_UNSUPPORTED = 900, STUB_FAILURE = 999 };
 
 #define DEVICES 2
 #define MAX_BLOCKS 4096
@@ -37,6 +45,15 @@ struct Stub {
       event_destroy, capture_queries, forbidden_during_capture, wrong_context;
   int vmm;                   /* the device reports virtual memory management */
   int64_t mem_create, mem_release, mem_map, mem_unmap, mapped[DEVICES];
+  int event_error;           /* cuEventQuery answers this (after recording) when nonzero */
+  int sync_error;            /* cuEventSynchronize answers this when nonzero */
+  int peer_access;           /* cuDeviceCanAccessPeer: the devices are peers */
+  int refuse_peers;          /* cuMemSetAccess for more than one device fails */
+  int vmm_refuse;            /* cuMemCreate answers NOT_PERMITTED, as in a sandbox */
+  int64_t ctx_set, event_record_errors, stream_get_ctx, capture_info_v1;
+  int64_t access_count, access_mask; /* the last cuMemSetAccess: devices, bit per device */
+  uint64_t destroyed_stream; /* capture queries on it answer INVALID_HANDLE */
+  int64_t destroyed_queries;
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -58,7 +75,36 @@ CUresult cuDeviceGet(int* d, int ordinal) {
 }
 CUresult cuDevicePrimaryCtxRetain(CUcontext* c, int d) { *c = &contexts[d]; return SUCCESS; }
 CUresult cuCtxGetCurrent(CUcontext* c) { *c = current; return SUCCESS; }
-CUresult cuCtxSetCurrent(CUcontext c) { current = c; return SUCCESS; }
+CUresult cuCtxSetCurrent(CUcontext c) { current = c; stub.ctx_set++; return SUCCESS; }
+
+static int stream_device(CUstream s) {
+  uint64_t d = (uint64_t)(uintptr_t)s >> 32;
+  if (s == 0) return current != 0 ? current->device : -1;
+  return d < DEVICES ? (int)d : -1;
+}
+CUresult cuStreamGetCtx(CUstream s, CUcontext* c) {
+  stub.stream_get_ctx++;
+  int d = stream_device(s);
+  if (d < 0) return INVALID_HANDLE;
+  *c = &contexts[d];
+  return SUCCESS;
+}
+CUresult cuDeviceCanAccessPeer(int* can, int device, int peer) {
+  if (device < 0 || device >= DEVICES || peer < 0 || peer >= DEVICES) return INVALID_DEVICE;
+  *can = device != peer && stub.peer_access;
+  return SUCCESS;
+}
+CUresult cuDeviceTotalMem_v2(size_t* bytes, int device) {
+  if (device < 0 || device >= DEVICES) return INVALID_DEVICE;
+  *bytes = (size_t)stub.capacity;
+  return SUCCESS;
+}
+CUresult cuDeviceGetName(char* name, int len, int device) {
+  if (device < 0 || device >= DEVICES || len < 1) return INVALID_VALUE;
+  strncpy(name, "pyalloc stand-in device", (size_t)len - 1);
+  name[len - 1] = 0;
+  return SUCCESS;
+}
 
 CUresult cuMemAlloc_v2(unsigned long long* p, size_t size) {
   during_capture();
@@ -107,12 +153,14 @@ CUresult cuEventCreate(CUevent* e, unsigned int flags) {
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   *e = calloc(1, sizeof(struct Event));
   (*e)->flags = (int)flags;
+  (*e)->ctx = current;
   stub.event_create++;
   return SUCCESS;
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
-  (void)s;
   during_capture();
+  int d = stream_device(s);
+  if (d < 0 || &contexts[d] != e->ctx) { stub.event_record_errors++; return INVALID_HANDLE; }
   e->recorded = 1;
   stub.event_record++;
   return SUCCESS;
@@ -121,30 +169,51 @@ CUresult cuEventQuery(CUevent e) {
   during_capture();
   stub.event_query++;
   if (!e->recorded) return INVALID_VALUE;
+  if (stub.event_error) return stub.event_error;
   return stub.events_pending ? NOT_READY : SUCCESS;
 }
 CUresult cuEventSynchronize(CUevent e) {
   during_capture();
   stub.event_sync++;
+  if (stub.sync_error) return stub.sync_error;
   return e->recorded ? SUCCESS : INVALID_VALUE;
 }
 CUresult cuEventDestroy_v2(CUevent e) { free(e); stub.event_destroy++; return SUCCESS; }
 
-CUresult cuStreamGetCaptureInfo(CUstream s, int* status, uint64_t* id) {
+/* The CUDA 11.3 ABI, which pyalloc uses; CUDA 13's headers map the plain
+ * name to a seven-argument _v3. */
+CUresult cuStreamGetCaptureInfo_v2(CUstream s, int* status, uint64_t* id, void** graph,
+                                   const void** deps, size_t* num_deps) {
   stub.capture_queries++;
+  if (stub.destroyed_stream != 0 && (uint64_t)(uintptr_t)s == stub.destroyed_stream) {
+    stub.destroyed_queries++;
+    return INVALID_HANDLE;
+  }
   int capturing = stub.capturing_stream != 0 && (uint64_t)(uintptr_t)s == stub.capturing_stream;
   *status = capturing ? 1 : 0;
-  *id = capturing ? stub.capture_id : 0;
+  if (id != 0) *id = capturing ? stub.capture_id : 0;
+  if (graph != 0) *graph = 0;
+  if (deps != 0) *deps = 0;
+  if (num_deps != 0) *num_deps = 0;
   return SUCCESS;
 }
+/* The CUDA 10.1 ABI under the plain name: counted, so that a test sees it unused. */
+CUresult cuStreamGetCaptureInfo(CUstream s, int* status, uint64_t* id) {
+  stub.capture_info_v1++;
+  return cuStreamGetCaptureInfo_v2(s, status, id, 0, 0, 0);
+}
 CUresult cuStreamIsCapturing(CUstream s, int* status) {
-  uint64_t id;
-  return cuStreamGetCaptureInfo(s, status, &id);
+  return cuStreamGetCaptureInfo_v2(s, status, 0, 0, 0, 0);
 }
 
 CUresult cuGetErrorName(CUresult r, const char** name) {
   *name = r == OUT_OF_MEMORY ? "CUDA_ERROR_OUT_OF_MEMORY"
-          : r == STUB_FAILURE ? "CUDA_ERROR_STUB_FAILURE" : "CUDA_ERROR_OTHER";
+          : r == STUB_FAILURE ? "CUDA_ERROR_STUB_FAILURE"
+          : r == INVALID_HANDLE ? "CUDA_ERROR_INVALID_HANDLE"
+          : r == ILLEGAL_ADDRESS ? "CUDA_ERROR_ILLEGAL_ADDRESS"
+          : r == NOT_PERMITTED ? "CUDA_ERROR_NOT_PERMITTED"
+          : r == NOT_SUPPORTED ? "CUDA_ERROR_NOT_SUPPORTED"
+          : r == CAPTURE_UNSUPPORTED ? "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED" : "CUDA_ERROR_OTHER";
   return SUCCESS;
 }
 
@@ -181,6 +250,7 @@ CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsig
   (void)prop; (void)flags;
   during_capture();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
+  if (stub.vmm_refuse) return NOT_PERMITTED;
   int d = current->device;
   if (size != PAGE) return INVALID_VALUE;
   if (stub.used[d] + (int64_t)size > stub.capacity) return OUT_OF_MEMORY;
@@ -218,10 +288,22 @@ CUresult cuMemUnmap(unsigned long long p, size_t size) {
   stub.mem_unmap++;
   return SUCCESS;
 }
+struct AccessDesc { int type; int id; int flags; };
 CUresult cuMemSetAccess(unsigned long long p, size_t size, const void* desc, size_t count) {
-  (void)p; (void)size; (void)desc;
+  (void)p; (void)size;
   during_capture();
-  return count == 1 ? SUCCESS : INVALID_VALUE;
+  const struct AccessDesc* a = desc;
+  if (count < 1 || count > DEVICES) return INVALID_VALUE;
+  if (count > 1 && stub.refuse_peers) return NOT_SUPPORTED;
+  int64_t mask = 0;
+  for (size_t i = 0; i < count; ++i) {
+    if (a[i].type != 1 || a[i].id < 0 || a[i].id >= DEVICES || a[i].flags != 3) return INVALID_VALUE;
+    if (a[i].id != a[0].id && !stub.peer_access) return INVALID_VALUE;
+    mask |= (int64_t)1 << a[i].id;
+  }
+  stub.access_count = (int64_t)count;
+  stub.access_mask = mask;
+  return SUCCESS;
 }
 
 /* For the test: the primary context of a device, to make it current by hand. */
