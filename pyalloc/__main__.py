@@ -15,6 +15,7 @@ COMMANDS = [
     ("run", "pyalloc.launcher", "run a Python script with pyalloc installed as torch's CUDA allocator"),
     ("replay", "pyalloc.replay", "replay recorded allocation traces through pyalloc (no GPU needed)"),
     ("record", "pyalloc.record", "record a program's allocation trace as a memory snapshot"),
+    ("doctor", "pyalloc.doctor", "check that this machine is ready for pyalloc: driver, devices, torch, live test"),
 ]
 
 

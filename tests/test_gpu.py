@@ -75,6 +75,20 @@ def test_cuda_graph_capture_and_replay():
     assert "OK" in script("cuda_graph.py")
 
 
+def test_copies_between_devices():
+    out = script("peer_copy.py")
+    if "SKIP" in out:
+        pytest.skip("needs two GPUs")
+    assert "OK" in out
+
+
+def test_doctor_says_ready():
+    out = run([sys.executable, "-m", "pyalloc", "doctor"])  # exit status 0: ready
+    lines = out.strip().splitlines()
+    assert lines[-1] == "ready", out
+    assert any(line.startswith("live:") and " ok " in line for line in lines), out
+
+
 def test_reserve_buffer():
     assert "OK" in script("buffers.py")
 

@@ -1,0 +1,274 @@
+"""``pyalloc doctor``: is this machine ready for pyalloc? Run it first on a new machine.
+
+It reports the CUDA driver and its version; each device with its memory, virtual
+memory support and peers; the installed PyTorch (a CUDA build or not, the hooks its
+pluggable allocator offers, whether CUDA is already initialised in this process);
+the effective PYALLOC_CONF. Where a GPU and a CUDA build of torch exist, it runs a
+live check of a few seconds per device, each in a child process (install pyalloc,
+allocate and free on two streams, record_stream, a tiny CUDA graph, empty_cache).
+It ends with one line: ready, or not ready and why. It never raises: whatever fails
+becomes a line of the report. Exit status 0 when ready, 1 when not.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+from . import _C
+
+#: torch's pluggable-allocator setters that pyalloc uses when they exist.
+GRAPH_POOL_HOOKS = ("set_begin_allocate_to_pool", "set_end_allocate_to_pool", "set_release_pool")
+
+# The live check, run in a child process that sees one device (CUDA_VISIBLE_DEVICES).
+LIVE_CHECK = r"""
+import torch
+import pyalloc
+
+pyalloc.install()
+MiB = 1 << 20
+side = torch.cuda.Stream()
+main = torch.cuda.current_stream()
+kept = []
+for stream in (main, side):
+    with torch.cuda.stream(stream):
+        for size in (1, 512, MiB + 1, 20 * MiB + 3, 64 * MiB):
+            x = torch.full((size,), 7, dtype=torch.uint8, device="cuda")
+            assert int(x[-1]) == 7, size
+            kept.append(x)
+side.wait_stream(main)
+x = kept[3]
+with torch.cuda.stream(side):
+    x.add_(1)
+x.record_stream(side)
+del x, kept[:]
+torch.cuda.synchronize()
+assert torch.cuda.memory_allocated() == 0, torch.cuda.memory_allocated()
+
+static = torch.zeros(1024, device="cuda")
+out = static * 2 + 1  # warm-up outside the capture
+torch.cuda.synchronize()
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    out = static * 2 + 1
+static.fill_(3)
+graph.replay()
+torch.cuda.synchronize()
+assert float(out[0]) == 7.0, float(out[0])
+del graph, out, static
+torch.cuda.empty_cache()
+print("LIVE OK", pyalloc.memory_stats()["reserved_bytes.all.current"])
+"""
+
+
+class Report:
+    """Lines of the report, and the reasons it is not ready."""
+
+    def __init__(self, out: Callable[[str], None]):
+        self.out = out
+        self.problems: List[str] = []
+
+    def line(self, text: str) -> None:
+        self.out(text)
+
+    def problem(self, text: str) -> None:
+        self.problems.append(text)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _driver_path() -> Optional[str]:
+    """The file the CUDA driver was loaded from, as this process maps it."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libcuda.so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def check_driver(r: Report) -> List[Dict[str, Any]]:
+    """The driver and each device; the devices' descriptions."""
+    try:
+        version = _C.cuda_check_driver()
+    except Exception as e:  # pyalloc's CudaDriverError says why and what to do
+        r.line(f"driver:   not usable: {e}")
+        r.problem("no CUDA GPU: the CUDA driver cannot be used (see 'driver' above)")
+        return []
+    where = _driver_path()
+    r.line(f"driver:   CUDA {version // 1000}.{version % 1000 // 10} ({version})"
+           + (f", {where}" if where else ""))
+    try:
+        count = _C.cuda_device_count()
+    except Exception as e:
+        r.line(f"devices:  cannot be counted: {e}")
+        r.problem("no CUDA GPU: the driver cannot count its devices")
+        return []
+    r.line(f"devices:  {count}")
+    if count == 0:
+        r.problem("no CUDA GPU is visible to this process (CUDA_VISIBLE_DEVICES?)")
+    devices = []
+    for i in range(count):
+        try:
+            d = _C.cuda_describe_device(i)
+        except Exception as e:
+            r.line(f"  cuda:{i}  cannot be opened: {e}")
+            r.problem(f"device {i} cannot be opened")
+            continue
+        devices.append(d)
+        vmm = (f"yes, granularity {_size(d['vmm_granularity'])}" if d["vmm"]
+               else f"no ({d['vmm_why']})")
+        r.line(f"  cuda:{i}  {d['name'] or '(unnamed)'}: {_size(d['total_bytes'])} total, "
+               f"{_size(d['free_bytes'])} free")
+        r.line(f"          virtual memory: {vmm}")
+        peers = ", ".join(f"cuda:{p}" for p in d["peers"]) or "none"
+        r.line(f"          peers that can access its memory: {peers}"
+               + (f" (refused: {d['peers_why']})" if d["peers_why"] else ""))
+    return devices
+
+
+def check_torch(r: Report) -> Any:
+    """The installed torch, or None if it cannot run pyalloc."""
+    try:
+        import torch
+    except Exception as e:
+        r.line(f"torch:    cannot be imported ({_one_line(e)})")
+        r.problem("PyTorch is not installed (pip install torch)" if isinstance(e, ModuleNotFoundError)
+                  else f"torch cannot be imported ({_one_line(e)})")
+        return None
+    cuda = getattr(torch.version, "cuda", None)
+    r.line(f"torch:    {torch.__version__}, " + (f"a CUDA {cuda} build" if cuda else "a CPU-only build"))
+    if not cuda:
+        r.problem("the installed torch is a CPU-only build (pyalloc needs a CUDA build)")
+        return None
+    try:
+        initialised = torch.cuda.is_initialized()
+    except Exception as e:
+        initialised = None
+        r.line(f"          CUDA initialised in this process: unknown ({_one_line(e)})")
+    if initialised is not None:
+        r.line(f"          CUDA initialised in this process: {'yes' if initialised else 'no'}"
+               + (" (install() must come before CUDA work)" if initialised else ""))
+    allocator_type = getattr(torch._C, "_cuda_CUDAAllocator", None)
+    if allocator_type is None:
+        r.line("          pluggable allocator: missing (torch._C._cuda_CUDAAllocator)")
+        r.problem("this torch has no pluggable CUDA allocator (torch.cuda.memory.CUDAPluggableAllocator)")
+        return None
+    from .cuda import _HOOKS
+
+    offered = [name for name, _ in _HOOKS if hasattr(allocator_type, name)]
+    missing = [name for name, _ in _HOOKS if not hasattr(allocator_type, name)]
+    r.line(f"          allocator hooks: {', '.join(offered) or 'none'}"
+           + (f"; missing: {', '.join(missing)}" if missing else ""))
+    graph = [name for name in GRAPH_POOL_HOOKS if hasattr(allocator_type, name)]
+    r.line(f"          graph-pool hooks: {', '.join(graph) if graph else 'none (CUDA graphs use pool_size)'}")
+    try:
+        from . import bridge  # noqa: F401  (built only where torch's headers were at hand)
+
+        r.line("          pyalloc bridge: available")
+    except ImportError:
+        r.line("          pyalloc bridge: not built")
+    except Exception as e:
+        r.line(f"          pyalloc bridge: broken ({_one_line(e)})")
+    r.line(f"          pyalloc installed in this process: {'yes' if _C.cuda_is_installed() else 'no'}")
+    return torch
+
+
+def check_conf(r: Report, devices: List[Dict[str, Any]]) -> None:
+    from .cuda import CONF_ENV, settings_text
+
+    raw = os.environ.get(CONF_ENV)
+    r.line(f"{CONF_ENV}: " + (repr(raw) if raw is not None else "not set"))
+    try:
+        config = _C.parse_config(settings_text())
+    except Exception as e:
+        r.line(f"          invalid: {e}")
+        r.problem(f"{CONF_ENV} is invalid: {e}")
+        return
+    r.line("          effective: " + ", ".join(f"{k}={v}" for k, v in config.items()))
+    if config.get("strategy") == "vmm":
+        for d in devices:
+            if not d["vmm"]:
+                r.line(f"          cuda:{d['index']} will use strategy bestfit: {d['vmm_why']}")
+
+
+def live_check(r: Report, devices: List[Dict[str, Any]], timeout: float) -> None:
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for d in devices:
+        i = d["index"]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i),
+                   PYTHONPATH=os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p))
+        try:
+            out = subprocess.run([sys.executable, "-X", "faulthandler", "-c", LIVE_CHECK],
+                                 capture_output=True, text=True, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            r.line(f"live:     cuda:{i} did not finish in {timeout:.0f} s")
+            r.problem(f"the live check on device {i} hung")
+            continue
+        except OSError as e:
+            r.line(f"live:     cuda:{i} could not start: {e}")
+            r.problem(f"the live check on device {i} could not start")
+            continue
+        if out.returncode == 0 and "LIVE OK" in out.stdout:
+            r.line(f"live:     cuda:{i} ok (install, two streams, record_stream, a CUDA graph, empty_cache)")
+            continue
+        how = (f"died of signal {-out.returncode}" if out.returncode < 0 else f"exited with {out.returncode}")
+        last = [line for line in out.stderr.strip().splitlines() if line.strip()][-1:] or ["no message"]
+        r.line(f"live:     cuda:{i} failed: the child {how}: {last[0]}")
+        for line in out.stderr.strip().splitlines()[-12:]:
+            r.line(f"          | {line}")
+        r.problem(f"the live check on device {i} failed ({last[0]})")
+
+
+def diagnose(out: Callable[[str], None] = print, live: bool = True, timeout: float = 120.0) -> bool:
+    """Writes the report through ``out``; True when the machine is ready."""
+    r = Report(out)
+    try:
+        r.line(f"pyalloc:  {_C.__version__}, {_C.library_path()}")
+        devices = check_driver(r)
+        torch = check_torch(r)
+        check_conf(r, devices)
+        if not live:
+            r.line("live:     skipped (--no-live)")
+        elif devices and torch is not None and not r.problems:
+            live_check(r, devices, timeout)
+        else:
+            r.line("live:     skipped (nothing to run it on)")
+    except BaseException as e:  # the report must end with its verdict, whatever happened
+        if isinstance(e, KeyboardInterrupt):
+            r.problem("interrupted")
+        else:
+            r.line(f"internal error: {_one_line(e)}")
+            r.problem(f"pyalloc doctor itself failed ({_one_line(e)})")
+    if r.problems:
+        r.line("not ready: " + "; ".join(dict.fromkeys(r.problems)))
+        return False
+    r.line("ready")
+    return True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-live", action="store_true",
+                        help="skip the live check (which runs a child process per device)")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds the live check of one device may take (default 120)")
+
+
+def main(args: argparse.Namespace) -> int:
+    ready = diagnose(lambda text: print(text, flush=True), live=not args.no_live, timeout=args.timeout)
+    return 0 if ready else 1
