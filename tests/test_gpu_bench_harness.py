@@ -494,3 +494,14 @@ def test_both_allocators_on_gpu(tmp_path):
         assert runs[allocator]["status"] == "ok"
         assert 0 < runs[allocator]["peak_allocated"] <= runs[allocator]["peak_reserved"]
     assert results["workloads"]["control_transformer"]["search"]["budget"] > 0
+
+
+def test_report_names_the_strategy_pyalloc_really_used():
+    from benchmarks.gpu import report as gpu_report
+
+    results = {"workloads": {
+        "a": {"runs": {"native": {"status": "ok"}, "pyalloc": {"pyalloc_settings": {"strategy": "bestfit"}}}},
+        "b": {"runs": {"pyalloc": {"status": "error"}}},
+    }}
+    assert gpu_report.pyalloc_strategies(results) == ["bestfit"]
+    assert gpu_report.pyalloc_strategies({"workloads": {}}) == []

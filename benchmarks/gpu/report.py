@@ -83,6 +83,17 @@ def workload_entry(results: Dict[str, Any], name: str, title: str, kind: str, si
 # ---------------------------------------------------------------------------
 
 
+def pyalloc_strategies(results: Dict[str, Any]) -> List[str]:
+    """The strategies pyalloc's pools really used in the runs (worker's pyalloc_settings)."""
+    seen = set()
+    for entry in results.get("workloads", {}).values():
+        run = entry.get("runs", {}).get("pyalloc") or {}
+        settings = run.get("pyalloc_settings") or {}
+        if settings.get("strategy"):
+            seen.add(settings["strategy"])
+    return sorted(seen)
+
+
 def allocators(results: Dict[str, Any]) -> List[str]:
     """Every allocator that has a run or a search, native first."""
     seen = set()
@@ -271,7 +282,9 @@ def markdown(results: Dict[str, Any], images: Sequence[str] = (), level: int = 1
                                         for inv in invocations} or {env.get("git_commit") or "?"})) + ")"],
         ["date", ", ".join(dates) or "?"],
         ["allocators", ", ".join(allocs)],
-    ] + ([["results", f"`{source}`"]] if source else []), right_from=2)
+    ] + ([["pyalloc strategy in use", ", ".join(pyalloc_strategies(results))]]
+         if pyalloc_strategies(results) else [])
+      + ([["results", f"`{source}`"]] if source else []), right_from=2)
     lines += ["", "Commands:", ""] + [f"    {inv['command']}" for inv in invocations] + [""]
     lines += [
         "Each workload ran once per allocator, each in its own process, with the same seeds, back to back. "

@@ -65,6 +65,17 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, (RuntimeError, MemoryError)) and any(m in text for m in OOM_MARKERS)
 
 
+def pyalloc_settings() -> Optional[Dict[str, Any]]:
+    """pyalloc's settings as its pools use them (strategy bestfit where vmm could not
+    work), or None where it was not installed."""
+    try:
+        import pyalloc
+
+        return dict(pyalloc._C.cuda_config()) if pyalloc.is_installed() else None
+    except Exception:  # noqa: BLE001 - a label must not fail the run
+        return None
+
+
 def install_allocator(allocator: str, budget: int, conf: Dict[str, str]) -> None:
     """Makes `allocator` torch's CUDA allocator for this process; call before any CUDA work."""
     if allocator == "pyalloc":
@@ -351,6 +362,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             result["traceback"] = traceback.format_exc()[-4000:]
         result.update(_after_failure(args))
         print(f"    {result['status']}: {result['error']}", flush=True)
+    if args.device == "cuda" and args.allocator == "pyalloc":
+        result["pyalloc_settings"] = pyalloc_settings()
     result["wall_s"] = time.perf_counter() - started
     _write_json(args.result, result)
     return 0 if result["status"] in ("ok", "oom") else 1
