@@ -66,6 +66,7 @@ Loaded load() {
   fetch(lib, "cuStreamIsCapturing", &d.StreamIsCapturing, &missing);
   fetch(lib, "cuGetErrorName", &d.GetErrorName, &missing);
   fetch(lib, "cuStreamGetCaptureInfo", &d.StreamGetCaptureInfo, nullptr);
+  fetch(lib, "cuThreadExchangeStreamCaptureMode", &d.ThreadExchangeStreamCaptureMode, nullptr);
   std::string no_vmm;
   fetch(lib, "cuDeviceGetAttribute", &d.DeviceGetAttribute, &no_vmm);
   fetch(lib, "cuMemAddressReserve", &d.MemAddressReserve, &no_vmm);
