@@ -33,6 +33,11 @@ _HOOKS = (
     ("set_memory_fraction_fn", "pyalloc_set_memory_fraction"),
     ("set_base_alloc_fn", "pyalloc_base_alloc"),
     ("set_record_stream_fn", "pyalloc_record_stream"),
+    # CUDA graphs' private pools (C++ signatures: csrc/cuda/torch_hooks.cpp).
+    # Without them pyalloc asks the driver about captures on every allocation.
+    ("set_begin_allocate_to_pool", "pyalloc_begin_allocate_to_pool"),
+    ("set_end_allocate_to_pool_fn", "pyalloc_end_allocate_to_pool"),
+    ("set_release_pool", "pyalloc_release_pool"),
 )
 
 _ALREADY_INITIALIZED = (

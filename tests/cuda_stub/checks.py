@@ -1,10 +1,11 @@
 """pyalloc's CUDA backend against the stand-in driver (libcuda_stub.c).
 
 Run by test_cuda_backend_stub.py in a fresh process whose LD_LIBRARY_PATH finds
-the stand-in as libcuda.so.1:  checks.py PATH/TO/libcuda.so.1 [vmm]
+the stand-in as libcuda.so.1:  checks.py PATH/TO/libcuda.so.1 [vmm] [norelax]
 With "vmm" the stand-in reports virtual memory management and the vmm checks
-run (pools map pages); without, the segment checks run. Prints OK when every
-check passed.
+run (pools map pages); without, the segment checks run. "norelax": the
+stand-in was built without cuThreadExchangeStreamCaptureMode, so captures
+cannot grow the pool. Prints OK when every check passed.
 """
 import ctypes
 import sys
@@ -25,6 +26,7 @@ class Stub(c.Structure):
         ("forbidden_during_capture", c.c_int64), ("wrong_context", c.c_int64),
         ("vmm", c.c_int), ("mem_create", c.c_int64), ("mem_release", c.c_int64),
         ("mem_map", c.c_int64), ("mem_unmap", c.c_int64), ("mapped", c.c_int64 * 2),
+        ("mode_exchanges", c.c_int64), ("relaxed_during_capture", c.c_int64),
     ]
 
 
@@ -34,6 +36,7 @@ driver.stub_context.restype = c.c_void_p
 driver.stub_context.argtypes = [c.c_int]
 driver.stub_current.restype = c.c_void_p
 driver.cuCtxSetCurrent.argtypes = [c.c_void_p]
+RELAXED = "norelax" not in sys.argv[2:]
 
 hooks = c.CDLL(_C.library_path())
 hooks.pyalloc_free.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_void_p]
@@ -152,29 +155,75 @@ def check_capture():
     hooks.pyalloc_record_stream(eager, capture_stream)
     allocs = stub.mem_alloc
     stub.capture_id, stub.capturing_stream = 77, capture_stream
-    stub.forbidden_during_capture = 0
+    stub.forbidden_during_capture = stub.relaxed_during_capture = 0
     a = malloc(2 * MiB, 0, capture_stream)  # served from pool_size
     free(a)
     assert malloc(2 * MiB, 0, capture_stream) == a  # reused within the capture
     b = malloc(4096, 0, 0)  # eager work during the capture, from reserved memory
-    try:
-        malloc(64 * MiB, 0, capture_stream)
-        raise AssertionError("the pool grew during a capture")
-    except RuntimeError as e:
-        assert "CUDA graph capture is underway" in str(e)
+    if RELAXED:
+        # torch.cuda.graph() empties the cache before capturing: captures must grow.
+        exchanges = stub.mode_exchanges
+        g = malloc(64 * MiB, 0, capture_stream)
+        assert stub.mem_alloc == allocs + 1 and stub.relaxed_during_capture == 1
+        # Relaxed for the call only: the thread's mode is back to global.
+        assert stub.mode_exchanges == exchanges + 2 and driver.stub_thread_mode() == 0
+    else:
+        try:
+            malloc(64 * MiB, 0, capture_stream)
+            raise AssertionError("the pool grew during a capture")
+        except RuntimeError as e:
+            assert "CUDA graph capture is underway" in str(e) and "pool_size" in str(e), str(e)
+        assert stub.mem_alloc == allocs
     free(eager)  # used by the capturing stream: its event must wait for the capture
     hooks.pyalloc_empty_cache()  # nothing may be released during the capture
     free(b)
     assert stub.forbidden_during_capture == 0, stub.forbidden_during_capture
-    assert stub.mem_alloc == allocs
     recorded = stub.event_record
     stub.capturing_stream = 0
     free(malloc(512, 0, other))  # after the capture the deferred event is recorded
     free(malloc(512, 0, other))
     assert stub.event_record > recorded
-    assert _C.cuda_graph_memory(0) == (1, 2 * MiB)
+    held = (2, 66 * MiB) if RELAXED else (1, 2 * MiB)
+    assert _C.cuda_graph_memory(0) == held
     assert _C.cuda_release_graph_memory(0) == 0  # `a` is still live
     free(a)
+    if RELAXED:
+        free(g)
+    _C.cuda_check_invariants(0)
+
+
+def pool_hook(name, pool, streams=()):
+    _C._testing_pool_hook(name, 0, pool, list(streams))
+
+
+def relaxed_check_graph_pool_grows_and_returns_its_memory():
+    cap, other = 0x5100, 0x6100
+    hooks.pyalloc_empty_cache()
+    free(malloc(MiB, 0, other))  # cached on `other`
+    pool_hook("begin_allocate_to_pool", (0, 7), [cap])
+    # PyTorch now says when captures begin: plain allocations ask the driver nothing.
+    queries = stub.capture_queries
+    for _ in range(10):
+        free(malloc(MiB, 0, other))
+    assert stub.capture_queries == queries
+    stub.capture_id, stub.capturing_stream = 90, cap
+    stub.forbidden_during_capture = stub.relaxed_during_capture = 0
+    big = (stub.capacity - stub.used[0]) // MiB * MiB - 8 * MiB
+    p = malloc(big, 0, cap)  # the graph pool grows during the capture
+    assert stub.relaxed_during_capture == 1 and driver.stub_thread_mode() == 0
+    pool_hook("end_allocate_to_pool", (0, 7))
+    free(p)  # back to the graph pool: the graph still uses it
+    pool_hook("release_pool", (0, 7))  # the graph dies while another capture runs
+    hooks.pyalloc_empty_cache()
+    assert stub.forbidden_during_capture == 0
+    assert [x["id"] for x in _C.cuda_graph_pools(0)] == [(0, 7)]
+    stub.capturing_stream = 0
+    # Eager work needing the pool's memory gets it: the released pool is reclaimed.
+    freed = stub.mem_free
+    q = malloc(big, 0, other)
+    assert stub.mem_free > freed and _C.cuda_graph_pools(0) == []
+    free(q)
+    assert stub.wrong_context == 0
     _C.cuda_check_invariants(0)
 
 
@@ -219,28 +268,30 @@ def vmm_check_holes_back_a_large_allocation():
     _C.cuda_check_invariants(0)
 
 
-def vmm_check_no_mapping_during_capture():
+def vmm_check_pages_are_mapped_during_capture_and_none_unmapped():
     capture_stream = 0x5000
     free(malloc(8 * MiB, 0, capture_stream))  # 8 MiB mapped and cached
-    maps = stub.mem_map
+    maps, unmaps = stub.mem_map, stub.mem_unmap
     stub.capture_id, stub.capturing_stream = 78, capture_stream
-    stub.forbidden_during_capture = 0
+    stub.forbidden_during_capture = stub.relaxed_during_capture = 0
     a = malloc(6 * MiB, 0, capture_stream)  # from mapped pages
-    try:
-        malloc(64 * MiB, 0, capture_stream)
-        raise AssertionError("pages were mapped during a capture")
-    except RuntimeError as e:
-        assert "capture" in str(e)
-    assert stub.forbidden_during_capture == 0 and stub.mem_map == maps
+    assert stub.mem_map == maps
+    b = malloc(64 * MiB, 0, capture_stream)  # fresh pages, mapped in relaxed mode
+    assert stub.mem_map > maps and stub.relaxed_during_capture > 0
+    assert driver.stub_thread_mode() == 0
+    hooks.pyalloc_empty_cache()
+    assert stub.forbidden_during_capture == 0 and stub.mem_unmap == unmaps
     stub.capturing_stream = 0
     free(a)
+    free(b)
     _C.cuda_release_graph_memory(0)
     _C.cuda_check_invariants(0)
 
 
-prefix = "vmm_check_" if sys.argv[2:] == ["vmm"] else "check_"
-stub.vmm = 1 if prefix == "vmm_check_" else 0
+vmm = "vmm" in sys.argv[2:]
+stub.vmm = 1 if vmm else 0
+prefixes = ("vmm_check_",) if vmm else ("check_", "relaxed_check_" if RELAXED else "norelax_check_")
 for name, fn in list(globals().items()):
-    if name.startswith(prefix) and callable(fn):
+    if name.startswith(prefixes) and callable(fn):
         fn()
 print("OK")

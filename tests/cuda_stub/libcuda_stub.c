@@ -8,12 +8,20 @@
  * memory, recording, querying or waiting on events). Events
  * complete at once unless the test holds them pending.
  *
+ * Capture modes are per thread, as in CUDA: in relaxed mode
+ * (cuThreadExchangeStreamCaptureMode) allocating and mapping are legal during
+ * a capture and counted apart; freeing, unmapping and events stay forbidden.
+ * Built with -DSTUB_NO_RELAXED it lacks that entry point, like a driver
+ * older than CUDA 10.1.
+ *
  * test_cuda_backend_stub.py compiles it as libcuda.so.1 and reads `stub` through
  * ctypes. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+
+enum { MODE_GLOBAL = 0, MODE_RELAXED = 2 };
 
 typedef int CUresult;
 typedef struct Ctx { int device; } *CUcontext;
@@ -37,6 +45,7 @@ struct Stub {
       event_destroy, capture_queries, forbidden_during_capture, wrong_context;
   int vmm;                   /* the device reports virtual memory management */
   int64_t mem_create, mem_release, mem_map, mem_unmap, mapped[DEVICES];
+  int64_t mode_exchanges, relaxed_during_capture;
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -44,9 +53,30 @@ static struct Ctx contexts[DEVICES] = {{0}, {1}};
 static __thread CUcontext current = 0;
 static struct { uintptr_t ptr; int64_t size; int device; } blocks[MAX_BLOCKS];
 
+static __thread int mode = MODE_GLOBAL;
+
 static void during_capture(void) {
   if (stub.capturing_stream != 0) stub.forbidden_during_capture++;
 }
+/* Allocating and mapping: legal during a capture in relaxed mode only. */
+static void allocating(void) {
+  if (stub.capturing_stream == 0) return;
+  if (mode == MODE_RELAXED) stub.relaxed_during_capture++;
+  else stub.forbidden_during_capture++;
+}
+
+#ifndef STUB_NO_RELAXED
+CUresult cuThreadExchangeStreamCaptureMode(int* m) {
+  if (*m < 0 || *m > 2) return INVALID_VALUE;
+  int prev = mode;
+  mode = *m;
+  *m = prev;
+  stub.mode_exchanges++;
+  return SUCCESS;
+}
+#endif
+/* For the test: the calling thread's capture mode. */
+int stub_thread_mode(void) { return mode; }
 
 CUresult cuInit(unsigned int flags) { return flags == 0 ? SUCCESS : INVALID_VALUE; }
 CUresult cuDriverGetVersion(int* v) { *v = 13000; return SUCCESS; }
@@ -61,7 +91,7 @@ CUresult cuCtxGetCurrent(CUcontext* c) { *c = current; return SUCCESS; }
 CUresult cuCtxSetCurrent(CUcontext c) { current = c; return SUCCESS; }
 
 CUresult cuMemAlloc_v2(unsigned long long* p, size_t size) {
-  during_capture();
+  allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   if ((int64_t)size == stub.fail_alloc_size) return STUB_FAILURE;
   int d = current->device;
@@ -179,7 +209,7 @@ CUresult cuMemAddressFree(unsigned long long p, size_t size) {
 }
 CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsigned long long flags) {
   (void)prop; (void)flags;
-  during_capture();
+  allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   int d = current->device;
   if (size != PAGE) return INVALID_VALUE;
@@ -200,7 +230,7 @@ CUresult cuMemRelease(unsigned long long h) {
 CUresult cuMemMap(unsigned long long p, size_t size, size_t offset, unsigned long long h,
                   unsigned long long flags) {
   (void)offset; (void)flags;
-  during_capture();
+  allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   void* m = mmap((void*)(uintptr_t)p, size, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
@@ -220,7 +250,7 @@ CUresult cuMemUnmap(unsigned long long p, size_t size) {
 }
 CUresult cuMemSetAccess(unsigned long long p, size_t size, const void* desc, size_t count) {
   (void)p; (void)size; (void)desc;
-  during_capture();
+  allocating();
   return count == 1 ? SUCCESS : INVALID_VALUE;
 }
 
