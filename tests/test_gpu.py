@@ -75,6 +75,10 @@ def test_cuda_graph_capture_and_replay():
     assert "OK" in script("cuda_graph.py")
 
 
+def test_cuda_graph_pools_shared_and_released():
+    assert "OK" in script("cuda_graph_pools.py")
+
+
 def test_reserve_buffer():
     assert "OK" in script("buffers.py")
 
