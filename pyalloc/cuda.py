@@ -33,6 +33,11 @@ _HOOKS = (
     ("set_memory_fraction_fn", "pyalloc_set_memory_fraction"),
     ("set_base_alloc_fn", "pyalloc_base_alloc"),
     ("set_record_stream_fn", "pyalloc_record_stream"),
+    # CUDA graphs' private pools (C++ signatures: csrc/cuda/torch_hooks.cpp).
+    # Without them pyalloc asks the driver about captures on every allocation.
+    ("set_begin_allocate_to_pool", "pyalloc_begin_allocate_to_pool"),
+    ("set_end_allocate_to_pool_fn", "pyalloc_end_allocate_to_pool"),
+    ("set_release_pool", "pyalloc_release_pool"),
 )
 
 _ALREADY_INITIALIZED = (
@@ -340,12 +345,18 @@ def reserve_buffer(nbytes: Size, device: Any = None):
 
 def graph_memory(device: Any = None) -> Tuple[int, int]:
     """(blocks, bytes) allocated during CUDA graph captures on the device, which pyalloc
-    holds for the graphs' replays even after PyTorch frees them."""
+    holds for the graphs' replays even after PyTorch frees them.
+
+    Only under a torch without the graph-pool hooks: where install() set them
+    (``set_begin_allocate_to_pool``), each graph gets a private pool instead,
+    returned to the device when the graph and its tensors are gone, and this
+    stays (0, 0)."""
     return tuple(_C.cuda_graph_memory(_device_index(device)))
 
 
 def release_graph_memory(device: Any = None) -> int:
     """Returns the memory held for CUDA graphs on the device to its pool; the bytes.
+    Needed only under a torch without the graph-pool hooks (see graph_memory()).
 
     Call it only once no graph captured so far will be replayed again. It waits
     for the device's queued work first.

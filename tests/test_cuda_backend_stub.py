@@ -24,14 +24,18 @@ def stub_driver(tmp_path_factory):
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler to build the stand-in driver")
-    out_dir = tmp_path_factory.mktemp("stub_driver")
-    library = out_dir / "libcuda.so.1"
-    subprocess.run(
-        [compiler, "-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so.1",
-         os.path.join(STUB_DIR, "libcuda_stub.c"), "-o", str(library)],
-        check=True, capture_output=True, text=True,
-    )
-    return library
+    drivers = {}
+    # The second lacks cuThreadExchangeStreamCaptureMode, like drivers before CUDA 10.1.
+    for name, flags in (("relaxed", []), ("norelax", ["-DSTUB_NO_RELAXED"])):
+        out_dir = tmp_path_factory.mktemp(f"stub_driver_{name}")
+        library = out_dir / "libcuda.so.1"
+        subprocess.run(
+            [compiler, "-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so.1", *flags,
+             os.path.join(STUB_DIR, "libcuda_stub.c"), "-o", str(library)],
+            check=True, capture_output=True, text=True,
+        )
+        drivers[name] = library
+    return drivers
 
 
 # What each mode must say on stderr, exactly once (and nothing else from pyalloc).
@@ -41,15 +45,17 @@ STDERR = {
     "fallback": ["device 0 cannot use strategy vmm (the driver refused a trial mapping: "
                  "cuMemCreate failed: CUDA_ERROR_NOT_PERMITTED (800)); its pools use strategy bestfit"],
 }
+STDERR["segments-norelax"] = STDERR["segments"]
 
 
-@pytest.mark.parametrize("mode", ["segments", "vmm", "fallback"])
+@pytest.mark.parametrize("mode", ["segments", "vmm", "fallback", "segments-norelax"])
 def test_cuda_backend_against_the_stand_in_driver(stub_driver, mode):
-    env = dict(os.environ, PYTHONPATH=REPO, LD_LIBRARY_PATH=str(stub_driver.parent))
+    library = stub_driver["norelax" if mode.endswith("norelax") else "relaxed"]
+    env = dict(os.environ, PYTHONPATH=REPO, LD_LIBRARY_PATH=str(library.parent))
     env.pop("PYALLOC_CONF", None)
     out = subprocess.run(
-        [sys.executable, os.path.join(STUB_DIR, "checks.py"), str(stub_driver)]
-        + ([mode] if mode != "segments" else []),
+        [sys.executable, os.path.join(STUB_DIR, "checks.py"), str(library)]
+        + [m for m in mode.split("-") if m != "segments"],
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr

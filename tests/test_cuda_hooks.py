@@ -311,25 +311,30 @@ def capture(capture_id: int) -> None:
     _C._testing_set_capture(CAPTURE_STREAM, capture_id)
 
 
-def test_capture_is_served_from_reserved_memory_only(graph_pool):
+def test_capture_grows_the_pool_but_releases_nothing(graph_pool):
+    # torch.cuda.graph() empties the cache before capturing: a capture must grow.
     lib = graph_pool
     segments = _C.cuda_stats(0)["num_device_alloc"]
     capture(1)
     p = lib.pyalloc_malloc(4 * MiB, 0, CAPTURE_STREAM)
-    assert p
-    with pytest.raises(RuntimeError) as e:
-        _C._testing_hook_malloc(32 * MiB, 0, CAPTURE_STREAM)
-    assert str(e.value).startswith("CUDA out of memory.")
-    assert "CUDA graph capture is underway" in str(e.value) and "pool_size" in str(e.value)
-    # Eager work on another stream cannot grow the pool during the capture either.
-    with pytest.raises(RuntimeError, match="capture is underway"):
-        _C._testing_hook_malloc(32 * MiB, 0, 0)
-    assert _C.cuda_stats(0)["num_device_alloc"] == segments
-    # Nor does empty_cache release anything while the capture runs.
-    assert lib.pyalloc_empty_cache() is None and reserved() == 16 * MiB
+    q = lib.pyalloc_malloc(32 * MiB, 0, CAPTURE_STREAM)  # beyond pool_size
+    assert p and q and _C.cuda_stats(0)["num_device_alloc"] == segments + 1
+    r = lib.pyalloc_malloc(8 * MiB, 0, None)  # eager work on another stream
+    lib.pyalloc_free(r, 0, 0, None)
+    before = reserved()
+    # Nothing cached is released while the capture runs: not by empty_cache,
+    # nor to make room for a request the device cannot hold.
+    assert lib.pyalloc_empty_cache() is None and reserved() == before
+    with pytest.raises(RuntimeError, match="capture is underway") as e:
+        _C._testing_hook_malloc(48 * MiB, 0, 0)
+    assert str(e.value).startswith("CUDA out of memory.") and "pool_size" not in str(e.value)
+    assert reserved() == before
     capture(0)
-    q = lib.pyalloc_malloc(32 * MiB, 0, None)  # after the capture the pool grows again
+    lib.pyalloc_free(p, 0, 0, None)
     lib.pyalloc_free(q, 0, 0, None)
+    assert _C.cuda_release_graph_memory(0) == 36 * MiB
+    lib.pyalloc_empty_cache()
+    assert reserved() == 16 * MiB
     check()
 
 
@@ -392,6 +397,126 @@ def test_capture_block_used_by_another_stream_is_not_reused(graph_pool):
     _C.cuda_release_graph_memory(0)
     assert allocated() == 0
     check()
+
+
+# -- graph pools (PyTorch's begin/end_allocate_to_pool and release_pool) -----------------
+
+
+def hook(name, pool, streams=(), device=0):
+    """A graph-pool hook, called as PyTorch calls it (exact C++ signature)."""
+    _C._testing_pool_hook(name, device, pool, list(streams))
+
+
+def pools(device=0):
+    return {p["id"]: p for p in _C.cuda_graph_pools(device)}
+
+
+def test_graph_pool_hooks_are_exported_with_cpp_signatures():
+    lib = ctypes.CDLL(pyalloc._C.__file__)
+    for name in ("pyalloc_begin_allocate_to_pool", "pyalloc_end_allocate_to_pool", "pyalloc_release_pool"):
+        assert ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+def test_graph_pool_serves_the_streams_its_filter_accepts(fake, lib):
+    hook("begin_allocate_to_pool", (0, 1), [CAPTURE_STREAM])
+    assert _C._testing_pool("use_count", 0, (0, 1)) == 1
+    a = lib.pyalloc_malloc(3 * MiB, 0, CAPTURE_STREAM)
+    b = lib.pyalloc_malloc(MiB, 0, 0x77)  # another stream: the general pool
+    assert allocated() == MiB and pools()[(0, 1)]["allocated_bytes"] == 3 * MiB
+    assert _C.cuda_pool_live_blocks(0, (0, 1)) == [a]
+    size = ctypes.c_size_t(0)
+    base = lib.pyalloc_base_alloc(a + 100, ctypes.byref(size))
+    assert base <= a < base + size.value
+    lib.pyalloc_record_stream(a, 0x78)  # honoured in the pool
+    lib.pyalloc_free(a, 0, 0, None)
+    assert pools()[(0, 1)]["allocated_bytes"] == 0 and allocated() == MiB
+    c = lib.pyalloc_malloc(3 * MiB, 0, CAPTURE_STREAM)
+    assert c == a  # freed into the pool, reused by the pool's next allocation
+    hook("end_allocate_to_pool", (0, 1))
+    d = lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM)  # no longer routed
+    assert allocated() == 2 * MiB and _C.cuda_pool_live_blocks(0, (0, 1)) == [c]
+    # The pool keeps its memory while it has a use, whatever empty_cache says.
+    lib.pyalloc_free(c, 0, 0, None)
+    lib.pyalloc_empty_cache()
+    assert pools()[(0, 1)]["reserved_bytes"] >= 3 * MiB
+    assert _C.cuda_graph_memory(0) == (0, 0)  # nothing held in the general pool
+    for p in (b, d):
+        lib.pyalloc_free(p, 0, 0, None)
+    hook("release_pool", (0, 1))
+    assert pools() == {} and _C._testing_pool("use_count", 0, (0, 1)) == 0
+    check()
+
+
+def test_graphs_sharing_a_pool_share_its_memory_until_both_are_released(fake, lib):
+    capture(21)
+    hook("begin_allocate_to_pool", (0, 2), [CAPTURE_STREAM])
+    x = lib.pyalloc_malloc(8 * MiB, 0, CAPTURE_STREAM)
+    out1 = lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM)  # the first graph's output, kept
+    lib.pyalloc_free(x, 0, 0, None)  # freed during the capture: the graph orders reuse
+    hook("end_allocate_to_pool", (0, 2))
+    capture(22)
+    hook("begin_allocate_to_pool", (0, 2), [CAPTURE_STREAM])  # torch.cuda.graph(pool=...)
+    assert _C._testing_pool("use_count", 0, (0, 2)) == 2
+    y = lib.pyalloc_malloc(8 * MiB, 0, CAPTURE_STREAM)
+    assert y == x and y != out1
+    hook("end_allocate_to_pool", (0, 2))
+    capture(0)
+    lib.pyalloc_free(y, 0, 0, None)
+    reserved_by_pool = pools()[(0, 2)]["reserved_bytes"]
+    hook("release_pool", (0, 2))  # one graph gone, the other may still replay
+    assert pools()[(0, 2)]["reserved_bytes"] == reserved_by_pool
+    z = lib.pyalloc_malloc(8 * MiB, 0, CAPTURE_STREAM)  # eager: never the pool's memory
+    assert z not in (x, out1)
+    hook("release_pool", (0, 2))
+    assert (0, 2) in pools()  # out1 is still live
+    assert _C.cuda_pool_live_blocks(0, (0, 2)) == [out1]
+    lib.pyalloc_free(out1, 0, 0, None)  # the last live block: the pool's memory goes back
+    assert pools() == {}
+    lib.pyalloc_free(z, 0, 0, None)
+    check()
+
+
+def test_pool_released_during_a_capture_is_reclaimed_after_it(fake, lib):
+    hook("begin_allocate_to_pool", (0, 3), [CAPTURE_STREAM])
+    lib.pyalloc_free(lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM), 0, 0, None)
+    hook("end_allocate_to_pool", (0, 3))
+    capture(31)
+    lib.pyalloc_malloc(512, 0, CAPTURE_STREAM)  # another graph captures: it is seen
+    hook("release_pool", (0, 3))
+    assert (0, 3) in pools()  # nothing may be released during a capture
+    lib.pyalloc_empty_cache()
+    assert (0, 3) in pools()
+    capture(0)
+    lib.pyalloc_empty_cache()
+    assert pools() == {}
+
+
+def test_pool_calls_errors(fake, lib):
+    hook("begin_allocate_to_pool", (0, 4), [CAPTURE_STREAM])
+    with pytest.raises(ValueError, match=r"already go to graph pool \(0, 4\)"):
+        hook("begin_allocate_to_pool", (0, 4), [CAPTURE_STREAM])
+    assert _C._testing_pool("use_count", 0, (0, 4)) == 1
+    hook("end_allocate_to_pool", (0, 4))
+    hook("end_allocate_to_pool", (0, 4))  # twice: nothing more to do
+    hook("end_allocate_to_pool", (9, 9))  # unknown pools are ignored by end and release
+    hook("release_pool", (9, 9))
+    hook("release_pool", (0, 4))
+    hook("release_pool", (0, 4))
+    assert pools() == {}
+
+
+def test_mempool_uses(fake, lib):
+    # torch.cuda.MemPool: created with a use; use_mem_pool adds one per context.
+    assert _C._testing_pool("create_or_incref", 0, (5, 0)) == 1
+    hook("begin_allocate_to_pool", (5, 0), [0x99])
+    p = lib.pyalloc_malloc(MiB, 0, 0x99)
+    hook("end_allocate_to_pool", (5, 0))
+    assert _C._testing_pool("release", 0, (5, 0)) == 1  # the context's use
+    assert _C.cuda_pool_live_blocks(0, (5, 0)) == [p]
+    lib.pyalloc_free(p, 0, 0, None)
+    assert (5, 0) in pools()  # the MemPool itself still holds it
+    assert _C._testing_pool("release", 0, (5, 0)) == 0
+    assert pools() == {}
 
 
 # -- buffers -----------------------------------------------------------------------------

@@ -87,6 +87,8 @@ def test_doctor_says_ready():
     lines = out.strip().splitlines()
     assert lines[-1] == "ready", out
     assert any(line.startswith("live:") and " ok " in line for line in lines), out
+def test_cuda_graph_pools_shared_and_released():
+    assert "OK" in script("cuda_graph_pools.py")
 
 
 def test_reserve_buffer():

@@ -261,7 +261,7 @@ Block* Allocator::take(Block* b, size_t size, Stream s) {
 }
 
 Block* Allocator::grow(size_t size, Stream s, std::string* why) {
-  if (backend_->is_capturing(s)) {
+  if (backend_->is_capturing(s) && !backend_->grows_while_capturing()) {
     *why = "the stream is being captured into a CUDA graph and the pool cannot grow during "
            "capture; reserve the memory before capture (pyalloc reserve())";
     return nullptr;

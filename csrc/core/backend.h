@@ -16,6 +16,9 @@
 //   core then calls none of reserve/release/record/query/wait for that stream.
 //   capture_underway(): a capture is underway anywhere in the process (CUDA's
 //   global capture mode): the core then releases and unmaps nothing.
+//   grows_while_capturing(): reserve() and vmm_map() may still be called
+//   then (the backend makes them legal during a capture), so a capture can
+//   grow the pool; events and releases stay forbidden.
 // - Virtual memory (optional; vmm_page_size() == 0 means none): an address
 //   range is reserved without memory (vmm_reserve), and physical pages are
 //   mapped into page-aligned parts of it (vmm_map, false when no memory is
@@ -61,6 +64,7 @@ class Backend {
 
   virtual bool is_capturing(Stream /*stream*/) { return false; }
   virtual bool capture_underway() { return false; }
+  virtual bool grows_while_capturing() { return false; }
 
   virtual size_t vmm_page_size() { return 0; }
   virtual uintptr_t vmm_reserve(size_t /*size*/) { return 0; }

@@ -73,7 +73,10 @@ Block* Allocator::usable_neighbour(Block* n, Stream s) {
 }
 
 Block* Allocator::map_for(size_t size, Stream s, std::string* why, bool recycle) {
-  if (backend_->is_capturing(s) || backend_->capture_underway()) {
+  // During a capture only fresh pages may be mapped: unmap_free_pages()
+  // moves none then.
+  if ((backend_->is_capturing(s) || backend_->capture_underway()) &&
+      !backend_->grows_while_capturing()) {
     *why = "the stream is being captured into a CUDA graph and no pages can be mapped during "
            "capture; reserve the memory before capture (pyalloc reserve())";
     return nullptr;

@@ -27,4 +27,14 @@ bool CaptureTracker::underway() {
   return !capturing_.empty();
 }
 
+RelaxedCaptureMode::RelaxedCaptureMode(const drv::Driver& d) : d_(d) {
+  if (d_.ThreadExchangeStreamCaptureMode == nullptr) return;
+  prev_ = drv::CU_STREAM_CAPTURE_MODE_RELAXED;
+  swapped_ = d_.ThreadExchangeStreamCaptureMode(&prev_) == drv::CUDA_SUCCESS;
+}
+
+RelaxedCaptureMode::~RelaxedCaptureMode() {
+  if (swapped_) d_.ThreadExchangeStreamCaptureMode(&prev_);
+}
+
 }  // namespace pyalloc

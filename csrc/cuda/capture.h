@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/common.h"
+#include "cuda_driver.h"
 
 namespace pyalloc {
 
@@ -50,6 +51,25 @@ class CaptureTracker {
   std::mutex mu_;
   std::vector<Stream> capturing_;
   std::atomic<size_t> count_{0};
+};
+
+/// Puts the calling thread in relaxed capture mode for its scope and then
+/// restores the mode it had, as PyTorch's allocator does around cudaMalloc:
+/// in relaxed mode, allocating and mapping memory is legal while any stream
+/// of the process is being captured (in the default global mode, such a call
+/// from any thread invalidates the capture). Does nothing where the driver
+/// lacks cuThreadExchangeStreamCaptureMode.
+class RelaxedCaptureMode {
+ public:
+  explicit RelaxedCaptureMode(const drv::Driver& d);
+  ~RelaxedCaptureMode();
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  const drv::Driver& d_;
+  drv::CUstreamCaptureMode prev_ = drv::CU_STREAM_CAPTURE_MODE_GLOBAL;
+  bool swapped_ = false;
 };
 
 }  // namespace pyalloc

@@ -250,7 +250,8 @@ class CudaBackend final : public Backend {
   const char* name() const override { return "cuda"; }
 
   uintptr_t reserve(size_t size) override {
-    if (sh_->captures.underway()) return 0;
+    if (sh_->captures.underway() && !grows_while_capturing()) return 0;
+    RelaxedCaptureMode relaxed(d_);  // legal whatever capture is underway
     ContextGuard g(d_, sh_->ctx);
     CUdeviceptr p = 0;
     CUresult r = d_.MemAlloc(&p, size);
@@ -343,6 +344,7 @@ class CudaBackend final : public Backend {
 
   bool is_capturing(Stream s) override { return sh_->captures.blocks(s); }
   bool capture_underway() override { return sh_->captures.underway(); }
+  bool grows_while_capturing() override { return d_.ThreadExchangeStreamCaptureMode != nullptr; }
 
   // Virtual memory: one physical allocation (cuMemCreate handle) per page,
   // so that any page can be unmapped and returned on its own.
@@ -374,7 +376,8 @@ class CudaBackend final : public Backend {
   }
 
   bool vmm_map(uintptr_t addr, size_t size) override {
-    if (sh_->captures.underway()) return false;
+    if (sh_->captures.underway() && !grows_while_capturing()) return false;
+    RelaxedCaptureMode relaxed(d_);
     ContextGuard g(d_, sh_->ctx);
     size_t page = sh_->vmm_page;
     for (size_t off = 0; off < size; off += page) {

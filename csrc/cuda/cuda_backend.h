@@ -30,8 +30,9 @@
 //   has the entry points, the device supports it and a trial mapping of one
 //   page at open succeeded; otherwise Device::vmm_unavailable() says why.
 // - Captures (capture.h): while a capture is underway in the process,
-//   is_capturing() is true for every stream, reserve() returns 0,
-//   mem_info() answers 0 (unknown) and event_done() false without asking
+//   is_capturing() is true for every stream, reserve() and vmm_map() run
+//   in relaxed capture mode (capture.h; they return 0/false where the driver
+//   has no such mode), mem_info() answers 0 (unknown) and event_done() false without asking
 //   the driver, and an event
 //   asked for is not recorded (it would land in the graph if its stream
 //   were capturing): it is recorded on its stream once the capture is over,

@@ -70,6 +70,7 @@ Loaded load() {
   fetch(lib, "cuDeviceCanAccessPeer", &d.DeviceCanAccessPeer, nullptr);
   fetch(lib, "cuDeviceTotalMem_v2", &d.DeviceTotalMem, nullptr);
   fetch(lib, "cuDeviceGetName", &d.DeviceGetName, nullptr);
+  fetch(lib, "cuThreadExchangeStreamCaptureMode", &d.ThreadExchangeStreamCaptureMode, nullptr);
   std::string no_vmm;
   fetch(lib, "cuDeviceGetAttribute", &d.DeviceGetAttribute, &no_vmm);
   fetch(lib, "cuMemAddressReserve", &d.MemAddressReserve, &no_vmm);

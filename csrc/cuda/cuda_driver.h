@@ -47,6 +47,12 @@ enum CUstreamCaptureStatus : int {
   CU_STREAM_CAPTURE_STATUS_INVALIDATED = 2,
 };
 
+enum CUstreamCaptureMode : int {
+  CU_STREAM_CAPTURE_MODE_GLOBAL = 0,
+  CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1,
+  CU_STREAM_CAPTURE_MODE_RELAXED = 2,
+};
+
 constexpr unsigned int CU_EVENT_DISABLE_TIMING = 0x2;
 
 // Virtual memory management (cuda.h: CUmemAllocationProp_v1 and friends).
@@ -123,6 +129,9 @@ struct Driver {
   CUresult (*DeviceTotalMem)(size_t* bytes, CUdevice device);            // cuDeviceTotalMem_v2
   CUresult (*DeviceGetName)(char* name, int len, CUdevice device);       // cuDeviceGetName
   CUresult (*GetErrorName)(CUresult error, const char** name);           // cuGetErrorName
+  /// Optional (null if absent): the calling thread's capture mode, swapped
+  /// (CUDA 10.1), so that memory can be allocated during a capture.
+  CUresult (*ThreadExchangeStreamCaptureMode)(CUstreamCaptureMode* mode);  // cuThreadExchangeStreamCaptureMode
   /// Optional (all null if any is absent): virtual memory management.
   CUresult (*DeviceGetAttribute)(int* value, int attribute, CUdevice device);  // cuDeviceGetAttribute
   CUresult (*MemAddressReserve)(CUdeviceptr* ptr, size_t size, size_t alignment, CUdeviceptr addr,

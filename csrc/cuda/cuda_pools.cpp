@@ -1,6 +1,7 @@
 // The pools of each CUDA device and the logic behind PyTorch's hooks: see cuda_pools.h.
 #include "cuda_pools.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -22,7 +23,56 @@ Config buffer_config() {
   return b;
 }
 
+// A graph pool's segments, as PyTorch's allocator gives its private pools:
+// plain segments, whose memory no page remapping can move away from under a
+// graph.
+Config graph_pool_config(const Config& general) {
+  Config g = general;
+  g.strategy = Strategy::kBestFit;
+  g.pool_size = 0;
+  return g;
+}
+
 }  // namespace
+
+// The device's backend for one graph pool. While the pool has a use, it
+// tells the core a capture is underway, so that the core releases nothing:
+// a graph captured into the pool may be replayed at any time.
+class DevicePools::GraphPoolBackend final : public Backend {
+ public:
+  explicit GraphPoolBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
+
+  void set_held(bool held) { held_.store(held, std::memory_order_release); }
+
+  const char* name() const override { return inner_->name(); }
+  uintptr_t reserve(size_t size) override { return inner_->reserve(size); }
+  void release(uintptr_t base, size_t size) override { inner_->release(base, size); }
+  void mem_info(size_t* free_bytes, size_t* total_bytes) override {
+    inner_->mem_info(free_bytes, total_bytes);
+  }
+  EventId record_event(Stream s) override { return inner_->record_event(s); }
+  bool event_done(EventId e) override { return inner_->event_done(e); }
+  bool event_wait(EventId e) override { return inner_->event_wait(e); }
+  void event_free(EventId e) override { inner_->event_free(e); }
+  bool is_capturing(Stream s) override { return inner_->is_capturing(s); }
+  bool capture_underway() override {
+    return held_.load(std::memory_order_acquire) || inner_->capture_underway();
+  }
+  bool grows_while_capturing() override { return inner_->grows_while_capturing(); }
+  SimStreams* sim_streams() override { return inner_->sim_streams(); }
+
+ private:
+  std::unique_ptr<Backend> inner_;
+  std::atomic<bool> held_{true};
+};
+
+struct DevicePools::GraphPool {
+  PoolId id;
+  std::unique_ptr<Allocator> alloc;
+  GraphPoolBackend* backend = nullptr;  // owned by alloc
+  int uses = 0;
+  size_t live = 0;
+};
 
 DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config)
     : device_(std::move(device)), config_(config) {
@@ -41,19 +91,37 @@ DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config)
   }
 }
 
+DevicePools::~DevicePools() = default;
+
 uintptr_t DevicePools::malloc(size_t size, Stream stream) {
   if (size == 0) return 0;
-  CaptureState cap = device_->captures().probe(stream);
-  if (cap.capturing) return capture_malloc(size, stream, cap.id);
+  if (routing_.load(std::memory_order_acquire)) {
+    bool routed = false;
+    uintptr_t p = routed_malloc(size, stream, &routed);
+    if (routed) return p;
+  }
+  if (!told_of_captures_.load(std::memory_order_acquire)) {
+    CaptureState cap = device_->captures().probe(stream);
+    if (cap.capturing) return capture_malloc(size, stream, cap.id);
+  }
   try {
     return general_->malloc(size, stream);
   } catch (const OutOfMemoryError& e) {
+    // Graph pools with no use left may still hold memory: give it back and retry once.
+    if (pools_exist_.load(std::memory_order_acquire) && reclaim_pools() > 0) {
+      try {
+        return general_->malloc(size, stream);
+      } catch (const OutOfMemoryError& again) {
+        throw_oom(*general_, "general", size, again.what(), device_->captures().underway());
+      }
+    }
     throw_oom(*general_, "general", size, e.what(), device_->captures().underway());
   }
 }
 
 bool DevicePools::free(uintptr_t ptr, std::string* why) {
   if (capture_free(ptr)) return true;
+  if (pools_exist_.load(std::memory_order_acquire) && pool_free(ptr)) return true;
   try {
     general_->free(ptr);
     return true;
@@ -64,6 +132,14 @@ bool DevicePools::free(uintptr_t ptr, std::string* why) {
 }
 
 bool DevicePools::record_stream(uintptr_t ptr, Stream stream) {
+  if (pools_exist_.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> g(pools_mu_);
+    auto it = pool_blocks_.find(ptr);
+    if (it != pool_blocks_.end()) {
+      it->second->alloc->record_stream(ptr, stream);
+      return true;
+    }
+  }
   uintptr_t base;
   size_t size;
   // Look before calling, so that a pointer of another pool costs no exception.
@@ -81,7 +157,12 @@ bool DevicePools::record_stream(uintptr_t ptr, Stream stream) {
 }
 
 bool DevicePools::segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const {
-  return general_->segment_of(ptr, base, size) || buffers_->segment_of(ptr, base, size);
+  if (general_->segment_of(ptr, base, size) || buffers_->segment_of(ptr, base, size)) return true;
+  if (!pools_exist_.load(std::memory_order_acquire)) return false;
+  std::lock_guard<std::mutex> g(pools_mu_);
+  for (const auto& [id, pool] : pools_)
+    if (pool->alloc->segment_of(ptr, base, size)) return true;
+  return false;
 }
 
 uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) {
@@ -97,6 +178,7 @@ void DevicePools::free_buffer(uintptr_t ptr) { buffers_->free(ptr); }
 size_t DevicePools::empty_cache() {
   if (device_->captures().underway()) return 0;
   size_t released = general_->empty_cache() + buffers_->empty_cache();
+  if (pools_exist_.load(std::memory_order_acquire)) released += reclaim_pools();
   // pool_size is a floor: torch.cuda.graph() empties the cache right before
   // it captures, and a capture can only use memory already reserved.
   size_t restored = 0;
@@ -125,6 +207,153 @@ void DevicePools::set_memory_fraction(double fraction) {
   size_t cap = limit < 1.0 ? 1 : static_cast<size_t>(limit);
   if (config_.max_pool_size != 0 && config_.max_pool_size < cap) cap = config_.max_pool_size;
   general_->set_max_pool_size(cap);
+}
+
+// ---------------------------------------------------------------------------
+// Graph pools
+
+uintptr_t DevicePools::routed_malloc(size_t size, Stream stream, bool* routed) {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  GraphPool* pool = nullptr;
+  for (const auto& [id, filter] : routes_) {
+    if (filter && filter(stream)) {
+      pool = pools_.at(id).get();
+      break;
+    }
+  }
+  if (pool == nullptr) return 0;
+  *routed = true;
+  // Remember a capturing stream, so that no pool of the process releases
+  // memory until its capture is over (capture.h).
+  device_->captures().probe(stream);
+  uintptr_t ptr;
+  try {
+    ptr = pool->alloc->malloc(size, stream);
+  } catch (const OutOfMemoryError& e) {
+    throw_oom(*pool->alloc, "graph", size, e.what(), device_->captures().underway());
+  }
+  pool_blocks_.emplace(ptr, pool);
+  pool->live++;
+  return ptr;
+}
+
+bool DevicePools::pool_free(uintptr_t ptr) {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  auto it = pool_blocks_.find(ptr);
+  if (it == pool_blocks_.end()) return false;
+  GraphPool* pool = it->second;
+  pool_blocks_.erase(it);
+  pool->alloc->free(ptr);  // back to its own pool, for the pool's next allocations
+  pool->live--;
+  if (pool->uses == 0 && pool->live == 0) reclaim_locked(*pool);
+  return true;
+}
+
+DevicePools::GraphPool& DevicePools::pool_incref_locked(PoolId id) {
+  auto it = pools_.find(id);
+  if (it != pools_.end()) {
+    GraphPool& pool = *it->second;
+    if (pool.uses++ == 0) pool.backend->set_held(true);  // released, not yet reclaimed
+    return pool;
+  }
+  auto pool = std::make_unique<GraphPool>();
+  pool->id = id;
+  auto backend = std::make_unique<GraphPoolBackend>(device_->make_backend());
+  pool->backend = backend.get();
+  pool->alloc = std::make_unique<Allocator>(std::move(backend), graph_pool_config(config_));
+  pool->uses = 1;
+  GraphPool& ref = *pool;
+  pools_.emplace(id, std::move(pool));
+  pools_exist_.store(true, std::memory_order_release);
+  return ref;
+}
+
+bool DevicePools::reclaim_locked(GraphPool& pool) {
+  if (pool.uses != 0 || pool.live != 0) return false;
+  for (const auto& route : routes_)
+    if (route.first == pool.id) return false;
+  // Nothing may be released while any capture is underway: later, then.
+  if (device_->captures().underway()) return false;
+  pool.backend->set_held(false);
+  pool.alloc->empty_cache();  // waits for the streams that used its blocks
+  if (pool.alloc->stats().reserved_bytes.all.current != 0) return false;
+  pools_.erase(pool.id);
+  pools_exist_.store(!pools_.empty(), std::memory_order_release);
+  return true;
+}
+
+size_t DevicePools::reclaim_pools() {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  size_t released = 0;
+  std::vector<GraphPool*> idle;
+  for (const auto& [id, pool] : pools_)
+    if (pool->uses == 0 && pool->live == 0) idle.push_back(pool.get());
+  for (GraphPool* pool : idle) {
+    auto reserved = static_cast<size_t>(pool->alloc->stats().reserved_bytes.all.current);
+    if (reclaim_locked(*pool)) released += reserved;
+  }
+  return released;
+}
+
+void DevicePools::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  for (const auto& route : routes_)
+    if (route.first == id)
+      throw std::invalid_argument("allocations already go to graph pool (" +
+                                  std::to_string(id.first) + ", " + std::to_string(id.second) +
+                                  ") on device " + std::to_string(index()));
+  told_of_captures_.store(true, std::memory_order_release);
+  pool_incref_locked(id);
+  routes_.emplace_back(id, std::move(filter));
+  routing_.store(true, std::memory_order_release);
+}
+
+void DevicePools::end_allocate_to_pool(PoolId id) {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  for (auto it = routes_.begin(); it != routes_.end(); ++it) {
+    if (it->first != id) continue;
+    routes_.erase(it);
+    break;
+  }
+  routing_.store(!routes_.empty(), std::memory_order_release);
+  auto it = pools_.find(id);
+  if (it != pools_.end()) reclaim_locked(*it->second);  // released while routed
+}
+
+void DevicePools::release_pool(PoolId id) {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  auto it = pools_.find(id);
+  if (it == pools_.end() || it->second->uses == 0) return;  // nothing left to release
+  GraphPool& pool = *it->second;
+  if (--pool.uses == 0) reclaim_locked(pool);
+}
+
+void DevicePools::create_or_incref_pool(PoolId id) {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  told_of_captures_.store(true, std::memory_order_release);
+  pool_incref_locked(id);
+}
+
+int DevicePools::pool_use_count(PoolId id) const {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  auto it = pools_.find(id);
+  return it == pools_.end() ? 0 : it->second->uses;
+}
+
+std::vector<uintptr_t> DevicePools::pool_live_blocks(PoolId id) const {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  std::vector<uintptr_t> out;
+  for (const auto& [ptr, pool] : pool_blocks_)
+    if (pool->id == id) out.push_back(ptr);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<std::pair<DevicePools::PoolId, Allocator*>> DevicePools::graph_pools() const {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  std::vector<std::pair<PoolId, Allocator*>> out;
+  for (const auto& [id, pool] : pools_) out.emplace_back(id, pool->alloc.get());
+  return out;
 }
 
 // ---------------------------------------------------------------------------
@@ -220,11 +449,13 @@ void DevicePools::throw_oom(Allocator& pool, const char* which, size_t size,
     << " reserved in this pool; " << format_bytes(f.free_bytes)
     << " of the reserved memory is free, the largest free block is "
     << format_bytes(f.largest_free_block) << ". ";
-  if (capturing)
-    m << "A CUDA graph capture is underway, and captures are served only from memory already "
-         "reserved; torch.cuda.graph() empties the cache before it captures, so keep memory "
-         "reserved with the pool_size setting (pyalloc.install(pool_size=...) or "
+  if (capturing && !pool.backend().grows_while_capturing())
+    m << "A CUDA graph capture is underway, and this driver lets captures be served only from "
+         "memory already reserved; torch.cuda.graph() empties the cache before it captures, so "
+         "keep memory reserved with the pool_size setting (pyalloc.install(pool_size=...) or "
          "PYALLOC_CONF=pool_size:...). ";
+  else if (capturing)
+    m << "A CUDA graph capture is underway: nothing cached can be released to make room. ";
   m << "Details: " << why;
   throw OutOfMemoryError(m.str());
 }
@@ -418,6 +649,26 @@ void set_memory_fraction(double fraction, int device) {
 }
 
 void init(int device_count) noexcept { PoolRegistry::instance().set_device_count(device_count); }
+
+void begin_allocate_to_pool(int device, DevicePools::PoolId id, DevicePools::StreamFilter filter) {
+  PoolRegistry::instance().get(device).begin_allocate_to_pool(id, std::move(filter));
+}
+
+void end_allocate_to_pool(int device, DevicePools::PoolId id) noexcept {
+  try {
+    if (DevicePools* p = PoolRegistry::instance().find(device)) p->end_allocate_to_pool(id);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "pyalloc: ending allocations to a graph pool failed: %s\n", e.what());
+  }
+}
+
+void release_pool(int device, DevicePools::PoolId id) noexcept {
+  try {
+    if (DevicePools* p = PoolRegistry::instance().find(device)) p->release_pool(id);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "pyalloc: releasing a graph pool failed: %s\n", e.what());
+  }
+}
 
 }  // namespace hooks
 }  // namespace pyalloc

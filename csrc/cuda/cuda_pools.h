@@ -7,14 +7,36 @@
 //   buffers (KV caches, workspaces) that would otherwise split the general
 //   pool's free ranges. Its memory never mixes with the general pool's.
 //
-// CUDA graphs. A block allocated while its stream is being captured may be
-// used by every replay of the graph, and PyTorch tells a pluggable
-// allocator neither when a capture ends nor when its graph dies. So such a
-// block is held: when PyTorch frees it, it stays allocated in the general
-// pool, to be reused only by a later allocation of the same rounded size in
-// the same capture sequence (which the graph orders after the earlier use),
-// until release_graph_memory() says the graphs are gone. Blocks named in
-// record_stream() are never reused that way.
+// Graph pools (PyTorch's private pools, MempoolId_t). PyTorch says when a
+// CUDA graph capture (or a torch.cuda.MemPool context) begins and ends, and
+// when a graph or MemPool is gone: begin_allocate_to_pool(id, filter) routes
+// every allocation on a stream the filter accepts to the pool `id` until
+// end_allocate_to_pool(id). Each pool is a core Allocator of its own over the
+// device, with plain segments (no page remapping) and a backend that tells
+// the core a capture is underway for as long as the pool has a use: so
+// nothing of it is released or reused by the general pool while a graph
+// captured into it may still be replayed. Graphs given the same pool id
+// share it, and a block freed into it serves later allocations routed to
+// it, as in PyTorch's allocator. Each begin_allocate_to_pool() and
+// create_or_incref_pool() is a use, each release_pool() drops one; once no
+// use is left and nothing in the pool is live, its segments go back to the
+// driver (at once, or, while a capture is underway anywhere, at the next
+// empty_cache() or out-of-memory retry), where the general pool finds them.
+//
+// Without those calls (a torch whose pluggable allocator lacks the setters),
+// every allocation asks the device whether its stream is capturing, and a
+// block allocated during a capture is held: when PyTorch frees it, it stays
+// allocated in the general pool, to be reused only by a later allocation of
+// the same rounded size in the same capture sequence (which the graph
+// orders after the earlier use), until release_graph_memory() says the
+// graphs are gone. Blocks named in record_stream() are never reused that
+// way. The first begin_allocate_to_pool() or create_or_incref_pool() on a
+// device stops those queries for good.
+//
+// Growing during a capture: a backend that can (the CUDA backend puts the
+// calling thread in relaxed capture mode around cuMemAlloc and the page
+// mapping calls, as PyTorch's allocator does) serves a capture with fresh
+// memory; nothing is ever released or unmapped during a capture.
 //
 // Registry: the pools of a device are created lazily under a mutex and
 // never destroyed (PyTorch frees tensors until the very end of the process);
@@ -26,6 +48,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -41,37 +64,66 @@ namespace pyalloc {
 
 class DevicePools {
  public:
+  /// PyTorch's MempoolId_t: {CaptureId_t, CaptureId_t}.
+  using PoolId = std::pair<uint64_t, uint64_t>;
+  /// True: this stream's allocations go to the pool.
+  using StreamFilter = std::function<bool(Stream)>;
+
   DevicePools(std::unique_ptr<Device> device, const Config& config);
+  ~DevicePools();
 
   int index() const { return device_->index(); }
   Device& device() { return *device_; }
   Allocator& general() { return *general_; }
   Allocator& buffers() { return *buffers_; }
 
-  /// A general-pool block for PyTorch. Throws OutOfMemoryError whose
-  /// message begins "CUDA out of memory." and gives the numbers.
+  /// A block for PyTorch: from the graph pool the stream is routed to, else
+  /// from the general pool. Throws OutOfMemoryError whose message begins
+  /// "CUDA out of memory." and gives the numbers.
   uintptr_t malloc(size_t size, Stream stream);
-  /// False if ptr is no live allocation of this device's general pool;
-  /// *why then says what it is.
+  /// False if ptr is no live allocation of this device's general pool or
+  /// graph pools; *why then says what it is.
   bool free(uintptr_t ptr, std::string* why);
-  /// False if ptr is no live allocation of either pool of this device.
+  /// False if ptr is no live allocation of any pool of this device.
   bool record_stream(uintptr_t ptr, Stream stream);
-  /// The segment of either pool holding ptr.
+  /// The segment of any pool of this device holding ptr.
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
+
+  /// From now on, allocations on streams the filter accepts come from pool
+  /// `id` (created if new); a use of the pool. Throws std::invalid_argument
+  /// if allocations already go to `id`. The filter is called with no lock of
+  /// PyTorch's held, and must not allocate.
+  void begin_allocate_to_pool(PoolId id, StreamFilter filter);
+  /// Stops routing allocations to pool `id`; the pool and its blocks stay.
+  void end_allocate_to_pool(PoolId id);
+  /// A graph or MemPool using pool `id` is gone: one use less. Once no use
+  /// is left and nothing in it is live, its memory returns to the device.
+  void release_pool(PoolId id);
+  /// A MemPool: creates pool `id` with one use, or adds a use.
+  void create_or_incref_pool(PoolId id);
+  /// The uses of pool `id` (0 if there is no such pool).
+  int pool_use_count(PoolId id) const;
+  /// The live allocations of pool `id` (PyTorch's checkPoolLiveAllocations).
+  std::vector<uintptr_t> pool_live_blocks(PoolId id) const;
+  /// The graph pools that exist (for stats and tests); their allocators
+  /// stay valid only while no pool is released.
+  std::vector<std::pair<PoolId, Allocator*>> graph_pools() const;
 
   /// A buffer-pool block (same errors as malloc).
   uintptr_t malloc_buffer(size_t size, Stream stream);
   void free_buffer(uintptr_t ptr);
 
-  /// Returns the cached segments of both pools to the driver, keeping
-  /// pool_size reserved; the bytes released, net. Does nothing while a
-  /// capture is underway (releasing memory then would break it).
+  /// Returns the cached segments of the general and buffer pools, and every
+  /// graph pool that has no use left, to the driver, keeping pool_size
+  /// reserved; the bytes released, net. Does nothing while a capture is
+  /// underway (releasing memory then would break it).
   size_t empty_cache();
   /// Caps the general pool at fraction * the device's total memory (and at
   /// max_pool_size if that is lower).
   void set_memory_fraction(double fraction);
 
-  /// Blocks and bytes held for CUDA graphs, freed by PyTorch or not.
+  /// Blocks and bytes held for CUDA graphs in the general pool (without
+  /// PyTorch's pool calls), freed by PyTorch or not.
   std::pair<size_t, size_t> graph_memory() const;
   /// Frees every held graph block that PyTorch has freed, and stops holding
   /// the rest; the bytes returned to the pool. The caller must know that no
@@ -86,6 +138,14 @@ class DevicePools {
   };
   using GraphKey = std::tuple<uint64_t, Stream, size_t>;  // (capture, stream, size)
 
+  struct GraphPool;
+  class GraphPoolBackend;
+
+  uintptr_t routed_malloc(size_t size, Stream stream, bool* routed);
+  bool pool_free(uintptr_t ptr);
+  GraphPool& pool_incref_locked(PoolId id);
+  bool reclaim_locked(GraphPool& pool);
+  size_t reclaim_pools();
   uintptr_t capture_malloc(size_t size, Stream stream, uint64_t capture);
   bool capture_free(uintptr_t ptr);
   void capture_record_stream(uintptr_t ptr);
@@ -102,6 +162,15 @@ class DevicePools {
   std::unordered_map<uintptr_t, GraphBlock> graph_live_;
   std::multimap<GraphKey, uintptr_t> graph_idle_;  // freed by PyTorch, still held
   size_t graph_bytes_ = 0;
+
+  // Graph pools. Lock order: pools_mu_, then a pool's own lock.
+  mutable std::mutex pools_mu_;
+  std::map<PoolId, std::unique_ptr<GraphPool>> pools_;
+  std::vector<std::pair<PoolId, StreamFilter>> routes_;  // in begin order
+  std::unordered_map<uintptr_t, GraphPool*> pool_blocks_;  // live blocks of graph pools
+  std::atomic<bool> routing_{false};      // routes_ is not empty
+  std::atomic<bool> pools_exist_{false};  // pools_ is not empty
+  std::atomic<bool> told_of_captures_{false};  // PyTorch's pool calls are in use
 };
 
 class PoolRegistry {
@@ -165,6 +234,12 @@ uintptr_t base_alloc(uintptr_t ptr, size_t* size) noexcept;
 void empty_cache();
 void set_memory_fraction(double fraction, int device);
 void init(int device_count) noexcept;
+/// PyTorch's graph-pool calls (CUDAGraph::capture_begin / capture_end /
+/// reset, torch.cuda.MemPool); end and release run in destructors and
+/// report errors on stderr instead of throwing.
+void begin_allocate_to_pool(int device, DevicePools::PoolId id, DevicePools::StreamFilter filter);
+void end_allocate_to_pool(int device, DevicePools::PoolId id) noexcept;
+void release_pool(int device, DevicePools::PoolId id) noexcept;
 }  // namespace hooks
 
 /// The file of the library holding the hooks (torch_hooks.cpp): what

@@ -1,7 +1,8 @@
 // A stand-in for a CUDA device, so the PyTorch hooks and the pool registry
 // run in CI without a GPU: its pools are host memory (host_backend.cpp, with
 // simulated streams) and its captures are whatever the test says. Its
-// backend answers for captures exactly as the CUDA backend does.
+// backend answers for captures exactly as the CUDA backend does over a
+// driver that has relaxed capture mode.
 #include <map>
 #include <mutex>
 
@@ -39,9 +40,10 @@ class FakeBackend final : public Backend {
       : host_(std::move(host)), captures_(captures) {}
 
   const char* name() const override { return "fake-cuda"; }
-  uintptr_t reserve(size_t size) override {
-    return captures_.underway() ? 0 : host_->reserve(size);
-  }
+  // Like the CUDA backend over a driver with relaxed capture mode, it may
+  // grow during a capture.
+  uintptr_t reserve(size_t size) override { return host_->reserve(size); }
+  bool grows_while_capturing() override { return true; }
   void release(uintptr_t base, size_t size) override { host_->release(base, size); }
   void mem_info(size_t* free_bytes, size_t* total_bytes) override {
     host_->mem_info(free_bytes, total_bytes);

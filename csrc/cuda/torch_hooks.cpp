@@ -15,19 +15,37 @@
 // cudaStream_t is an opaque pointer, the same handle as the driver's
 // CUstream; it is declared here as void* so that no CUDA header is needed.
 //
+// The graph-pool hooks take C++ types by value, so they are C++ functions
+// with C linkage (found by name), whose signatures must be exactly those of
+// PyTorch's setters (MempoolId_t is std::pair<CaptureId_t, CaptureId_t>,
+// CaptureId_t unsigned long long; cudaStream_t is `struct CUstream_st*`):
+//   set_begin_allocate_to_pool   void (int device, MempoolId_t pool,
+//                                      std::function<bool(cudaStream_t)> filter)
+//   set_end_allocate_to_pool_fn  void (int device, MempoolId_t pool)
+//   set_release_pool             void (int device, MempoolId_t pool)
+// CUDAGraph::capture_begin calls the first (an exception reaches Python);
+// capture_end and the graph's destructor the others, which never throw.
+//
 // PyTorch calls these from any thread, alloc outside its own lock. An
 // exception thrown by alloc reaches Python as RuntimeError with its message;
 // free runs inside deleters and must not throw. The library is built with
 // -fvisibility=hidden, so each is exported explicitly.
 #include <dlfcn.h>
 
+#include <functional>
 #include <string>
+#include <utility>
 
 #include "cuda_pools.h"
 
 #define PYALLOC_EXPORT extern "C" __attribute__((visibility("default")))
 
 using pyalloc::Stream;
+
+// The CUDA runtime's stream type, declared as the runtime declares it.
+struct CUstream_st;
+using cudaStream_t = CUstream_st*;
+using MempoolId = std::pair<unsigned long long, unsigned long long>;
 
 namespace {
 
@@ -60,6 +78,24 @@ PYALLOC_EXPORT void* pyalloc_base_alloc(void* ptr, size_t* size) {
 
 PYALLOC_EXPORT void pyalloc_record_stream(void* ptr, void* stream) {
   pyalloc::hooks::record_stream(addr(ptr), stream_of(stream));
+}
+
+PYALLOC_EXPORT void pyalloc_begin_allocate_to_pool(int device, MempoolId pool,
+                                                   std::function<bool(cudaStream_t)> filter) {
+  pyalloc::DevicePools::StreamFilter accepts;
+  if (filter)
+    accepts = [filter = std::move(filter)](Stream s) {
+      return filter(reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(s)));
+    };
+  pyalloc::hooks::begin_allocate_to_pool(device, {pool.first, pool.second}, std::move(accepts));
+}
+
+PYALLOC_EXPORT void pyalloc_end_allocate_to_pool(int device, MempoolId pool) {
+  pyalloc::hooks::end_allocate_to_pool(device, {pool.first, pool.second});
+}
+
+PYALLOC_EXPORT void pyalloc_release_pool(int device, MempoolId pool) {
+  pyalloc::hooks::release_pool(device, {pool.first, pool.second});
 }
 
 namespace pyalloc {

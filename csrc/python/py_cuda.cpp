@@ -6,7 +6,12 @@
 #include <Python.h>
 #include <pybind11/stl.h>
 
+#include <dlfcn.h>
+
 #include <cstdio>
+#include <functional>
+#include <set>
+#include <utility>
 
 #include "cuda/cuda_driver.h"
 #include "cuda/cuda_pools.h"
@@ -15,6 +20,8 @@
 #include "backends/sim_streams.h"
 
 namespace py = pybind11;
+
+struct CUstream_st;  // the CUDA runtime's stream type (cudaStream_t is CUstream_st*)
 
 namespace pyalloc {
 namespace {
@@ -277,6 +284,73 @@ void bind_cuda(py::module_& m) {
       py::arg("device"), nogil,
       "Returns the blocks held for CUDA graphs to the general pool; the bytes. Only once no "
       "graph captured so far will run again.");
+
+  m.def(
+      "cuda_graph_pools",
+      [](int device) {
+        std::vector<py::dict> out;
+        DevicePools* p = registry().find(device);
+        if (p == nullptr) return out;
+        for (auto& [id, alloc] : p->graph_pools()) {
+          Stats st = alloc->stats();
+          py::dict d;
+          d["id"] = py::make_tuple(id.first, id.second);
+          d["use_count"] = p->pool_use_count(id);
+          d["allocated_bytes"] = st.allocated_bytes.all.current;
+          d["reserved_bytes"] = st.reserved_bytes.all.current;
+          out.push_back(d);
+        }
+        return out;
+      },
+      py::arg("device"),
+      "The device's graph pools (CUDA graphs, torch.cuda.MemPool): id, use_count, "
+      "allocated_bytes, reserved_bytes.");
+  m.def(
+      "cuda_pool_live_blocks",
+      [](int device, std::pair<uint64_t, uint64_t> id) {
+        DevicePools* p = registry().find(device);
+        return p != nullptr ? p->pool_live_blocks(id) : std::vector<uintptr_t>();
+      },
+      py::arg("device"), py::arg("pool_id"), "The live allocations of a graph pool, by address.");
+  m.def(
+      "_testing_pool_hook",
+      [](const std::string& name, int device, std::pair<unsigned long long, unsigned long long> id,
+         std::vector<Stream> streams) {
+        // Called exactly as PyTorch's CUDAPluggableAllocator calls them: the
+        // exported symbol, cast to the setter's function type.
+        using Filter = std::function<bool(CUstream_st*)>;
+        using Id = std::pair<unsigned long long, unsigned long long>;
+        void* lib = dlopen(library_path().c_str(), RTLD_NOW | RTLD_NOLOAD);
+        void* fn = lib != nullptr ? dlsym(lib, ("pyalloc_" + name).c_str()) : nullptr;
+        if (lib != nullptr) dlclose(lib);
+        if (fn == nullptr) throw std::invalid_argument("no hook pyalloc_" + name);
+        if (name == "begin_allocate_to_pool") {
+          std::set<Stream> accepted(streams.begin(), streams.end());
+          Filter filter = [accepted](CUstream_st* s) {
+            return accepted.count(static_cast<Stream>(reinterpret_cast<uintptr_t>(s))) != 0;
+          };
+          std::function<void(int, Id, Filter)> call = reinterpret_cast<void (*)(int, Id, Filter)>(fn);
+          call(device, id, filter);
+        } else {
+          std::function<void(int, Id)> call = reinterpret_cast<void (*)(int, Id)>(fn);
+          call(device, id);
+        }
+      },
+      py::arg("name"), py::arg("device"), py::arg("pool_id"), py::arg("streams") = std::vector<Stream>(),
+      "Tests: calls a graph-pool hook (begin_allocate_to_pool, end_allocate_to_pool, "
+      "release_pool) as PyTorch does; begin's filter accepts `streams`.");
+  m.def(
+      "_testing_pool",
+      [](const std::string& what, int device, std::pair<uint64_t, uint64_t> id) {
+        DevicePools& p = registry().get(device);
+        if (what == "create_or_incref") p.create_or_incref_pool(id);
+        else if (what == "release") p.release_pool(id);
+        else if (what == "end") p.end_allocate_to_pool(id);
+        else if (what != "use_count") throw std::invalid_argument("unknown pool call " + what);
+        return p.pool_use_count(id);
+      },
+      py::arg("what"), py::arg("device"), py::arg("pool_id"),
+      "Tests: DevicePools' pool calls (create_or_incref, release, end, use_count); the use count.");
 
   m.def(
       "_testing_use_fake_devices",

@@ -15,12 +15,20 @@
  * mappings), make virtual memory calls fail as in a sandbox, and mark a
  * stream destroyed (capture queries on it fail).
  *
+ * Capture modes are per thread, as in CUDA: in relaxed mode
+ * (cuThreadExchangeStreamCaptureMode) allocating and mapping are legal during
+ * a capture and counted apart; freeing, unmapping and events stay forbidden.
+ * Built with -DSTUB_NO_RELAXED it lacks that entry point, like a driver
+ * older than CUDA 10.1.
+ *
  * test_cuda_backend_stub.py compiles it as libcuda.so.1 and reads `stub` through
  * ctypes. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+
+enum { MODE_GLOBAL = 0, MODE_RELAXED = 2 };
 
 typedef int CUresult;
 typedef struct Ctx { int device; } *CUcontext;
@@ -54,6 +62,7 @@ struct Stub {
   int64_t access_count, access_mask; /* the last cuMemSetAccess: devices, bit per device */
   uint64_t destroyed_stream; /* capture queries on it answer INVALID_HANDLE */
   int64_t destroyed_queries;
+  int64_t mode_exchanges, relaxed_during_capture;
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -61,9 +70,30 @@ static struct Ctx contexts[DEVICES] = {{0}, {1}};
 static __thread CUcontext current = 0;
 static struct { uintptr_t ptr; int64_t size; int device; } blocks[MAX_BLOCKS];
 
+static __thread int mode = MODE_GLOBAL;
+
 static void during_capture(void) {
   if (stub.capturing_stream != 0) stub.forbidden_during_capture++;
 }
+/* Allocating and mapping: legal during a capture in relaxed mode only. */
+static void allocating(void) {
+  if (stub.capturing_stream == 0) return;
+  if (mode == MODE_RELAXED) stub.relaxed_during_capture++;
+  else stub.forbidden_during_capture++;
+}
+
+#ifndef STUB_NO_RELAXED
+CUresult cuThreadExchangeStreamCaptureMode(int* m) {
+  if (*m < 0 || *m > 2) return INVALID_VALUE;
+  int prev = mode;
+  mode = *m;
+  *m = prev;
+  stub.mode_exchanges++;
+  return SUCCESS;
+}
+#endif
+/* For the test: the calling thread's capture mode. */
+int stub_thread_mode(void) { return mode; }
 
 CUresult cuInit(unsigned int flags) { return flags == 0 ? SUCCESS : INVALID_VALUE; }
 CUresult cuDriverGetVersion(int* v) { *v = 13000; return SUCCESS; }
@@ -107,7 +137,7 @@ CUresult cuDeviceGetName(char* name, int len, int device) {
 }
 
 CUresult cuMemAlloc_v2(unsigned long long* p, size_t size) {
-  during_capture();
+  allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   if ((int64_t)size == stub.fail_alloc_size) return STUB_FAILURE;
   int d = current->device;
@@ -248,7 +278,7 @@ CUresult cuMemAddressFree(unsigned long long p, size_t size) {
 }
 CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsigned long long flags) {
   (void)prop; (void)flags;
-  during_capture();
+  allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   if (stub.vmm_refuse) return NOT_PERMITTED;
   int d = current->device;
@@ -270,7 +300,7 @@ CUresult cuMemRelease(unsigned long long h) {
 CUresult cuMemMap(unsigned long long p, size_t size, size_t offset, unsigned long long h,
                   unsigned long long flags) {
   (void)offset; (void)flags;
-  during_capture();
+  allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   void* m = mmap((void*)(uintptr_t)p, size, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
@@ -291,7 +321,7 @@ CUresult cuMemUnmap(unsigned long long p, size_t size) {
 struct AccessDesc { int type; int id; int flags; };
 CUresult cuMemSetAccess(unsigned long long p, size_t size, const void* desc, size_t count) {
   (void)p; (void)size;
-  during_capture();
+  allocating();
   const struct AccessDesc* a = desc;
   if (count < 1 || count > DEVICES) return INVALID_VALUE;
   if (count > 1 && stub.refuse_peers) return NOT_SUPPORTED;
