@@ -49,6 +49,13 @@ struct StatArray {
     all.add(n);
     (pool == kSmallPool ? small : large).add(n);
   }
+  /// n moves from one pool to the other: `all` sees it leave and come back
+  /// (in that order, so its peak is untouched), keeping all = small + large
+  /// for current, allocated and freed.
+  void move(Pool from, Pool to, int64_t n) {
+    add(from, -n);
+    add(to, n);
+  }
   void reset_peak() {
     all.reset_peak();
     small.reset_peak();
@@ -66,6 +73,7 @@ struct Stats {
   int64_t num_sync_all_streams = 0;
   int64_t num_device_alloc = 0;
   int64_t num_device_free = 0;
+  int64_t num_oom_rejections = 0;  // OOMs because max_pool_size (the memory fraction) was reached
   int64_t max_split_size = 0;
 
   void reset_peak();
