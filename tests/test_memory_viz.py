@@ -361,3 +361,40 @@ def _free_hook(ptr):
     lib = ctypes.CDLL(_C.library_path())
     lib.pyalloc_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     lib.pyalloc_free(ptr, 0, 0, None)
+
+
+def synthetic_trace(seed, events=600):
+    """A recorded-looking snapshot: alloc / free pairs on two streams."""
+    rng = random.Random(seed)
+    trace, live, addr = [], [], 1 << 32
+    for _ in range(events):
+        if rng.random() < 0.55 or not live:
+            size = rng.choice([rng.randint(1, 200 * KiB), rng.randint(1, 24 * MiB)])
+            stream = rng.choice([0, 11])
+            trace.append({"action": "alloc", "addr": addr, "size": size, "stream": stream})
+            live.append((addr, size, stream))
+            addr += size + 4096
+        else:
+            a, size, stream = live.pop(rng.randrange(len(live)))
+            for action in ("free_requested", "free_completed"):
+                trace.append({"action": action, "addr": a, "size": size, "stream": stream})
+    return {"segments": [], "device_traces": [trace]}
+
+
+@pytest.mark.parametrize("conf", ["strategy:bestfit", "strategy:vmm,max_pool_size:160MiB"])
+def test_snapshot_taken_mid_replay(conf, tmp_path):
+    from pyalloc.replay import plan_trace
+    from pyalloc.snapshot_io import read_trace
+
+    plan = plan_trace(read_trace(synthetic_trace(3)))
+    calls = _C.ReplayTrace(plan.kinds, plan.ids, plan.sizes, plan.streams)
+    core = _C.Allocator("virtual", conf, 0)
+    core.record_history(True, 1 << 20)
+    run = _C.Replayer(core, calls, False, 0)
+    run.run(len(plan) // 2)
+    snap = {"segments": core.snapshot_segments(0), "device_traces": [core.history()]}
+    assert run.live_bytes == live_requested(snap) > 0
+    check_snapshot(snap, core.stats(), {"segments": []}, tmp_path, from_start=True)
+    run.run()
+    check_snapshot({"segments": core.snapshot_segments(0), "device_traces": [core.history()]},
+                   core.stats(), snap, tmp_path, from_start=True)

@@ -596,13 +596,16 @@ size_t Allocator::release_cached(size_t keep) {
     size_t want = keep == 0 ? SIZE_MAX : above_keep() / page_ * page_;
     if (want > 0) released = unmap_free_pages(want, 0, 0, /*wait=*/false);  // all waited for above
   }
-  for (auto it = segments_.begin(); it != segments_.end();) {
-    Segment* seg = it->second;
-    ++it;
-    if (!seg->vmm && seg->wholly_free() && seg->size <= above_keep()) {
-      released += seg->size;
-      release_segment(seg);
-    }
+  // Newest first, so that what stays is the pool reserved at the start.
+  std::vector<Segment*> free_segments;
+  for (auto& [base, seg] : segments_)
+    if (!seg->vmm && seg->wholly_free()) free_segments.push_back(seg);
+  std::sort(free_segments.begin(), free_segments.end(),
+            [](const Segment* x, const Segment* y) { return x->id > y->id; });
+  for (Segment* seg : free_segments) {
+    if (seg->size > above_keep()) continue;
+    released += seg->size;
+    release_segment(seg);
   }
   return released;
 }
