@@ -231,6 +231,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         status = record_program(args.command, args.output, args.device)
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "torch":
+            raise
+        print("pyalloc record: error: recording needs PyTorch, which is not installed "
+              "(pip install torch; see https://pytorch.org/get-started/)", file=sys.stderr)
+        return 2
     except RecordError as e:
         print(f"pyalloc record: error: {e}", file=sys.stderr)
         return 2

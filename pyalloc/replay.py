@@ -518,7 +518,13 @@ def main(args: argparse.Namespace) -> int:
                 f.write("\n")
         if args.plot is not None and results:
             plot_results(results, args.plot)
-    except (OSError, ImportError) as e:
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "matplotlib":
+            raise
+        print('pyalloc replay: error: --plot needs matplotlib: pip install "pyalloc[plot]"',
+              file=sys.stderr)
+        return 1
+    except OSError as e:
         print(f"pyalloc replay: error: {e}", file=sys.stderr)
         return 1
     return 1 if failed else 0

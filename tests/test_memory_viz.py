@@ -23,6 +23,7 @@ import pickle
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -398,3 +399,35 @@ def test_snapshot_taken_mid_replay(conf, tmp_path):
     run.run()
     check_snapshot({"segments": core.snapshot_segments(0), "device_traces": [core.history()]},
                    core.stats(), snap, tmp_path, from_start=True)
+
+
+def test_dump_snapshot_writes_a_plain_pickle_unless_gz(fake, tmp_path):
+    pyalloc.record_history(True)
+    p = _C._testing_hook_malloc(3 * MiB, 0, 0)
+    plain, packed = tmp_path / "s.pickle", tmp_path / "s.pickle.gz"
+    pyalloc.dump_snapshot(str(plain))
+    pyalloc.dump_snapshot(str(packed))
+    assert plain.read_bytes()[:1] == b"\x80" and packed.read_bytes()[:2] == b"\x1f\x8b"
+    with open(plain, "rb") as f:
+        assert pickle.load(f)["segments"] == pyalloc.snapshot()["segments"]
+    # PyTorch's command line reads the plain file as it reads its own.
+    out = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "stats", str(plain)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert f"total_reserved: {memory_viz.Bytes(pyalloc.memory_reserved(0))}" in out.stdout
+    _free_hook(p)
+
+
+def test_record_writes_a_plain_pickle_unless_gz(tmp_path):
+    prog = tmp_path / "p.py"
+    prog.write_text("import torch\nx = torch.zeros(1000)\n")
+    env = dict(__import__("os").environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    for name, magic in (("r.pickle", b"\x80"), ("r.pickle.gz", b"\x1f\x8b")):
+        out = tmp_path / name
+        p = subprocess.run([sys.executable, "-m", "pyalloc", "record", "-o", str(out), "--device", "cpu",
+                            "--", "python", str(prog)], capture_output=True, text=True, env=env)
+        assert p.returncode == 0, p.stderr
+        assert out.read_bytes()[:len(magic)] == magic
+    viz = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace", str(tmp_path / "r.pickle")],
+                         capture_output=True, text=True)
+    assert viz.returncode == 0 and "Device 0" in viz.stdout, viz.stderr

@@ -10,8 +10,12 @@
 //   active / active_bytes          user blocks not yet reusable (allocated,
 //                                  or freed but waiting on streams)
 //   segment / reserved_bytes       large pool: memory from the backend, minus
-//                                  the chunks lent to the small pool; small
-//                                  pool: those chunks
+//                                  the chunks lent to the small pool, counted
+//                                  as contiguous runs (as a snapshot lists
+//                                  them: one per backend segment, or per
+//                                  mapped run of the vmm range, split by the
+//                                  chunks in it); small pool: those chunks
+//   num_oom_rejections             OOMs because max_pool_size was reached
 //   inactive_split(_bytes)         free blocks in segments that are split
 //   requested_bytes                sizes as requested, before rounding
 //   oversize_*                     blocks / segments of max_split_size or more
