@@ -596,14 +596,22 @@ size_t Allocator::release_cached(size_t keep) {
     size_t want = keep == 0 ? SIZE_MAX : above_keep() / page_ * page_;
     if (want > 0) released = unmap_free_pages(want, 0, 0, /*wait=*/false);  // all waited for above
   }
-  // Newest first, so that what stays is the pool reserved at the start.
+  // Oldest first (the pool reserved at the start, if it is still there),
+  // a free segment stays while it fits under `keep` with what stays already.
   std::vector<Segment*> free_segments;
-  for (auto& [base, seg] : segments_)
-    if (!seg->vmm && seg->wholly_free()) free_segments.push_back(seg);
+  size_t kept = 0;
+  for (auto& [base, seg] : segments_) {
+    if (seg->vmm) continue;
+    if (seg->wholly_free()) free_segments.push_back(seg);
+    else kept += seg->size;
+  }
   std::sort(free_segments.begin(), free_segments.end(),
-            [](const Segment* x, const Segment* y) { return x->id > y->id; });
+            [](const Segment* x, const Segment* y) { return x->id < y->id; });
   for (Segment* seg : free_segments) {
-    if (seg->size > above_keep()) continue;
+    if (kept + seg->size <= keep) {
+      kept += seg->size;
+      continue;
+    }
     released += seg->size;
     release_segment(seg);
   }
@@ -626,7 +634,25 @@ void Allocator::release_segment(Segment* seg) {
 
 size_t Allocator::empty_cache() {
   std::lock_guard<Lock> guard(mu_);
-  return release_cached(cfg_.pool_size);
+  size_t keep = cfg_.pool_size;
+  if (keep == 0 || backend_->capture_underway()) return release_cached(0);
+  keep = vmm_ ? round_up(keep, page_) : round_up(keep, kSegmentAlign);
+  if (cfg_.max_pool_size != 0) keep = std::min(keep, cfg_.max_pool_size);
+  size_t released = release_cached(keep);
+  // Below pool_size (the out-of-memory path released it, or what was free
+  // did not add up to it): reserve the rest again, as far as the backend lets.
+  size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  if (reserved >= keep) return released;
+  size_t want = keep - reserved;
+  std::string why;
+  if (vmm_) {
+    map_for(want, 0, &why, /*recycle=*/false);
+  } else if (uintptr_t base = backend_->reserve(want); base != 0) {
+    add_segment(base, want, 0);
+  }
+  reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  size_t restored = reserved > keep - want ? reserved - (keep - want) : 0;
+  return released > restored ? released - restored : 0;
 }
 
 size_t Allocator::reserve(size_t nbytes) {
