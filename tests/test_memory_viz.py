@@ -296,6 +296,9 @@ def test_allocator_snapshots_read_as_pytorch_reads_them(backend, conf, seed, tmp
         assert all(s["is_expandable"] for s in snap["segments"] if s["segment_type"] == "large")
     assert {s["segment_type"] for s in snap["segments"]} == {"small", "large"}
     check_snapshot(snap, a.stats(), before, tmp_path, from_start=fresh)
+    if fresh:  # pyalloc replay follows the segment events to the recorder's own peak
+        from pyalloc.replay import replay
+        assert replay(snap, search=False).native_peak_reserved_bytes == a.stats()["reserved_bytes.all.peak"]
     for p in live:
         a.free(p)
     a.empty_cache()
@@ -335,6 +338,8 @@ def test_cuda_pool_snapshots_read_as_pytorch_reads_them(fake, conf, tmp_path):
     _C.cuda_configure(conf)
     pyalloc.record_history(True, max_entries=100_000)
     rng = random.Random(5)
+    first = _C._testing_hook_malloc(30 * MiB, 0, 3)  # a segment made for stream 3
+    tiny = _C._testing_hook_malloc(100, 0, 5)        # a small-pool chunk for stream 5
     live = []
     for _ in range(300):
         if rng.random() < 0.6 or not live:
@@ -349,10 +354,13 @@ def test_cuda_pool_snapshots_read_as_pytorch_reads_them(fake, conf, tmp_path):
     stats = _C.cuda_stats(0, "general")
     general = {"segments": [s for s in snap["segments"] if s["segment_pool_id"] == (0, 0)],
                "device_traces": snap["device_traces"]}
-    assert {s["stream"] for s in snap["segments"] if not s["is_expandable"]} <= {0, 3}
+    def holder(p):
+        return next(s for s in snap["segments"] if s["address"] <= p < s["address"] + s["total_size"])
+    assert (holder(first)["stream"], holder(first)["segment_type"]) == (3, "large")
+    assert (holder(tiny)["stream"], holder(tiny)["segment_type"]) == (5, "small")
     check_snapshot(snap, pyalloc.memory_stats(0), {"segments": []}, tmp_path, from_start=False)
     check_counts(general, stats)
-    for p in live:
+    for p in live + [first, tiny]:
         _free_hook(p)
 
 
