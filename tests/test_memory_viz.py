@@ -28,7 +28,6 @@ from pathlib import Path
 import pytest
 
 import pyalloc
-from pyalloc.snapshot_io import write_snapshot
 from pyalloc import _C
 
 memory_viz = pytest.importorskip("torch.cuda._memory_viz")
