@@ -19,8 +19,20 @@ COMMANDS = [
 ]
 
 
+DESCRIPTION = "pyalloc, a CUDA caching allocator for PyTorch: run, replay or record."
+
+
+def _version() -> str:
+    try:
+        from . import __version__
+    except ImportError:  # the compiled module is missing: say so, but still answer
+        return "pyalloc (not built)"
+    return f"pyalloc {__version__}"
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pyalloc", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="pyalloc", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module, help_text in COMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -86,7 +86,8 @@ class Allocator:
     # -- pool management ------------------------------------------------------------------
 
     def empty_cache(self) -> int:
-        """Returns every wholly free segment to the backend; the bytes released."""
+        """Returns cached free memory to the backend, keeping ``pool_size`` reserved;
+        the bytes released."""
         return self._core.empty_cache()
 
     def reserve(self, nbytes: Size) -> int:

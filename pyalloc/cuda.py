@@ -16,7 +16,6 @@ import collections
 import ctypes
 import operator
 import os
-import pickle
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import _C
@@ -404,7 +403,10 @@ def snapshot() -> Dict[str, Any]:
 
 
 def dump_snapshot(path: str = "dump_snapshot.pickle") -> None:
-    """Writes snapshot() as a pickle, like ``torch.cuda.memory._dump_snapshot()``:
-    open it at pytorch.org/memory_viz or with ``python -m torch.cuda._memory_viz``."""
-    with open(path, "wb") as f:
-        pickle.dump(snapshot(), f)
+    """Writes snapshot() as a plain pickle, like ``torch.cuda.memory._dump_snapshot()``:
+    open it at pytorch.org/memory_viz or with ``python -m torch.cuda._memory_viz``.
+    Only a name ending in ``.gz`` gets a gzip-compressed pickle, which those two
+    cannot read (``pyalloc replay`` reads both)."""
+    from .snapshot_io import write_snapshot
+
+    write_snapshot(snapshot(), path)

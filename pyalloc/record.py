@@ -18,12 +18,9 @@ allocator for in PyTorch's memory-snapshot format, which ``pyalloc replay``
 from __future__ import annotations
 
 import argparse
-import gzip
 import os
 import runpy
-import shutil
 import sys
-import tempfile
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -179,15 +176,7 @@ def record_cuda(run: Callable[[], Any], output: str) -> Any:
     install()
     record_history(True)
     value = run()
-    if not output.endswith(".gz"):
-        dump_snapshot(output)
-        return value
-    with tempfile.TemporaryDirectory() as tmp:
-        plain = os.path.join(tmp, "snapshot.pickle")
-        dump_snapshot(plain)
-        with open(plain, "rb") as src, open(output, "wb") as raw, \
-                gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as dst:
-            shutil.copyfileobj(src, dst)
+    dump_snapshot(output)  # a plain pickle, gzip-compressed only for a .gz name
     return value
 
 
@@ -231,6 +220,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         status = record_program(args.command, args.output, args.device)
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "torch":
+            raise
+        print("pyalloc record: error: recording needs PyTorch, which is not installed "
+              "(pip install torch; see https://pytorch.org/get-started/)", file=sys.stderr)
+        return 2
     except RecordError as e:
         print(f"pyalloc record: error: {e}", file=sys.stderr)
         return 2

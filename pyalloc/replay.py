@@ -216,9 +216,24 @@ def _follow_native(plan: ReplayPlan, trace: Trace) -> None:
     start = trace.segments_bytes - sum(delta for _, delta in changes)
     if start < 0:
         return  # segments and events disagree: no trustworthy figure
+    # A segment split as its pieces allocated, then the whole freed (how
+    # pyalloc's own snapshots tell it, so that PyTorch's viewer can undo it)
+    # is one change: the pieces alone are no peak.
+    pieces = set()
+    for i, code in enumerate(trace.actions):
+        if code != SEGMENT_FREE:
+            continue
+        lo, hi = trace.addrs[i], trace.addrs[i] + trace.sizes[i]
+        k = i - 1
+        while (k >= 0 and trace.actions[k] == SEGMENT_ALLOC and lo <= trace.addrs[k]
+               and trace.addrs[k] + trace.sizes[k] <= hi):
+            pieces.add(k)
+            k -= 1
     reserved = peak = start
     for i, delta in changes:
         reserved += delta
+        if i in pieces:
+            continue
         peak = max(peak, reserved)
         plan.native_points.append((i, reserved))
     plan.native_start_bytes = start
@@ -518,7 +533,13 @@ def main(args: argparse.Namespace) -> int:
                 f.write("\n")
         if args.plot is not None and results:
             plot_results(results, args.plot)
-    except (OSError, ImportError) as e:
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "matplotlib":
+            raise
+        print('pyalloc replay: error: --plot needs matplotlib: pip install "pyalloc[plot]"',
+              file=sys.stderr)
+        return 1
+    except OSError as e:
         print(f"pyalloc replay: error: {e}", file=sys.stderr)
         return 1
     return 1 if failed else 0

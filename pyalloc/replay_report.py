@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence
 from ._C import format_bytes
 from .replay_result import ReplayResult
 
-__all__ = ["COLUMNS", "LEGEND", "format_table", "plot_results"]
+__all__ = ["COLUMNS", "LEGEND", "figure", "format_table", "plot_results"]
 
 COLUMNS = [
     "trace",
@@ -58,17 +58,20 @@ def _row(r: ReplayResult, with_budget: bool) -> List[str]:
         "-" if frag is None else f"{frag:.1%}",
     ]
     if with_budget:
+        row.append(_bytes(r.budget_peak_reserved_bytes))
         row.append("-" if r.budget_ooms is None else str(r.budget_ooms))
     return row
 
 
 def format_table(results: Sequence[ReplayResult], markdown: bool = False) -> str:
-    """One row per trace. Adds an 'OOMs at budget' column when any replay had a budget."""
+    """One row per trace. With a budget, two more columns: the bounded replay's peak
+    reserved bytes and the allocations it refused."""
     with_budget = any(r.budget_bytes is not None for r in results)
     header = list(COLUMNS)
     if with_budget:
         budgets = {r.budget_bytes for r in results if r.budget_bytes is not None}
-        header.append(f"OOMs at {format_bytes(budgets.pop())}" if len(budgets) == 1 else "OOMs at budget")
+        at = f"at {format_bytes(budgets.pop())}" if len(budgets) == 1 else "at budget"
+        header += [f"reserved {at}", f"OOMs {at}"]
     rows = [_row(r, with_budget) for r in results]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
@@ -85,15 +88,27 @@ def format_table(results: Sequence[ReplayResult], markdown: bool = False) -> str
 
 def plot_results(results: Sequence[ReplayResult], path: str) -> None:
     """Reserved and live bytes over each trace, one panel per trace, to an image file."""
+    figure(results).savefig(path, dpi=110)
+
+
+def figure(results: Sequence[ReplayResult]):
+    """The plot of plot_results() as a matplotlib Figure (with an Agg canvas).
+
+    Each panel's title names the trace, the strategy and the configuration; the
+    legend sits beside the panel, over no data. A replay with a budget draws
+    the budget as a dashed line; the native allocator's reserved bytes are
+    drawn where the trace has them (GPU snapshots with segments).
+    """
     # The object API with the Agg canvas: no pyplot, so no display and no global state.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 3.2 * len(results)), layout="constrained")
+    fig = Figure(figsize=(11, 3.2 * len(results)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(results), 1, squeeze=False)[:, 0]
     for ax, r in zip(axes, results):
-        scale, unit = _unit(max(r.pyalloc_peak_reserved_bytes, r.native_peak_reserved_bytes or 0))
+        top = max(r.pyalloc_peak_reserved_bytes, r.native_peak_reserved_bytes or 0, r.budget_bytes or 0)
+        scale, unit = _unit(top)
         t = r.timeline
         if t:
             ax.plot(t["event"], [v / scale for v in t["reserved_bytes"]], label="pyalloc reserved",
@@ -104,16 +119,33 @@ def plot_results(results: Sequence[ReplayResult], path: str) -> None:
         if n:
             ax.plot(n["event"], [v / scale for v in n["reserved_bytes"]], label="native reserved",
                     color="tab:orange", drawstyle="steps-post")
-        title = f"{os.path.basename(r.trace)}: pyalloc {_ratio(r.pyalloc_ratio)}x peak live"
-        if r.native_ratio is not None:
-            title += f", native {_ratio(r.native_ratio)}x"
-        ax.set_title(title, fontsize=10)
+        if r.budget_bytes is not None:
+            ax.axhline(r.budget_bytes / scale, color="tab:red", linestyle="--", linewidth=1,
+                       label=f"budget {format_bytes(r.budget_bytes)}")
+        ax.set_title(f"{os.path.basename(r.trace)}: {_setup(r.config)}\n{_verdict(r)}", fontsize=10)
         ax.set_xlabel("trace event")
         ax.set_ylabel(unit)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(bottom=0, top=top / scale * 1.05 if top else None)
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
-    fig.savefig(path, dpi=110)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)
+    return fig
+
+
+def _setup(conf: Optional[str]) -> str:
+    """'strategy vmm, config segment_size:64MiB' (the defaults named as such)."""
+    from ._config import parse_config
+
+    strategy = parse_config(conf or "")["strategy"]
+    return f"strategy {strategy}, config {conf if conf else '(defaults)'}"
+
+
+def _verdict(r: ReplayResult) -> str:
+    text = f"pyalloc reserved {_ratio(r.pyalloc_ratio)}x peak live"
+    if r.native_ratio is not None:
+        text += f", native {_ratio(r.native_ratio)}x"
+    if r.budget_bytes is not None:
+        text += f"; at the budget: {r.budget_ooms} OOMs"
+    return text
 
 
 def _unit(n: int):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pyalloc import _C
+from pyalloc._C import format_bytes
 from pyalloc.replay import _fits, plan_trace, replay
 from pyalloc.snapshot_io import read_trace, write_snapshot
 
@@ -419,8 +420,11 @@ def test_cli_budget_adds_an_oom_column(tmp_path):
     p = cli(BUNDLED / "encoder-dynbatch-infer.pickle.gz", "--budget", "16MiB", "--no-search")
     assert p.returncode == 0, p.stderr
     header, _, row = p.stdout.splitlines()
-    assert header.endswith("OOMs at 16.00 MiB")
+    assert header.endswith("reserved at 16.00 MiB  OOMs at 16.00 MiB")
     assert int(row.split()[-1]) > 0
+    # The bounded run's peak reserved, beside its OOMs: within the budget.
+    value, unit = row.split()[-3:-1]
+    assert unit in ("MiB", "KiB") and float(value) * (1 << 20 if unit == "MiB" else 1 << 10) <= 16 << 20
 
 
 def test_cli_bad_files_give_one_line_each_and_fail(tmp_path):
@@ -481,5 +485,6 @@ def test_table_formats(tmp_path):
     assert text[0].split("  ")[0].strip() == "trace" and text[0].endswith("OOMs at 1.00 GiB")
     assert text[2].startswith("b.pickle")
     md = format_table(results, markdown=True).splitlines()
-    assert md[0] == "| " + " | ".join(COLUMNS + ["OOMs at 1.00 GiB"]) + " |"
+    assert md[0] == "| " + " | ".join(COLUMNS + ["reserved at 1.00 GiB", "OOMs at 1.00 GiB"]) + " |"
+    assert md[2].endswith(f"| {results[0].budget_peak_reserved_bytes and format_bytes(results[0].budget_peak_reserved_bytes)} | 0 |")
     assert md[2].startswith("| b.pickle | 3 | 1 | 100 B |")

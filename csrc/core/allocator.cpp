@@ -111,7 +111,7 @@ uintptr_t Allocator::malloc(size_t size, Stream s) {
   size_t rounded = round_up(size, kGranularity);
   std::lock_guard<Lock> guard(mu_);
   if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
-  Block* b = rounded <= cfg_.small_size ? alloc_small(rounded, s) : alloc_large(rounded, s, size);
+  Block* b = rounded <= cfg_.small_size ? alloc_small(rounded, s, size) : alloc_large(rounded, s, size);
   b->requested = size;
   live_.insert(b->addr, b);
   Pool pool = b->segment->pool;
@@ -126,12 +126,12 @@ uintptr_t Allocator::malloc(size_t size, Stream s) {
   return b->addr;
 }
 
-Block* Allocator::alloc_small(size_t size, Stream s) {
+Block* Allocator::alloc_small(size_t size, Stream s, size_t request) {
   Block* b = find_free(kSmallPool, size, s);
   if (b != nullptr) return take(b, size, s);
 
   // Borrow a chunk from the large pool; it keeps the parent's stream label.
-  Block* parent = alloc_large(cfg_.small_chunk_size, s, size);
+  Block* parent = alloc_large(cfg_.small_chunk_size, s, request);
   Segment* chunk = new Segment();
   chunk->base = parent->addr;
   chunk->size = parent->size;
@@ -141,6 +141,7 @@ Block* Allocator::alloc_small(size_t size, Stream s) {
   chunk->stream = s;
   chunk->index = chunks_.size();
   chunks_.push_back(chunk);
+  lend_chunk_stats(parent, chunk, +1);
   parent->chunk = chunk;
 
   Block* cb = new_block();
@@ -152,12 +153,70 @@ Block* Allocator::alloc_small(size_t size, Stream s) {
   cb->state = BlockState::kFree;
   chunk->first = cb;
   state(s).free[kSmallPool].insert(cb);
-
-  int64_t cs = static_cast<int64_t>(chunk->size);
-  stats_.segment.add(kSmallPool, 1);
-  stats_.reserved_bytes.small.add(cs);
-  stats_.reserved_bytes.large.add(-cs);
   return take(cb, size, s);
+}
+
+void Allocator::run_extent(const Block* b, uintptr_t* lo, uintptr_t* hi) {
+  const Block* first = b;
+  while (large_mem(first->prev)) first = first->prev;
+  const Block* last = b;
+  while (large_mem(last->next)) last = last->next;
+  *lo = first->addr;
+  *hi = last->end();
+}
+
+void Allocator::lend_chunk_stats(Block* parent, Segment* chunk, int sign) {
+  // Lending (sign +1, parent still large memory) splits parent's run of
+  // large memory into the parts beside it, if any, and adds a small-pool
+  // segment; taking the chunk back (sign -1, parent large memory again)
+  // undoes that.
+  int64_t cs = static_cast<int64_t>(chunk->size);
+  int64_t runs = (large_mem(parent->prev) ? 1 : 0) + (large_mem(parent->next) ? 1 : 0) - 1;
+  if (sign > 0) {
+    stats_.reserved_bytes.move(kLargePool, kSmallPool, cs);
+    if (runs < 0) stats_.segment.add(kLargePool, runs);
+    stats_.segment.add(kSmallPool, 1);
+    if (runs > 0) stats_.segment.add(kLargePool, runs);
+  } else {
+    stats_.reserved_bytes.move(kSmallPool, kLargePool, cs);
+    stats_.segment.add(kSmallPool, -1);
+    if (runs != 0) stats_.segment.add(kLargePool, -runs);
+  }
+  if (!history_on_) return;
+  // The history, in the words of PyTorch's viewer, which replays it backwards
+  // from the final segments: the chunk is a segment_alloc / segment_free of
+  // its own; the run gives up the chunk's range as a segment_unmap (undone by
+  // merging the range with the same-stream segments it touches) and takes it
+  // back as a segment_map (undone by cutting it out of the segment holding
+  // it). Where an unmap would merge with a segment outside the run (another
+  // chunk, or an adjacent backend segment), the run's pieces are allocated
+  // and the run freed instead.
+  Stream rs = parent->segment->stream;
+  if (sign < 0) {
+    trace(TraceEntry::kSegmentFree, chunk->base, chunk->size, chunk->stream);
+    trace(TraceEntry::kSegmentMap, chunk->base, chunk->size, rs);
+    return;
+  }
+  auto outside = [&](const Block* n) {
+    return n != nullptr ? n->chunk != nullptr : !parent->segment->vmm;
+  };
+  if (!outside(parent->prev) && !outside(parent->next)) {
+    trace(TraceEntry::kSegmentUnmap, chunk->base, chunk->size, rs);
+  } else {
+    trace_split(parent, parent->addr, parent->end());
+  }
+  trace(TraceEntry::kSegmentAlloc, chunk->base, chunk->size, chunk->stream);
+}
+
+void Allocator::trace_split(const Block* b, uintptr_t lo, uintptr_t hi) {
+  // The pieces first, then the run: undone backwards, the run comes back
+  // before its pieces go, so no live block is ever outside every segment.
+  uintptr_t a = 0, e = 0;
+  run_extent(b, &a, &e);
+  Stream rs = b->segment->stream;
+  if (a < lo) trace(TraceEntry::kSegmentAlloc, a, lo - a, rs);
+  if (hi < e) trace(TraceEntry::kSegmentAlloc, hi, e - hi, rs);
+  trace(TraceEntry::kSegmentFree, a, e - a, rs);
 }
 
 Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
@@ -483,10 +542,7 @@ size_t Allocator::reclaim_free_chunks() {
     parent->chunk = nullptr;
     parent->stream = cb->stream;
     parent->free_seq = cb->free_seq;
-    int64_t cs = static_cast<int64_t>(chunk->size);
-    stats_.segment.add(kSmallPool, -1);
-    stats_.reserved_bytes.small.add(-cs);
-    stats_.reserved_bytes.large.add(cs);
+    lend_chunk_stats(parent, chunk, -1);
     chunks_[i] = chunks_.back();
     chunks_[i]->index = i;
     chunks_.pop_back();
@@ -521,7 +577,7 @@ void Allocator::merge_ready_neighbours() {
   for (auto& [base, seg] : segments_) merge_runs(seg);
 }
 
-size_t Allocator::release_cached() {
+size_t Allocator::release_cached(size_t keep) {
   // Nothing may be waited for or returned while a graph is being captured.
   if (backend_->capture_underway()) return 0;
   // Wait for every stream so that every free block is safe anywhere.
@@ -530,14 +586,34 @@ size_t Allocator::release_cached() {
   stats_.num_sync_all_streams++;
   merge_ready_neighbours();
   reclaim_free_chunks();
-  size_t released = vmm_ ? unmap_free_pages(SIZE_MAX, 0, 0, /*wait=*/false) : 0;  // all waited for above
-  for (auto it = segments_.begin(); it != segments_.end();) {
-    Segment* seg = it->second;
-    ++it;
-    if (!seg->vmm && seg->wholly_free()) {
-      released += seg->size;
-      release_segment(seg);
+  // Whatever would take the pool below `keep` stays reserved.
+  auto above_keep = [&]() -> size_t {
+    size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+    return reserved > keep ? reserved - keep : 0;
+  };
+  size_t released = 0;
+  if (vmm_) {
+    size_t want = keep == 0 ? SIZE_MAX : above_keep() / page_ * page_;
+    if (want > 0) released = unmap_free_pages(want, 0, 0, /*wait=*/false);  // all waited for above
+  }
+  // Oldest first (the pool reserved at the start, if it is still there),
+  // a free segment stays while it fits under `keep` with what stays already.
+  std::vector<Segment*> free_segments;
+  size_t kept = 0;
+  for (auto& [base, seg] : segments_) {
+    if (seg->vmm) continue;
+    if (seg->wholly_free()) free_segments.push_back(seg);
+    else kept += seg->size;
+  }
+  std::sort(free_segments.begin(), free_segments.end(),
+            [](const Segment* x, const Segment* y) { return x->id < y->id; });
+  for (Segment* seg : free_segments) {
+    if (kept + seg->size <= keep) {
+      kept += seg->size;
+      continue;
     }
+    released += seg->size;
+    release_segment(seg);
   }
   return released;
 }
@@ -558,7 +634,25 @@ void Allocator::release_segment(Segment* seg) {
 
 size_t Allocator::empty_cache() {
   std::lock_guard<Lock> guard(mu_);
-  return release_cached();
+  size_t keep = cfg_.pool_size;
+  if (keep == 0 || backend_->capture_underway()) return release_cached(0);
+  keep = vmm_ ? round_up(keep, page_) : round_up(keep, kSegmentAlign);
+  if (cfg_.max_pool_size != 0) keep = std::min(keep, cfg_.max_pool_size);
+  size_t released = release_cached(keep);
+  // Below pool_size (the out-of-memory path released it, or what was free
+  // did not add up to it): reserve the rest again, as far as the backend lets.
+  size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  if (reserved >= keep) return released;
+  size_t want = keep - reserved;
+  std::string why;
+  if (vmm_) {
+    map_for(want, 0, &why, /*recycle=*/false);
+  } else if (uintptr_t base = backend_->reserve(want); base != 0) {
+    add_segment(base, want, 0);
+  }
+  reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  size_t restored = reserved > keep - want ? reserved - (keep - want) : 0;
+  return released > restored ? released - restored : 0;
 }
 
 size_t Allocator::reserve(size_t nbytes) {
@@ -604,6 +698,9 @@ Config Allocator::config() const {
 
 void Allocator::throw_oom(size_t request, size_t size, Stream s, const std::string& why) {
   stats_.num_ooms++;
+  // Refused because the pool reached its cap (set_per_process_memory_fraction
+  // sets it), not because the device was full: PyTorch counts these apart.
+  if (why.compare(0, 13, "max_pool_size") == 0) stats_.num_oom_rejections++;
   size_t dev_free = 0, dev_total = 0;
   backend_->mem_info(&dev_free, &dev_total);
   if (history_on_) trace(TraceEntry::kOom, dev_free, request, s);

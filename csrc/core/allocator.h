@@ -105,7 +105,8 @@ struct SnapshotSegment {
   size_t active_size = 0;
   size_t requested_size = 0;
   Stream stream = 0;
-  bool expandable = false;  // a virtual-memory segment: only mapped blocks are listed
+  Pool pool = kLargePool;   // small: a chunk lent to the small pool
+  bool expandable = false;  // a mapped run of the virtual range (strategy vmm)
   std::vector<SnapshotBlock> blocks;
 };
 
@@ -124,7 +125,8 @@ class Allocator {
   /// The block of `ptr` is also used on `stream`: on free, wait for it too.
   void record_stream(uintptr_t ptr, Stream stream);
 
-  /// Returns every wholly free segment to the backend; the bytes released.
+  /// Returns wholly free segments (under vmm: free pages) to the backend,
+  /// keeping pool_size reserved; the bytes released.
   size_t empty_cache();
   /// Grows the pool so that a free range of at least nbytes exists; the
   /// bytes newly reserved.
@@ -135,7 +137,11 @@ class Allocator {
   Stats stats() const;
   void reset_peak_stats();
   FragmentationInfo fragmentation() const;
-  /// Backend segments with their blocks (chunks shown as their small blocks).
+  /// The pool's memory as PyTorch reports it: one segment per contiguous run
+  /// of large-pool memory (a backend segment, or a mapped run of the virtual
+  /// range, less the chunks lent to the small pool) and one per small-pool
+  /// chunk, each tiled exactly by its blocks. Matches stats()' segment and
+  /// reserved_bytes counts pool by pool.
   std::vector<SnapshotSegment> snapshot() const;
   /// Throws InvariantError describing the first inconsistency found.
   void check_invariants() const;
@@ -172,7 +178,7 @@ class Allocator {
   Block* new_block();
   void drop_block(Block* b);
 
-  Block* alloc_small(size_t size, Stream s);
+  Block* alloc_small(size_t size, Stream s, size_t request);
   Block* alloc_large(size_t size, Stream s, size_t request);
   Block* find_free(Pool pool, size_t size, Stream s);
   Block* find_other_streams(Pool pool, size_t size, Stream s);
@@ -195,7 +201,8 @@ class Allocator {
   void poll_syncs(StreamState& st, bool wait);
   void process_pending(bool wait);
   size_t reclaim_free_chunks();
-  size_t release_cached();
+  // Everything cached above `keep` reserved bytes goes back to the backend.
+  size_t release_cached(size_t keep = 0);
   void merge_ready_neighbours();
   void release_segment(Segment* seg);
   void track_inactive_split(const Block* b, int sign) {
@@ -206,6 +213,16 @@ class Allocator {
     if (blocks != 0) stats_.inactive_split.add(pool, blocks);
     if (bytes != 0) stats_.inactive_split_bytes.add(pool, bytes);
   }
+  // Large-pool "segments" are contiguous runs of large-pool memory (what a
+  // snapshot lists): is b such memory (mapped, not lent as a chunk)?
+  static bool large_mem(const Block* b) { return b != nullptr && b->mapped && b->chunk == nullptr; }
+  // The run of large-pool memory around b (b itself must be large_mem).
+  static void run_extent(const Block* b, uintptr_t* lo, uintptr_t* hi);
+  // A chunk of parent's range moves between the pools: stats and history.
+  void lend_chunk_stats(Block* parent, Segment* chunk, int sign);
+  // History: the run of b loses [lo, hi), told as its pieces allocated
+  // and the run freed (see lend_chunk_stats).
+  void trace_split(const Block* b, uintptr_t lo, uintptr_t hi);
   [[noreturn]] void throw_oom(size_t request, size_t size, Stream s, const std::string& why);
   std::string describe_bad_pointer(uintptr_t ptr, const char* op) const;
   void trace(TraceEntry::Action a, uintptr_t addr, size_t size, Stream s);

@@ -75,33 +75,44 @@ FragmentationInfo Allocator::fragmentation() const {
 std::vector<SnapshotSegment> Allocator::snapshot() const {
   std::lock_guard<Lock> guard(mu_);
   std::vector<SnapshotSegment> out;
-  for (const auto& [base, seg] : segments_) {
-    SnapshotSegment s;
-    s.address = seg->base;
-    s.total_size = 0;
-    s.stream = seg->stream;
-    s.expandable = seg->vmm;
-    auto add = [&](const Block* b) {
-      if (!b->mapped) return;  // no memory behind it
-      s.total_size += b->size;
-      const char* st = b->state == BlockState::kFree         ? "inactive"
-                       : b->state == BlockState::kPendingFree ? "active_pending_free"
-                                                              : "active_allocated";
-      s.blocks.push_back(SnapshotBlock{b->addr, b->size, b->requested, st});
-      if (b->state == BlockState::kAllocated) {
-        s.allocated_size += b->size;
-        s.requested_size += b->requested;
-      }
-      if (b->state != BlockState::kFree) s.active_size += b->size;
-    };
-    for (const Block* b = seg->first; b != nullptr; b = b->next) {
-      if (b->chunk == nullptr) {
-        add(b);
-      } else {
-        for (const Block* c = b->chunk->first; c != nullptr; c = c->next) add(c);
-      }
+  auto add = [](SnapshotSegment& s, const Block* b) {
+    s.total_size += b->size;
+    const char* st = b->state == BlockState::kFree         ? "inactive"
+                     : b->state == BlockState::kPendingFree ? "active_pending_free"
+                                                            : "active_allocated";
+    s.blocks.push_back(SnapshotBlock{b->addr, b->size, b->requested, st});
+    if (b->state == BlockState::kAllocated) {
+      s.allocated_size += b->size;
+      s.requested_size += b->requested;
     }
-    out.push_back(std::move(s));
+    if (b->state != BlockState::kFree) s.active_size += b->size;
+  };
+  for (const auto& [base, seg] : segments_) {
+    // One segment per run of large-pool memory: unmapped pages and chunks
+    // lent to the small pool end a run; each chunk is a segment of its own.
+    bool open = false;
+    for (const Block* b = seg->first; b != nullptr; b = b->next) {
+      if (!large_mem(b)) open = false;
+      if (!b->mapped) continue;  // no memory behind it
+      if (b->chunk != nullptr) {
+        SnapshotSegment c;
+        c.address = b->chunk->base;
+        c.stream = b->chunk->stream;
+        c.pool = kSmallPool;
+        for (const Block* x = b->chunk->first; x != nullptr; x = x->next) add(c, x);
+        out.push_back(std::move(c));
+        continue;
+      }
+      if (!open) {
+        SnapshotSegment r;
+        r.address = b->addr;
+        r.stream = seg->stream;
+        r.expandable = seg->vmm;
+        out.push_back(std::move(r));
+        open = true;
+      }
+      add(out.back(), b);
+    }
   }
   return out;
 }
@@ -224,7 +235,12 @@ void Allocator::check_invariants() const {
       expect = b->end();
     }
     if (expect != seg->base + seg->size) fail(where + ": its blocks do not cover it");
-    if (!seg->vmm || mapped_bytes > 0) t.segment[pool]++;  // a range counts while it holds memory
+    if (pool == kSmallPool) {
+      t.segment[pool]++;
+    } else {  // each run of large-pool memory is a segment
+      for (const Block* b = seg->first; b != nullptr; b = b->next)
+        if (large_mem(b) && !large_mem(b->prev)) t.segment[pool]++;
+    }
     t.reserved_bytes[pool] += seg->vmm ? mapped_bytes : static_cast<int64_t>(seg->size);
     if (pool == kSmallPool) t.reserved_bytes[kLargePool] -= static_cast<int64_t>(seg->size);
   };

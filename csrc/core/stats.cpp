@@ -52,6 +52,7 @@ std::vector<std::pair<std::string, int64_t>> Stats::flatten() const {
   out.emplace_back("num_sync_all_streams", num_sync_all_streams);
   out.emplace_back("num_device_alloc", num_device_alloc);
   out.emplace_back("num_device_free", num_device_free);
+  out.emplace_back("num_oom_rejections", num_oom_rejections);
   out.emplace_back("max_split_size", max_split_size);
   std::sort(out.begin(), out.end());
   return out;

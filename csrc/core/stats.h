@@ -10,8 +10,12 @@
 //   active / active_bytes          user blocks not yet reusable (allocated,
 //                                  or freed but waiting on streams)
 //   segment / reserved_bytes       large pool: memory from the backend, minus
-//                                  the chunks lent to the small pool; small
-//                                  pool: those chunks
+//                                  the chunks lent to the small pool, counted
+//                                  as contiguous runs (as a snapshot lists
+//                                  them: one per backend segment, or per
+//                                  mapped run of the vmm range, split by the
+//                                  chunks in it); small pool: those chunks
+//   num_oom_rejections             OOMs because max_pool_size was reached
 //   inactive_split(_bytes)         free blocks in segments that are split
 //   requested_bytes                sizes as requested, before rounding
 //   oversize_*                     blocks / segments of max_split_size or more
@@ -49,6 +53,13 @@ struct StatArray {
     all.add(n);
     (pool == kSmallPool ? small : large).add(n);
   }
+  /// n moves from one pool to the other: `all` sees it leave and come back
+  /// (in that order, so its peak is untouched), keeping all = small + large
+  /// for current, allocated and freed.
+  void move(Pool from, Pool to, int64_t n) {
+    add(from, -n);
+    add(to, n);
+  }
   void reset_peak() {
     all.reset_peak();
     small.reset_peak();
@@ -66,6 +77,7 @@ struct Stats {
   int64_t num_sync_all_streams = 0;
   int64_t num_device_alloc = 0;
   int64_t num_device_free = 0;
+  int64_t num_oom_rejections = 0;  // OOMs because max_pool_size (the memory fraction) was reached
   int64_t max_split_size = 0;
 
   void reset_peak();

@@ -140,12 +140,18 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, bool recycle)
       return nullptr;
     }
   }
-  // The range counts as a segment while it holds any memory.
+  // Each contiguous run of mapped large-pool memory is a segment, as in
+  // PyTorch's snapshots of expandable segments: the new pages start one or
+  // join the runs beside them. The range's events and runs carry one stream
+  // (the stream of the request that first mapped memory into it).
   if (stats_.reserved_bytes.large.current + stats_.reserved_bytes.small.current == 0)
-    stats_.segment.add(kLargePool, 1);
+    vmm_seg_->stream = s;
+  int64_t runs = 1 - (lo == u->addr && large_mem(u->prev) ? 1 : 0) -
+                 (hi == u->end() && large_mem(u->next) ? 1 : 0);
+  if (runs != 0) stats_.segment.add(kLargePool, runs);
   stats_.reserved_bytes.add(kLargePool, static_cast<int64_t>(need));
   stats_.num_device_alloc++;
-  if (history_on_) trace(TraceEntry::kSegmentMap, lo, need, s);
+  if (history_on_) trace(TraceEntry::kSegmentMap, lo, need, vmm_seg_->stream);
 
   // Cut the mapped piece out of u; fresh pages are safe for every stream.
   Block* m;
@@ -232,6 +238,18 @@ size_t Allocator::unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t kee
 }
 
 Block* Allocator::unmap_range(Block* f, uintptr_t lo, uintptr_t hi) {
+  // The run of mapped memory around f splits into what stays on either side.
+  bool left = lo > f->addr || large_mem(f->prev), right = hi < f->end() || large_mem(f->next);
+  int64_t runs = (left ? 1 : 0) + (right ? 1 : 0) - 1;
+  if (history_on_) {
+    // PyTorch's viewer undoes a segment_unmap by merging the range with the
+    // same-stream segments it touches; a small-pool chunk beside it must stay
+    // apart, so then the change is told another way (lend_chunk_stats).
+    bool by_chunk = (lo == f->addr && f->prev != nullptr && f->prev->chunk != nullptr) ||
+                    (hi == f->end() && f->next != nullptr && f->next->chunk != nullptr);
+    if (!by_chunk) trace(TraceEntry::kSegmentUnmap, lo, hi - lo, f->segment->stream);
+    else trace_split(f, lo, hi);
+  }
   StreamState& st = state(f->stream);
   st.free[kLargePool].remove(f);
   track_inactive_split(f, -1);
@@ -266,9 +284,8 @@ Block* Allocator::unmap_range(Block* f, uintptr_t lo, uintptr_t hi) {
   f->mapped = false;
   backend_->vmm_unmap(lo, hi - lo);
   stats_.reserved_bytes.add(kLargePool, -static_cast<int64_t>(hi - lo));
-  if (stats_.reserved_bytes.all.current == 0) stats_.segment.add(kLargePool, -1);
+  if (runs != 0) stats_.segment.add(kLargePool, runs);
   stats_.num_device_free++;
-  if (history_on_) trace(TraceEntry::kSegmentUnmap, lo, hi - lo, f->stream);
   for (Block* p : {head, tail}) {
     if (p == nullptr) continue;
     state(p->stream).free[kLargePool].insert(p);

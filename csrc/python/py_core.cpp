@@ -87,7 +87,7 @@ py::list snapshot_list(const std::vector<SnapshotSegment>& segs, int device) {
     seg["active_size"] = s.active_size;
     seg["requested_size"] = s.requested_size;
     seg["stream"] = s.stream;
-    seg["segment_type"] = "large";
+    seg["segment_type"] = s.pool == kSmallPool ? "small" : "large";
     seg["segment_pool_id"] = py::make_tuple(0, 0);
     seg["is_expandable"] = s.expandable;
     seg["frames"] = py::list();

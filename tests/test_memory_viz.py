@@ -1,0 +1,440 @@
+"""Snapshots as PyTorch's own tools read them.
+
+Every Python renderer of ``torch.cuda._memory_viz`` that takes a snapshot runs on
+snapshots of both strategies (host and virtual backends, the fake CUDA devices,
+and a replay stopped midway), and the file is checked for what the web viewer
+(torch/utils/viz/MemoryViz.js) relies on, by doing what it does:
+
+- ``annotate_snapshot`` rebuilds each block's address as its segment's address
+  plus the sizes of the blocks before it;
+- ``simulate_memory`` (Allocator State History) starts from the final segments
+  and undoes the events from the last to the first: segment_alloc / segment_free
+  name an exact segment, segment_map / segment_unmap shrink, split or merge
+  contiguous segments of the same stream, and every live block must lie in a
+  segment at every step;
+- ``process_alloc_data`` (Active Memory Timeline) adds the blocks live at the
+  end that no recorded alloc explains, and the final total must be the bytes
+  live at the end.
+"""
+from __future__ import annotations
+
+import gc
+import pickle
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pyalloc
+from pyalloc import _C
+
+memory_viz = pytest.importorskip("torch.cuda._memory_viz")
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+# -- what the web viewer does -------------------------------------------------------------
+
+
+def annotate(snapshot):
+    """MemoryViz.js annotate_snapshot: elided frees, block addresses from sizes."""
+    traces = []
+    for trace in snapshot["device_traces"]:
+        out = []
+        for e in trace:
+            e = dict(e)
+            if e["action"] == "free_completed" and out:
+                prev = out[-1]
+                if prev["action"] == "free_requested" and prev["addr"] == e["addr"]:
+                    prev["action"] = "free"
+                    continue
+            out.append(e)
+        traces.append(out)
+    segments = []
+    for seg in snapshot["segments"]:
+        seg = dict(seg)
+        addr = seg["address"]
+        blocks = []
+        for b in seg["blocks"]:
+            b = dict(b)
+            b["addr"] = addr
+            addr += b["size"]
+            blocks.append(b)
+        seg["blocks"] = blocks
+        segments.append(seg)
+    return {"segments": segments, "device_traces": traces}
+
+
+def check_block_addresses(snapshot):
+    """The viewer's rebuilt address of every block is its real address, and the
+    blocks tile their segment."""
+    for seg in snapshot["segments"]:
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            assert b["address"] == addr, f"block at {b['address']:#x} drawn at {addr:#x}"
+            addr += b["size"]
+        assert addr == seg["address"] + seg["total_size"], "blocks do not tile their segment"
+
+
+def replay_history_backwards(snapshot, device=0):
+    """MemoryViz.js simulate_memory from the last event to before the first, checking
+    at every step what the viewer would otherwise fail on; the segments left at the
+    start."""
+    snap = annotate(snapshot)
+    segs = [dict(addr=s["address"], size=s["total_size"], stream=s["stream"])
+            for s in snap["segments"] if s["device"] == device]
+    segs.sort(key=lambda s: s["addr"])
+    blocks = {b["addr"]: b["size"] for s in snap["segments"] if s["device"] == device
+              for b in s["blocks"] if b["state"] in ("active_allocated", "active_pending_free")}
+    events = snap["device_traces"][device]
+
+    def map_segment(merge, seg):
+        idx = next((i for i, e in enumerate(segs) if e["addr"] > seg["addr"]), -1)
+        if not merge:  # splice(-1, 0, seg) puts it before the last one
+            segs.insert(idx if idx >= 0 else max(len(segs) - 1, 0), seg)
+            return
+        idx = len(segs) if idx < 0 else idx
+        segs.insert(idx, seg)
+        if idx + 1 < len(segs):
+            nxt = segs[idx + 1]
+            if seg["addr"] + seg["size"] == nxt["addr"] and seg["stream"] == nxt["stream"]:
+                seg["size"] += nxt["size"]
+                del segs[idx + 1]
+        if idx > 0:
+            prev = segs[idx - 1]
+            if prev["addr"] + prev["size"] == seg["addr"] and prev["stream"] == seg["stream"]:
+                prev["size"] += seg["size"]
+                del segs[idx]
+
+    def unmap_segment(merge, seg, i):
+        if not merge:
+            idx = [k for k, e in enumerate(segs) if e["addr"] == seg["addr"]]
+            assert idx, f"event {i}: segment_alloc of {seg['addr']:#x}, a segment the viewer lacks"
+            del segs[idx[0]]
+            return
+        end = seg["addr"] + seg["size"]
+        idx = [k for k, e in enumerate(segs) if e["addr"] <= seg["addr"] and end <= e["addr"] + e["size"]]
+        assert idx, f"event {i}: segment_map of {seg['addr']:#x} lies in no segment (the viewer throws)"
+        ex = segs[idx[0]]
+        ex_end = ex["addr"] + ex["size"]
+        if ex["addr"] == seg["addr"]:
+            ex["addr"] += seg["size"]
+            ex["size"] -= seg["size"]
+            if ex["size"] == 0:
+                del segs[idx[0]]
+        elif ex_end == end:
+            ex["size"] -= seg["size"]
+        else:
+            ex["size"] = seg["addr"] - ex["addr"]
+            segs.insert(idx[0] + 1, dict(addr=end, size=ex_end - end, stream=seg["stream"]))
+
+    def find_segment(by_addr, addr):  # the viewer's binary search
+        left, right = 0, len(by_addr) - 1
+        while left <= right:
+            mid = (left + right) // 2
+            if addr < by_addr[mid]["addr"]:
+                right = mid - 1
+            elif addr >= by_addr[mid]["addr"] + by_addr[mid]["size"]:
+                left = mid + 1
+            else:
+                return by_addr[mid]
+        return None
+
+    def check_state(i):
+        by_addr = sorted(sorted(segs, key=lambda x: (x["size"], x["addr"])), key=lambda x: x["addr"])
+        for addr in blocks:
+            assert find_segment(by_addr, addr) is not None, (
+                f"before event {i}: block {addr:#x} lies in no segment (the viewer throws)")
+
+    check_state(len(events))
+    for s, t in zip(segs, segs[1:]):
+        assert s["addr"] + s["size"] <= t["addr"], "the snapshot's segments overlap"
+    for i in range(len(events) - 1, -1, -1):
+        e = events[i]
+        a = e["action"]
+        if a in ("free", "free_completed"):
+            blocks[e["addr"]] = e["size"]
+        elif a == "alloc":
+            blocks.pop(e["addr"], None)
+        elif a in ("segment_free", "segment_unmap"):
+            map_segment(a == "segment_unmap", dict(addr=e["addr"], size=e["size"], stream=e["stream"]))
+        elif a in ("segment_alloc", "segment_map"):
+            unmap_segment(a == "segment_map", dict(addr=e["addr"], size=e["size"], stream=e["stream"]), i)
+        check_state(i)
+    segs.sort(key=lambda x: x["addr"])
+    for s, t in zip(segs, segs[1:]):
+        assert s["addr"] + s["size"] <= t["addr"], "before the first event, segments overlap"
+    return segs
+
+
+def timeline_final_total(snapshot, device=0):
+    """MemoryViz.js process_alloc_data (allocations, nothing summarized): the total
+    drawn after the last event."""
+    snap = annotate(snapshot)
+    elements, initially, actions, addr_to_alloc = [], [], [], {}
+    for e in snap["device_traces"][device]:
+        if e["action"] == "alloc":
+            elements.append(e)
+            addr_to_alloc[e["addr"]] = len(elements) - 1
+            actions.append(len(elements) - 1)
+        elif e["action"] in ("free", "free_completed"):
+            if e["addr"] in addr_to_alloc:
+                actions.append(addr_to_alloc.pop(e["addr"]))
+            else:
+                elements.append(e)
+                initially.append(len(elements) - 1)
+                actions.append(len(elements) - 1)
+    for seg in snap["segments"]:
+        if seg["device"] != device:
+            continue
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated" and b["addr"] not in addr_to_alloc:
+                elements.append({"size": b["requested_size"]})
+                initially.append(len(elements) - 1)
+    current = set(initially)
+    total = sum(elements[i]["size"] for i in initially)
+    for i in actions:
+        if i in current:
+            current.remove(i)
+            total -= elements[i]["size"]
+        else:
+            current.add(i)
+            total += elements[i]["size"]
+    return total
+
+
+def live_requested(snapshot, device=0):
+    return sum(b["requested_size"] for s in snapshot["segments"] if s["device"] == device
+               for b in s["blocks"] if b["state"] == "active_allocated")
+
+
+def render_everything(snapshot, before, tmp_path):
+    """Every Python renderer of torch.cuda._memory_viz that takes a snapshot."""
+    lines = lambda text: text  # noqa: E731  (flamegraph.pl would be downloaded)
+    assert memory_viz.segments(snapshot, format_flamegraph=lines) is not None
+    assert memory_viz.memory(snapshot, format_flamegraph=lines) is not None
+    assert memory_viz.compare(before["segments"], snapshot["segments"], format_flamegraph=lines) is not None
+    summary = memory_viz.segsum(snapshot)  # checks its own totals
+    assert f"segments: {len(snapshot['segments'])}" in summary
+    assert "TOTAL MEM" in memory_viz.trace(snapshot) or not any(snapshot["device_traces"])
+    for html in (memory_viz.trace_plot(snapshot), memory_viz.trace_plot(snapshot, plot_segments=True),
+                 memory_viz.trace_plot(snapshot, filter_freed=True), memory_viz.segment_plot(snapshot)):
+        assert html.startswith("\n<!DOCTYPE html>")
+
+
+def check_snapshot(snapshot, stats, before, tmp_path, *, from_start):
+    check_block_addresses(snapshot)
+    start = replay_history_backwards(snapshot)
+    if from_start:  # the history covers everything: before it, nothing was reserved
+        assert start == []
+    assert timeline_final_total(snapshot) == live_requested(snapshot)
+    check_counts(snapshot, stats)
+    render_everything(snapshot, before, tmp_path)
+
+
+def check_counts(snapshot, stats):
+    """Segments and bytes in the snapshot are stats()' figures, pool by pool."""
+    for pool in ("small", "large"):
+        segs = [s for s in snapshot["segments"] if s["segment_type"] == pool]
+        assert len(segs) == stats[f"segment.{pool}_pool.current"], pool
+        assert sum(s["total_size"] for s in segs) == stats[f"reserved_bytes.{pool}_pool.current"], pool
+        assert sum(s["allocated_size"] for s in segs) == stats[f"allocated_bytes.{pool}_pool.current"], pool
+        assert sum(s["requested_size"] for s in segs) == stats[f"requested_bytes.{pool}_pool.current"], pool
+
+
+# -- workloads ----------------------------------------------------------------------------
+
+
+def workload(a, seed, steps=400):
+    """Small and large blocks on two streams, pending frees, empty_cache; returns
+    the live pointers."""
+    rng = random.Random(seed)
+    live = []
+    for step in range(steps):
+        op = rng.random()
+        if op < 0.55 or not live:
+            size = rng.choice([rng.randint(1, 64 * KiB), rng.randint(64 * KiB, 2 * MiB),
+                               rng.randint(2 * MiB, 9 * MiB)])
+            try:
+                live.append(a.malloc(size, rng.choice([0, 7])))
+            except pyalloc.OutOfMemoryError:
+                pass
+        elif op < 0.9:
+            a.free(live.pop(rng.randrange(len(live))))
+        elif op < 0.95:
+            a.record_stream(rng.choice(live), 9)
+        elif op < 0.98:
+            a.stream_complete(9)
+        else:
+            a.empty_cache()
+    return live
+
+
+CONFIGS = [
+    "strategy:bestfit,segment_size:8MiB",
+    "strategy:bestfit,segment_size:8MiB,max_pool_size:48MiB",
+    "strategy:vmm",
+    "strategy:vmm,max_pool_size:40MiB",
+    "strategy:vmm,pool_size:16MiB",
+]
+
+
+@pytest.mark.parametrize("backend", ["host", "virtual"])
+@pytest.mark.parametrize("conf", CONFIGS)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_allocator_snapshots_read_as_pytorch_reads_them(backend, conf, seed, tmp_path):
+    a = pyalloc.Allocator(backend, conf, capacity=256 * MiB if backend == "host" else 0)
+    fresh = "pool_size" not in conf
+    a.record_history(True, max_entries=1 << 20)
+    before = a.snapshot()
+    live = workload(a, seed)
+    snap = a.snapshot()
+    if "vmm" in conf:
+        assert all(s["is_expandable"] for s in snap["segments"] if s["segment_type"] == "large")
+    assert {s["segment_type"] for s in snap["segments"]} == {"small", "large"}
+    check_snapshot(snap, a.stats(), before, tmp_path, from_start=fresh)
+    if fresh:  # pyalloc replay follows the segment events to the recorder's own peak
+        from pyalloc.replay import replay
+        assert replay(snap, search=False).native_peak_reserved_bytes == a.stats()["reserved_bytes.all.peak"]
+    for p in live:
+        a.free(p)
+    a.empty_cache()
+    check_snapshot(a.snapshot(), a.stats(), snap, tmp_path, from_start=fresh)
+
+
+def test_vmm_range_with_holes_is_one_segment_per_mapped_run(tmp_path):
+    a = pyalloc.Allocator("virtual", "strategy:vmm,max_pool_size:64MiB")
+    a.record_history(True)
+    ps = [a.malloc(8 * MiB) for _ in range(6)]
+    small = a.malloc(1000)
+    for p in ps[1::2]:
+        a.free(p)
+    big = a.malloc(20 * MiB)  # must unmap the holes to map it under the cap
+    snap = a.snapshot()
+    large = [s for s in snap["segments"] if s["segment_type"] == "large"]
+    assert len(large) >= 2 and all(s["is_expandable"] for s in large)
+    for s, t in zip(large, large[1:]):
+        assert s["address"] + s["total_size"] < t["address"] or t["address"] < s["address"]
+    assert any(e["action"] == "segment_unmap" for e in snap["device_traces"][0])
+    check_snapshot(snap, a.stats(), {"segments": []}, tmp_path, from_start=True)
+    del small, big
+
+
+@pytest.fixture
+def fake():
+    _C._testing_use_fake_devices(64 * MiB)
+    try:
+        yield
+    finally:
+        gc.collect()
+        _C._testing_reset()
+
+
+@pytest.mark.parametrize("conf", ["strategy:bestfit", "strategy:vmm"])
+def test_cuda_pool_snapshots_read_as_pytorch_reads_them(fake, conf, tmp_path):
+    _C.cuda_configure(conf)
+    pyalloc.record_history(True, max_entries=100_000)
+    rng = random.Random(5)
+    first = _C._testing_hook_malloc(30 * MiB, 0, 3)  # a segment made for stream 3
+    tiny = _C._testing_hook_malloc(100, 0, 5)        # a small-pool chunk for stream 5
+    live = []
+    for _ in range(300):
+        if rng.random() < 0.6 or not live:
+            size = rng.choice([rng.randint(1, 4 * KiB), rng.randint(MiB, 6 * MiB)])
+            try:
+                live.append(_C._testing_hook_malloc(size, 0, rng.choice([0, 3])))
+            except RuntimeError:
+                pass
+        else:
+            _free_hook(live.pop(rng.randrange(len(live))))
+    snap = pyalloc.snapshot()
+    stats = _C.cuda_stats(0, "general")
+    general = {"segments": [s for s in snap["segments"] if s["segment_pool_id"] == (0, 0)],
+               "device_traces": snap["device_traces"]}
+    def holder(p):
+        return next(s for s in snap["segments"] if s["address"] <= p < s["address"] + s["total_size"])
+    assert (holder(first)["stream"], holder(first)["segment_type"]) == (3, "large")
+    assert (holder(tiny)["stream"], holder(tiny)["segment_type"]) == (5, "small")
+    check_snapshot(snap, pyalloc.memory_stats(0), {"segments": []}, tmp_path, from_start=False)
+    check_counts(general, stats)
+    for p in live + [first, tiny]:
+        _free_hook(p)
+
+
+def _free_hook(ptr):
+    import ctypes
+
+    lib = ctypes.CDLL(_C.library_path())
+    lib.pyalloc_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.pyalloc_free(ptr, 0, 0, None)
+
+
+def synthetic_trace(seed, events=600):
+    """A recorded-looking snapshot: alloc / free pairs on two streams."""
+    rng = random.Random(seed)
+    trace, live, addr = [], [], 1 << 32
+    for _ in range(events):
+        if rng.random() < 0.55 or not live:
+            size = rng.choice([rng.randint(1, 200 * KiB), rng.randint(1, 24 * MiB)])
+            stream = rng.choice([0, 11])
+            trace.append({"action": "alloc", "addr": addr, "size": size, "stream": stream})
+            live.append((addr, size, stream))
+            addr += size + 4096
+        else:
+            a, size, stream = live.pop(rng.randrange(len(live)))
+            for action in ("free_requested", "free_completed"):
+                trace.append({"action": action, "addr": a, "size": size, "stream": stream})
+    return {"segments": [], "device_traces": [trace]}
+
+
+@pytest.mark.parametrize("conf", ["strategy:bestfit", "strategy:vmm,max_pool_size:160MiB"])
+def test_snapshot_taken_mid_replay(conf, tmp_path):
+    from pyalloc.replay import plan_trace
+    from pyalloc.snapshot_io import read_trace
+
+    plan = plan_trace(read_trace(synthetic_trace(3)))
+    calls = _C.ReplayTrace(plan.kinds, plan.ids, plan.sizes, plan.streams)
+    core = _C.Allocator("virtual", conf, 0)
+    core.record_history(True, 1 << 20)
+    run = _C.Replayer(core, calls, False, 0)
+    run.run(len(plan) // 2)
+    snap = {"segments": core.snapshot_segments(0), "device_traces": [core.history()]}
+    assert run.live_bytes == live_requested(snap) > 0
+    check_snapshot(snap, core.stats(), {"segments": []}, tmp_path, from_start=True)
+    run.run()
+    check_snapshot({"segments": core.snapshot_segments(0), "device_traces": [core.history()]},
+                   core.stats(), snap, tmp_path, from_start=True)
+
+
+def test_dump_snapshot_writes_a_plain_pickle_unless_gz(fake, tmp_path):
+    pyalloc.record_history(True)
+    p = _C._testing_hook_malloc(3 * MiB, 0, 0)
+    plain, packed = tmp_path / "s.pickle", tmp_path / "s.pickle.gz"
+    pyalloc.dump_snapshot(str(plain))
+    pyalloc.dump_snapshot(str(packed))
+    assert plain.read_bytes()[:1] == b"\x80" and packed.read_bytes()[:2] == b"\x1f\x8b"
+    with open(plain, "rb") as f:
+        assert pickle.load(f)["segments"] == pyalloc.snapshot()["segments"]
+    # PyTorch's command line reads the plain file as it reads its own.
+    out = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "stats", str(plain)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert f"total_reserved: {memory_viz.Bytes(pyalloc.memory_reserved(0))}" in out.stdout
+    _free_hook(p)
+
+
+def test_record_writes_a_plain_pickle_unless_gz(tmp_path):
+    prog = tmp_path / "p.py"
+    prog.write_text("import torch\nx = torch.zeros(1000)\n")
+    env = dict(__import__("os").environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    for name, magic in (("r.pickle", b"\x80"), ("r.pickle.gz", b"\x1f\x8b")):
+        out = tmp_path / name
+        p = subprocess.run([sys.executable, "-m", "pyalloc", "record", "-o", str(out), "--device", "cpu",
+                            "--", "python", str(prog)], capture_output=True, text=True, env=env)
+        assert p.returncode == 0, p.stderr
+        assert out.read_bytes()[:len(magic)] == magic
+    viz = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace", str(tmp_path / "r.pickle")],
+                         capture_output=True, text=True)
+    assert viz.returncode == 0 and "Device 0" in viz.stdout, viz.stderr

@@ -1,0 +1,157 @@
+"""Statistics, segments and messages as PyTorch's give them."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pyalloc
+
+KiB, MiB = 1 << 10, 1 << 20
+FAMILIES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+            "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
+# torch 2.13's memory_stats() beyond the families above.
+TORCH_COUNTERS = {"num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
+                  "num_device_free", "num_oom_rejections", "max_split_size"}
+
+
+def torch_keys():
+    keys = {f"{fam}.{pool}.{field}" for fam in FAMILIES
+            for pool in ("all", "small_pool", "large_pool")
+            for field in ("current", "peak", "allocated", "freed")}
+    keys |= {f"{name}.{field}" for name in ("oversize_allocations", "oversize_segments")
+             for field in ("current", "peak", "allocated", "freed")}
+    return keys | TORCH_COUNTERS
+
+
+def check_identities(s):
+    for fam in FAMILIES:
+        for field in ("current", "allocated", "freed"):
+            assert s[f"{fam}.all.{field}"] == s[f"{fam}.small_pool.{field}"] + s[f"{fam}.large_pool.{field}"], (fam, field)
+        for pool in ("all", "small_pool", "large_pool"):
+            k = f"{fam}.{pool}"
+            assert s[k + ".current"] == s[k + ".allocated"] - s[k + ".freed"], k
+            assert s[k + ".current"] <= s[k + ".peak"] <= s[k + ".allocated"], k
+        # The combined peak is the peak of the combined count: no more than
+        # the pools' peaks together, no less than either.
+        assert max(s[f"{fam}.small_pool.peak"], s[f"{fam}.large_pool.peak"]) <= s[f"{fam}.all.peak"]
+        assert s[f"{fam}.all.peak"] <= s[f"{fam}.small_pool.peak"] + s[f"{fam}.large_pool.peak"]
+
+
+def segment_totals(snapshot):
+    out = {}
+    for pool in ("small", "large"):
+        segs = [s for s in snapshot["segments"] if s["segment_type"] == pool]
+        out[pool] = (len(segs), sum(s["total_size"] for s in segs))
+    return out
+
+
+OPS = st.lists(
+    st.tuples(st.sampled_from(["malloc", "free", "empty", "record", "complete"]),
+              st.integers(1, 12 * MiB), st.sampled_from([0, 5]), st.integers(0, 1 << 30)),
+    max_size=120)
+
+
+@pytest.mark.parametrize("conf", ["strategy:bestfit,segment_size:4MiB", "strategy:vmm",
+                                  "strategy:bestfit,max_pool_size:48MiB",
+                                  "strategy:vmm,max_pool_size:48MiB,pool_size:8MiB"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_stats_identities_and_snapshot_totals_after_random_work(conf, ops):
+    a = pyalloc.Allocator("virtual", conf)
+    live = []
+    for op, size, stream, pick in ops:
+        if op == "malloc" or not live:
+            # Mostly small requests: they borrow and return small-pool chunks.
+            n = size if pick % 3 == 0 else size % (64 * KiB) + 1
+            try:
+                live.append(a.malloc(n, stream))
+            except pyalloc.OutOfMemoryError:
+                pass
+        elif op == "free":
+            a.free(live.pop(pick % len(live)))
+        elif op == "empty":
+            a.empty_cache()
+        elif op == "record":
+            a.record_stream(live[pick % len(live)], 9)
+        else:
+            a.stream_complete(9)
+        s = a.stats()
+        check_identities(s)
+        snap = segment_totals(a.snapshot())
+        for pool in ("small", "large"):
+            assert snap[pool] == (s[f"segment.{pool}_pool.current"], s[f"reserved_bytes.{pool}_pool.current"])
+    a.check_invariants()
+
+
+def test_every_key_of_torchs_memory_stats(make):
+    a = make()
+    assert set(a.stats()) == torch_keys()
+    assert list(a.stats()) == sorted(a.stats())
+
+
+def test_lending_small_chunks_keeps_all_the_sum_of_the_pools(make):
+    a = make(segment_size=8 * MiB)
+    seen = []
+    ps = []
+    for _ in range(3):
+        ps.append(a.malloc(1000))
+        seen.append(a.stats()["reserved_bytes.all.current"])
+    for p in ps:
+        a.free(p)
+    a.empty_cache()  # the chunk goes back to the large pool
+    s = a.stats()
+    check_identities(s)
+    assert s["reserved_bytes.small_pool.allocated"] > 0 and s["reserved_bytes.small_pool.freed"] > 0
+    # Moving memory between the pools never raises the combined peak.
+    assert s["reserved_bytes.all.peak"] == max(seen)
+
+
+def test_segments_are_typed_and_carry_their_stream():
+    a = pyalloc.Allocator("virtual", strategy="bestfit", segment_size=4 * MiB)
+    big = a.malloc(3 * MiB, stream=7)   # a segment made for stream 7
+    small = a.malloc(100, stream=0)     # a small-pool chunk for stream 0
+    snap = a.snapshot()
+    by_type = {}
+    for s in snap["segments"]:
+        by_type.setdefault(s["segment_type"], []).append(s)
+    assert [s["stream"] for s in by_type["small"]] == [0]
+    assert by_type["small"][0]["blocks"][0]["address"] == small
+    assert any(s["stream"] == 7 and s["blocks"][0]["address"] == big for s in by_type["large"])
+    s = a.stats()
+    assert s["segment.small_pool.current"] == 1
+    assert len(by_type["large"]) == s["segment.large_pool.current"]
+
+
+def test_empty_cache_keeps_pool_size(make):
+    a = make(pool_size=16 * MiB, segment_size=4 * MiB)
+    ps = [a.malloc(6 * MiB) for _ in range(5)]
+    for p in ps:
+        a.free(p)
+    released = a.empty_cache()
+    s = a.stats()
+    assert released > 0
+    assert s["reserved_bytes.all.current"] == 16 * MiB
+    p = a.malloc(15 * MiB)  # served from what was kept
+    assert a.stats()["num_device_alloc"] == s["num_device_alloc"]
+    a.free(p)
+
+
+def test_oom_message_gives_the_size_asked_for(make):
+    a = make(max_pool_size=4 * MiB, segment_size=2 * MiB)
+    a.malloc(4 * MiB)
+    with pytest.raises(pyalloc.OutOfMemoryError) as e:
+        a.malloc(1000)
+    assert "tried to allocate 1000 B" in str(e.value)
+    assert a.stats()["num_oom_rejections"] == 1  # refused by the cap, not the device
+    with pytest.raises(pyalloc.OutOfMemoryError) as e:
+        a.malloc(5 * MiB + 1)
+    assert f"tried to allocate {pyalloc._C.format_bytes(5 * MiB + 1)}" in str(e.value)
+
+
+def test_oom_from_a_full_device_is_no_rejection():
+    a = pyalloc.Allocator("virtual", capacity=8 * MiB, strategy="bestfit", segment_size=2 * MiB)
+    with pytest.raises(pyalloc.OutOfMemoryError):
+        a.malloc(16 * MiB)
+    s = a.stats()
+    assert s["num_ooms"] == 1 and s["num_oom_rejections"] == 0
