@@ -14,6 +14,19 @@ namespace {
 // block, and an oversize request never wastes more than this on a block.
 constexpr size_t kOversizeSlack = size_t(20) << 20;
 
+// Sets a tag for the duration of a scope; restores the previous one after.
+class ContextScope {
+ public:
+  ContextScope(uint64_t* slot, uint64_t value) : slot_(slot), saved_(*slot) { *slot = value; }
+  ~ContextScope() { *slot_ = saved_; }
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
+
+ private:
+  uint64_t* slot_;
+  uint64_t saved_;
+};
+
 int64_t now_us() {
   using namespace std::chrono;
   return duration_cast<microseconds>(steady_clock::now().time_since_epoch()).count();
@@ -102,7 +115,7 @@ void Allocator::drop_block(Block* b) {
 // ---------------------------------------------------------------------------
 // malloc
 
-uintptr_t Allocator::malloc(size_t size, Stream s) {
+uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
   if (size == 0) return 0;
   if (size > kMaxRequest)
     throw std::invalid_argument("cannot allocate " + std::to_string(size) +
@@ -111,8 +124,11 @@ uintptr_t Allocator::malloc(size_t size, Stream s) {
   size_t rounded = round_up(size, kGranularity);
   std::lock_guard<Lock> guard(mu_);
   if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
+  // Segment events this request causes carry its tag (until it returns or throws).
+  ContextScope scope(&trace_context_, context);
   Block* b = rounded <= cfg_.small_size ? alloc_small(rounded, s, size) : alloc_large(rounded, s, size);
   b->requested = size;
+  b->context = context;
   live_.insert(b->addr, b);
   Pool pool = b->segment->pool;
   int64_t bytes = static_cast<int64_t>(b->size);
@@ -377,7 +393,7 @@ Block* Allocator::add_segment(uintptr_t base, size_t size, Stream s) {
 // ---------------------------------------------------------------------------
 // free
 
-void Allocator::free(uintptr_t ptr) {
+void Allocator::free(uintptr_t ptr, uint64_t context) {
   if (ptr == 0) return;  // free(nullptr) is a no-op, as for malloc(0)
   std::lock_guard<Lock> guard(mu_);
   Block* b = live_.find(ptr);
@@ -388,7 +404,10 @@ void Allocator::free(uintptr_t ptr) {
   stats_.allocated_bytes.add(pool, -static_cast<int64_t>(b->size));
   stats_.requested_bytes.add(pool, -static_cast<int64_t>(b->requested));
   if (cfg_.max_split_size != 0 && b->size >= cfg_.max_split_size) stats_.oversize_allocations.add(-1);
-  if (history_on_) trace(TraceEntry::kFreeRequested, b->addr, b->requested, b->stream);
+  if (history_on_) {
+    ContextScope scope(&trace_context_, context != 0 ? context : b->context);
+    trace(TraceEntry::kFreeRequested, b->addr, b->requested, b->stream);
+  }
   if (!b->uses.empty()) {
     // Other streams may still read it: free once their queued work is done.
     PendingFree pf{b, {}};
@@ -413,9 +432,13 @@ void Allocator::finish_free(Block* b) {
   Pool pool = b->segment->pool;
   stats_.active.add(pool, -1);
   stats_.active_bytes.add(pool, -static_cast<int64_t>(b->size));
-  if (history_on_) trace(TraceEntry::kFreeCompleted, b->addr, b->requested, b->stream);
+  if (history_on_) {
+    ContextScope scope(&trace_context_, b->context);
+    trace(TraceEntry::kFreeCompleted, b->addr, b->requested, b->stream);
+  }
   b->uses.clear();
   b->requested = 0;
+  b->context = 0;
   StreamState& st = state(b->stream);
   b->free_seq = ++free_seq_;
   st.last_free_seq = b->free_seq;
@@ -749,7 +772,7 @@ std::string Allocator::describe_bad_pointer(uintptr_t ptr, const char* op) const
 
 void Allocator::trace(TraceEntry::Action a, uintptr_t addr, size_t size, Stream s) {
   if (history_max_ == 0) return;
-  TraceEntry e{a, addr, size, s, now_us()};
+  TraceEntry e{a, addr, size, s, now_us(), trace_context_};
   if (history_.size() < history_max_) {
     history_.push_back(e);
   } else {
@@ -770,6 +793,23 @@ void Allocator::record_history(bool enabled, size_t max_entries) {
     history_.clear();
     history_next_ = 0;
   }
+}
+
+void Allocator::clear_history() {
+  std::lock_guard<Lock> guard(mu_);
+  history_.clear();
+  history_next_ = 0;
+}
+
+void Allocator::contexts_in_use(std::vector<uint64_t>* out) const {
+  std::lock_guard<Lock> guard(mu_);
+  live_.for_each([out](uintptr_t, const Block* b) {
+    if (b->context != 0) out->push_back(b->context);
+  });
+  for (const PendingFree& pf : pending_)
+    if (pf.block->context != 0) out->push_back(pf.block->context);
+  for (const TraceEntry& e : history_)
+    if (e.context != 0) out->push_back(e.context);
 }
 
 std::vector<TraceEntry> Allocator::history() const {

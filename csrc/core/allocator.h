@@ -70,7 +70,11 @@ struct TraceEntry {
   uintptr_t addr;  // for kOom: the device's free bytes
   size_t size;     // requested size for alloc / free; segment size otherwise
   Stream stream;
-  int64_t time_us;
+  int64_t time_us;  // steady clock
+  // The caller's tag (Allocator::malloc): alloc and the segment events it
+  // caused carry the allocation's; free_requested the free's, else the
+  // allocation's; free_completed the allocation's. 0: none.
+  uint64_t context;
 };
 
 const char* trace_action_name(TraceEntry::Action a);
@@ -96,6 +100,7 @@ struct SnapshotBlock {
   size_t size;
   size_t requested;
   const char* state;  // "active_allocated", "active_pending_free", "inactive"
+  uint64_t context;   // the allocation's tag (0 for free blocks)
 };
 
 struct SnapshotSegment {
@@ -118,10 +123,13 @@ class Allocator {
   Allocator& operator=(const Allocator&) = delete;
 
   /// `size` bytes usable on `stream`; 0 for size 0. Throws OutOfMemoryError
-  /// (or std::invalid_argument for sizes no device could hold).
-  uintptr_t malloc(size_t size, Stream stream);
+  /// (or std::invalid_argument for sizes no device could hold). `context`
+  /// is an opaque tag the history and snapshot() carry for this allocation
+  /// (PyTorch's recorded stack traces, kept by the caller); 0 for none.
+  uintptr_t malloc(size_t size, Stream stream, uint64_t context = 0);
   /// Throws InvalidPointerError for anything but a live allocation.
-  void free(uintptr_t ptr);
+  /// `context`: the tag of this free for the history (0: the allocation's).
+  void free(uintptr_t ptr, uint64_t context = 0);
   /// The block of `ptr` is also used on `stream`: on free, wait for it too.
   void record_stream(uintptr_t ptr, Stream stream);
 
@@ -136,6 +144,11 @@ class Allocator {
 
   Stats stats() const;
   void reset_peak_stats();
+  /// Every allocated / freed sum and counter starts again from 0.
+  void reset_accumulated_stats();
+  /// The largest mapped free block of either pool (bytes), without the
+  /// rest of fragmentation()'s survey.
+  size_t largest_free_block() const;
   FragmentationInfo fragmentation() const;
   /// The pool's memory as PyTorch reports it: one segment per contiguous run
   /// of large-pool memory (a backend segment, or a mapped run of the virtual
@@ -150,7 +163,12 @@ class Allocator {
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
 
   void record_history(bool enabled, size_t max_entries);
+  /// Forgets the recorded history; recording goes on as it was.
+  void clear_history();
   std::vector<TraceEntry> history() const;
+  /// Appends every context tag still referenced: by a live block or by an
+  /// entry of the history (so a caller can drop the contexts of the rest).
+  void contexts_in_use(std::vector<uint64_t>* out) const;
 
   Backend& backend() { return *backend_; }
   Config config() const;
@@ -252,6 +270,7 @@ class Allocator {
   std::map<uintptr_t, Block*> unmapped_;  // unmapped blocks of vmm_seg_ by address
 
   bool history_on_ = false;
+  uint64_t trace_context_ = 0;  // the tag of the malloc / free underway (history)
   size_t history_max_ = 0;
   size_t history_next_ = 0;
   std::vector<TraceEntry> history_;

@@ -19,6 +19,16 @@ void Allocator::reset_peak_stats() {
   stats_.reset_peak();
 }
 
+void Allocator::reset_accumulated_stats() {
+  std::lock_guard<Lock> guard(mu_);
+  stats_.reset_accumulated();
+}
+
+size_t Allocator::largest_free_block() const {
+  std::lock_guard<Lock> guard(mu_);
+  return std::max(largest_free_locked(kSmallPool), largest_free_locked(kLargePool));
+}
+
 size_t Allocator::largest_free_locked(Pool pool) const {
   size_t largest = 0;
   for (const auto& [stream, st] : streams_) {
@@ -80,7 +90,7 @@ std::vector<SnapshotSegment> Allocator::snapshot() const {
     const char* st = b->state == BlockState::kFree         ? "inactive"
                      : b->state == BlockState::kPendingFree ? "active_pending_free"
                                                             : "active_allocated";
-    s.blocks.push_back(SnapshotBlock{b->addr, b->size, b->requested, st});
+    s.blocks.push_back(SnapshotBlock{b->addr, b->size, b->requested, st, b->context});
     if (b->state == BlockState::kAllocated) {
       s.allocated_size += b->size;
       s.requested_size += b->requested;

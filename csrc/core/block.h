@@ -60,6 +60,9 @@ struct Block {
   // False only for free, page-aligned ranges of a virtual-memory segment that
   // have no physical pages behind them; such blocks are in no free index.
   bool mapped = true;
+  // User blocks: the caller's tag for the allocation (a stack trace the
+  // caller keeps, e.g. PyTorch's memory-history context); 0 for none.
+  uint64_t context = 0;
   std::vector<Stream> uses;  // extra streams from record_stream()
 
   bool is_split() const { return prev != nullptr || next != nullptr; }

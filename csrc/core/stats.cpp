@@ -2,16 +2,49 @@
 #include "stats.h"
 
 #include <algorithm>
+#include <array>
 
 namespace pyalloc {
 
+namespace {
+
+// Every StatArray of a Stats, in one list, for the operations on all of them.
+template <class S>
+auto arrays_of(S& s) {
+  return std::array<decltype(&s.allocation), 9>{
+      &s.allocation,     &s.segment,      &s.active,
+      &s.inactive_split, &s.allocated_bytes, &s.reserved_bytes,
+      &s.active_bytes,   &s.inactive_split_bytes, &s.requested_bytes};
+}
+
+}  // namespace
+
 void Stats::reset_peak() {
-  for (StatArray* a : {&allocation, &segment, &active, &inactive_split, &allocated_bytes,
-                       &reserved_bytes, &active_bytes, &inactive_split_bytes,
-                       &requested_bytes})
-    a->reset_peak();
+  for (StatArray* a : arrays_of(*this)) a->reset_peak();
   oversize_allocations.reset_peak();
   oversize_segments.reset_peak();
+}
+
+void Stats::reset_accumulated() {
+  for (StatArray* a : arrays_of(*this)) a->reset_accumulated();
+  oversize_allocations.reset_accumulated();
+  oversize_segments.reset_accumulated();
+  num_alloc_retries = num_ooms = num_sync_all_streams = 0;
+  num_device_alloc = num_device_free = num_oom_rejections = 0;
+}
+
+void Stats::merge(const Stats& o) {
+  auto mine = arrays_of(*this);
+  auto theirs = arrays_of(o);
+  for (size_t i = 0; i < mine.size(); ++i) mine[i]->merge(*theirs[i]);
+  oversize_allocations.merge(o.oversize_allocations);
+  oversize_segments.merge(o.oversize_segments);
+  num_alloc_retries += o.num_alloc_retries;
+  num_ooms += o.num_ooms;
+  num_sync_all_streams += o.num_sync_all_streams;
+  num_device_alloc += o.num_device_alloc;
+  num_device_free += o.num_device_free;
+  num_oom_rejections += o.num_oom_rejections;
 }
 
 namespace {
@@ -21,7 +54,7 @@ void put(std::vector<std::pair<std::string, int64_t>>& out, const std::string& p
   out.emplace_back(prefix + ".current", s.current);
   out.emplace_back(prefix + ".peak", s.peak);
   out.emplace_back(prefix + ".allocated", s.allocated);
-  out.emplace_back(prefix + ".freed", s.freed());
+  out.emplace_back(prefix + ".freed", s.freed);
 }
 
 }  // namespace

@@ -33,17 +33,29 @@ namespace pyalloc {
 struct Stat {
   int64_t current = 0;
   int64_t peak = 0;
-  int64_t allocated = 0;  // sum of increments; freed = allocated - current
+  int64_t allocated = 0;  // sum of increments
+  int64_t freed = 0;      // sum of decrements
 
   void add(int64_t n) {
     current += n;
     if (n > 0) {
       allocated += n;
       peak = current > peak ? current : peak;
+    } else {
+      freed -= n;
     }
   }
-  int64_t freed() const { return allocated - current; }
   void reset_peak() { peak = current; }
+  /// allocated and freed start again from 0 (PyTorch's resetAccumulatedStats).
+  void reset_accumulated() { allocated = freed = 0; }
+  /// Adds another pool's count: current, allocated and freed add up; the
+  /// sum of the peaks is an upper bound of the combined peak.
+  void merge(const Stat& o) {
+    current += o.current;
+    peak += o.peak;
+    allocated += o.allocated;
+    freed += o.freed;
+  }
 };
 
 struct StatArray {
@@ -65,6 +77,16 @@ struct StatArray {
     small.reset_peak();
     large.reset_peak();
   }
+  void reset_accumulated() {
+    all.reset_accumulated();
+    small.reset_accumulated();
+    large.reset_accumulated();
+  }
+  void merge(const StatArray& o) {
+    all.merge(o.all);
+    small.merge(o.small);
+    large.merge(o.large);
+  }
 };
 
 struct Stats {
@@ -81,6 +103,10 @@ struct Stats {
   int64_t max_split_size = 0;
 
   void reset_peak();
+  /// Counters and every allocated / freed sum start again from 0.
+  void reset_accumulated();
+  /// Adds another pool's statistics (Stat::merge); max_split_size stays.
+  void merge(const Stats& o);
   /// Flat "family.pool.metric" -> value pairs, sorted by key like torch's.
   std::vector<std::pair<std::string, int64_t>> flatten() const;
 };

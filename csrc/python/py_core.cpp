@@ -142,9 +142,10 @@ void bind_core(py::module_& m) {
              return std::make_unique<A>(make_backend(backend, capacity), parse_config(conf));
            }),
            py::arg("backend"), py::arg("conf") = "", py::arg("capacity") = 0)
-      .def("malloc", &A::malloc, py::arg("size"), py::arg("stream") = 0, nogil,
-           "Allocates size bytes for use on stream; returns the address (0 for size 0).")
-      .def("free", &A::free, py::arg("ptr"), nogil)
+      .def("malloc", &A::malloc, py::arg("size"), py::arg("stream") = 0, py::arg("context") = 0, nogil,
+           "Allocates size bytes for use on stream; returns the address (0 for size 0). "
+           "context: an opaque tag the history carries for this allocation.")
+      .def("free", &A::free, py::arg("ptr"), py::arg("context") = 0, nogil)
       .def("record_stream", &A::record_stream, py::arg("ptr"), py::arg("stream"), nogil)
       .def("empty_cache", &A::empty_cache, nogil, "Releases wholly free segments; bytes released.")
       .def("reserve", &A::reserve, py::arg("nbytes"), nogil, "Grows the pool; bytes reserved.")
