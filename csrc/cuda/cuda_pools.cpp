@@ -93,24 +93,24 @@ DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config)
 
 DevicePools::~DevicePools() = default;
 
-uintptr_t DevicePools::malloc(size_t size, Stream stream) {
+uintptr_t DevicePools::malloc(size_t size, Stream stream, uint64_t context) {
   if (size == 0) return 0;
   if (routing_.load(std::memory_order_acquire)) {
     bool routed = false;
-    uintptr_t p = routed_malloc(size, stream, &routed);
+    uintptr_t p = routed_malloc(size, stream, context, &routed);
     if (routed) return p;
   }
   if (!told_of_captures_.load(std::memory_order_acquire)) {
     CaptureState cap = device_->captures().probe(stream);
-    if (cap.capturing) return capture_malloc(size, stream, cap.id);
+    if (cap.capturing) return capture_malloc(size, stream, cap.id, context);
   }
   try {
-    return general_->malloc(size, stream);
+    return general_->malloc(size, stream, context);
   } catch (const OutOfMemoryError& e) {
     // Graph pools with no use left may still hold memory: give it back and retry once.
     if (pools_exist_.load(std::memory_order_acquire) && reclaim_pools() > 0) {
       try {
-        return general_->malloc(size, stream);
+        return general_->malloc(size, stream, context);
       } catch (const OutOfMemoryError& again) {
         throw_oom(*general_, "general", size, again.what(), device_->captures().underway());
       }
@@ -119,11 +119,11 @@ uintptr_t DevicePools::malloc(size_t size, Stream stream) {
   }
 }
 
-bool DevicePools::free(uintptr_t ptr, std::string* why) {
+bool DevicePools::free(uintptr_t ptr, std::string* why, uint64_t context) {
   if (capture_free(ptr)) return true;
-  if (pools_exist_.load(std::memory_order_acquire) && pool_free(ptr)) return true;
+  if (pools_exist_.load(std::memory_order_acquire) && pool_free(ptr, context)) return true;
   try {
-    general_->free(ptr);
+    general_->free(ptr, context);
     return true;
   } catch (const InvalidPointerError& e) {
     *why = e.what();
@@ -207,12 +207,63 @@ void DevicePools::set_memory_fraction(double fraction) {
   size_t cap = limit < 1.0 ? 1 : static_cast<size_t>(limit);
   if (config_.max_pool_size != 0 && config_.max_pool_size < cap) cap = config_.max_pool_size;
   general_->set_max_pool_size(cap);
+  fraction_.store(fraction, std::memory_order_relaxed);
+}
+
+void DevicePools::for_each_pool(const std::function<void(PoolId, Allocator&)>& fn) {
+  fn(PoolId{0, 0}, *general_);
+  fn(kBufferPoolId, *buffers_);
+  std::lock_guard<std::mutex> g(pools_mu_);
+  for (const auto& [id, pool] : pools_) fn(id, *pool->alloc);
+}
+
+Stats DevicePools::stats() {
+  Stats total = general_->stats();
+  for_each_pool([&](PoolId, Allocator& a) {
+    if (&a != general_.get()) total.merge(a.stats());
+  });
+  return total;
+}
+
+void DevicePools::reset_peak_stats() {
+  for_each_pool([](PoolId, Allocator& a) { a.reset_peak_stats(); });
+}
+
+void DevicePools::reset_accumulated_stats() {
+  for_each_pool([](PoolId, Allocator& a) { a.reset_accumulated_stats(); });
+}
+
+size_t DevicePools::largest_free_block() {
+  size_t largest = 0;
+  for_each_pool([&](PoolId, Allocator& a) { largest = std::max(largest, a.largest_free_block()); });
+  return largest;
+}
+
+size_t DevicePools::cache_info() {
+  size_t largest = largest_free_block();
+  size_t dev_free = 0, dev_total = 0;
+  device_->mem_info(&dev_free, &dev_total);
+  size_t cap = general_->config().max_pool_size;
+  if (cap != 0) {
+    auto reserved = static_cast<size_t>(general_->stats().reserved_bytes.all.current);
+    dev_free = std::min(dev_free, cap > reserved ? cap - reserved : 0);
+  }
+  return std::max(largest, dev_free);
+}
+
+void DevicePools::record_history(bool enabled, size_t max_entries) {
+  size_t max = enabled ? max_entries : 0;
+  {
+    std::lock_guard<std::mutex> g(pools_mu_);
+    history_max_ = max;  // for graph pools made later
+  }
+  for_each_pool([max](PoolId, Allocator& a) { a.record_history(max != 0, max); });
 }
 
 // ---------------------------------------------------------------------------
 // Graph pools
 
-uintptr_t DevicePools::routed_malloc(size_t size, Stream stream, bool* routed) {
+uintptr_t DevicePools::routed_malloc(size_t size, Stream stream, uint64_t context, bool* routed) {
   std::lock_guard<std::mutex> g(pools_mu_);
   GraphPool* pool = nullptr;
   for (const auto& [id, filter] : routes_) {
@@ -228,7 +279,7 @@ uintptr_t DevicePools::routed_malloc(size_t size, Stream stream, bool* routed) {
   device_->captures().probe(stream);
   uintptr_t ptr;
   try {
-    ptr = pool->alloc->malloc(size, stream);
+    ptr = pool->alloc->malloc(size, stream, context);
   } catch (const OutOfMemoryError& e) {
     throw_oom(*pool->alloc, "graph", size, e.what(), device_->captures().underway());
   }
@@ -237,13 +288,13 @@ uintptr_t DevicePools::routed_malloc(size_t size, Stream stream, bool* routed) {
   return ptr;
 }
 
-bool DevicePools::pool_free(uintptr_t ptr) {
+bool DevicePools::pool_free(uintptr_t ptr, uint64_t context) {
   std::lock_guard<std::mutex> g(pools_mu_);
   auto it = pool_blocks_.find(ptr);
   if (it == pool_blocks_.end()) return false;
   GraphPool* pool = it->second;
   pool_blocks_.erase(it);
-  pool->alloc->free(ptr);  // back to its own pool, for the pool's next allocations
+  pool->alloc->free(ptr, context);  // back to its own pool, for the pool's next allocations
   pool->live--;
   if (pool->uses == 0 && pool->live == 0) reclaim_locked(*pool);
   return true;
@@ -261,6 +312,7 @@ DevicePools::GraphPool& DevicePools::pool_incref_locked(PoolId id) {
   auto backend = std::make_unique<GraphPoolBackend>(device_->make_backend());
   pool->backend = backend.get();
   pool->alloc = std::make_unique<Allocator>(std::move(backend), graph_pool_config(config_));
+  if (history_max_ != 0) pool->alloc->record_history(true, history_max_);
   pool->uses = 1;
   GraphPool& ref = *pool;
   pools_.emplace(id, std::move(pool));
@@ -359,7 +411,8 @@ std::vector<std::pair<DevicePools::PoolId, Allocator*>> DevicePools::graph_pools
 // ---------------------------------------------------------------------------
 // CUDA graphs
 
-uintptr_t DevicePools::capture_malloc(size_t size, Stream stream, uint64_t capture) {
+uintptr_t DevicePools::capture_malloc(size_t size, Stream stream, uint64_t capture,
+                                      uint64_t context) {
   size_t rounded = round_up(size, kGranularity);
   if (capture != 0) {
     std::lock_guard<std::mutex> g(graph_mu_);
@@ -373,7 +426,7 @@ uintptr_t DevicePools::capture_malloc(size_t size, Stream stream, uint64_t captu
   }
   uintptr_t ptr;
   try {
-    ptr = general_->malloc(size, stream);
+    ptr = general_->malloc(size, stream, context);
   } catch (const OutOfMemoryError& e) {
     throw_oom(*general_, "general", size, e.what(), true);
   }
@@ -513,10 +566,7 @@ DevicePools& PoolRegistry::get(int device) {
   Config c = config_locked();
   std::unique_ptr<Device> dev = fake_ ? open_fake_device(device, fake_capacity_) : open_cuda_device(device);
   auto pools = std::make_unique<DevicePools>(std::move(dev), c);
-  if (history_) {
-    pools->general().record_history(true, history_max_);
-    pools->buffers().record_history(true, history_max_);
-  }
+  if (history_) pools->record_history(true, history_max_);
   p = pools.release();
   pools_[device].store(p, std::memory_order_release);
   return *p;
@@ -538,12 +588,8 @@ void PoolRegistry::record_history(bool enabled, size_t max_entries) {
   std::lock_guard<std::mutex> g(mu_);
   history_ = enabled && max_entries > 0;
   history_max_ = history_ ? max_entries : 0;
-  for (const auto& slot : pools_) {
-    if (DevicePools* p = slot.load()) {
-      p->general().record_history(history_, history_max_);
-      p->buffers().record_history(history_, history_max_);
-    }
-  }
+  for (const auto& slot : pools_)
+    if (DevicePools* p = slot.load()) p->record_history(history_, history_max_);
 }
 
 void PoolRegistry::use_fake_devices(size_t capacity) {
@@ -563,7 +609,7 @@ void PoolRegistry::reset_fake() {
   config_ = Config();
   history_ = false;
   history_max_ = 0;
-  installed_ = false;
+  route_ = kNotInstalled;
   device_count_ = -1;
   fake_ = false;
   fake_capacity_ = 0;
@@ -583,7 +629,7 @@ void report_bad_free(uintptr_t ptr, const std::string& why) {
 
 }  // namespace
 
-uintptr_t malloc(size_t size, int device, Stream stream) {
+uintptr_t malloc(size_t size, int device, Stream stream, uint64_t context) {
   // PyTorch may ask for 0 bytes; like its own allocator, answer nullptr.
   if (size == 0) return 0;
   DevicePools* pools;
@@ -596,26 +642,31 @@ uintptr_t malloc(size_t size, int device, Stream stream) {
   // A failed event left memory out of use: say so where the user sees it.
   std::string error = pools->device().take_error();
   if (!error.empty()) throw std::runtime_error(error);
-  return pools->malloc(size, stream);
+  return pools->malloc(size, stream, context);
+}
+
+bool free_checked(uintptr_t ptr, int device, uint64_t context, std::string* why) {
+  if (ptr == 0) return true;
+  PoolRegistry& r = PoolRegistry::instance();
+  DevicePools* hinted = r.find(device);
+  if (hinted != nullptr && hinted->free(ptr, why, context)) return true;
+  // The device is a hint: the pointer's owner decides.
+  uintptr_t base;
+  size_t size;
+  for (DevicePools* p : r.all()) {
+    if (p == hinted || !p->segment_of(ptr, &base, &size)) continue;
+    return p->free(ptr, why, context);
+  }
+  // The hinted device's own answer (a double free, say) if the pointer is in its memory.
+  if (hinted == nullptr || !hinted->segment_of(ptr, &base, &size) || why->empty())
+    *why = "free(" + format_ptr(ptr) + "): not a pointer from pyalloc's pools";
+  return false;
 }
 
 void free(uintptr_t ptr, int device) noexcept {
-  if (ptr == 0) return;
   try {
-    PoolRegistry& r = PoolRegistry::instance();
     std::string why;
-    DevicePools* hinted = r.find(device);
-    if (hinted != nullptr && hinted->free(ptr, &why)) return;
-    // The device PyTorch passed is a hint: the pointer's owner decides.
-    uintptr_t base;
-    size_t size;
-    for (DevicePools* p : r.all()) {
-      if (!p->segment_of(ptr, &base, &size)) continue;
-      if (p != hinted && p->free(ptr, &why)) return;
-      report_bad_free(ptr, why);
-      return;
-    }
-    report_bad_free(ptr, "free(" + format_ptr(ptr) + "): not a pointer from pyalloc's pools");
+    if (!free_checked(ptr, device, 0, &why)) report_bad_free(ptr, why);
   } catch (const std::exception& e) {
     report_bad_free(ptr, e.what());
   }

@@ -77,13 +77,18 @@ class DevicePools {
   Allocator& general() { return *general_; }
   Allocator& buffers() { return *buffers_; }
 
+  /// The pool id the buffer pool reports in snapshots (PyTorch's default
+  /// pool is {0, 0}; its private pools count up from {1, 0} and {0, 1}).
+  static constexpr PoolId kBufferPoolId{0, ~uint64_t(0)};
+
   /// A block for PyTorch: from the graph pool the stream is routed to, else
   /// from the general pool. Throws OutOfMemoryError whose message begins
-  /// "CUDA out of memory." and gives the numbers.
-  uintptr_t malloc(size_t size, Stream stream);
+  /// "CUDA out of memory." and gives the numbers. `context`: the history's
+  /// tag for it (Allocator::malloc).
+  uintptr_t malloc(size_t size, Stream stream, uint64_t context = 0);
   /// False if ptr is no live allocation of this device's general pool or
   /// graph pools; *why then says what it is.
-  bool free(uintptr_t ptr, std::string* why);
+  bool free(uintptr_t ptr, std::string* why, uint64_t context = 0);
   /// False if ptr is no live allocation of any pool of this device.
   bool record_stream(uintptr_t ptr, Stream stream);
   /// The segment of any pool of this device holding ptr.
@@ -121,6 +126,27 @@ class DevicePools {
   /// Caps the general pool at fraction * the device's total memory (and at
   /// max_pool_size if that is lower).
   void set_memory_fraction(double fraction);
+  /// The fraction last set (1 before any).
+  double memory_fraction() const { return fraction_.load(std::memory_order_relaxed); }
+
+  /// Calls fn(id, pool) for the general pool ({0, 0}), the buffer pool
+  /// (kBufferPoolId) and every graph pool (its id), graph pools' lock held:
+  /// fn may use the pool but must not call back into DevicePools.
+  void for_each_pool(const std::function<void(PoolId, Allocator&)>& fn);
+  /// Every pool of the device together, as PyTorch counts a device: counts
+  /// and sums add up; peaks are the sum of each pool's peak (an upper bound,
+  /// exact while only one pool changes).
+  Stats stats();
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  /// The largest free block of any pool of the device (bytes).
+  size_t largest_free_block();
+  /// The largest request the device could serve without releasing anything:
+  /// its largest free block, or the device's free memory within the general
+  /// pool's cap if that is larger (PyTorch's cacheInfo, used by cuDNN).
+  size_t cache_info();
+  /// Records (or stops recording) the history of every pool, present and future.
+  void record_history(bool enabled, size_t max_entries);
 
   /// Blocks and bytes held for CUDA graphs in the general pool (without
   /// PyTorch's pool calls), freed by PyTorch or not.
@@ -141,12 +167,12 @@ class DevicePools {
   struct GraphPool;
   class GraphPoolBackend;
 
-  uintptr_t routed_malloc(size_t size, Stream stream, bool* routed);
-  bool pool_free(uintptr_t ptr);
+  uintptr_t routed_malloc(size_t size, Stream stream, uint64_t context, bool* routed);
+  bool pool_free(uintptr_t ptr, uint64_t context);
   GraphPool& pool_incref_locked(PoolId id);
   bool reclaim_locked(GraphPool& pool);
   size_t reclaim_pools();
-  uintptr_t capture_malloc(size_t size, Stream stream, uint64_t capture);
+  uintptr_t capture_malloc(size_t size, Stream stream, uint64_t capture, uint64_t context);
   bool capture_free(uintptr_t ptr);
   void capture_record_stream(uintptr_t ptr);
   [[noreturn]] void throw_oom(Allocator& pool, const char* which, size_t size,
@@ -171,6 +197,8 @@ class DevicePools {
   std::atomic<bool> routing_{false};      // routes_ is not empty
   std::atomic<bool> pools_exist_{false};  // pools_ is not empty
   std::atomic<bool> told_of_captures_{false};  // PyTorch's pool calls are in use
+  std::atomic<double> fraction_{1.0};
+  size_t history_max_ = 0;  // 0: not recording (guarded by pools_mu_)
 };
 
 class PoolRegistry {
@@ -199,8 +227,12 @@ class PoolRegistry {
   void set_device_count(int n) { device_count_ = n; }
   int device_count() const { return device_count_; }
 
-  void set_installed(bool installed) { installed_ = installed; }
-  bool installed() const { return installed_; }
+  /// How PyTorch reaches the pools: not at all, through the C hooks of its
+  /// CUDAPluggableAllocator, or through the bridge (csrc/torch_bridge/).
+  enum Route : int { kNotInstalled = 0, kHooks = 1, kBridge = 2 };
+  void set_route(Route route) { route_ = route; }
+  Route route() const { return static_cast<Route>(route_.load()); }
+  bool installed() const { return route_.load() != kNotInstalled; }
 
   /// Tests: later pools live on fake devices of `capacity` bytes each
   /// (cuda_backend.h). Refused once a CUDA pool exists.
@@ -219,7 +251,7 @@ class PoolRegistry {
   Config config_;
   bool history_ = false;
   size_t history_max_ = 0;
-  std::atomic<bool> installed_{false};
+  std::atomic<int> route_{kNotInstalled};
   std::atomic<int> device_count_{-1};
   bool fake_ = false;
   size_t fake_capacity_ = 0;
@@ -227,7 +259,11 @@ class PoolRegistry {
 
 /// The hooks' logic, which torch_hooks.cpp exports with C linkage.
 namespace hooks {
-uintptr_t malloc(size_t size, int device, Stream stream);
+uintptr_t malloc(size_t size, int device, Stream stream, uint64_t context = 0);
+/// Frees ptr in whichever device's pools hold it (device is a hint; -1 for
+/// none); false, with *why, if none does.
+bool free_checked(uintptr_t ptr, int device, uint64_t context, std::string* why);
+/// free_checked, with any error said on stderr (PyTorch's deleters must not throw).
 void free(uintptr_t ptr, int device) noexcept;
 void record_stream(uintptr_t ptr, Stream stream);
 uintptr_t base_alloc(uintptr_t ptr, size_t* size) noexcept;

@@ -175,8 +175,25 @@ void bind_cuda(py::module_& m) {
       },
       "The pools' effective configuration, in bytes; 'strategy' is the one in use.");
   m.def(
-      "cuda_set_installed", [](bool v) { registry().set_installed(v); }, py::arg("installed"),
-      "Records that install() made pyalloc PyTorch's allocator.");
+      "cuda_set_route",
+      [](const std::string& route) {
+        if (route == "hooks") registry().set_route(PoolRegistry::kHooks);
+        else if (route == "bridge") registry().set_route(PoolRegistry::kBridge);
+        else if (route == "none") registry().set_route(PoolRegistry::kNotInstalled);
+        else throw std::invalid_argument("unknown route '" + route + "'; the routes are 'hooks', 'bridge' and 'none'");
+      },
+      py::arg("route"),
+      "Records how install() made pyalloc PyTorch's allocator: 'hooks', 'bridge' (or 'none').");
+  m.def(
+      "cuda_route",
+      [] {
+        switch (registry().route()) {
+          case PoolRegistry::kHooks: return "hooks";
+          case PoolRegistry::kBridge: return "bridge";
+          default: return "none";
+        }
+      },
+      "How PyTorch reaches pyalloc in this process: 'hooks', 'bridge' or 'none'.");
   m.def(
       "cuda_is_installed", [] { return registry().installed(); },
       "Whether pyalloc is PyTorch's CUDA allocator in this process.");
@@ -204,14 +221,28 @@ void bind_cuda(py::module_& m) {
       py::arg("device"), py::arg("pool") = "general",
       "torch.cuda.memory_stats() keys for one pool of a device (zeros before its first use).");
   m.def(
+      "cuda_device_stats",
+      [](int device) {
+        if (DevicePools* p = registry().find(device)) return stats_dict(p->stats());
+        Stats none;
+        none.max_split_size = -1;
+        return stats_dict(none);
+      },
+      py::arg("device"),
+      "torch.cuda.memory_stats() keys for every pool of a device together (general, buffers, "
+      "graph pools); peaks are the sum of the pools' peaks.");
+  m.def(
       "cuda_reset_peak_stats",
       [](int device) {
-        if (DevicePools* p = registry().find(device)) {
-          p->general().reset_peak_stats();
-          p->buffers().reset_peak_stats();
-        }
+        if (DevicePools* p = registry().find(device)) p->reset_peak_stats();
       },
-      py::arg("device"), "Sets every peak statistic of both pools of a device to its current value.");
+      py::arg("device"), "Sets every peak statistic of every pool of a device to its current value.");
+  m.def(
+      "cuda_reset_accumulated_stats",
+      [](int device) {
+        if (DevicePools* p = registry().find(device)) p->reset_accumulated_stats();
+      },
+      py::arg("device"), "Sets every allocated / freed sum and counter of a device's pools to 0.");
   m.def(
       "cuda_fragmentation",
       [](int device, const std::string& pool) {
