@@ -1,0 +1,355 @@
+// The C interface of bridge_api.h over the pools of cuda_pools.h.
+//
+// Each function catches every exception and turns it into a status and a
+// per-thread message: nothing C++ crosses into the bridge, which may be
+// built with another compiler and C++ ABI.
+#include "bridge_api.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda_pools.h"
+
+#define PYALLOC_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace pyalloc {
+namespace {
+
+thread_local std::string last_error_message;
+
+Stream stream_of(void* s) { return static_cast<Stream>(reinterpret_cast<uintptr_t>(s)); }
+void* stream_ptr(Stream s) { return reinterpret_cast<void*>(static_cast<uintptr_t>(s)); }
+uintptr_t addr(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+PoolRegistry& registry() { return PoolRegistry::instance(); }
+
+// Runs f; any exception becomes a status, its message the thread's last error.
+template <class F>
+int guarded(F&& f) noexcept {
+  try {
+    f();
+    last_error_message.clear();
+    return PYALLOC_OK;
+  } catch (const OutOfMemoryError& e) {
+    last_error_message = e.what();
+    return PYALLOC_OUT_OF_MEMORY;
+  } catch (const std::invalid_argument& e) {  // InvalidPointerError too
+    last_error_message = e.what();
+    return PYALLOC_INVALID;
+  } catch (const std::exception& e) {
+    last_error_message = e.what();
+    return PYALLOC_ERROR;
+  } catch (...) {
+    last_error_message = "pyalloc: unknown error";
+    return PYALLOC_ERROR;
+  }
+}
+
+// The pools of `device`, or an exception naming it. With create false, null
+// while the device has none (nothing to report, nothing to do).
+DevicePools* pools_of(int device, bool create) {
+  if (device < 0 || device >= PoolRegistry::kMaxDevices)
+    throw std::invalid_argument("invalid CUDA device index " + std::to_string(device));
+  return create ? &registry().get(device) : registry().find(device);
+}
+
+// The devices a call with `device` is about: one, or every one with pools (-1).
+std::vector<DevicePools*> devices_of(int device) {
+  if (device == -1) return registry().all();
+  DevicePools* p = pools_of(device, false);
+  return p != nullptr ? std::vector<DevicePools*>{p} : std::vector<DevicePools*>{};
+}
+
+// Steady-clock microseconds (the history's clock) to the Unix epoch.
+int64_t epoch_offset_us() {
+  using namespace std::chrono;
+  int64_t sys = duration_cast<microseconds>(system_clock::now().time_since_epoch()).count();
+  int64_t steady = duration_cast<microseconds>(steady_clock::now().time_since_epoch()).count();
+  return sys - steady;
+}
+
+pyalloc_stat to_c(const Stat& s) { return pyalloc_stat{s.current, s.peak, s.allocated, s.freed}; }
+pyalloc_stat_array to_c(const StatArray& a) {
+  return pyalloc_stat_array{to_c(a.all), to_c(a.small), to_c(a.large)};
+}
+
+// ---------------------------------------------------------------------------
+// The table's functions
+
+const char* api_last_error() { return last_error_message.c_str(); }
+
+int api_malloc(int device, uint64_t size, void* stream, uint64_t context, void** out,
+               pyalloc_oom_info* oom) {
+  *out = nullptr;
+  return guarded([&] {
+    try {
+      *out = reinterpret_cast<void*>(hooks::malloc(size, device, stream_of(stream), context));
+    } catch (const OutOfMemoryError&) {
+      if (oom != nullptr) {
+        *oom = pyalloc_oom_info{size, 0, 0, 0, 0};
+        if (DevicePools* p = registry().find(device)) {
+          Stats st = p->stats();
+          oom->allocated = static_cast<uint64_t>(st.allocated_bytes.all.current);
+          oom->reserved = static_cast<uint64_t>(st.reserved_bytes.all.current);
+          size_t dev_free = 0, dev_total = 0;
+          p->device().mem_info(&dev_free, &dev_total);
+          oom->device_free = dev_free;
+          oom->device_total = dev_total;
+        }
+      }
+      throw;
+    }
+  });
+}
+
+int api_free(void* ptr, uint64_t context) {
+  return guarded([&] {
+    std::string why;
+    if (!hooks::free_checked(addr(ptr), -1, context, &why)) throw InvalidPointerError(why);
+  });
+}
+
+int api_record_stream(void* ptr, void* stream) {
+  return guarded([&] { hooks::record_stream(addr(ptr), stream_of(stream)); });
+}
+
+void* api_base_alloc(void* ptr, uint64_t* size) {
+  size_t bytes = 0;
+  uintptr_t base = hooks::base_alloc(addr(ptr), &bytes);
+  if (size != nullptr) *size = bytes;  // 0 where pyalloc has no segment at ptr
+  return reinterpret_cast<void*>(base);
+}
+
+int api_empty_cache(int device) {
+  return guarded([&] {
+    for (DevicePools* p : devices_of(device)) p->empty_cache();
+  });
+}
+
+int api_set_memory_fraction(int device, double fraction) {
+  return guarded([&] { pools_of(device, true)->set_memory_fraction(fraction); });
+}
+
+int api_memory_fraction(int device, double* out) {
+  return guarded([&] {
+    DevicePools* p = pools_of(device, false);
+    *out = p != nullptr ? p->memory_fraction() : 1.0;
+  });
+}
+
+int api_cache_info(int device, uint64_t* largest) {
+  return guarded([&] { *largest = pools_of(device, true)->cache_info(); });
+}
+
+int api_device_stats(int device, pyalloc_device_stats* out) {
+  return guarded([&] {
+    DevicePools* p = pools_of(device, false);
+    Stats s;
+    if (p != nullptr) s = p->stats();
+    else s.max_split_size = -1;  // PyTorch's "no limit"
+    *out = pyalloc_device_stats{
+        to_c(s.allocation),      to_c(s.segment),        to_c(s.active),
+        to_c(s.inactive_split),  to_c(s.allocated_bytes), to_c(s.reserved_bytes),
+        to_c(s.active_bytes),    to_c(s.inactive_split_bytes), to_c(s.requested_bytes),
+        to_c(s.oversize_allocations), to_c(s.oversize_segments),
+        s.num_alloc_retries,     s.num_ooms,             s.num_sync_all_streams,
+        s.num_device_alloc,      s.num_device_free,      s.num_oom_rejections,
+        s.max_split_size};
+  });
+}
+
+int api_reset_peak_stats(int device) {
+  return guarded([&] {
+    if (DevicePools* p = pools_of(device, false)) p->reset_peak_stats();
+  });
+}
+
+int api_reset_accumulated_stats(int device) {
+  return guarded([&] {
+    if (DevicePools* p = pools_of(device, false)) p->reset_accumulated_stats();
+  });
+}
+
+int api_snapshot(int device, const uint64_t* pool_id, pyalloc_segment_fn fn, void* user) {
+  return guarded([&] {
+    for (DevicePools* p : devices_of(device)) {
+      // Gathered first, so that fn runs with no lock of pyalloc's held.
+      std::vector<std::pair<DevicePools::PoolId, std::vector<SnapshotSegment>>> all;
+      p->for_each_pool([&](DevicePools::PoolId id, Allocator& a) {
+        if (pool_id == nullptr || (pool_id[0] == id.first && pool_id[1] == id.second))
+          all.emplace_back(id, a.snapshot());
+      });
+      std::vector<pyalloc_block_info> blocks;
+      for (const auto& [id, segments] : all) {
+        for (const SnapshotSegment& s : segments) {
+          pyalloc_segment_info info{p->index(),    s.address,         s.total_size,
+                                    s.allocated_size, s.active_size,   s.requested_size,
+                                    stream_ptr(s.stream), s.pool == kLargePool, s.expandable,
+                                    {id.first, id.second}};
+          blocks.clear();
+          for (const SnapshotBlock& b : s.blocks) {
+            bool allocated = std::strcmp(b.state, "active_allocated") == 0;
+            bool active = allocated || std::strcmp(b.state, "active_pending_free") == 0;
+            blocks.push_back(pyalloc_block_info{b.size, b.requested, allocated, active, b.context});
+          }
+          fn(user, &info, blocks.data(), blocks.size());
+        }
+      }
+    }
+  });
+}
+
+int api_history(int device, pyalloc_trace_fn fn, void* user) {
+  return guarded([&] {
+    DevicePools* p = pools_of(device, false);
+    if (p == nullptr) return;
+    std::vector<std::pair<TraceEntry, DevicePools::PoolId>> events;
+    p->for_each_pool([&](DevicePools::PoolId id, Allocator& a) {
+      for (const TraceEntry& e : a.history()) events.emplace_back(e, id);
+    });
+    // Each pool's history is in order; together, by time (ties keep pool order).
+    std::stable_sort(events.begin(), events.end(), [](const auto& a, const auto& b) {
+      return a.first.time_us < b.first.time_us;
+    });
+    int64_t offset = epoch_offset_us();
+    for (const auto& [e, id] : events) {
+      pyalloc_trace_entry out{static_cast<int>(e.action), e.addr, e.size, stream_ptr(e.stream),
+                              e.time_us + offset, e.context, {id.first, id.second}};
+      fn(user, &out);
+    }
+  });
+}
+
+int api_record_history(int enabled, uint64_t max_entries, int clear) {
+  return guarded([&] {
+    if (enabled && max_entries == 0) throw std::invalid_argument("max_entries must be positive");
+    registry().record_history(enabled != 0, enabled ? max_entries : 0);
+    if (clear)
+      for (DevicePools* p : registry().all())
+        p->for_each_pool([](DevicePools::PoolId, Allocator& a) { a.clear_history(); });
+  });
+}
+
+int api_contexts_in_use(pyalloc_value_fn fn, void* user) {
+  return guarded([&] {
+    std::vector<uint64_t> tags;
+    for (DevicePools* p : registry().all())
+      p->for_each_pool([&](DevicePools::PoolId, Allocator& a) { a.contexts_in_use(&tags); });
+    std::sort(tags.begin(), tags.end());
+    tags.erase(std::unique(tags.begin(), tags.end()), tags.end());
+    for (uint64_t t : tags) fn(user, t);
+  });
+}
+
+int api_begin_allocate_to_pool(int device, uint64_t id0, uint64_t id1,
+                               pyalloc_stream_filter_fn filter, void* user) {
+  return guarded([&] {
+    DevicePools::StreamFilter accepts;
+    if (filter != nullptr)
+      accepts = [filter, user](Stream s) { return filter(user, stream_ptr(s)) != 0; };
+    else
+      accepts = [](Stream) { return true; };
+    hooks::begin_allocate_to_pool(device, {id0, id1}, std::move(accepts));
+  });
+}
+
+int api_end_allocate_to_pool(int device, uint64_t id0, uint64_t id1) {
+  return guarded([&] {
+    if (DevicePools* p = pools_of(device, false)) p->end_allocate_to_pool({id0, id1});
+  });
+}
+
+int api_release_pool(int device, uint64_t id0, uint64_t id1) {
+  return guarded([&] {
+    if (DevicePools* p = pools_of(device, false)) p->release_pool({id0, id1});
+  });
+}
+
+int api_create_or_incref_pool(int device, uint64_t id0, uint64_t id1) {
+  return guarded([&] { pools_of(device, true)->create_or_incref_pool({id0, id1}); });
+}
+
+int api_pool_use_count(int device, uint64_t id0, uint64_t id1, int* out) {
+  return guarded([&] {
+    DevicePools* p = pools_of(device, false);
+    *out = p != nullptr ? p->pool_use_count({id0, id1}) : 0;
+  });
+}
+
+int api_pool_live_blocks(int device, uint64_t id0, uint64_t id1, pyalloc_value_fn fn, void* user) {
+  return guarded([&] {
+    DevicePools* p = pools_of(device, false);
+    if (p == nullptr) return;
+    for (uintptr_t b : p->pool_live_blocks({id0, id1})) fn(user, b);
+  });
+}
+
+int api_init(int device_count) {
+  return guarded([&] { hooks::init(device_count); });
+}
+
+int api_set_route(int route) {
+  return guarded([&] {
+    if (route < PoolRegistry::kNotInstalled || route > PoolRegistry::kBridge)
+      throw std::invalid_argument("unknown route " + std::to_string(route));
+    registry().set_route(static_cast<PoolRegistry::Route>(route));
+  });
+}
+
+int api_settings(char* buf, uint64_t len) {
+  return guarded([&] {
+    Config c = registry().config();
+    // The strategy in use: bestfit where a device's pools could not use vmm.
+    for (DevicePools* p : registry().all())
+      if (p->general().config().strategy != c.strategy) c.strategy = p->general().config().strategy;
+    std::string text = c.to_string();
+    if (len == 0 || text.size() >= len)
+      throw std::invalid_argument("a buffer of " + std::to_string(text.size() + 1) +
+                                  " bytes is needed for the settings");
+    std::memcpy(buf, text.c_str(), text.size() + 1);
+  });
+}
+
+const pyalloc_bridge_api kApiV1 = {
+    PYALLOC_BRIDGE_API_VERSION,
+    sizeof(pyalloc_bridge_api),
+#ifdef PYALLOC_VERSION
+    PYALLOC_VERSION,
+#else
+    "unknown",
+#endif
+    &api_last_error,
+    &api_malloc,
+    &api_free,
+    &api_record_stream,
+    &api_base_alloc,
+    &api_empty_cache,
+    &api_set_memory_fraction,
+    &api_memory_fraction,
+    &api_cache_info,
+    &api_device_stats,
+    &api_reset_peak_stats,
+    &api_reset_accumulated_stats,
+    &api_snapshot,
+    &api_history,
+    &api_record_history,
+    &api_contexts_in_use,
+    &api_begin_allocate_to_pool,
+    &api_end_allocate_to_pool,
+    &api_release_pool,
+    &api_create_or_incref_pool,
+    &api_pool_use_count,
+    &api_pool_live_blocks,
+    &api_init,
+    &api_set_route,
+    &api_settings,
+};
+
+}  // namespace
+}  // namespace pyalloc
+
+PYALLOC_EXPORT const pyalloc_bridge_api* pyalloc_bridge_api_get(uint32_t version) {
+  return version == 1 ? &pyalloc::kApiV1 : nullptr;
+}

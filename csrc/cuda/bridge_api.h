@@ -1,0 +1,191 @@
+/* pyalloc's C interface to its CUDA pools, for the bridge (csrc/torch_bridge/).
+ *
+ * The bridge is a C++ subclass of PyTorch's allocator interface, built later
+ * against the installed torch, perhaps by another compiler with another C++
+ * ABI. So the two libraries meet only here: plain C types and functions,
+ * no exception crossing, no C++ object changing hands. The bridge finds this
+ * table with dlsym(handle of pyalloc._C, "pyalloc_bridge_api_get") and calls it,
+ * so there is still one set of pools per device in the process, shared with
+ * pyalloc's Python API.
+ *
+ * Versioning: pyalloc_bridge_api(version) returns the table of that version
+ * or NULL if this library does not offer it. A table starts with its version
+ * and size; later versions only append members, so a bridge built for an
+ * older version keeps working with a newer pyalloc.
+ *
+ * Errors: every function returning int returns PYALLOC_OK or an error code;
+ * last_error() then gives the message, per thread, until the next call on
+ * that thread. Functions the bridge calls from PyTorch's deleters and
+ * destructors (free, end/release of graph pools) never fail silently: they
+ * return the error for the bridge to report.
+ *
+ * Context tags: an opaque 64-bit value the bridge passes with malloc / free
+ * (0: none). The pools keep it on the block and on history entries, and give
+ * it back in snapshots and histories; the bridge maps it to PyTorch's
+ * recorded stack traces, which never cross this interface. */
+#ifndef PYALLOC_BRIDGE_API_H
+#define PYALLOC_BRIDGE_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PYALLOC_BRIDGE_API_VERSION 1
+
+enum pyalloc_status {
+  PYALLOC_OK = 0,
+  PYALLOC_OUT_OF_MEMORY = 1, /* the message begins "CUDA out of memory." */
+  PYALLOC_INVALID = 2,       /* a bad pointer, device or argument */
+  PYALLOC_ERROR = 3          /* anything else (the driver, a failed event) */
+};
+
+/* Figures for PyTorch's out-of-memory observers. */
+typedef struct pyalloc_oom_info {
+  uint64_t requested;    /* bytes asked for */
+  uint64_t allocated;    /* bytes allocated on the device by pyalloc */
+  uint64_t reserved;     /* bytes reserved on the device by pyalloc */
+  uint64_t device_free;  /* the driver's free bytes (0 when unknown) */
+  uint64_t device_total; /* the device's memory (0 when unknown) */
+} pyalloc_oom_info;
+
+typedef struct pyalloc_stat {
+  int64_t current, peak, allocated, freed;
+} pyalloc_stat;
+
+typedef struct pyalloc_stat_array {
+  pyalloc_stat all, small_pool, large_pool;
+} pyalloc_stat_array;
+
+/* torch.cuda.memory_stats() of one device, every pool of it together. */
+typedef struct pyalloc_device_stats {
+  pyalloc_stat_array allocation, segment, active, inactive_split;
+  pyalloc_stat_array allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes,
+      requested_bytes;
+  pyalloc_stat oversize_allocations, oversize_segments;
+  int64_t num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc,
+      num_device_free, num_oom_rejections, max_split_size;
+} pyalloc_device_stats;
+
+/* One block of a snapshot segment; blocks tile their segment in order. */
+typedef struct pyalloc_block_info {
+  uint64_t size;
+  uint64_t requested_size;
+  int allocated; /* handed out and not freed */
+  int active;    /* allocated, or freed but waiting on streams */
+  uint64_t context;
+} pyalloc_block_info;
+
+typedef struct pyalloc_segment_info {
+  int device;
+  uint64_t address;
+  uint64_t total_size;
+  uint64_t allocated_size;
+  uint64_t active_size;
+  uint64_t requested_size;
+  void* stream;
+  int is_large;      /* 0: a chunk of the small pool */
+  int is_expandable; /* a mapped run of a virtual range */
+  uint64_t pool_id[2];
+} pyalloc_segment_info;
+
+enum pyalloc_trace_action {
+  PYALLOC_TRACE_ALLOC = 0,
+  PYALLOC_TRACE_FREE_REQUESTED = 1,
+  PYALLOC_TRACE_FREE_COMPLETED = 2,
+  PYALLOC_TRACE_SEGMENT_ALLOC = 3,
+  PYALLOC_TRACE_SEGMENT_FREE = 4,
+  PYALLOC_TRACE_SEGMENT_MAP = 5,
+  PYALLOC_TRACE_SEGMENT_UNMAP = 6,
+  PYALLOC_TRACE_OOM = 7 /* addr: the device's free bytes */
+};
+
+typedef struct pyalloc_trace_entry {
+  int action;
+  uint64_t addr;
+  uint64_t size;
+  void* stream;
+  int64_t time_us; /* microseconds since the Unix epoch */
+  uint64_t context;
+  uint64_t pool_id[2];
+} pyalloc_trace_entry;
+
+typedef void (*pyalloc_segment_fn)(void* user, const pyalloc_segment_info* segment,
+                                   const pyalloc_block_info* blocks, size_t num_blocks);
+typedef void (*pyalloc_trace_fn)(void* user, const pyalloc_trace_entry* entry);
+typedef void (*pyalloc_value_fn)(void* user, uint64_t value);
+/* Returns nonzero if the stream's allocations go to the pool. */
+typedef int (*pyalloc_stream_filter_fn)(void* user, void* stream);
+
+typedef struct pyalloc_bridge_api {
+  uint32_t version; /* PYALLOC_BRIDGE_API_VERSION of this table */
+  uint32_t size;    /* sizeof(pyalloc_bridge_api) of this table */
+  const char* pyalloc_version;
+
+  const char* (*last_error)(void);
+
+  /* Allocation. malloc of size 0 gives NULL. On PYALLOC_OUT_OF_MEMORY,
+   * *oom (if not NULL) is filled and the pools are as they were. free finds
+   * the device from the pointer. */
+  int (*malloc)(int device, uint64_t size, void* stream, uint64_t context, void** out,
+                pyalloc_oom_info* oom);
+  int (*free)(void* ptr, uint64_t context);
+  int (*record_stream)(void* ptr, void* stream);
+  /* The segment holding ptr, or ptr itself if pyalloc has none. */
+  void* (*base_alloc)(void* ptr, uint64_t* size);
+
+  /* Cache and limits. device -1: every device whose pools exist. */
+  int (*empty_cache)(int device);
+  int (*set_memory_fraction)(int device, double fraction);
+  int (*memory_fraction)(int device, double* out);
+  /* The largest block the device could serve now: its largest free block,
+   * or the free memory of the device within the pool's cap if larger. */
+  int (*cache_info)(int device, uint64_t* largest);
+
+  /* Statistics (zeros for a device without pools). */
+  int (*device_stats)(int device, pyalloc_device_stats* out);
+  int (*reset_peak_stats)(int device);
+  int (*reset_accumulated_stats)(int device);
+
+  /* Snapshots: fn once per segment of the device's pools (device -1: every
+   * device); with pool_id not NULL, only that pool's segments. */
+  int (*snapshot)(int device, const uint64_t* pool_id, pyalloc_segment_fn fn, void* user);
+  /* The device's recorded history, oldest first. */
+  int (*history)(int device, pyalloc_trace_fn fn, void* user);
+  /* Every pool, present and future: record the last max_entries events or
+   * stop (enabled 0); clear forgets what was recorded. */
+  int (*record_history)(int enabled, uint64_t max_entries, int clear);
+  /* fn for each context tag a live block or a history entry still holds. */
+  int (*contexts_in_use)(pyalloc_value_fn fn, void* user);
+
+  /* PyTorch's private pools (CUDA graphs, torch.cuda.MemPool). The filter
+   * and its user pointer must stay valid until end_allocate_to_pool. */
+  int (*begin_allocate_to_pool)(int device, uint64_t id0, uint64_t id1,
+                                pyalloc_stream_filter_fn filter, void* user);
+  int (*end_allocate_to_pool)(int device, uint64_t id0, uint64_t id1);
+  int (*release_pool)(int device, uint64_t id0, uint64_t id1);
+  int (*create_or_incref_pool)(int device, uint64_t id0, uint64_t id1);
+  int (*pool_use_count)(int device, uint64_t id0, uint64_t id1, int* out);
+  /* fn for the address of each live allocation of the pool. */
+  int (*pool_live_blocks)(int device, uint64_t id0, uint64_t id1, pyalloc_value_fn fn,
+                          void* user);
+
+  /* PyTorch's init(device_count); the route now in use (0: none, 1: hooks,
+   * 2: bridge), for is_installed() and the doctor. */
+  int (*init)(int device_count);
+  int (*set_route)(int route);
+  /* The effective settings ("key:value,...", strategy as in use) into buf. */
+  int (*settings)(char* buf, uint64_t len);
+} pyalloc_bridge_api;
+
+/* The table of `version`, or NULL if this pyalloc does not offer it. */
+typedef const pyalloc_bridge_api* (*pyalloc_bridge_api_get_fn)(uint32_t version);
+#define PYALLOC_BRIDGE_API_SYMBOL "pyalloc_bridge_api_get"
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PYALLOC_BRIDGE_API_H */

@@ -1,0 +1,258 @@
+"""The C interface between the bridge (csrc/torch_bridge/) and pyalloc._C, on CPU.
+
+The bridge reaches pyalloc's pools only through the table that
+``pyalloc_bridge_api_get`` returns (csrc/cuda/bridge_api.h). These tests call
+that table through ctypes over fake devices of host memory, as the bridge
+calls it over real ones, and check that the C declarations and the ctypes
+mirror (tests/bridge_api.py) agree byte for byte.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+import pyalloc
+from pyalloc import _C
+
+from bridge_api import INVALID, OK, OUT_OF_MEMORY, Api, BlockInfo, BridgeApi, DeviceStats
+from bridge_api import FILTER_FN, OomInfo, SegmentInfo, TraceEntry
+
+MiB = 1 << 20
+CAPACITY = 64 * MiB
+HEADER_DIR = os.path.join(os.path.dirname(__file__), "..", "csrc")
+
+
+@pytest.fixture(scope="module")
+def api():
+    return BridgeApi()
+
+
+@pytest.fixture
+def fake():
+    _C._testing_use_fake_devices(CAPACITY)
+    try:
+        yield
+    finally:
+        gc.collect()
+        _C._testing_reset()
+
+
+def test_the_table_is_versioned(api):
+    assert api.version == 1
+    assert api.size == ctypes.sizeof(Api)
+    assert api.pyalloc_version.decode() == pyalloc.__version__
+    assert not api.get(2), "a version this pyalloc does not offer must give NULL"
+    assert not api.get(0)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to read the header")
+def test_the_header_and_its_ctypes_mirror_agree(tmp_path):
+    # A C compiler's sizes and offsets of the header's types, against ctypes'.
+    checks = {
+        "pyalloc_oom_info": OomInfo, "pyalloc_device_stats": DeviceStats,
+        "pyalloc_block_info": BlockInfo, "pyalloc_segment_info": SegmentInfo,
+        "pyalloc_trace_entry": TraceEntry, "pyalloc_bridge_api": Api,
+    }
+    lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "cuda/bridge_api.h"',
+             "int main(void) {"]
+    for c_name in checks:
+        lines.append(f'  printf("{c_name} %zu\\n", sizeof({c_name}));')
+    for field, _ in Api._fields_:
+        lines.append(f'  printf("api.{field} %zu\\n", offsetof(pyalloc_bridge_api, {field}));')
+    lines.append("  return 0;\n}")
+    src = tmp_path / "layout.c"
+    src.write_text("\n".join(lines))
+    exe = tmp_path / "layout"
+    subprocess.run(["cc", "-std=c99", "-Wall", "-Werror", "-I", HEADER_DIR, str(src), "-o", str(exe)],
+                   check=True, capture_output=True, text=True)
+    seen = dict(line.split() for line in subprocess.run([str(exe)], check=True, capture_output=True,
+                                                        text=True).stdout.splitlines())
+    for c_name, mirror in checks.items():
+        assert int(seen[c_name]) == ctypes.sizeof(mirror), c_name
+    for field, _ in Api._fields_:
+        assert int(seen[f"api.{field}"]) == getattr(Api, field).offset, field
+
+
+def test_malloc_free_and_stats(api, fake):
+    status, p, _ = api.malloc(3 * MiB, device=0, stream=0)
+    assert status == OK and p != 0
+    stats = api.stats(0)
+    assert stats == dict(_C.cuda_device_stats(0))
+    assert stats["allocated_bytes.all.current"] == 3 * MiB
+    assert stats["requested_bytes.all.current"] == 3 * MiB
+    assert api.free(p, 0) == OK
+    assert api.stats(0)["allocated_bytes.all.current"] == 0
+    # Size 0 is PyTorch's to ask for: nullptr, as its own allocator answers.
+    assert api.malloc(0)[:2] == (OK, 0)
+    assert api.free(None, 0) == OK
+
+
+def test_bad_pointers_are_errors_not_crashes(api, fake):
+    status, p, _ = api.malloc(MiB)
+    assert status == OK
+    assert api.free(p, 0) == OK
+    assert api.free(p, 0) == INVALID
+    assert "double free" in api.error()
+    assert api.free(0xDEAD0000, 0) == INVALID
+    assert "not a pointer from pyalloc" in api.error()
+    assert api.malloc(MiB, device=-3)[0] == INVALID
+    assert "invalid CUDA device index" in api.error()
+
+
+def test_out_of_memory_says_why_and_keeps_live_blocks(api, fake):
+    status, live, _ = api.malloc(8 * MiB)
+    assert status == OK
+    ctypes.memset(live, 0x5A, 8 * MiB)
+    status, p, oom = api.malloc(10 * CAPACITY)
+    assert (status, p) == (OUT_OF_MEMORY, 0)
+    assert api.error().startswith("CUDA out of memory.")
+    assert oom.requested == 10 * CAPACITY
+    assert oom.allocated == 8 * MiB
+    assert oom.reserved >= 8 * MiB
+    assert oom.device_total == CAPACITY
+    assert 0 < oom.device_free <= CAPACITY
+    assert ctypes.string_at(live, 8 * MiB) == b"\x5a" * (8 * MiB)
+    assert api.free(live, 0) == OK
+
+
+def test_errors_are_per_call(api, fake):
+    api.free(0xDEAD0000, 0)
+    assert api.error() != ""
+    status, p, _ = api.malloc(MiB)
+    assert status == OK and api.error() == ""
+    api.free(p, 0)
+
+
+def test_context_tags_follow_pytorch_history_rules(api, fake):
+    assert api.record_history(1, 1000, 0) == OK
+    try:
+        status, p, _ = api.malloc(5 * MiB, context=7)
+        assert status == OK
+        live = [b for s in api.snapshot(0) for b in s["blocks"] if b["allocated"]]
+        assert [b["context"] for b in live] == [7]
+        assert 7 in api.values("contexts_in_use")
+        assert api.free(p, 9) == OK
+        events = api.history(0)
+        by_action = {}
+        for e in events:
+            by_action.setdefault(e["action"], []).append(e["context"])
+        assert by_action["alloc"] == [7]
+        assert set(by_action["segment_alloc"]) == {7}  # caused by the tagged malloc
+        assert by_action["free_requested"] == [9]  # the free's own context
+        assert by_action["free_completed"] == [7]  # the allocation's
+        now = time.time() * 1e6
+        assert all(abs(e["time_us"] - now) < 60e6 for e in events), "time_us is Unix time"
+        assert all(e["pool_id"] == (0, 0) for e in events)
+        # Cleared history, nothing live: no tag is held any more.
+        assert api.record_history(1, 1000, 1) == OK
+        assert api.history(0) == []
+        assert api.values("contexts_in_use") == []
+    finally:
+        api.record_history(0, 0, 1)
+
+
+def test_untagged_free_keeps_the_allocation_context(api, fake):
+    api.record_history(1, 100, 1)
+    try:
+        _, p, _ = api.malloc(MiB, context=11)
+        api.free(p, 0)
+        tags = {e["action"]: e["context"] for e in api.history(0)}
+        assert tags["free_requested"] == 11 and tags["free_completed"] == 11
+    finally:
+        api.record_history(0, 0, 1)
+
+
+def test_graph_pools_route_by_the_filter(api, fake):
+    accepted = {5}
+    seen = []
+
+    def accepts(_user, stream):
+        seen.append(stream or 0)
+        return int((stream or 0) in accepted)
+
+    filt = FILTER_FN(accepts)  # kept alive until end_allocate_to_pool
+    assert api.begin_allocate_to_pool(0, 1, 0, filt, None) == OK
+    _, in_pool, _ = api.malloc(3 * MiB, stream=5)
+    _, general, _ = api.malloc(3 * MiB, stream=6)
+    assert api.end_allocate_to_pool(0, 1, 0) == OK
+    assert 5 in seen and 6 in seen
+    assert api.values("pool_live_blocks", 0, 1, 0) == [in_pool]
+    pools = {s["pool_id"] for s in api.snapshot(0) if s["blocks"]}
+    assert (1, 0) in pools and (0, 0) in pools
+    assert {s["pool_id"] for s in api.snapshot(0, pool_id=(1, 0))} == {(1, 0)}
+    count = ctypes.c_int()
+    assert api.pool_use_count(0, 1, 0, ctypes.byref(count)) == OK and count.value == 1
+    # The device's stats count the graph pool too, as PyTorch's do.
+    assert api.stats(0)["allocated_bytes.all.current"] == 6 * MiB
+    assert api.release_pool(0, 1, 0) == OK
+    assert api.pool_use_count(0, 1, 0, ctypes.byref(count)) == OK and count.value == 0
+    api.free(in_pool, 0)
+    api.free(general, 0)
+    assert api.values("pool_live_blocks", 0, 1, 0) == []
+    # A MemPool's pool: created with one use, one more, then dropped.
+    assert api.create_or_incref_pool(0, 0, 3) == OK
+    assert api.create_or_incref_pool(0, 0, 3) == OK
+    assert api.pool_use_count(0, 0, 3, ctypes.byref(count)) == OK and count.value == 2
+
+
+def test_the_same_pool_twice_is_refused(api, fake):
+    filt = FILTER_FN(lambda _u, _s: 1)
+    assert api.begin_allocate_to_pool(0, 2, 0, filt, None) == OK
+    assert api.begin_allocate_to_pool(0, 2, 0, filt, None) == INVALID
+    assert "already go to graph pool" in api.error()
+    api.end_allocate_to_pool(0, 2, 0)
+
+
+def test_cache_info_fraction_and_resets(api, fake):
+    _, p, _ = api.malloc(4 * MiB)
+    api.free(p, 0)
+    largest = ctypes.c_uint64()
+    assert api.cache_info(0, ctypes.byref(largest)) == OK
+    assert largest.value >= 4 * MiB
+    assert largest.value >= _C.cuda_fragmentation(0)["largest_free_block"]
+    # The memory fraction caps the pool: cacheInfo offers what is cached, and
+    # of the device's free memory no more than the cap allows.
+    assert api.set_memory_fraction(0, 0.25) == OK
+    frac = ctypes.c_double()
+    assert api.memory_fraction(0, ctypes.byref(frac)) == OK and frac.value == 0.25
+    assert api.cache_info(0, ctypes.byref(largest)) == OK
+    cached = _C.cuda_fragmentation(0)["largest_free_block"]
+    reserved = api.stats(0)["reserved_bytes.all.current"]
+    assert largest.value == max(cached, max(CAPACITY // 4 - reserved, 0))
+    assert api.set_memory_fraction(0, 1.5) == INVALID
+    before = api.stats(0)
+    assert before["allocation.all.allocated"] == 1
+    assert api.reset_accumulated_stats(0) == OK
+    after = api.stats(0)
+    assert after["allocation.all.allocated"] == 0 and after["allocation.all.freed"] == 0
+    assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
+    assert api.reset_peak_stats(0) == OK
+    assert api.empty_cache(-1) == OK
+    assert api.stats(0)["reserved_bytes.all.current"] == 0
+
+
+def test_base_alloc_and_record_stream(api, fake):
+    _, p, _ = api.malloc(3 * MiB)
+    size = ctypes.c_uint64()
+    base = api.base_alloc(p + 4096, ctypes.byref(size))
+    assert base <= p and base + size.value >= p + 3 * MiB
+    assert api.base_alloc(0x1000, ctypes.byref(size)) == 0x1000 and size.value == 0
+    assert api.record_stream(p, 3) == OK
+    assert api.free(p, 0) == OK
+
+
+def test_route_settings_and_init(api, fake):
+    assert api.set_route(2) == OK
+    assert _C.cuda_route() == "bridge" and pyalloc.is_installed()
+    assert api.set_route(7) == INVALID
+    assert api.init(3) == OK and _C.cuda_hook_device_count() == 3
+    buf = ctypes.create_string_buffer(512)
+    assert api.settings(buf, 512) == OK
+    assert "strategy:" in buf.value.decode()
+    assert api.settings(buf, 4) == INVALID
