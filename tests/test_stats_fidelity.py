@@ -47,19 +47,29 @@ def segment_totals(snapshot):
 
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["malloc", "free", "empty", "record", "complete"]),
+    st.tuples(st.sampled_from(["malloc", "free", "empty", "record", "complete", "reset"]),
               st.integers(1, 12 * MiB), st.sampled_from([0, 5]), st.integers(0, 1 << 30)),
     max_size=120)
 
 
+def currents(s):
+    return {k[:-len(".current")]: v for k, v in s.items() if k.endswith(".current")}
+
+
 @pytest.mark.parametrize("conf", ["strategy:bestfit,segment_size:4MiB", "strategy:vmm",
                                   "strategy:bestfit,max_pool_size:48MiB",
-                                  "strategy:vmm,max_pool_size:48MiB,pool_size:8MiB"])
+                                  "strategy:vmm,max_pool_size:48MiB,pool_size:8MiB",
+                                  "strategy:bestfit,segment_size:2MiB,max_split_size:4MiB"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
 def test_stats_identities_and_snapshot_totals_after_random_work(conf, ops):
     a = pyalloc.Allocator("virtual", conf)
     live = []
+    # Every peak is the highest value its count was seen at between operations
+    # (since the last reset), as torch.cuda.max_memory_* reads: never a
+    # moment inside one malloc (a segment grown, then partly lent to the small
+    # pool; pages mapped, then split).
+    highest = currents(a.stats())
     for op, size, stream, pick in ops:
         if op == "malloc" or not live:
             # Mostly small requests: they borrow and return small-pool chunks.
@@ -74,10 +84,16 @@ def test_stats_identities_and_snapshot_totals_after_random_work(conf, ops):
             a.empty_cache()
         elif op == "record":
             a.record_stream(live[pick % len(live)], 9)
+        elif op == "reset":
+            a.reset_peak_stats()
+            highest = currents(a.stats())
         else:
             a.stream_complete(9)
         s = a.stats()
         check_identities(s)
+        for k, v in currents(s).items():
+            highest[k] = max(highest[k], v)
+            assert s[k + ".peak"] == highest[k], k
         snap = segment_totals(a.snapshot())
         for pool in ("small", "large"):
             assert snap[pool] == (s[f"segment.{pool}_pool.current"], s[f"reserved_bytes.{pool}_pool.current"])

@@ -170,6 +170,14 @@ class Allocator {
     std::vector<EventId> events;
   };
 
+  // Declared right after a public operation's lock guard, so that it runs
+  // under the lock on every way out, exceptions included: the peaks settle
+  // on the state the operation leaves (stats.h).
+  struct OpEnd {
+    Allocator* self;
+    ~OpEnd() { self->stats_.settle(); }
+  };
+
   StreamState& state(Stream s) {
     if (last_state_ != nullptr && last_stream_ == s) return *last_state_;
     return state_slow(s);
