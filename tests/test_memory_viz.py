@@ -339,17 +339,20 @@ def test_cuda_pool_snapshots_read_as_pytorch_reads_them(fake, conf, tmp_path):
     rng = random.Random(5)
     first = _C._testing_hook_malloc(30 * MiB, 0, 3)  # a segment made for stream 3
     tiny = _C._testing_hook_malloc(100, 0, 5)        # a small-pool chunk for stream 5
+    # Stream 11 captures a CUDA graph into its private pool meanwhile.
+    _C._testing_pool_hook("begin_allocate_to_pool", 0, (0, 9), [11])
     live = []
     for _ in range(300):
         if rng.random() < 0.6 or not live:
             size = rng.choice([rng.randint(1, 4 * KiB), rng.randint(MiB, 6 * MiB)])
             try:
-                live.append(_C._testing_hook_malloc(size, 0, rng.choice([0, 3])))
+                live.append(_C._testing_hook_malloc(size, 0, rng.choice([0, 3, 11])))
             except RuntimeError:
                 pass
         else:
             _free_hook(live.pop(rng.randrange(len(live))))
     snap = pyalloc.snapshot()
+    assert any(s["segment_pool_id"] == (0, 9) for s in snap["segments"])
     stats = _C.cuda_stats(0, "general")
     general = {"segments": [s for s in snap["segments"] if s["segment_pool_id"] == (0, 0)],
                "device_traces": snap["device_traces"]}
@@ -361,6 +364,8 @@ def test_cuda_pool_snapshots_read_as_pytorch_reads_them(fake, conf, tmp_path):
     check_counts(general, stats)
     for p in live + [first, tiny]:
         _free_hook(p)
+    _C._testing_pool_hook("end_allocate_to_pool", 0, (0, 9))
+    _C._testing_pool_hook("release_pool", 0, (0, 9))
 
 
 def _free_hook(ptr):

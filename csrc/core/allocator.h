@@ -136,6 +136,10 @@ class Allocator {
 
   Stats stats() const;
   void reset_peak_stats();
+  /// From now on every operation also adds its changes to `sink` (which
+  /// gets what the pool holds now at once); nullptr stops that. The sink
+  /// must outlive the allocator or be detached first.
+  void set_stats_sink(StatsSink* sink);
   FragmentationInfo fragmentation() const;
   /// The pool's memory as PyTorch reports it: one segment per contiguous run
   /// of large-pool memory (a backend segment, or a mapped run of the virtual
@@ -175,7 +179,10 @@ class Allocator {
   // on the state the operation leaves (stats.h).
   struct OpEnd {
     Allocator* self;
-    ~OpEnd() { self->stats_.settle(); }
+    ~OpEnd() {
+      self->stats_.settle();
+      if (self->sink_ != nullptr) self->sink_->push(self->stats_, &self->pushed_);
+    }
   };
 
   StreamState& state(Stream s) {
@@ -250,6 +257,8 @@ class Allocator {
   uint64_t free_seq_ = 0;
   uint64_t next_segment_id_ = 0;
   Stats stats_;
+  StatsSink* sink_ = nullptr;
+  Stats pushed_;  // what sink_ has of stats_
 
   std::vector<std::unique_ptr<Block[]>> block_slabs_;
   std::vector<Block*> spare_blocks_;

@@ -19,6 +19,13 @@ void Allocator::reset_peak_stats() {
   stats_.reset_peak();
 }
 
+void Allocator::set_stats_sink(StatsSink* sink) {
+  std::lock_guard<Lock> guard(mu_);
+  sink_ = sink;
+  pushed_ = Stats();
+  if (sink_ != nullptr) sink_->push(stats_, &pushed_);
+}
+
 size_t Allocator::largest_free_locked(Pool pool) const {
   size_t largest = 0;
   for (const auto& [stream, st] : streams_) {

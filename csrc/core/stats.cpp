@@ -2,6 +2,7 @@
 #include "stats.h"
 
 #include <algorithm>
+#include <mutex>
 
 namespace pyalloc {
 
@@ -56,6 +57,43 @@ std::vector<std::pair<std::string, int64_t>> Stats::flatten() const {
   out.emplace_back("max_split_size", max_split_size);
   std::sort(out.begin(), out.end());
   return out;
+}
+
+void StatsSink::push(const Stats& now, Stats* last) {
+  auto add = [](Stat& total, const Stat& n, const Stat& l) {
+    total.current += n.current - l.current;
+    total.allocated += n.allocated - l.allocated;
+  };
+  constexpr StatArray Stats::*kArrays[] = {
+      &Stats::allocation,      &Stats::segment,        &Stats::active,
+      &Stats::inactive_split,  &Stats::allocated_bytes, &Stats::reserved_bytes,
+      &Stats::active_bytes,    &Stats::inactive_split_bytes, &Stats::requested_bytes,
+  };
+  constexpr int64_t Stats::*kCounters[] = {
+      &Stats::num_alloc_retries, &Stats::num_ooms,        &Stats::num_sync_all_streams,
+      &Stats::num_device_alloc,  &Stats::num_device_free, &Stats::num_oom_rejections,
+  };
+  std::lock_guard<Lock> guard(mu_);
+  for (StatArray Stats::*a : kArrays) {
+    add((total_.*a).all, (now.*a).all, (last->*a).all);
+    add((total_.*a).small, (now.*a).small, (last->*a).small);
+    add((total_.*a).large, (now.*a).large, (last->*a).large);
+  }
+  add(total_.oversize_allocations, now.oversize_allocations, last->oversize_allocations);
+  add(total_.oversize_segments, now.oversize_segments, last->oversize_segments);
+  for (int64_t Stats::*c : kCounters) total_.*c += now.*c - last->*c;
+  total_.settle();
+  *last = now;
+}
+
+Stats StatsSink::read() const {
+  std::lock_guard<Lock> guard(mu_);
+  return total_;
+}
+
+void StatsSink::reset_peak() {
+  std::lock_guard<Lock> guard(mu_);
+  total_.reset_peak();
 }
 
 }  // namespace pyalloc

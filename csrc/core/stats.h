@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "block.h"
+#include "lock.h"
 
 namespace pyalloc {
 
@@ -107,6 +108,24 @@ struct Stats {
   void reset_peak();
   /// Flat "family.pool.metric" -> value pairs, sorted by key like torch's.
   std::vector<std::pair<std::string, int64_t>> flatten() const;
+};
+
+/// The stats of several allocators as one, as PyTorch keeps one DeviceStats
+/// for all the pools of a device: each allocator pushes what changed at the
+/// end of every operation, so every peak here is the peak of the sum (never
+/// the sum of the allocators' peaks). max_split_size is left to the caller.
+class StatsSink {
+ public:
+  /// Adds the change from `*last` to `now`, settles the peaks, and makes
+  /// `*last` `now`. Called under the pushing allocator's lock; takes only
+  /// the sink's own.
+  void push(const Stats& now, Stats* last);
+  Stats read() const;
+  void reset_peak();
+
+ private:
+  mutable Lock mu_;
+  Stats total_;
 };
 
 }  // namespace pyalloc

@@ -38,6 +38,13 @@
 // mapping calls, as PyTorch's allocator does) serves a capture with fresh
 // memory; nothing is ever released or unmapped during a capture.
 //
+// Statistics: the pools of a device count together, as PyTorch's one
+// DeviceStats per device counts its private pools with the rest: each pool
+// pushes its changes to the device's StatsSink at the end of every
+// operation, so torch.cuda.memory_stats() reads one set of counts whose
+// peaks are the device's own. Each graph pool's reserved bytes are also
+// reported apart (PyTorch's reserved_bytes_by_private_pools).
+//
 // Registry: the pools of a device are created lazily under a mutex and
 // never destroyed (PyTorch frees tensors until the very end of the process);
 // lookups take no lock. The configuration is fixed at the first creation:
@@ -109,6 +116,24 @@ class DevicePools {
   /// stay valid only while no pool is released.
   std::vector<std::pair<PoolId, Allocator*>> graph_pools() const;
 
+  /// Every pool of the device together (general, buffers, graph pools), as
+  /// torch.cuda.memory_stats() counts a device: each peak the peak of the
+  /// sum, never a sum of peaks.
+  Stats stats() const;
+  /// Each graph pool's reserved bytes (PyTorch's reserved_bytes_by_private_pools):
+  /// the pools that exist, and those released since the last
+  /// reset_peak_stats(), whose current is 0.
+  std::vector<std::pair<PoolId, StatArray>> pool_reserved() const;
+  /// Every peak of every pool of the device, and of the device, to its
+  /// current value; forgets the graph pools already released.
+  void reset_peak_stats();
+  /// Keeps the last max_entries events of each pool of the device, graph
+  /// pools created later included (0: stop and forget).
+  void record_history(bool enabled, size_t max_entries);
+  /// The graph pools' segments, by pool id, and their recorded events.
+  std::vector<std::pair<PoolId, std::vector<SnapshotSegment>>> graph_pool_segments() const;
+  std::vector<TraceEntry> graph_pool_history() const;
+
   /// A buffer-pool block (same errors as malloc).
   uintptr_t malloc_buffer(size_t size, Stream stream);
   void free_buffer(uintptr_t ptr);
@@ -154,6 +179,8 @@ class DevicePools {
 
   std::unique_ptr<Device> device_;
   Config config_;
+  StatsSink device_stats_;  // before the pools that push to it
+  int64_t max_split_size_ = 0;
   std::unique_ptr<Allocator> general_;
   std::unique_ptr<Allocator> buffers_;
 
@@ -171,6 +198,9 @@ class DevicePools {
   std::atomic<bool> routing_{false};      // routes_ is not empty
   std::atomic<bool> pools_exist_{false};  // pools_ is not empty
   std::atomic<bool> told_of_captures_{false};  // PyTorch's pool calls are in use
+  std::map<PoolId, StatArray> released_reserved_;  // graph pools gone since the last reset
+  bool history_ = false;                           // what record_history() set
+  size_t history_max_ = 0;
 };
 
 class PoolRegistry {
