@@ -10,8 +10,8 @@ and a replay stopped midway), and the file is checked for what the web viewer
 - ``simulate_memory`` (Allocator State History) starts from the final segments
   and undoes the events from the last to the first: segment_alloc / segment_free
   name an exact segment, segment_map / segment_unmap shrink, split or merge
-  contiguous segments of the same stream, and every live block must lie in a
-  segment at every step;
+  contiguous segments of the same stream, a free_requested names a block it
+  has, and every live block must lie in a segment at every step;
 - ``process_alloc_data`` (Active Memory Timeline) adds the blocks live at the
   end that no recorded alloc explains, and the final total must be the bytes
   live at the end.
@@ -156,6 +156,8 @@ def replay_history_backwards(snapshot, device=0):
         a = e["action"]
         if a in ("free", "free_completed"):
             blocks[e["addr"]] = e["size"]
+        elif a == "free_requested":  # the viewer marks the block it has: none, and it throws
+            assert e["addr"] in blocks, f"event {i}: free_requested of {e['addr']:#x}, a block the viewer lacks"
         elif a == "alloc":
             blocks.pop(e["addr"], None)
         elif a in ("segment_free", "segment_unmap"):
