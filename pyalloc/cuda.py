@@ -365,6 +365,12 @@ def release_graph_memory(device: Any = None) -> int:
 
 # -- snapshots ----------------------------------------------------------------------------
 
+#: segment_pool_id of the buffer pool's segments in snapshot(). PyTorch gives its
+#: private pools (0, n) (torch.cuda.MemPool) and (n, 0) (CUDA graphs), counting n
+#: from 1, and (0, 0) is its default pool: an id with both halves set is never one
+#: of PyTorch's, so buffers are never mistaken for a graph's or a MemPool's memory.
+BUFFER_POOL_ID = (1, 1)
+
 
 def record_history(enabled: bool = True, max_entries: int = 100_000) -> None:
     """Keeps the last ``max_entries`` alloc / free / segment events of every device's
@@ -378,8 +384,8 @@ def record_history(enabled: bool = True, max_entries: int = 100_000) -> None:
 def snapshot() -> Dict[str, Any]:
     """Every device's pools in PyTorch's memory-snapshot format
     (``torch.cuda.memory._snapshot()``), with the recorded history as device_traces.
-    The buffer pool's segments carry segment_pool_id (0, 1); a graph pool's, its
-    pool id. Segment counts and bytes add up to memory_stats()' figures."""
+    The buffer pool's segments carry segment_pool_id BUFFER_POOL_ID, (1, 1); a
+    graph pool's, its pool id. Segment counts and bytes add up to memory_stats()' figures."""
     devices = _C.cuda_devices()
     count = max([d + 1 for d in devices] + [max(_C.cuda_hook_device_count(), 0)])
     segments: List[Dict[str, Any]] = []
@@ -387,7 +393,7 @@ def snapshot() -> Dict[str, Any]:
     for d in devices:
         segments.extend(_C.cuda_snapshot_segments(d, "general"))
         for seg in _C.cuda_snapshot_segments(d, "buffers"):
-            seg["segment_pool_id"] = (0, 1)
+            seg["segment_pool_id"] = BUFFER_POOL_ID
             segments.append(seg)
         segments.extend(_C.cuda_snapshot_segments(d, "graph"))
         events = sum((_C.cuda_history(d, pool) for pool in ("general", "buffers", "graph")), [])
