@@ -235,22 +235,17 @@ def _device_index(device: Any = None) -> int:
 # -- statistics ---------------------------------------------------------------------------
 
 
-def _merge_stats(general: Dict[str, int], buffers: Dict[str, int]) -> Dict[str, int]:
-    # The pools' counts add up; their peaks add to an upper bound of the
-    # combined peak (exact while the buffer pool is unused or unchanged).
-    merged = {k: v + buffers.get(k, 0) for k, v in general.items()}
-    merged["max_split_size"] = general["max_split_size"]
-    return merged
-
-
 def memory_stats(device: Any = None) -> Dict[str, int]:
     """Every key of ``torch.cuda.memory_stats()``, for pyalloc's pools on the device.
 
-    The general pool and the buffer pool (``reserve_buffer``) are counted together;
-    peaks are the sum of each pool's peak. Keys are sorted, as torch's are.
+    As PyTorch counts a device: every pool together (the general pool, the
+    buffer pool of ``reserve_buffer``, and the private pools of CUDA graphs and
+    ``torch.cuda.MemPool``), each peak the highest the device's count reached
+    (not a sum of the pools' peaks), plus
+    ``reserved_bytes_by_private_pools.<id>.*`` for each graph pool, its id
+    ``(a, b)`` written ``a_b``. Keys are sorted, as torch's are.
     """
-    d = _device_index(device)
-    stats = _merge_stats(_C.cuda_stats(d, "general"), _C.cuda_stats(d, "buffers"))
+    stats = _C.cuda_device_stats(_device_index(device))
     return collections.OrderedDict(sorted(stats.items()))
 
 
@@ -370,6 +365,12 @@ def release_graph_memory(device: Any = None) -> int:
 
 # -- snapshots ----------------------------------------------------------------------------
 
+#: segment_pool_id of the buffer pool's segments in snapshot(). PyTorch gives its
+#: private pools (0, n) (torch.cuda.MemPool) and (n, 0) (CUDA graphs), counting n
+#: from 1, and (0, 0) is its default pool: an id with both halves set is never one
+#: of PyTorch's, so buffers are never mistaken for a graph's or a MemPool's memory.
+BUFFER_POOL_ID = (1, 1)
+
 
 def record_history(enabled: bool = True, max_entries: int = 100_000) -> None:
     """Keeps the last ``max_entries`` alloc / free / segment events of every device's
@@ -383,7 +384,8 @@ def record_history(enabled: bool = True, max_entries: int = 100_000) -> None:
 def snapshot() -> Dict[str, Any]:
     """Every device's pools in PyTorch's memory-snapshot format
     (``torch.cuda.memory._snapshot()``), with the recorded history as device_traces.
-    The buffer pool's segments carry segment_pool_id (0, 1)."""
+    The buffer pool's segments carry segment_pool_id BUFFER_POOL_ID, (1, 1); a
+    graph pool's, its pool id. Segment counts and bytes add up to memory_stats()' figures."""
     devices = _C.cuda_devices()
     count = max([d + 1 for d in devices] + [max(_C.cuda_hook_device_count(), 0)])
     segments: List[Dict[str, Any]] = []
@@ -391,9 +393,10 @@ def snapshot() -> Dict[str, Any]:
     for d in devices:
         segments.extend(_C.cuda_snapshot_segments(d, "general"))
         for seg in _C.cuda_snapshot_segments(d, "buffers"):
-            seg["segment_pool_id"] = (0, 1)
+            seg["segment_pool_id"] = BUFFER_POOL_ID
             segments.append(seg)
-        events = _C.cuda_history(d, "general") + _C.cuda_history(d, "buffers")
+        segments.extend(_C.cuda_snapshot_segments(d, "graph"))
+        events = sum((_C.cuda_history(d, pool) for pool in ("general", "buffers", "graph")), [])
         traces[d] = sorted(events, key=lambda e: e["time_us"])
     return {
         "segments": segments,

@@ -90,6 +90,7 @@ SEGMENT_FN = c.CFUNCTYPE(None, c.c_void_p, c.POINTER(SegmentInfo), c.POINTER(Blo
 TRACE_FN = c.CFUNCTYPE(None, c.c_void_p, c.POINTER(TraceEntry))
 VALUE_FN = c.CFUNCTYPE(None, c.c_void_p, c.c_uint64)
 FILTER_FN = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_void_p)
+POOL_STAT_FN = c.CFUNCTYPE(None, c.c_void_p, c.c_uint64, c.c_uint64, c.POINTER(StatArray))
 u64, i32 = c.c_uint64, c.c_int
 
 
@@ -110,6 +111,7 @@ class Api(c.Structure):
         ("device_stats", c.CFUNCTYPE(i32, i32, c.POINTER(DeviceStats))),
         ("reset_peak_stats", c.CFUNCTYPE(i32, i32)),
         ("reset_accumulated_stats", c.CFUNCTYPE(i32, i32)),
+        ("pool_reserved", c.CFUNCTYPE(i32, i32, POOL_STAT_FN, c.c_void_p)),
         ("snapshot", c.CFUNCTYPE(i32, i32, c.POINTER(u64), SEGMENT_FN, c.c_void_p)),
         ("history", c.CFUNCTYPE(i32, i32, TRACE_FN, c.c_void_p)),
         ("record_history", c.CFUNCTYPE(i32, i32, u64, i32)),
@@ -157,6 +159,20 @@ class BridgeApi:
         s = DeviceStats()
         assert self.table.device_stats(device, c.byref(s)) == OK, self.error()
         return s.as_dict()
+
+    def pool_reserved(self, device: int = 0) -> dict:
+        """The keys torch 2.13 flattens reserved_bytes_by_private_pools into."""
+        out = {}
+
+        def on_pool(_user, id0, id1, reserved):
+            r = reserved.contents
+            for pool in ("all", "small_pool", "large_pool"):
+                stat = getattr(r, pool)
+                for field in ("current", "peak", "allocated", "freed"):
+                    out[f"reserved_bytes_by_private_pools.{id0}_{id1}.{pool}.{field}"] = getattr(stat, field)
+
+        assert self.table.pool_reserved(device, POOL_STAT_FN(on_pool), None) == OK, self.error()
+        return out
 
     def snapshot(self, device: int = -1, pool_id=None) -> list:
         segments = []

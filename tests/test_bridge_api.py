@@ -83,7 +83,7 @@ def test_malloc_free_and_stats(api, fake):
     status, p, _ = api.malloc(3 * MiB, device=0, stream=0)
     assert status == OK and p != 0
     stats = api.stats(0)
-    assert stats == dict(_C.cuda_device_stats(0))
+    assert {**stats, **api.pool_reserved(0)} == dict(_C.cuda_device_stats(0))
     assert stats["allocated_bytes.all.current"] == 3 * MiB
     assert stats["requested_bytes.all.current"] == 3 * MiB
     assert api.free(p, 0) == OK
@@ -188,8 +188,11 @@ def test_graph_pools_route_by_the_filter(api, fake):
     assert {s["pool_id"] for s in api.snapshot(0, pool_id=(1, 0))} == {(1, 0)}
     count = ctypes.c_int()
     assert api.pool_use_count(0, 1, 0, ctypes.byref(count)) == OK and count.value == 1
-    # The device's stats count the graph pool too, as PyTorch's do.
+    # The device's stats count the graph pool too, as PyTorch's do, and
+    # each private pool's reserved bytes apart.
     assert api.stats(0)["allocated_bytes.all.current"] == 6 * MiB
+    assert api.pool_reserved(0)["reserved_bytes_by_private_pools.1_0.all.current"] >= 3 * MiB
+    assert {**api.stats(0), **api.pool_reserved(0)} == dict(_C.cuda_device_stats(0))
     assert api.release_pool(0, 1, 0) == OK
     assert api.pool_use_count(0, 1, 0, ctypes.byref(count)) == OK and count.value == 0
     api.free(in_pool, 0)

@@ -57,6 +57,20 @@ def test_stats_have_torchs_keys_and_count_both_pools(fake):
     assert pyalloc.max_memory_reserved(0) == pyalloc.memory_reserved(0)
 
 
+def test_buffers_are_never_labelled_as_a_pytorch_pool(fake):
+    # The first torch.cuda.MemPool() is (0, 1), the first graph's pool (1, 0).
+    cap = _C.cuda_buffer(0, MiB, 0)
+    for pid in ((0, 1), (1, 0)):
+        _C._testing_pool_hook("begin_allocate_to_pool", 0, pid, [0x5000])
+        p = hook_malloc(MiB, stream=0x5000)
+        ids = [s["segment_pool_id"] for s in pyalloc.snapshot()["segments"]]
+        assert ids.count(pid) == 1 and ids.count(pyalloc.cuda.BUFFER_POOL_ID) == 1
+        _C._testing_pool_hook("end_allocate_to_pool", 0, pid)
+        hook_free(p)
+        _C._testing_pool_hook("release_pool", 0, pid)
+    del cap
+
+
 def test_device_without_pools_reads_as_zero(fake):
     assert pyalloc.memory_allocated(5) == 0
     assert pyalloc.memory_stats(5)["max_split_size"] == -1
@@ -113,7 +127,7 @@ def test_snapshot_and_history_in_torchs_format(fake, tmp_path):
             "stream", "segment_type", "segment_pool_id", "is_expandable", "frames",
             "blocks"} <= set(seg)
     assert {"address", "size", "requested_size", "state", "frames"} <= set(seg["blocks"][0])
-    assert [s["segment_pool_id"] for s in snap["segments"]] == [(0, 0), (0, 1)]
+    assert [s["segment_pool_id"] for s in snap["segments"]] == [(0, 0), pyalloc.cuda.BUFFER_POOL_ID]
     actions = [e["action"] for e in snap["device_traces"][0]]
     # The 4 KiB request borrows a small-pool chunk: its range leaves the large
     # segment (segment_unmap) and becomes a small segment (segment_alloc).

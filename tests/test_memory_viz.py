@@ -10,8 +10,8 @@ and a replay stopped midway), and the file is checked for what the web viewer
 - ``simulate_memory`` (Allocator State History) starts from the final segments
   and undoes the events from the last to the first: segment_alloc / segment_free
   name an exact segment, segment_map / segment_unmap shrink, split or merge
-  contiguous segments of the same stream, and every live block must lie in a
-  segment at every step;
+  contiguous segments of the same stream, a free_requested names a block it
+  has, and every live block must lie in a segment at every step;
 - ``process_alloc_data`` (Active Memory Timeline) adds the blocks live at the
   end that no recorded alloc explains, and the final total must be the bytes
   live at the end.
@@ -156,6 +156,8 @@ def replay_history_backwards(snapshot, device=0):
         a = e["action"]
         if a in ("free", "free_completed"):
             blocks[e["addr"]] = e["size"]
+        elif a == "free_requested":  # the viewer marks the block it has: none, and it throws
+            assert e["addr"] in blocks, f"event {i}: free_requested of {e['addr']:#x}, a block the viewer lacks"
         elif a == "alloc":
             blocks.pop(e["addr"], None)
         elif a in ("segment_free", "segment_unmap"):
@@ -339,17 +341,20 @@ def test_cuda_pool_snapshots_read_as_pytorch_reads_them(fake, conf, tmp_path):
     rng = random.Random(5)
     first = _C._testing_hook_malloc(30 * MiB, 0, 3)  # a segment made for stream 3
     tiny = _C._testing_hook_malloc(100, 0, 5)        # a small-pool chunk for stream 5
+    # Stream 11 captures a CUDA graph into its private pool meanwhile.
+    _C._testing_pool_hook("begin_allocate_to_pool", 0, (0, 9), [11])
     live = []
     for _ in range(300):
         if rng.random() < 0.6 or not live:
             size = rng.choice([rng.randint(1, 4 * KiB), rng.randint(MiB, 6 * MiB)])
             try:
-                live.append(_C._testing_hook_malloc(size, 0, rng.choice([0, 3])))
+                live.append(_C._testing_hook_malloc(size, 0, rng.choice([0, 3, 11])))
             except RuntimeError:
                 pass
         else:
             _free_hook(live.pop(rng.randrange(len(live))))
     snap = pyalloc.snapshot()
+    assert any(s["segment_pool_id"] == (0, 9) for s in snap["segments"])
     stats = _C.cuda_stats(0, "general")
     general = {"segments": [s for s in snap["segments"] if s["segment_pool_id"] == (0, 0)],
                "device_traces": snap["device_traces"]}
@@ -361,6 +366,8 @@ def test_cuda_pool_snapshots_read_as_pytorch_reads_them(fake, conf, tmp_path):
     check_counts(general, stats)
     for p in live + [first, tiny]:
         _free_hook(p)
+    _C._testing_pool_hook("end_allocate_to_pool", 0, (0, 9))
+    _C._testing_pool_hook("release_pool", 0, (0, 9))
 
 
 def _free_hook(ptr):

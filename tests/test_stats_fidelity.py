@@ -47,19 +47,29 @@ def segment_totals(snapshot):
 
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["malloc", "free", "empty", "record", "complete"]),
+    st.tuples(st.sampled_from(["malloc", "free", "empty", "record", "complete", "reset"]),
               st.integers(1, 12 * MiB), st.sampled_from([0, 5]), st.integers(0, 1 << 30)),
     max_size=120)
 
 
+def currents(s):
+    return {k[:-len(".current")]: v for k, v in s.items() if k.endswith(".current")}
+
+
 @pytest.mark.parametrize("conf", ["strategy:bestfit,segment_size:4MiB", "strategy:vmm",
                                   "strategy:bestfit,max_pool_size:48MiB",
-                                  "strategy:vmm,max_pool_size:48MiB,pool_size:8MiB"])
+                                  "strategy:vmm,max_pool_size:48MiB,pool_size:8MiB",
+                                  "strategy:bestfit,segment_size:2MiB,max_split_size:4MiB"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS)
 def test_stats_identities_and_snapshot_totals_after_random_work(conf, ops):
     a = pyalloc.Allocator("virtual", conf)
     live = []
+    # Every peak is the highest value its count was seen at between operations
+    # (since the last reset), as torch.cuda.max_memory_* reads: never a
+    # moment inside one malloc (a segment grown, then partly lent to the small
+    # pool; pages mapped, then split).
+    highest = currents(a.stats())
     for op, size, stream, pick in ops:
         if op == "malloc" or not live:
             # Mostly small requests: they borrow and return small-pool chunks.
@@ -74,10 +84,16 @@ def test_stats_identities_and_snapshot_totals_after_random_work(conf, ops):
             a.empty_cache()
         elif op == "record":
             a.record_stream(live[pick % len(live)], 9)
+        elif op == "reset":
+            a.reset_peak_stats()
+            highest = currents(a.stats())
         else:
             a.stream_complete(9)
         s = a.stats()
         check_identities(s)
+        for k, v in currents(s).items():
+            highest[k] = max(highest[k], v)
+            assert s[k + ".peak"] == highest[k], k
         snap = segment_totals(a.snapshot())
         for pool in ("small", "large"):
             assert snap[pool] == (s[f"segment.{pool}_pool.current"], s[f"reserved_bytes.{pool}_pool.current"])
@@ -155,3 +171,84 @@ def test_oom_from_a_full_device_is_no_rejection():
         a.malloc(16 * MiB)
     s = a.stats()
     assert s["num_ooms"] == 1 and s["num_oom_rejections"] == 0
+
+
+# -- a CUDA device: every pool counted together, as PyTorch counts a device ---------------
+
+
+@pytest.fixture
+def fake():
+    import gc
+
+    pyalloc._C._testing_use_fake_devices(64 * MiB)
+    try:
+        yield
+    finally:
+        gc.collect()
+        pyalloc._C._testing_reset()
+
+
+def hook_free(ptr):
+    import ctypes
+
+    lib = ctypes.CDLL(pyalloc._C.library_path())
+    lib.pyalloc_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.pyalloc_free(ptr, 0, 0, None)
+
+
+def test_device_peaks_are_the_devices_own_not_a_sum_of_its_pools(fake):
+    _C = pyalloc._C
+    p = _C._testing_hook_malloc(8 * MiB, 0, 0)
+    hook_free(p)                          # the general pool peaked at 8 MiB
+    buf = _C.cuda_buffer(0, 6 * MiB, 0)   # the buffer pool at 6 MiB, later
+    s = pyalloc.memory_stats(0)
+    check_identities(s)
+    assert s["allocated_bytes.all.current"] == 6 * MiB
+    # Never 14 MiB at once: torch.cuda.max_memory_allocated() is the device's peak.
+    assert s["allocated_bytes.all.peak"] == pyalloc.max_memory_allocated(0) == 8 * MiB
+    assert s["allocation.all.peak"] == 1 and s["active_bytes.all.peak"] == 8 * MiB
+    del buf
+    pyalloc.reset_peak_memory_stats(0)
+    s = pyalloc.memory_stats(0)
+    assert s["allocated_bytes.all.peak"] == 0
+    assert s["reserved_bytes.all.peak"] == s["reserved_bytes.all.current"] > 0
+
+
+def test_graph_pools_count_in_the_device_and_by_pool_id(fake):
+    _C = pyalloc._C
+    stream, pid = 0x5000, (0, 7)
+    pyalloc.record_history(True)
+    _C._testing_pool_hook("begin_allocate_to_pool", 0, pid, [stream])
+    g = _C._testing_hook_malloc(3 * MiB, 0, stream)  # into the graph pool
+    p = _C._testing_hook_malloc(MiB, 0, 0)           # into the general pool
+    s = pyalloc.memory_stats(0)
+    check_identities(s)
+    assert s["allocated_bytes.all.current"] == pyalloc.memory_allocated(0) == 4 * MiB
+    private = {k for k in s if k.startswith("reserved_bytes_by_private_pools.")}
+    assert private == {f"reserved_bytes_by_private_pools.0_7.{pool}.{field}"
+                       for pool in ("all", "small_pool", "large_pool")
+                       for field in ("current", "peak", "allocated", "freed")}
+    held = s["reserved_bytes_by_private_pools.0_7.all.current"]
+    assert held >= 3 * MiB and held == s["reserved_bytes_by_private_pools.0_7.large_pool.current"]
+    # The snapshot lists the graph pool's segments under its id, and adds up to the stats.
+    snap = pyalloc.snapshot()
+    assert sum(seg["total_size"] for seg in snap["segments"] if seg["segment_pool_id"] == pid) == held
+    for pool in ("small", "large"):
+        segs = [seg for seg in snap["segments"] if seg["segment_type"] == pool]
+        assert len(segs) == s[f"segment.{pool}_pool.current"]
+        assert sum(seg["total_size"] for seg in segs) == s[f"reserved_bytes.{pool}_pool.current"]
+    assert any(e["action"] == "alloc" and e["addr"] == g for e in snap["device_traces"][0])
+    # The graph is gone: the pool's memory goes back, its record stays until a reset.
+    _C._testing_pool_hook("end_allocate_to_pool", 0, pid)
+    hook_free(g)
+    _C._testing_pool_hook("release_pool", 0, pid)
+    s = pyalloc.memory_stats(0)
+    check_identities(s)
+    assert s["allocated_bytes.all.current"] == MiB and s["allocated_bytes.all.peak"] == 4 * MiB
+    assert s["reserved_bytes_by_private_pools.0_7.all.current"] == 0
+    assert s["reserved_bytes_by_private_pools.0_7.all.peak"] == held
+    assert s["reserved_bytes_by_private_pools.0_7.all.freed"] == held
+    pyalloc.reset_peak_memory_stats(0)
+    assert not any(k.startswith("reserved_bytes_by_private_pools.") for k in pyalloc.memory_stats(0))
+    hook_free(p)
+    pyalloc.record_history(False)

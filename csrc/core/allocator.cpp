@@ -53,6 +53,7 @@ const char* trace_action_name(TraceEntry::Action a) {
 
 Allocator::Allocator(std::unique_ptr<Backend> backend, const Config& config)
     : backend_(std::move(backend)), cfg_(config) {
+  OpEnd end{this};
   cfg_.validate();
   stats_.max_split_size = cfg_.max_split_size == 0 ? -1 : static_cast<int64_t>(cfg_.max_split_size);
   if (cfg_.strategy == Strategy::kVmm) {
@@ -123,6 +124,7 @@ uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
                                 format_bytes(kMaxRequest) + ")");
   size_t rounded = round_up(size, kGranularity);
   std::lock_guard<Lock> guard(mu_);
+  OpEnd end{this};
   if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
   // Segment events this request causes carry its tag (until it returns or throws).
   ContextScope scope(&trace_context_, context);
@@ -396,6 +398,7 @@ Block* Allocator::add_segment(uintptr_t base, size_t size, Stream s) {
 void Allocator::free(uintptr_t ptr, uint64_t context) {
   if (ptr == 0) return;  // free(nullptr) is a no-op, as for malloc(0)
   std::lock_guard<Lock> guard(mu_);
+  OpEnd end{this};
   Block* b = live_.find(ptr);
   if (b == nullptr) throw InvalidPointerError(describe_bad_pointer(ptr, "free"));
   live_.erase(ptr);
@@ -657,6 +660,7 @@ void Allocator::release_segment(Segment* seg) {
 
 size_t Allocator::empty_cache() {
   std::lock_guard<Lock> guard(mu_);
+  OpEnd end{this};
   size_t keep = cfg_.pool_size;
   if (keep == 0 || backend_->capture_underway()) return release_cached(0);
   keep = vmm_ ? round_up(keep, page_) : round_up(keep, kSegmentAlign);
@@ -684,6 +688,7 @@ size_t Allocator::reserve(size_t nbytes) {
     throw std::invalid_argument("cannot reserve " + std::to_string(nbytes) + " bytes: too large");
   size_t want = round_up(nbytes, kSegmentAlign);
   std::lock_guard<Lock> guard(mu_);
+  OpEnd end{this};
   if (largest_free_locked(kLargePool) >= round_up(nbytes, kGranularity)) return 0;
   if (vmm_) {
     int64_t before = stats_.reserved_bytes.all.current;

@@ -144,11 +144,16 @@ class Allocator {
 
   Stats stats() const;
   void reset_peak_stats();
-  /// Every allocated / freed sum and counter starts again from 0.
+  /// Every allocated / freed sum and counter starts again from 0 (a sink
+  /// keeps its own: StatsSink::reset_accumulated()).
   void reset_accumulated_stats();
   /// The largest mapped free block of either pool (bytes), without the
   /// rest of fragmentation()'s survey.
   size_t largest_free_block() const;
+  /// From now on every operation also adds its changes to `sink` (which
+  /// gets what the pool holds now at once); nullptr stops that. The sink
+  /// must outlive the allocator or be detached first.
+  void set_stats_sink(StatsSink* sink);
   FragmentationInfo fragmentation() const;
   /// The pool's memory as PyTorch reports it: one segment per contiguous run
   /// of large-pool memory (a backend segment, or a mapped run of the virtual
@@ -186,6 +191,17 @@ class Allocator {
   struct PendingFree {
     Block* block;
     std::vector<EventId> events;
+  };
+
+  // Declared right after a public operation's lock guard, so that it runs
+  // under the lock on every way out, exceptions included: the peaks settle
+  // on the state the operation leaves (stats.h).
+  struct OpEnd {
+    Allocator* self;
+    ~OpEnd() {
+      self->stats_.settle();
+      if (self->sink_ != nullptr) self->sink_->push(self->stats_, &self->pushed_);
+    }
   };
 
   StreamState& state(Stream s) {
@@ -260,6 +276,8 @@ class Allocator {
   uint64_t free_seq_ = 0;
   uint64_t next_segment_id_ = 0;
   Stats stats_;
+  StatsSink* sink_ = nullptr;
+  Stats pushed_;  // what sink_ has of stats_
 
   std::vector<std::unique_ptr<Block[]>> block_slabs_;
   std::vector<Block*> spare_blocks_;

@@ -22,11 +22,19 @@ void Allocator::reset_peak_stats() {
 void Allocator::reset_accumulated_stats() {
   std::lock_guard<Lock> guard(mu_);
   stats_.reset_accumulated();
+  pushed_.reset_accumulated();  // the sink's own sums are reset apart
 }
 
 size_t Allocator::largest_free_block() const {
   std::lock_guard<Lock> guard(mu_);
   return std::max(largest_free_locked(kSmallPool), largest_free_locked(kLargePool));
+}
+
+void Allocator::set_stats_sink(StatsSink* sink) {
+  std::lock_guard<Lock> guard(mu_);
+  sink_ = sink;
+  pushed_ = Stats();
+  if (sink_ != nullptr) sink_->push(stats_, &pushed_);
 }
 
 size_t Allocator::largest_free_locked(Pool pool) const {
@@ -162,6 +170,13 @@ void expect_stat(const char* name, const StatArray& a, const int64_t (&v)[2]) {
     if (pair.first != pair.second)
       fail(std::string(name) + "." + pool + ".current is " + std::to_string(pair.first) +
            " but the blocks say " + std::to_string(pair.second));
+  // Between operations every peak has caught up (Stats::settle()).
+  for (const auto& [pool, s] : {std::pair<const char*, const Stat*>{"all", &a.all},
+                                {"small_pool", &a.small}, {"large_pool", &a.large}})
+    if (s->peak < s->current || s->allocated < s->current)
+      fail(std::string(name) + "." + pool + " has peak " + std::to_string(s->peak) +
+           " or allocated " + std::to_string(s->allocated) + " below current " +
+           std::to_string(s->current));
 }
 
 }  // namespace

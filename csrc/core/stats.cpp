@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <array>
+#include <mutex>
 
 namespace pyalloc {
 
@@ -31,20 +32,6 @@ void Stats::reset_accumulated() {
   oversize_segments.reset_accumulated();
   num_alloc_retries = num_ooms = num_sync_all_streams = 0;
   num_device_alloc = num_device_free = num_oom_rejections = 0;
-}
-
-void Stats::merge(const Stats& o) {
-  auto mine = arrays_of(*this);
-  auto theirs = arrays_of(o);
-  for (size_t i = 0; i < mine.size(); ++i) mine[i]->merge(*theirs[i]);
-  oversize_allocations.merge(o.oversize_allocations);
-  oversize_segments.merge(o.oversize_segments);
-  num_alloc_retries += o.num_alloc_retries;
-  num_ooms += o.num_ooms;
-  num_sync_all_streams += o.num_sync_all_streams;
-  num_device_alloc += o.num_device_alloc;
-  num_device_free += o.num_device_free;
-  num_oom_rejections += o.num_oom_rejections;
 }
 
 namespace {
@@ -89,6 +76,49 @@ std::vector<std::pair<std::string, int64_t>> Stats::flatten() const {
   out.emplace_back("max_split_size", max_split_size);
   std::sort(out.begin(), out.end());
   return out;
+}
+
+void StatsSink::push(const Stats& now, Stats* last) {
+  auto add = [](Stat& total, const Stat& n, const Stat& l) {
+    total.current += n.current - l.current;
+    total.allocated += n.allocated - l.allocated;
+    total.freed += n.freed - l.freed;
+  };
+  constexpr StatArray Stats::*kArrays[] = {
+      &Stats::allocation,      &Stats::segment,        &Stats::active,
+      &Stats::inactive_split,  &Stats::allocated_bytes, &Stats::reserved_bytes,
+      &Stats::active_bytes,    &Stats::inactive_split_bytes, &Stats::requested_bytes,
+  };
+  constexpr int64_t Stats::*kCounters[] = {
+      &Stats::num_alloc_retries, &Stats::num_ooms,        &Stats::num_sync_all_streams,
+      &Stats::num_device_alloc,  &Stats::num_device_free, &Stats::num_oom_rejections,
+  };
+  std::lock_guard<Lock> guard(mu_);
+  for (StatArray Stats::*a : kArrays) {
+    add((total_.*a).all, (now.*a).all, (last->*a).all);
+    add((total_.*a).small, (now.*a).small, (last->*a).small);
+    add((total_.*a).large, (now.*a).large, (last->*a).large);
+  }
+  add(total_.oversize_allocations, now.oversize_allocations, last->oversize_allocations);
+  add(total_.oversize_segments, now.oversize_segments, last->oversize_segments);
+  for (int64_t Stats::*c : kCounters) total_.*c += now.*c - last->*c;
+  total_.settle();
+  *last = now;
+}
+
+Stats StatsSink::read() const {
+  std::lock_guard<Lock> guard(mu_);
+  return total_;
+}
+
+void StatsSink::reset_peak() {
+  std::lock_guard<Lock> guard(mu_);
+  total_.reset_peak();
+}
+
+void StatsSink::reset_accumulated() {
+  std::lock_guard<Lock> guard(mu_);
+  total_.reset_accumulated();
 }
 
 }  // namespace pyalloc

@@ -3,7 +3,15 @@
 //
 // A count (Stat) has current / peak / allocated (sum of increments) / freed
 // (sum of decrements). A StatArray keeps one count per pool plus their sum
-// ("all", "small_pool", "large_pool"). The counters only grow.
+// ("all", "small_pool", "large_pool"); "all" is a count of its own, so its
+// peak is the peak of the sum, as in PyTorch, not the sum of the peaks. The
+// counters only grow.
+//
+// Peaks are settled once per operation (Stats::settle(), at the end of each
+// public call of the Allocator): one malloc may grow a segment and lend part
+// of it to the small pool, or map pages and split them, and the steps in
+// between are no state anyone can observe. PyTorch applies such changes with
+// their net effect too.
 //
 // Meanings, as in PyTorch:
 //   allocation / allocated_bytes   user blocks not yet freed by the caller
@@ -27,6 +35,7 @@
 #include <vector>
 
 #include "block.h"
+#include "lock.h"
 
 namespace pyalloc {
 
@@ -38,24 +47,13 @@ struct Stat {
 
   void add(int64_t n) {
     current += n;
-    if (n > 0) {
-      allocated += n;
-      peak = current > peak ? current : peak;
-    } else {
-      freed -= n;
-    }
+    if (n > 0) allocated += n;
+    else freed -= n;
   }
+  void settle() { peak = current > peak ? current : peak; }
   void reset_peak() { peak = current; }
   /// allocated and freed start again from 0 (PyTorch's resetAccumulatedStats).
   void reset_accumulated() { allocated = freed = 0; }
-  /// Adds another pool's count: current, allocated and freed add up; the
-  /// sum of the peaks is an upper bound of the combined peak.
-  void merge(const Stat& o) {
-    current += o.current;
-    peak += o.peak;
-    allocated += o.allocated;
-    freed += o.freed;
-  }
 };
 
 struct StatArray {
@@ -65,12 +63,16 @@ struct StatArray {
     all.add(n);
     (pool == kSmallPool ? small : large).add(n);
   }
-  /// n moves from one pool to the other: `all` sees it leave and come back
-  /// (in that order, so its peak is untouched), keeping all = small + large
-  /// for current, allocated and freed.
+  /// n moves from one pool to the other: `all` sees it leave and come back,
+  /// keeping all = small + large for current, allocated and freed.
   void move(Pool from, Pool to, int64_t n) {
     add(from, -n);
     add(to, n);
+  }
+  void settle() {
+    all.settle();
+    small.settle();
+    large.settle();
   }
   void reset_peak() {
     all.reset_peak();
@@ -81,11 +83,6 @@ struct StatArray {
     all.reset_accumulated();
     small.reset_accumulated();
     large.reset_accumulated();
-  }
-  void merge(const StatArray& o) {
-    all.merge(o.all);
-    small.merge(o.small);
-    large.merge(o.large);
   }
 };
 
@@ -102,13 +99,44 @@ struct Stats {
   int64_t num_oom_rejections = 0;  // OOMs because max_pool_size (the memory fraction) was reached
   int64_t max_split_size = 0;
 
+  /// Every peak catches up with its current value: the end of an operation.
+  void settle() {
+    allocation.settle();
+    segment.settle();
+    active.settle();
+    inactive_split.settle();
+    allocated_bytes.settle();
+    reserved_bytes.settle();
+    active_bytes.settle();
+    inactive_split_bytes.settle();
+    requested_bytes.settle();
+    oversize_allocations.settle();
+    oversize_segments.settle();
+  }
   void reset_peak();
   /// Counters and every allocated / freed sum start again from 0.
   void reset_accumulated();
-  /// Adds another pool's statistics (Stat::merge); max_split_size stays.
-  void merge(const Stats& o);
   /// Flat "family.pool.metric" -> value pairs, sorted by key like torch's.
   std::vector<std::pair<std::string, int64_t>> flatten() const;
+};
+
+/// The stats of several allocators as one, as PyTorch keeps one DeviceStats
+/// for all the pools of a device: each allocator pushes what changed at the
+/// end of every operation, so every peak here is the peak of the sum (never
+/// the sum of the allocators' peaks). max_split_size is left to the caller.
+class StatsSink {
+ public:
+  /// Adds the change from `*last` to `now`, settles the peaks, and makes
+  /// `*last` `now`. Called under the pushing allocator's lock; takes only
+  /// the sink's own.
+  void push(const Stats& now, Stats* last);
+  Stats read() const;
+  void reset_peak();
+  void reset_accumulated();
+
+ private:
+  mutable Lock mu_;
+  Stats total_;
 };
 
 }  // namespace pyalloc

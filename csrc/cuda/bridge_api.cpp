@@ -172,6 +172,17 @@ int api_reset_accumulated_stats(int device) {
   });
 }
 
+int api_pool_reserved(int device, pyalloc_pool_stat_fn fn, void* user) {
+  return guarded([&] {
+    DevicePools* p = pools_of(device, false);
+    if (p == nullptr) return;
+    for (const auto& [id, reserved] : p->pool_reserved()) {
+      pyalloc_stat_array r = to_c(reserved);
+      fn(user, id.first, id.second, &r);
+    }
+  });
+}
+
 int api_snapshot(int device, const uint64_t* pool_id, pyalloc_segment_fn fn, void* user) {
   return guarded([&] {
     for (DevicePools* p : devices_of(device)) {
@@ -332,6 +343,7 @@ const pyalloc_bridge_api kApiV1 = {
     &api_device_stats,
     &api_reset_peak_stats,
     &api_reset_accumulated_stats,
+    &api_pool_reserved,
     &api_snapshot,
     &api_history,
     &api_record_history,

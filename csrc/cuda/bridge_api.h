@@ -116,6 +116,8 @@ typedef void (*pyalloc_segment_fn)(void* user, const pyalloc_segment_info* segme
                                    const pyalloc_block_info* blocks, size_t num_blocks);
 typedef void (*pyalloc_trace_fn)(void* user, const pyalloc_trace_entry* entry);
 typedef void (*pyalloc_value_fn)(void* user, uint64_t value);
+typedef void (*pyalloc_pool_stat_fn)(void* user, uint64_t id0, uint64_t id1,
+                                     const pyalloc_stat_array* reserved);
 /* Returns nonzero if the stream's allocations go to the pool. */
 typedef int (*pyalloc_stream_filter_fn)(void* user, void* stream);
 
@@ -148,6 +150,10 @@ typedef struct pyalloc_bridge_api {
   int (*device_stats)(int device, pyalloc_device_stats* out);
   int (*reset_peak_stats)(int device);
   int (*reset_accumulated_stats)(int device);
+  /* fn for each private pool's reserved bytes (PyTorch's
+   * reserved_bytes_by_private_pools): pools that exist, and those released
+   * since the last reset of peaks (current 0). */
+  int (*pool_reserved)(int device, pyalloc_pool_stat_fn fn, void* user);
 
   /* Snapshots: fn once per segment of the device's pools (device -1: every
    * device); with pool_id not NULL, only that pool's segments. */

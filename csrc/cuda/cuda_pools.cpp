@@ -78,6 +78,9 @@ DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config)
     : device_(std::move(device)), config_(config) {
   general_ = std::make_unique<Allocator>(device_->make_backend(), config_);
   buffers_ = std::make_unique<Allocator>(device_->make_backend(), buffer_config());
+  general_->set_stats_sink(&device_stats_);
+  buffers_->set_stats_sink(&device_stats_);
+  max_split_size_ = general_->stats().max_split_size;
   // Asked for vmm, got bestfit (no virtual memory, or the driver refused it):
   // said once per process; reports name the strategy in use (general()).
   static std::atomic<bool> told{false};
@@ -217,20 +220,9 @@ void DevicePools::for_each_pool(const std::function<void(PoolId, Allocator&)>& f
   for (const auto& [id, pool] : pools_) fn(id, *pool->alloc);
 }
 
-Stats DevicePools::stats() {
-  Stats total = general_->stats();
-  for_each_pool([&](PoolId, Allocator& a) {
-    if (&a != general_.get()) total.merge(a.stats());
-  });
-  return total;
-}
-
-void DevicePools::reset_peak_stats() {
-  for_each_pool([](PoolId, Allocator& a) { a.reset_peak_stats(); });
-}
-
 void DevicePools::reset_accumulated_stats() {
   for_each_pool([](PoolId, Allocator& a) { a.reset_accumulated_stats(); });
+  device_stats_.reset_accumulated();
 }
 
 size_t DevicePools::largest_free_block() {
@@ -251,14 +243,6 @@ size_t DevicePools::cache_info() {
   return std::max(largest, dev_free);
 }
 
-void DevicePools::record_history(bool enabled, size_t max_entries) {
-  size_t max = enabled ? max_entries : 0;
-  {
-    std::lock_guard<std::mutex> g(pools_mu_);
-    history_max_ = max;  // for graph pools made later
-  }
-  for_each_pool([max](PoolId, Allocator& a) { a.record_history(max != 0, max); });
-}
 
 // ---------------------------------------------------------------------------
 // Graph pools
@@ -312,7 +296,9 @@ DevicePools::GraphPool& DevicePools::pool_incref_locked(PoolId id) {
   auto backend = std::make_unique<GraphPoolBackend>(device_->make_backend());
   pool->backend = backend.get();
   pool->alloc = std::make_unique<Allocator>(std::move(backend), graph_pool_config(config_));
-  if (history_max_ != 0) pool->alloc->record_history(true, history_max_);
+  pool->alloc->set_stats_sink(&device_stats_);
+  if (history_) pool->alloc->record_history(true, history_max_);
+  released_reserved_.erase(id);  // reported live again
   pool->uses = 1;
   GraphPool& ref = *pool;
   pools_.emplace(id, std::move(pool));
@@ -329,6 +315,8 @@ bool DevicePools::reclaim_locked(GraphPool& pool) {
   pool.backend->set_held(false);
   pool.alloc->empty_cache();  // waits for the streams that used its blocks
   if (pool.alloc->stats().reserved_bytes.all.current != 0) return false;
+  pool.alloc->set_stats_sink(nullptr);  // all it added is given back by now
+  released_reserved_[pool.id] = pool.alloc->stats().reserved_bytes;
   pools_.erase(pool.id);
   pools_exist_.store(!pools_.empty(), std::memory_order_release);
   return true;
@@ -478,6 +466,58 @@ size_t DevicePools::release_graph_memory() {
   }
   for (uintptr_t p : idle) general_->free(p);
   return bytes;
+}
+
+// ---------------------------------------------------------------------------
+// Statistics and history of the device
+
+Stats DevicePools::stats() const {
+  Stats s = device_stats_.read();
+  s.max_split_size = max_split_size_;
+  return s;
+}
+
+std::vector<std::pair<DevicePools::PoolId, StatArray>> DevicePools::pool_reserved() const {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  std::map<PoolId, StatArray> out(released_reserved_);
+  for (const auto& [id, pool] : pools_) out[id] = pool->alloc->stats().reserved_bytes;
+  return {out.begin(), out.end()};
+}
+
+void DevicePools::reset_peak_stats() {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  general_->reset_peak_stats();
+  buffers_->reset_peak_stats();
+  for (const auto& [id, pool] : pools_) pool->alloc->reset_peak_stats();
+  released_reserved_.clear();
+  device_stats_.reset_peak();
+}
+
+void DevicePools::record_history(bool enabled, size_t max_entries) {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  history_ = enabled && max_entries > 0;
+  history_max_ = history_ ? max_entries : 0;
+  general_->record_history(history_, history_max_);
+  buffers_->record_history(history_, history_max_);
+  for (const auto& [id, pool] : pools_) pool->alloc->record_history(history_, history_max_);
+}
+
+std::vector<std::pair<DevicePools::PoolId, std::vector<SnapshotSegment>>>
+DevicePools::graph_pool_segments() const {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  std::vector<std::pair<PoolId, std::vector<SnapshotSegment>>> out;
+  for (const auto& [id, pool] : pools_) out.emplace_back(id, pool->alloc->snapshot());
+  return out;
+}
+
+std::vector<TraceEntry> DevicePools::graph_pool_history() const {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  std::vector<TraceEntry> out;
+  for (const auto& [id, pool] : pools_) {
+    std::vector<TraceEntry> h = pool->alloc->history();
+    out.insert(out.end(), h.begin(), h.end());
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------------------

@@ -38,6 +38,13 @@
 // mapping calls, as PyTorch's allocator does) serves a capture with fresh
 // memory; nothing is ever released or unmapped during a capture.
 //
+// Statistics: the pools of a device count together, as PyTorch's one
+// DeviceStats per device counts its private pools with the rest: each pool
+// pushes its changes to the device's StatsSink at the end of every
+// operation, so torch.cuda.memory_stats() reads one set of counts whose
+// peaks are the device's own. Each graph pool's reserved bytes are also
+// reported apart (PyTorch's reserved_bytes_by_private_pools).
+//
 // Registry: the pools of a device are created lazily under a mutex and
 // never destroyed (PyTorch frees tensors until the very end of the process);
 // lookups take no lock. The configuration is fixed at the first creation:
@@ -79,7 +86,7 @@ class DevicePools {
 
   /// The pool id the buffer pool reports in snapshots (PyTorch's default
   /// pool is {0, 0}; its private pools count up from {1, 0} and {0, 1}).
-  static constexpr PoolId kBufferPoolId{0, ~uint64_t(0)};
+  static constexpr PoolId kBufferPoolId{1, 1};
 
   /// A block for PyTorch: from the graph pool the stream is routed to, else
   /// from the general pool. Throws OutOfMemoryError whose message begins
@@ -114,6 +121,24 @@ class DevicePools {
   /// stay valid only while no pool is released.
   std::vector<std::pair<PoolId, Allocator*>> graph_pools() const;
 
+  /// Every pool of the device together (general, buffers, graph pools), as
+  /// torch.cuda.memory_stats() counts a device: each peak the peak of the
+  /// sum, never a sum of peaks.
+  Stats stats() const;
+  /// Each graph pool's reserved bytes (PyTorch's reserved_bytes_by_private_pools):
+  /// the pools that exist, and those released since the last
+  /// reset_peak_stats(), whose current is 0.
+  std::vector<std::pair<PoolId, StatArray>> pool_reserved() const;
+  /// Every peak of every pool of the device, and of the device, to its
+  /// current value; forgets the graph pools already released.
+  void reset_peak_stats();
+  /// Keeps the last max_entries events of each pool of the device, graph
+  /// pools created later included (0: stop and forget).
+  void record_history(bool enabled, size_t max_entries);
+  /// The graph pools' segments, by pool id, and their recorded events.
+  std::vector<std::pair<PoolId, std::vector<SnapshotSegment>>> graph_pool_segments() const;
+  std::vector<TraceEntry> graph_pool_history() const;
+
   /// A buffer-pool block (same errors as malloc).
   uintptr_t malloc_buffer(size_t size, Stream stream);
   void free_buffer(uintptr_t ptr);
@@ -133,11 +158,7 @@ class DevicePools {
   /// (kBufferPoolId) and every graph pool (its id), graph pools' lock held:
   /// fn may use the pool but must not call back into DevicePools.
   void for_each_pool(const std::function<void(PoolId, Allocator&)>& fn);
-  /// Every pool of the device together, as PyTorch counts a device: counts
-  /// and sums add up; peaks are the sum of each pool's peak (an upper bound,
-  /// exact while only one pool changes).
-  Stats stats();
-  void reset_peak_stats();
+  /// Every allocated / freed sum and counter of the device's pools to 0.
   void reset_accumulated_stats();
   /// The largest free block of any pool of the device (bytes).
   size_t largest_free_block();
@@ -145,8 +166,6 @@ class DevicePools {
   /// its largest free block, or the device's free memory within the general
   /// pool's cap if that is larger (PyTorch's cacheInfo, used by cuDNN).
   size_t cache_info();
-  /// Records (or stops recording) the history of every pool, present and future.
-  void record_history(bool enabled, size_t max_entries);
 
   /// Blocks and bytes held for CUDA graphs in the general pool (without
   /// PyTorch's pool calls), freed by PyTorch or not.
@@ -180,6 +199,8 @@ class DevicePools {
 
   std::unique_ptr<Device> device_;
   Config config_;
+  StatsSink device_stats_;  // before the pools that push to it
+  int64_t max_split_size_ = 0;
   std::unique_ptr<Allocator> general_;
   std::unique_ptr<Allocator> buffers_;
 
@@ -198,7 +219,9 @@ class DevicePools {
   std::atomic<bool> pools_exist_{false};  // pools_ is not empty
   std::atomic<bool> told_of_captures_{false};  // PyTorch's pool calls are in use
   std::atomic<double> fraction_{1.0};
-  size_t history_max_ = 0;  // 0: not recording (guarded by pools_mu_)
+  std::map<PoolId, StatArray> released_reserved_;  // graph pools gone since the last reset
+  bool history_ = false;                           // what record_history() set
+  size_t history_max_ = 0;
 };
 
 class PoolRegistry {

@@ -223,14 +223,33 @@ void bind_cuda(py::module_& m) {
   m.def(
       "cuda_device_stats",
       [](int device) {
-        if (DevicePools* p = registry().find(device)) return stats_dict(p->stats());
+        DevicePools* p = registry().find(device);
         Stats none;
-        none.max_split_size = -1;
-        return stats_dict(none);
+        none.max_split_size = -1;  // PyTorch's "no limit", as a pool without one reports
+        py::dict d = stats_dict(p != nullptr ? p->stats() : none);
+        if (p == nullptr) return d;
+        // PyTorch's nested reserved_bytes_by_private_pools, flattened as
+        // torch.cuda.memory_stats() flattens it: (a, b) -> "a_b".
+        const std::pair<const char*, Stat StatArray::*> pools[] = {
+            {"all", &StatArray::all}, {"small_pool", &StatArray::small}, {"large_pool", &StatArray::large}};
+        for (const auto& [id, reserved] : p->pool_reserved()) {
+          std::string prefix = "reserved_bytes_by_private_pools." + std::to_string(id.first) + "_" +
+                               std::to_string(id.second) + ".";
+          for (const auto& [name, member] : pools) {
+            const Stat& st = reserved.*member;
+            std::string k = prefix + name + ".";
+            d[py::str(k + "current")] = st.current;
+            d[py::str(k + "peak")] = st.peak;
+            d[py::str(k + "allocated")] = st.allocated;
+            d[py::str(k + "freed")] = st.freed;
+          }
+        }
+        return d;
       },
       py::arg("device"),
-      "torch.cuda.memory_stats() keys for every pool of a device together (general, buffers, "
-      "graph pools); peaks are the sum of the pools' peaks.");
+      "torch.cuda.memory_stats() keys for a device: all its pools (general, buffers, graph "
+      "pools) counted together, each peak the device's own, and each graph pool's "
+      "reserved_bytes_by_private_pools (zeros before the device's first use).");
   m.def(
       "cuda_reset_peak_stats",
       [](int device) {
@@ -254,19 +273,37 @@ void bind_cuda(py::module_& m) {
   m.def(
       "cuda_snapshot_segments",
       [](int device, const std::string& pool) {
+        if (pool == "graph") {
+          py::list out;
+          DevicePools* p = registry().find(device);
+          if (p == nullptr) return out;
+          for (const auto& [id, segs] : p->graph_pool_segments()) {
+            for (py::handle seg : snapshot_list(segs, device)) {
+              seg["segment_pool_id"] = py::make_tuple(id.first, id.second);
+              out.append(seg);
+            }
+          }
+          return out;
+        }
         Allocator* a = pool_of(device, pool);
         return a != nullptr ? snapshot_list(a->snapshot(), device) : py::list();
       },
       py::arg("device"), py::arg("pool") = "general",
-      "One pool's segments in the layout of torch.cuda.memory._snapshot()['segments'].");
+      "One pool's segments in the layout of torch.cuda.memory._snapshot()['segments']; "
+      "pool 'graph': every graph pool's, each with its pool id as segment_pool_id.");
   m.def(
       "cuda_history",
       [](int device, const std::string& pool) {
+        if (pool == "graph") {
+          DevicePools* p = registry().find(device);
+          return p != nullptr ? history_list(p->graph_pool_history()) : py::list();
+        }
         Allocator* a = pool_of(device, pool);
         return a != nullptr ? history_list(a->history()) : py::list();
       },
       py::arg("device"), py::arg("pool") = "general",
-      "One pool's recorded events, oldest first, as a snapshot's device_traces entries.");
+      "One pool's recorded events, oldest first, as a snapshot's device_traces entries "
+      "(pool 'graph': the graph pools' events).");
   m.def(
       "cuda_record_history",
       [](bool enabled, size_t max_entries) { registry().record_history(enabled, max_entries); },

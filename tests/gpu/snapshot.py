@@ -26,7 +26,7 @@ def main(path):
     # virtual range, as its expandable segments are (vmm).
     strategy = pyalloc._C.cuda_config()["strategy"]
     assert ("segment_map" if strategy == "vmm" else "segment_alloc") in actions, (strategy, actions)
-    assert any(s["segment_pool_id"] == (0, 1) for s in snap["segments"])
+    assert any(s["segment_pool_id"] == pyalloc.cuda.BUFFER_POOL_ID for s in snap["segments"])
     assert "total_reserved" in _memory_viz.segsum(snap)
     assert "Device 0" in _memory_viz.trace(snap)
     assert "<html>" in _memory_viz.trace_plot(snap)
