@@ -9,6 +9,7 @@ import os
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 VERSION = "0.1.0"
 
@@ -43,4 +44,18 @@ ext = Pybind11Extension(
     libraries=["dl"],
 )
 
-setup(version=VERSION, ext_modules=[ext])
+# The bridge is compiled later, against the torch the user has (pyalloc/bridge.py):
+# its sources travel inside the package, where an installed pyalloc finds them.
+BRIDGE_SOURCES = ("torch_bridge/bridge.cpp", "cuda/bridge_api.h")
+
+
+class BuildPyWithBridgeSources(build_py):
+    def run(self):
+        super().run()
+        for rel in BRIDGE_SOURCES:
+            target = os.path.join(self.build_lib, "pyalloc", "csrc", rel)
+            self.mkpath(os.path.dirname(target))
+            self.copy_file(os.path.join(here, "csrc", rel), target)
+
+
+setup(version=VERSION, ext_modules=[ext], cmdclass={"build_py": BuildPyWithBridgeSources})

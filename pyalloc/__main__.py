@@ -16,6 +16,7 @@ COMMANDS = [
     ("replay", "pyalloc.replay", "replay recorded allocation traces through pyalloc (no GPU needed)"),
     ("record", "pyalloc.record", "record a program's allocation trace as a memory snapshot"),
     ("doctor", "pyalloc.doctor", "check that this machine is ready for pyalloc: driver, devices, torch, live test"),
+    ("bridge", "pyalloc.bridge", "build the bridge to PyTorch's allocator interface, or say where it is"),
 ]
 
 

@@ -1,0 +1,668 @@
+// The bridge: pyalloc as PyTorch's CUDA allocator, answering every method of
+// PyTorch's allocator interface (c10/cuda/CUDACachingAllocator.h,
+// CUDAAllocator) from pyalloc's pools.
+//
+// It subclasses torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator
+// (torch/csrc/cuda/CUDAPluggableAllocator.h, in every torch wheel) and is
+// built against the installed torch by pyalloc/bridge.py with
+// torch.utils.cpp_extension. The pools live in pyalloc._C; this library
+// reaches them only through the C table of csrc/cuda/bridge_api.h, since the
+// two may be built by different compilers with different C++ ABIs. So there
+// is one set of pools per device in the process, shared with pyalloc's
+// Python API.
+//
+// What the plain pluggable route (C hooks) cannot give and this does:
+// cacheInfo (cuDNN benchmark mode), c10::OutOfMemoryError (which Python
+// sees as torch.cuda.OutOfMemoryError and cuDNN's algorithm fallbacks
+// catch), out-of-memory observers, device stats read by torch itself,
+// snapshots and memory history with PyTorch's recorded stack traces, private
+// pools for CUDA graphs, MemPool and torch.compile's CUDA-graph trees, and
+// cross-device copies with cudaMemcpyPeerAsync. The allocation path calls
+// pyalloc directly: no std::function, mutex or pointer map of its own.
+//
+// PyTorch releases differ in this interface; the differences are handled
+// with torch's version macros below. Checked against the headers of torch
+// 2.9 to 2.13.
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/extension.h>
+#include <torch/version.h>
+
+#include "cuda/bridge_api.h"
+
+#define PYALLOC_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||          \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+#if !PYALLOC_TORCH_AT_LEAST(2, 9)
+#error "pyalloc's bridge needs torch 2.9 or newer; install(bridge=False) uses the C hooks instead"
+#endif
+
+namespace pyalloc_bridge {
+namespace {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+using c10::DeviceIndex;
+using c10::GatheredContext;
+using MempoolId = c10::cuda::MempoolId_t;
+
+const pyalloc_bridge_api* api = nullptr;  // set once by install()
+
+std::string last_error() { return api->last_error(); }
+
+// An error from pyalloc as PyTorch's exception: out of memory as
+// c10::OutOfMemoryError (torch.cuda.OutOfMemoryError in Python), the rest
+// as c10::Error (RuntimeError). The message is pyalloc's own.
+[[noreturn]] void raise(int status) {
+  std::string msg = last_error();
+  if (status == PYALLOC_OUT_OF_MEMORY) TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
+  TORCH_CHECK(false, msg.rfind("pyalloc", 0) == 0 ? msg : "pyalloc: " + msg);
+}
+
+void check(int status) {
+  if (status != PYALLOC_OK) raise(status);
+}
+
+// For callers that must not throw (deleters, destructors): said on stderr.
+void report(int status, const char* what) {
+  if (status != PYALLOC_OK) std::fprintf(stderr, "pyalloc: %s: %s\n", what, api->last_error());
+}
+
+[[noreturn]] void unsupported(const std::string& feature, const std::string& workaround) {
+  TORCH_CHECK(false, "pyalloc does not support ", feature, ". ", workaround);
+}
+
+// ---------------------------------------------------------------------------
+// Recorded contexts. PyTorch's recorder gives each allocation (and, with
+// context "all", each free) a GatheredContext: its stack trace. pyalloc keeps
+// a 64-bit tag instead, on the block and on history entries; this table maps
+// tags to contexts. Contexts that no live block and no history entry holds
+// any more are dropped now and then (every time the table has doubled).
+
+class Contexts {
+ public:
+  uint64_t add(std::shared_ptr<GatheredContext> ctx) {
+    if (!ctx) return 0;
+    std::lock_guard<std::mutex> g(mu_);
+    uint64_t tag = next_++;
+    map_.emplace(tag, std::move(ctx));
+    if (map_.size() >= prune_at_) prune_locked();
+    return tag;
+  }
+
+  std::shared_ptr<GatheredContext> get(uint64_t tag) const {
+    if (tag == 0) return nullptr;
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = map_.find(tag);
+    return it != map_.end() ? it->second : nullptr;
+  }
+
+ private:
+  // The newest tags are kept whatever pyalloc says: their malloc or free may
+  // still be on its way in on another thread.
+  static constexpr uint64_t kInFlight = 4096;
+  static constexpr size_t kMinPrune = 1 << 16;
+
+  void prune_locked() {
+    std::unordered_set<uint64_t> in_use;
+    int status = api->contexts_in_use(
+        [](void* user, uint64_t tag) { static_cast<std::unordered_set<uint64_t>*>(user)->insert(tag); },
+        &in_use);
+    if (status == PYALLOC_OK) {
+      uint64_t recent = next_ > kInFlight ? next_ - kInFlight : 0;
+      for (auto it = map_.begin(); it != map_.end();) {
+        if (it->first < recent && in_use.count(it->first) == 0) it = map_.erase(it);
+        else ++it;
+      }
+    }
+    prune_at_ = std::max(2 * map_.size(), kMinPrune);
+  }
+
+  mutable std::mutex mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<GatheredContext>> map_;
+  uint64_t next_ = 1;
+  size_t prune_at_ = kMinPrune;
+};
+
+// ---------------------------------------------------------------------------
+// The allocator
+
+void delete_block(void* ptr);
+
+class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
+ public:
+  using Base = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+
+  // The base class's own malloc / free (used by none of the methods below)
+  // go to the same pools.
+  PyallocAllocator()
+      : Base([this](size_t size, int device, cudaStream_t stream) {
+               return alloc(size, static_cast<DeviceIndex>(device), stream);
+             },
+             [](void* ptr, size_t, int, cudaStream_t) { delete_block(ptr); }) {}
+
+  // -- allocation ----------------------------------------------------------
+
+  void* alloc(size_t size, DeviceIndex device, cudaStream_t stream) {
+    uint64_t tag = 0;
+    if (recording(cca::RecordContext::STATE)) tag = contexts_.add(gather());
+    void* out = nullptr;
+    pyalloc_oom_info oom{};
+    int status = api->malloc(device, size, stream, tag, &out, &oom);
+    if (status == PYALLOC_OK) return out;
+    if (status == PYALLOC_OUT_OF_MEMORY) {
+      // As PyTorch's allocator does, before the error: the observers (the
+      // OOM dumps of torch.cuda.memory._record_memory_history among them)
+      // get (device, requested, device total, device free).
+      std::vector<cca::OutOfMemoryObserver> observers;
+      {
+        std::lock_guard<std::mutex> g(observers_mu_);
+        observers = oom_observers_;
+      }
+      for (const auto& observer : observers)
+        observer(device, oom.requested, oom.device_total, oom.device_free);
+    }
+    raise(status);
+  }
+
+  void free_block(void* ptr, bool strict) {
+    if (ptr == nullptr) return;
+    uint64_t tag = 0;
+    if (recording(cca::RecordContext::ALL)) tag = contexts_.add(gather());
+    int status = api->free(ptr, tag);
+    if (strict) check(status);
+    else report(status, "freeing a block for PyTorch");
+  }
+
+  c10::DataPtr allocate(size_t size) override {
+    DeviceIndex device = c10::cuda::current_device();
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+    void* ptr = size != 0 ? alloc(size, device, stream) : nullptr;
+    return {ptr, ptr, &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_block; }
+
+  void* raw_alloc(size_t nbytes) override {
+    DeviceIndex device = c10::cuda::current_device();
+    return alloc(nbytes, device, c10::cuda::getCurrentCUDAStream(device).stream());
+  }
+
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    return alloc(nbytes, c10::cuda::current_device(), stream);
+  }
+
+  void raw_delete(void* ptr) override { free_block(ptr, true); }
+
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    // Tensors whose memory pyalloc did not give (from_blob, DLPack) are not its to track.
+    if (ptr.get() == nullptr || ptr.get_deleter() != &delete_block) return;
+    check(api->record_stream(ptr.get(), stream.stream()));
+  }
+
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    uint64_t bytes = 0;
+    void* base = api->base_alloc(ptr, &bytes);
+    if (size != nullptr) *size = bytes;
+    return base;
+  }
+
+  // -- set-up and limits ---------------------------------------------------
+
+  void init(int device_count) override {
+    check(api->init(device_count));
+    initialized_ = true;
+  }
+
+  double getMemoryFraction(DeviceIndex device) override {
+    double fraction = 1.0;
+    check(api->memory_fraction(device, &fraction));
+    return fraction;
+  }
+
+  void setMemoryFraction(double fraction, DeviceIndex device) override {
+    check(api->set_memory_fraction(device, fraction));
+  }
+
+  void emptyCache(MempoolId mempool_id) override {
+    // A private pool's memory goes back as soon as it has no use and nothing
+    // live (MemPool's destructor asks after releasing it): nothing to do.
+    if (mempool_id.first != 0 || mempool_id.second != 0) return;
+    check(api->empty_cache(-1));
+  }
+
+  void cacheInfo(DeviceIndex device, size_t* largestBlock) override {
+    uint64_t largest = 0;
+    check(api->cache_info(device, &largest));
+    *largestBlock = largest;
+  }
+
+#if PYALLOC_TORCH_AT_LEAST(2, 10)
+  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(DeviceIndex) override {
+    return {};  // PyTorch's expandable segments: pyalloc has its own vmm strategy
+  }
+#endif
+
+  // -- statistics ----------------------------------------------------------
+
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(DeviceIndex device) override {
+    pyalloc_device_stats s{};
+    check(api->device_stats(device, &s));
+    c10::CachingDeviceAllocator::DeviceStats out;
+    auto stat = [](const pyalloc_stat& in, c10::CachingAllocator::Stat& o) {
+      o.current = in.current;
+      o.peak = in.peak;
+      o.allocated = in.allocated;
+      o.freed = in.freed;
+    };
+    auto array = [&](const pyalloc_stat_array& in, c10::CachingAllocator::StatArray& o) {
+      using T = c10::CachingAllocator::StatType;
+      stat(in.all, o[static_cast<size_t>(T::AGGREGATE)]);
+      stat(in.small_pool, o[static_cast<size_t>(T::SMALL_POOL)]);
+      stat(in.large_pool, o[static_cast<size_t>(T::LARGE_POOL)]);
+    };
+    array(s.allocation, out.allocation);
+    array(s.segment, out.segment);
+    array(s.active, out.active);
+    array(s.inactive_split, out.inactive_split);
+    array(s.allocated_bytes, out.allocated_bytes);
+    array(s.reserved_bytes, out.reserved_bytes);
+    array(s.active_bytes, out.active_bytes);
+    array(s.inactive_split_bytes, out.inactive_split_bytes);
+    array(s.requested_bytes, out.requested_bytes);
+    stat(s.oversize_allocations, out.oversize_allocations);
+    stat(s.oversize_segments, out.oversize_segments);
+    out.num_alloc_retries = s.num_alloc_retries;
+    out.num_ooms = s.num_ooms;
+    out.num_sync_all_streams = s.num_sync_all_streams;
+    out.num_device_alloc = s.num_device_alloc;
+    out.num_device_free = s.num_device_free;
+    out.max_split_size = s.max_split_size;
+#if PYALLOC_TORCH_AT_LEAST(2, 12)
+    out.num_oom_rejections = s.num_oom_rejections;
+#endif
+#if PYALLOC_TORCH_AT_LEAST(2, 13)
+    struct Pools {
+      decltype(out.reserved_bytes_by_private_pools)* map;
+      decltype(array)* convert;
+    } pools{&out.reserved_bytes_by_private_pools, &array};
+    check(api->pool_reserved(
+        device,
+        [](void* user, uint64_t id0, uint64_t id1, const pyalloc_stat_array* reserved) {
+          auto* p = static_cast<Pools*>(user);
+          (*p->convert)(*reserved, (*p->map)[MempoolId{id0, id1}]);
+        },
+        &pools));
+#endif
+    return out;
+  }
+
+  void resetAccumulatedStats(DeviceIndex device) override {
+    check(api->reset_accumulated_stats(device));
+  }
+
+  void resetPeakStats(DeviceIndex device) override { check(api->reset_peak_stats(device)); }
+
+  // -- snapshots and history -----------------------------------------------
+
+#if PYALLOC_TORCH_AT_LEAST(2, 11)
+  cca::SnapshotInfo snapshot(MempoolId mempool_id, bool include_traces) override {
+    return make_snapshot(mempool_id, include_traces);
+  }
+#else
+  cca::SnapshotInfo snapshot(MempoolId mempool_id) override { return make_snapshot(mempool_id, true); }
+#endif
+
+#if PYALLOC_TORCH_AT_LEAST(2, 11)
+  void recordHistory(bool enabled, cca::CreateContextFn recorder, size_t max_entries,
+                     cca::RecordContext when, bool clear,
+                     const std::vector<std::string>& skip_actions) override {
+    set_history(enabled, recorder, max_entries, when, clear, skip_actions);
+  }
+#else
+  void recordHistory(bool enabled, cca::CreateContextFn recorder, size_t max_entries,
+                     cca::RecordContext when, bool clear) override {
+    set_history(enabled, recorder, max_entries, when, clear, {});
+  }
+#endif
+
+  bool isHistoryEnabled() override { return history_on_.load(); }
+
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> g(observers_mu_);
+    oom_observers_.push_back(std::move(observer));
+  }
+
+#if PYALLOC_TORCH_AT_LEAST(2, 12)
+  // Called by PyTorch's allocator when its throw_on_cudamalloc_oom policy
+  // rejects a request; pyalloc has no such policy, so these are never called.
+  void attachOomRejectionObserver(cca::OomRejectionObserver) override {}
+#endif
+
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker) override {
+    unsupported("allocator trace trackers (ProcessGroupNCCL registers one when "
+                "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1)",
+                "Unset TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK, or run this job with "
+                "PyTorch's own allocator.");
+  }
+
+  // -- private pools: CUDA graphs, MemPool, torch.compile ------------------
+
+  void beginAllocateToPool(DeviceIndex device, MempoolId id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    auto kept = std::make_unique<std::function<bool(cudaStream_t)>>(std::move(filter));
+    check(api->begin_allocate_to_pool(
+        device, id.first, id.second,
+        [](void* user, void* stream) {
+          return (*static_cast<std::function<bool(cudaStream_t)>*>(user))(
+                     static_cast<cudaStream_t>(stream))
+                     ? 1
+                     : 0;
+        },
+        kept.get()));
+    std::lock_guard<std::mutex> g(filters_mu_);
+    filters_[{device, id.first, id.second}] = std::move(kept);
+  }
+
+  void endAllocateToPool(DeviceIndex device, MempoolId id) override {
+    int status = api->end_allocate_to_pool(device, id.first, id.second);
+    {
+      std::lock_guard<std::mutex> g(filters_mu_);
+      filters_.erase({device, id.first, id.second});  // pyalloc no longer calls it
+    }
+    check(status);
+  }
+
+  void releasePool(DeviceIndex device, MempoolId id) override {
+    // Runs in CUDA graphs' and MemPools' destructors: never throws.
+    report(api->release_pool(device, id.first, id.second), "releasing a private pool");
+  }
+
+#if PYALLOC_TORCH_AT_LEAST(2, 11)
+  void createOrIncrefPool(DeviceIndex device, MempoolId id,
+                          std::shared_ptr<cca::CUDAAllocator> allocator) override {
+    create_or_incref_pool(device, id, allocator.get());
+  }
+#else
+  void createOrIncrefPool(DeviceIndex device, MempoolId id, cca::CUDAAllocator* allocator) override {
+    create_or_incref_pool(device, id, allocator);
+  }
+#endif
+
+  void create_or_incref_pool(DeviceIndex device, MempoolId id, cca::CUDAAllocator* allocator) {
+    if (allocator != nullptr && allocator != this)
+      unsupported("a torch.cuda.MemPool with an allocator of its own",
+                  "Create the MemPool without an allocator: its memory then comes from pyalloc.");
+    check(api->create_or_incref_pool(device, id.first, id.second));
+  }
+
+  int getPoolUseCount(DeviceIndex device, MempoolId id) override {
+    int count = 0;
+    check(api->pool_use_count(device, id.first, id.second, &count));
+    return count;
+  }
+
+  bool checkPoolLiveAllocations(DeviceIndex device, MempoolId id,
+                                const std::unordered_set<void*>& expected) override {
+    std::unordered_set<void*> live;
+    check(api->pool_live_blocks(
+        device, id.first, id.second,
+        [](void* user, uint64_t ptr) {
+          static_cast<std::unordered_set<void*>*>(user)->insert(reinterpret_cast<void*>(ptr));
+        },
+        &live));
+    return live == expected;
+  }
+
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(DeviceIndex, MempoolId) override {
+    unsupported("checkpointing a private pool's state (torch.compile's CUDA-graph trees)",
+                "Use torch.compile(mode=\"max-autotune-no-cudagraphs\"), or "
+                "torch._inductor.config.triton.cudagraph_trees = False.");
+  }
+
+  cca::CheckpointDelta setCheckpointPoolState(DeviceIndex,
+                                              std::shared_ptr<cca::AllocatorState>) override {
+    unsupported("restoring a private pool's state (torch.compile's CUDA-graph trees)",
+                "Use torch.compile(mode=\"max-autotune-no-cudagraphs\"), or "
+                "torch._inductor.config.triton.cudagraph_trees = False.");
+  }
+
+  // -- devices -------------------------------------------------------------
+
+  std::shared_ptr<void> getIpcDevPtr(std::string) override {
+    unsupported("CUDA IPC handles (sharing CUDA tensors between processes)",
+                "Share the tensor through CPU memory, or run the producing process with "
+                "PyTorch's own allocator.");
+  }
+
+  cca::ShareableHandle shareIpcHandle(void*) override {
+    unsupported("CUDA IPC handles (sharing CUDA tensors between processes)",
+                "Share the tensor through CPU memory, or run the producing process with "
+                "PyTorch's own allocator.");
+  }
+
+  void enablePeerAccess(DeviceIndex dev, DeviceIndex dev_to_access) override {
+    // pyalloc's pages are mapped for every peer that can access them already;
+    // this turns on peer access for memory of other allocators too.
+    c10::cuda::CUDAGuard guard(dev);
+    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+      return;
+    }
+    C10_CUDA_CHECK(err);
+  }
+
+  cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
+                          cudaStream_t stream, bool p2p_enabled) override {
+    // Pages mapped with the virtual-memory API are no cudaMalloc memory:
+    // without peer access, only cudaMemcpyPeerAsync copies them across devices.
+    if (p2p_enabled || dstDevice == srcDevice)
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
+  }
+
+  std::string name() override { return "pyalloc"; }
+
+ private:
+  bool recording(cca::RecordContext level) const {
+    return history_on_.load(std::memory_order_relaxed) &&
+           static_cast<int>(when_.load(std::memory_order_relaxed)) >= static_cast<int>(level);
+  }
+
+  std::shared_ptr<GatheredContext> gather() const {
+    cca::CreateContextFn recorder = recorder_.load();
+    return recorder != nullptr ? recorder() : nullptr;
+  }
+
+  void set_history(bool enabled, cca::CreateContextFn recorder, size_t max_entries,
+                   cca::RecordContext when, bool clear, const std::vector<std::string>& skip) {
+    {
+      std::lock_guard<std::mutex> g(skip_mu_);
+      skip_actions_ = std::set<std::string>(skip.begin(), skip.end());
+    }
+    recorder_.store(recorder);
+    when_.store(when);
+    check(api->record_history(enabled ? 1 : 0, enabled ? std::max<size_t>(max_entries, 1) : 0,
+                              clear ? 1 : 0));
+    history_on_.store(enabled);
+  }
+
+  cca::SnapshotInfo make_snapshot(MempoolId mempool_id, bool include_traces) {
+    cca::SnapshotInfo result;
+    struct Gather {
+      PyallocAllocator* self;
+      cca::SnapshotInfo* out;
+    } gather_state{this, &result};
+    uint64_t pool[2] = {mempool_id.first, mempool_id.second};
+    bool every_pool = pool[0] == 0 && pool[1] == 0;
+    check(api->snapshot(
+        -1, every_pool ? nullptr : pool,
+        [](void* user, const pyalloc_segment_info* s, const pyalloc_block_info* blocks, size_t n) {
+          auto* st = static_cast<Gather*>(user);
+          cca::SegmentInfo seg;
+          seg.device = static_cast<DeviceIndex>(s->device);
+          seg.address = s->address;
+          seg.total_size = s->total_size;
+          seg.requested_size = s->requested_size;
+          seg.allocated_size = s->allocated_size;
+          seg.active_size = s->active_size;
+          seg.stream = static_cast<decltype(seg.stream)>(s->stream);
+          seg.is_large = s->is_large != 0;
+          seg.is_expandable = s->is_expandable != 0;
+          seg.owner_private_pool_id = {s->pool_id[0], s->pool_id[1]};
+          for (size_t i = 0; i < n; ++i) {
+            cca::BlockInfo b;
+            b.size = blocks[i].size;
+            b.requested_size = blocks[i].requested_size;
+            b.allocated = blocks[i].allocated != 0;
+            b.active = blocks[i].active != 0;
+            b.context_when_allocated = st->self->contexts_.get(blocks[i].context);
+            seg.blocks.push_back(std::move(b));
+          }
+          st->out->segments.push_back(std::move(seg));
+        },
+        &gather_state));
+
+    if (include_traces) {
+      int devices = c10::cuda::device_count();
+      result.device_traces.resize(devices);
+      std::set<std::string> skip;
+      {
+        std::lock_guard<std::mutex> g(skip_mu_);
+        skip = skip_actions_;
+      }
+      bool with_context = recording(cca::RecordContext::ALLOC);
+      for (int d = 0; d < devices; ++d) {
+        struct Trace {
+          PyallocAllocator* self;
+          std::vector<cca::TraceEntry>* out;
+          const std::set<std::string>* skip;
+          int device;
+          bool with_context;
+        } trace_state{this, &result.device_traces[d], &skip, d, with_context};
+        check(api->history(
+            d,
+            [](void* user, const pyalloc_trace_entry* e) {
+              auto* st = static_cast<Trace*>(user);
+              static const std::pair<const char*, cca::TraceEntry::Action> kActions[] = {
+                  {"alloc", cca::TraceEntry::ALLOC},
+                  {"free_requested", cca::TraceEntry::FREE_REQUESTED},
+                  {"free_completed", cca::TraceEntry::FREE_COMPLETED},
+                  {"segment_alloc", cca::TraceEntry::SEGMENT_ALLOC},
+                  {"segment_free", cca::TraceEntry::SEGMENT_FREE},
+                  {"segment_map", cca::TraceEntry::SEGMENT_MAP},
+                  {"segment_unmap", cca::TraceEntry::SEGMENT_UNMAP},
+                  {"oom", cca::TraceEntry::OOM},
+              };
+              if (e->action < 0 || e->action >= 8) return;
+              const auto& [name, action] = kActions[e->action];
+              if (st->skip->count(name) != 0) return;
+              cca::TraceEntry te(action, static_cast<DeviceIndex>(st->device), e->addr, e->size,
+                                 static_cast<cudaStream_t>(e->stream),
+                                 MempoolId{e->pool_id[0], e->pool_id[1]}, 0,
+                                 st->with_context ? st->self->contexts_.get(e->context) : nullptr);
+              te.time_.t_ = static_cast<time_t>(e->time_us);  // what PyTorch reports as time_us
+              st->out->push_back(std::move(te));
+            },
+            &trace_state));
+      }
+    }
+
+    // allocator_settings in the snapshot: pyalloc's, with the strategy in use.
+    char settings[512] = {0};
+    std::string text = api->settings(settings, sizeof(settings)) == PYALLOC_OK ? settings : "";
+    cca::AllocatorConfigInfo& c = result.config_metadata;
+    c = cca::AllocatorConfigInfo{};
+    c.last_allocator_settings = "pyalloc: " + text;
+    c.expandable_segments = text.find("strategy:vmm") != std::string::npos;
+    pyalloc_device_stats stats{};
+    if (api->device_stats(c10::cuda::current_device(), &stats) == PYALLOC_OK && stats.max_split_size > 0)
+      c.max_split_size = static_cast<size_t>(stats.max_split_size);
+    else
+      c.max_split_size = SIZE_MAX;
+    return result;
+  }
+
+  Contexts contexts_;
+  std::atomic<bool> history_on_{false};
+  std::atomic<cca::RecordContext> when_{cca::RecordContext::NEVER};
+  std::atomic<cca::CreateContextFn> recorder_{nullptr};
+  std::mutex skip_mu_;
+  std::set<std::string> skip_actions_;
+
+  std::mutex observers_mu_;
+  std::vector<cca::OutOfMemoryObserver> oom_observers_;
+
+  std::mutex filters_mu_;
+  std::map<std::tuple<int, uint64_t, uint64_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>>
+      filters_;
+};
+
+PyallocAllocator* instance = nullptr;  // the installed one (never destroyed)
+
+void delete_block(void* ptr) {
+  if (ptr != nullptr) instance->free_block(ptr, false);
+}
+
+// ---------------------------------------------------------------------------
+// Installing
+
+const pyalloc_bridge_api* find_api(const std::string& pyalloc_library) {
+  // pyalloc._C is loaded already (Python imported it): the same handle, the same pools.
+  void* lib = dlopen(pyalloc_library.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  TORCH_CHECK(lib != nullptr, "pyalloc's bridge: ", pyalloc_library,
+              " is not loaded in this process (import pyalloc first)");
+  auto get = reinterpret_cast<pyalloc_bridge_api_get_fn>(dlsym(lib, PYALLOC_BRIDGE_API_SYMBOL));
+  TORCH_CHECK(get != nullptr, "pyalloc's bridge: ", pyalloc_library, " has no ",
+              PYALLOC_BRIDGE_API_SYMBOL, "; pyalloc and its bridge are from different versions");
+  const pyalloc_bridge_api* table = get(PYALLOC_BRIDGE_API_VERSION);
+  TORCH_CHECK(table != nullptr && table->size >= sizeof(pyalloc_bridge_api),
+              "pyalloc's bridge needs version ", PYALLOC_BRIDGE_API_VERSION,
+              " of pyalloc's C interface, which this pyalloc does not offer; rebuild the "
+              "bridge (pyalloc bridge build)");
+  return table;
+}
+
+void install(const std::string& pyalloc_library) {
+  TORCH_CHECK(instance == nullptr, "pyalloc's bridge is installed already");
+  api = find_api(pyalloc_library);
+  auto allocator = std::make_shared<PyallocAllocator>();
+  // Throws "Can't swap an already initialized allocator" once CUDA is in use.
+  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
+  instance = allocator.get();  // PyTorch keeps the shared_ptr for the process's life
+  check(api->set_route(2));
+}
+
+}  // namespace
+}  // namespace pyalloc_bridge
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pyalloc's bridge to PyTorch's CUDA allocator interface (csrc/torch_bridge/).";
+  m.def("install", &pyalloc_bridge::install, pybind11::arg("pyalloc_library"),
+        "Makes pyalloc PyTorch's CUDA allocator through the bridge; pyalloc_library is the "
+        "file of pyalloc._C. Raises RuntimeError once CUDA is initialized.");
+  m.attr("api_version") = PYALLOC_BRIDGE_API_VERSION;
+  m.attr("torch_version") = TORCH_VERSION;
+}

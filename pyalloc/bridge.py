@@ -1,0 +1,331 @@
+"""The bridge: pyalloc behind PyTorch's whole CUDA allocator interface.
+
+``csrc/torch_bridge/bridge.cpp`` is a small C++ subclass of PyTorch's
+``CUDAPluggableAllocator`` that answers every method of the interface from
+pyalloc's pools, so cuDNN benchmark mode, ``torch.cuda.OutOfMemoryError``,
+memory history and snapshots, ``MemPool``, CUDA graphs and the
+``torch.cuda.memory_stats`` family work as under PyTorch's own allocator.
+It is compiled against the installed torch with ``torch.utils.cpp_extension``
+(ninja), the first time ``install()`` needs it or ahead of time with
+``pyalloc bridge build``, and cached per torch, CUDA, Python and pyalloc
+version. It needs a C++ compiler and the CUDA runtime's headers, from a CUDA
+toolkit or from the CUDA runtime wheel a CUDA build of torch depends on.
+
+The command line: ``pyalloc bridge build [--check]`` and ``pyalloc bridge status``.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+from . import _C
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: Where the bridge's sources are: csrc/ beside the package (a source checkout
+#: or an editable install), else the copy a wheel carries in the package.
+_SOURCE_ROOTS = (os.path.join(os.path.dirname(HERE), "csrc"), os.path.join(HERE, "csrc"))
+CACHE_ENV = "PYALLOC_BRIDGE_CACHE"
+MODULE_NAME = "pyalloc_bridge"
+
+#: What PyTorch cannot do through the C hooks of CUDAPluggableAllocator, which
+#: the bridge gives back; install() names these when it falls back.
+LOST_WITHOUT_BRIDGE = (
+    "torch.backends.cudnn.benchmark = True (cuDNN asks the allocator's cacheInfo, which "
+    "raises)",
+    "torch.cuda.OutOfMemoryError (an out-of-memory error is a RuntimeError instead, and "
+    "cuDNN's fallback to algorithms with smaller workspaces does not happen)",
+    "torch.cuda.memory._record_memory_history / _snapshot / _dump_snapshot (use "
+    "pyalloc.record_history / snapshot / dump_snapshot, without stack traces)",
+    "torch.cuda.MemPool and torch.compile(mode='reduce-overhead')",
+    "torch.cuda.memory_stats and friends for C++ callers and for code that imported them "
+    "before install() (pyalloc patches the Python functions)",
+)
+
+
+class BridgeUnavailable(RuntimeError):
+    """The bridge cannot be built or loaded here; the message says why and what to do."""
+
+
+@dataclass
+class CudaHeaders:
+    include: str  # holds cuda_runtime_api.h
+    library: Optional[str]  # a libcudart shared object to link, if found
+    origin: str  # "toolkit" or "wheel"
+
+
+# -- finding what the build needs ---------------------------------------------------------
+
+
+def source_dir() -> str:
+    """The csrc/ folder holding torch_bridge/bridge.cpp and cuda/bridge_api.h."""
+    for root in _SOURCE_ROOTS:
+        if os.path.isfile(os.path.join(root, "torch_bridge", "bridge.cpp")):
+            return root
+    raise BridgeUnavailable(
+        "the bridge's sources (csrc/torch_bridge/bridge.cpp) are not installed with this "
+        "pyalloc; reinstall it from its source tree (pip install .)"
+    )
+
+
+def _cudart_in(lib_dir: str) -> Optional[str]:
+    found = sorted(glob.glob(os.path.join(lib_dir, "libcudart.so*")))
+    return found[0] if found else None
+
+
+def _toolkit_roots() -> List[str]:
+    roots: List[str] = [os.environ.get(v, "") for v in ("CUDA_HOME", "CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    return roots + ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+
+
+def find_cuda_headers(toolkit_roots: Optional[List[str]] = None,
+                      search_path: Optional[List[str]] = None) -> Optional[CudaHeaders]:
+    """The CUDA runtime's headers: a toolkit (CUDA_HOME, CUDA_PATH, nvcc's, /usr/local/cuda*)
+    first, else the CUDA runtime wheel torch depends on (site-packages/nvidia/*/include).
+    None if neither. The arguments replace those places (tests)."""
+    for root in filter(None, _toolkit_roots() if toolkit_roots is None else toolkit_roots):
+        include = os.path.join(root, "include")
+        if os.path.isfile(os.path.join(include, "cuda_runtime_api.h")):
+            libs = (_cudart_in(os.path.join(root, d)) for d in
+                    ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")))
+            return CudaHeaders(include, next(filter(None, libs), None), "toolkit")
+    for site in sys.path if search_path is None else search_path:
+        pattern = os.path.join(site or ".", "nvidia", "*", "include", "cuda_runtime_api.h")
+        for header in sorted(glob.glob(pattern)):
+            include = os.path.dirname(header)
+            return CudaHeaders(include, _cudart_in(os.path.join(os.path.dirname(include), "lib")), "wheel")
+    return None
+
+
+def _import_torch():
+    try:
+        import torch
+        import torch.utils.cpp_extension  # noqa: F401
+    except ImportError as e:
+        raise BridgeUnavailable(f"the bridge is built against torch, which cannot be imported: {e}")
+    return torch
+
+
+def cache_dir(torch=None) -> str:
+    """The build folder for this torch, CUDA, Python and pyalloc (PYALLOC_BRIDGE_CACHE
+    overrides the parent folder, ~/.cache/pyalloc/bridge by default)."""
+    torch = torch or _import_torch()
+    base = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "pyalloc", "bridge")
+    key = (f"torch-{torch.__version__}-cuda-{torch.version.cuda or 'none'}-"
+           f"py{sys.version_info[0]}{sys.version_info[1]}-pyalloc-{_C.__version__}")
+    return os.path.join(base, re.sub(r"[^A-Za-z0-9._-]", "_", key))
+
+
+# -- building -----------------------------------------------------------------------------
+
+
+@dataclass
+class BuildResult:
+    library: str  # the built shared object
+    module: Any  # the loaded module, or None for a check build
+    cuda: CudaHeaders
+    torch_version: str
+    message: str
+
+
+def _built_library(build_dir: str) -> Optional[str]:
+    found = glob.glob(os.path.join(build_dir, MODULE_NAME + "*.so"))
+    return max(found, key=os.path.getmtime) if found else None
+
+
+def _dynamic_symbols(path: str, undefined: bool) -> List[str]:
+    flag = "--undefined-only" if undefined else "--defined-only"
+    out = subprocess.run(["nm", "-D", flag, path], capture_output=True, text=True, check=False).stdout
+    names = []
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and not (undefined and parts[-2] in ("w", "v")):  # weak: optional
+            names.append(parts[-1].split("@")[0])
+    return names
+
+
+def _unresolved_outside_cuda(library: str) -> List[str]:
+    """Undefined symbols of a check build that nothing loaded in this process (the CPU
+    torch, the C and C++ runtimes, Python) defines, besides PyTorch's CUDA libraries and
+    the CUDA runtime, which a CPU torch lacks: any such is a real link error. Empty when
+    nm is missing (nothing to check with)."""
+    if shutil.which("nm") is None:
+        return []
+    loaded = {sys.executable}
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1] if len(line.split()) >= 6 else ""
+            if ".so" in os.path.basename(path) and os.path.isfile(path):
+                loaded.add(path)
+    defined = set()
+    for path in loaded:
+        defined.update(_dynamic_symbols(path, undefined=False))
+    cuda_only = re.compile(r"cuda|Cuda|CUDA")  # mangled names of c10::cuda, torch::cuda, cudaX
+    return [s for s in _dynamic_symbols(library, undefined=True)
+            if s not in defined and not cuda_only.search(s)]
+
+
+def build(check: bool = False, verbose: bool = False) -> BuildResult:
+    """Compiles and links the bridge against the installed torch (cached: a second
+    call only loads it) and loads it.
+
+    check=True compiles and links without loading, for a CPU build of torch (which
+    has no CUDA libraries to load the bridge with): it proves the bridge builds
+    against this torch's headers, and that every symbol it needs besides PyTorch's
+    CUDA libraries resolves. Raises BridgeUnavailable saying why it cannot.
+    """
+    torch = _import_torch()
+    from torch.utils import cpp_extension
+
+    if not check and torch.version.cuda is None:
+        raise BridgeUnavailable(
+            f"torch {torch.__version__} is a CPU-only build: the bridge can be compiled against "
+            "it (pyalloc bridge build --check) but not loaded; install a CUDA build of torch"
+        )
+    cuda = find_cuda_headers()
+    if cuda is None:
+        raise BridgeUnavailable(
+            "the CUDA runtime's headers (cuda_runtime_api.h) were found neither in a CUDA toolkit "
+            "(CUDA_HOME, nvcc, /usr/local/cuda) nor in an nvidia CUDA runtime wheel; install "
+            "the CUDA toolkit, or the CUDA runtime wheel torch names (pip show torch)"
+        )
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise BridgeUnavailable("no C++ compiler (c++, or $CXX) to build the bridge with")
+    try:
+        import ninja  # noqa: F401
+    except ImportError:
+        if shutil.which("ninja") is None:
+            raise BridgeUnavailable("ninja is needed to build the bridge: pip install ninja")
+
+    src = source_dir()
+    build_dir = os.path.join(cache_dir(torch), "check" if check else "cuda")
+    os.makedirs(build_dir, exist_ok=True)
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    ldflags = [f"-L{torch_lib}"]
+    if not check:
+        ldflags += ["-lc10_cuda", "-ltorch_cuda", f"-Wl,-rpath,{torch_lib}"]
+        if cuda.library:
+            ldflags += [cuda.library, f"-Wl,-rpath,{os.path.dirname(cuda.library)}"]
+    # ninja's own binary may come from the pip wheel, on PATH only through its module.
+    env_path = os.environ.get("PATH", "")
+    scripts = sysconfig.get_path("scripts")
+    if scripts and scripts not in env_path.split(os.pathsep):
+        os.environ["PATH"] = env_path + os.pathsep + scripts
+    cflags = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    # CPU builds of torch ship c10/cuda's headers without the file CMake generates
+    # for them (it only sets a Windows export flag).
+    torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
+    if not os.path.isfile(os.path.join(torch_include, "c10", "cuda", "impl", "cuda_cmake_macros.h")):
+        cflags.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
+    try:
+        module = cpp_extension.load(
+            name=MODULE_NAME,
+            sources=[os.path.join(src, "torch_bridge", "bridge.cpp")],
+            extra_include_paths=[src, cuda.include],
+            extra_cflags=cflags,
+            extra_ldflags=ldflags,
+            build_directory=build_dir,
+            with_cuda=False,
+            verbose=verbose,
+        )
+    except ImportError as e:
+        # A check build links, then cannot load without PyTorch's CUDA libraries.
+        library = _built_library(build_dir)
+        if not check or library is None:
+            raise BridgeUnavailable(f"the bridge was built but cannot be loaded: {e}") from e
+        missing = _unresolved_outside_cuda(library)
+        if missing:
+            raise BridgeUnavailable(
+                "the bridge links against this torch only with symbols nothing provides: "
+                + ", ".join(missing[:8])
+            ) from e
+        return BuildResult(library, None, cuda, torch.__version__,
+                           f"the bridge compiles and links against torch {torch.__version__} "
+                           f"(CUDA headers from the {cuda.origin}: {cuda.include}); this CPU build "
+                           "of torch cannot load it")
+    except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
+        raise BridgeUnavailable(f"building the bridge failed: {e}") from e
+    library = _built_library(build_dir) or getattr(module, "__file__", "")
+    if check:
+        return BuildResult(library, module, cuda, torch.__version__,
+                           f"the bridge compiles, links and loads against torch {torch.__version__}")
+    return BuildResult(library, module, cuda, torch.__version__,
+                       f"the bridge is built for torch {torch.__version__}: {library}")
+
+
+_loaded: Any = None
+
+
+def load() -> Any:
+    """The bridge module for the installed torch, built first if it is not yet (about a
+    minute, once: later processes find it in cache_dir()). BridgeUnavailable says why not."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    torch = _import_torch()
+    if torch.version.cuda is None:
+        raise BridgeUnavailable(f"torch {torch.__version__} is a CPU-only build")
+    directory = os.path.join(cache_dir(torch), "cuda")
+    if _built_library(directory) is None:
+        print(f"pyalloc: building the bridge against torch {torch.__version__} (once; cached in "
+              f"{directory})", file=sys.stderr, flush=True)
+    _loaded = build().module
+    return _loaded
+
+
+def status() -> dict:
+    """For pyalloc doctor: whether the bridge could be used here, without building it."""
+    out = {"route": _C.cuda_route(), "cuda_headers": None, "built": False, "cache": None}
+    cuda = find_cuda_headers()
+    if cuda is not None:
+        out["cuda_headers"] = f"{cuda.include} ({cuda.origin})"
+    try:
+        torch = _import_torch()
+        directory = os.path.join(cache_dir(torch), "cuda")
+        out["cache"] = directory
+        out["built"] = _built_library(directory) is not None
+    except BridgeUnavailable as e:
+        out["why"] = str(e)
+    return out
+
+
+# -- command line -------------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    sub = parser.add_subparsers(dest="bridge_command", metavar="ACTION")
+    b = sub.add_parser("build", help="compile the bridge against the installed torch now",
+                       description="Compile (and load) the bridge against the installed torch, "
+                                   "so that install() finds it built.")
+    b.add_argument("--check", action="store_true",
+                   help="compile and link only, without loading: works with a CPU build of torch")
+    b.add_argument("--verbose", action="store_true", help="show the compiler's commands")
+    sub.add_parser("status", help="say where the bridge would be built and whether it is")
+
+
+def main(args) -> int:
+    if args.bridge_command == "status":
+        for key, value in status().items():
+            print(f"{key}: {value}")
+        return 0
+    if args.bridge_command != "build":
+        print("usage: pyalloc bridge {build [--check], status}", file=sys.stderr)
+        return 2
+    try:
+        result = build(check=args.check, verbose=args.verbose)
+    except BridgeUnavailable as e:
+        print(f"pyalloc bridge: {e}", file=sys.stderr)
+        return 1
+    print(result.message)
+    return 0

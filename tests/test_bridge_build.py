@@ -1,0 +1,97 @@
+"""The bridge (csrc/torch_bridge/) built against the installed torch, on CPU.
+
+A CPU build of torch has the headers of PyTorch's CUDA allocator interface but
+not its CUDA libraries: the bridge compiles and links against it, and cannot be
+loaded. ``pyalloc bridge build --check`` proves the first; on a GPU the bridge
+is loaded and exercised by tests/gpu/ (test_gpu.py).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from pyalloc import bridge
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _headers_or_skip():
+    cuda = bridge.find_cuda_headers()
+    if cuda is None:
+        pytest.skip("no CUDA runtime headers here (no CUDA toolkit, no nvidia CUDA runtime wheel)")
+    return cuda
+
+
+def test_check_build_compiles_and_links_against_the_installed_torch(tmp_path):
+    pytest.importorskip("torch")
+    _headers_or_skip()
+    env = dict(os.environ, PYALLOC_BRIDGE_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "pyalloc", "bridge", "build", "--check"],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "compiles and links against torch" in out.stdout
+    built = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f.endswith(".so")]
+    assert built, "no shared object was written"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None or shutil.which("nm") is None,
+                    reason="needs a C compiler and nm")
+def test_the_link_audit_names_a_missing_symbol_but_not_cuda_ones(tmp_path):
+    # A library needing a CUDA runtime function (a CPU torch lacks it: fine) and a
+    # function nothing provides (a real link error the check must report).
+    src = tmp_path / "lib.c"
+    src.write_text("int cudaMemcpyAsync(void); int pyalloc_nothing_defines_this(void);\n"
+                   "int f(void) { return cudaMemcpyAsync() + pyalloc_nothing_defines_this(); }\n")
+    lib = tmp_path / "lib.so"
+    subprocess.run(["cc", "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+    assert bridge._unresolved_outside_cuda(str(lib)) == ["pyalloc_nothing_defines_this"]
+
+
+def test_cuda_headers_from_a_toolkit_or_the_runtime_wheel(tmp_path):
+    toolkit = tmp_path / "cuda"
+    (toolkit / "include").mkdir(parents=True)
+    (toolkit / "lib64").mkdir()
+    (toolkit / "include" / "cuda_runtime_api.h").write_text("")
+    (toolkit / "lib64" / "libcudart.so.13").write_text("")
+    found = bridge.find_cuda_headers([str(toolkit)], [])
+    assert (found.origin, found.include) == ("toolkit", str(toolkit / "include"))
+    assert found.library == str(toolkit / "lib64" / "libcudart.so.13")
+
+    site = tmp_path / "site"
+    wheel = site / "nvidia" / "cu13"
+    (wheel / "include").mkdir(parents=True)
+    (wheel / "lib").mkdir()
+    (wheel / "include" / "cuda_runtime_api.h").write_text("")
+    found = bridge.find_cuda_headers([str(tmp_path / "nothing")], [str(site)])
+    assert (found.origin, found.include, found.library) == ("wheel", str(wheel / "include"), None)
+    assert bridge.find_cuda_headers([], [str(tmp_path / "empty")]) is None
+
+
+def test_the_build_is_cached_per_torch_and_pyalloc_version(monkeypatch, tmp_path):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("PYALLOC_BRIDGE_CACHE", str(tmp_path))
+    path = bridge.cache_dir(torch)
+    assert path.startswith(str(tmp_path))
+    name = os.path.basename(path)
+    assert torch.__version__.replace("+", "_") in name and bridge._C.__version__ in name
+
+
+def test_without_a_cuda_torch_the_bridge_says_why(monkeypatch):
+    torch = pytest.importorskip("torch")
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA build of torch: the bridge can be loaded")
+    with pytest.raises(bridge.BridgeUnavailable, match="CPU-only"):
+        bridge.load()
+
+
+def test_bridge_command_line(capsys):
+    from pyalloc.__main__ import main
+
+    assert main(["bridge", "status"]) == 0
+    out = capsys.readouterr().out
+    assert "route: none" in out and "cuda_headers:" in out
+    assert main(["bridge"]) == 2
