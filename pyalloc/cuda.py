@@ -16,6 +16,7 @@ import collections
 import ctypes
 import operator
 import os
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import _C
@@ -24,6 +25,9 @@ from ._summary import format_summary
 
 #: The environment variable install() reads its settings from.
 CONF_ENV = "PYALLOC_CONF"
+#: The environment variable that chooses the route when install() is not told:
+#: "1" the bridge or an error, "0" the C hooks (unset: the bridge where it builds).
+BRIDGE_ENV = "PYALLOC_BRIDGE"
 
 # PyTorch's setter on its pluggable-allocator object -> the function it is given.
 _HOOKS = (
@@ -56,8 +60,9 @@ class _State:
     conf: Optional[str] = None  # the effective settings string
     config: Optional[Dict[str, int]] = None
     patched: bool = False
-    allocator: Any = None  # torch's CUDAPluggableAllocator, kept alive
+    allocator: Any = None  # torch's CUDAPluggableAllocator, or the bridge module, kept alive
     hooks: Tuple[str, ...] = ()
+    route: Optional[str] = None  # "bridge" or "hooks"
 
 
 _state = _State()
@@ -84,7 +89,8 @@ def settings_text(conf: Optional[str] = None, config: Optional[Dict[str, Size]] 
     return conf_string(base, config)
 
 
-def install(conf: Optional[str] = None, *, patch_torch: bool = True, **config: Size) -> None:
+def install(conf: Optional[str] = None, *, bridge: Optional[bool] = None,
+            patch_torch: bool = True, **config: Size) -> None:
     """Makes pyalloc PyTorch's CUDA allocator for the rest of the process.
 
     Call it before any CUDA work, e.g. right after ``import torch``. Every rank
@@ -93,10 +99,19 @@ def install(conf: Optional[str] = None, *, patch_torch: bool = True, **config: S
 
     Args:
         conf: settings as ``"key:value,..."``, e.g. ``"pool_size:40GiB"``.
-        patch_torch: also make ``torch.cuda.memory_stats``, ``memory_allocated``,
-            ``max_memory_allocated``, ``memory_reserved``, ``max_memory_reserved``,
-            ``reset_peak_memory_stats`` and ``memory_summary`` answer from pyalloc
-            (they raise under any pluggable allocator otherwise).
+        bridge: how PyTorch reaches pyalloc. ``None`` (the default): through the
+            bridge (``pyalloc.bridge``), built against the installed torch the
+            first time (a minute; cached), so that every PyTorch memory tool
+            keeps working; where it cannot be built, through the C hooks of
+            ``CUDAPluggableAllocator``, with one warning naming what is lost.
+            ``True``: the bridge or an error. ``False``: the C hooks. Left
+            ``None``, ``PYALLOC_BRIDGE=1`` or ``=0`` in the environment decides.
+        patch_torch: on the hooks route, also make ``torch.cuda.memory_stats``,
+            ``memory_allocated``, ``max_memory_allocated``, ``memory_reserved``,
+            ``max_memory_reserved``, ``reset_peak_memory_stats`` and
+            ``memory_summary`` answer from pyalloc (they raise under any pluggable
+            allocator otherwise). The bridge needs no patch: torch's own
+            functions answer from pyalloc.
         **config: the same settings as keywords (``pool_size="40GiB"``,
             ``max_pool_size=2**34``); see ``pyalloc.CONFIG_KEYS``.
 
@@ -116,15 +131,71 @@ def install(conf: Optional[str] = None, *, patch_torch: bool = True, **config: S
                 f"reinstalled with '{text}': the allocator can be chosen only once per process. "
                 f"Give install() the same settings everywhere, or set them once in {CONF_ENV}."
             )
-        if patch_torch and not _state.patched:
+        if patch_torch and _state.route == "hooks" and not _state.patched:
             _patch_torch()
         return
 
+    if bridge is None:
+        bridge = _bridge_from_env()
     torch = _import_torch()
     _check_torch_can_swap(torch)
     _C.cuda_check_driver()
     _C.cuda_configure(text)
 
+    route = "bridge" if bridge is not False and _install_bridge(required=bool(bridge)) else "hooks"
+    if route == "hooks":
+        _install_hooks(torch)
+    _C.cuda_set_route(route)
+    _state.conf, _state.config, _state.route = text, wanted, route
+    if patch_torch and route == "hooks":
+        _patch_torch()
+
+
+def _bridge_from_env() -> Optional[bool]:
+    value = os.environ.get(BRIDGE_ENV, "").strip()
+    if value in ("", "auto"):
+        return None
+    if value in ("0", "1"):
+        return value == "1"
+    raise ValueError(f"{BRIDGE_ENV}={value!r}: expected 1 (the bridge), 0 (the C hooks) or auto")
+
+
+def _swap(change) -> None:
+    """Runs torch's allocator swap, with install()'s message when CUDA is in use."""
+    try:
+        change()
+    except RuntimeError as e:
+        if "already initialized" in str(e):
+            raise RuntimeError(_ALREADY_INITIALIZED) from e
+        raise
+
+
+def _install_bridge(required: bool) -> bool:
+    """Installs the bridge; False (after one warning) where it cannot be had, unless required."""
+    from . import bridge
+
+    try:
+        module = bridge.load()
+    except bridge.BridgeUnavailable as e:
+        if required:
+            raise RuntimeError(f"pyalloc.install(bridge=True): {e}") from e
+        lost = "".join(f"\n  - {item}" for item in bridge.LOST_WITHOUT_BRIDGE)
+        warnings.warn(
+            f"pyalloc: the bridge to PyTorch's allocator interface is not available ({e}); "
+            f"pyalloc is installed through CUDAPluggableAllocator's C hooks instead, where "
+            f"these do not work:{lost}\nTo get the bridge: a C++ compiler, ninja and the CUDA "
+            f"runtime headers, then `pyalloc bridge build` (see `pyalloc doctor`); "
+            f"install(bridge=False) uses the hooks without this warning.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    _swap(lambda: module.install(_C.library_path()))
+    _state.allocator = module
+    return True
+
+
+def _install_hooks(torch) -> None:
     allocator = torch.cuda.memory.CUDAPluggableAllocator(
         _C.library_path(), "pyalloc_malloc", "pyalloc_free"
     )
@@ -136,23 +207,16 @@ def install(conf: Optional[str] = None, *, patch_torch: bool = True, **config: S
         if set_fn is not None:
             set_fn(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value)
             installed_hooks.append(setter)
-    try:
-        torch.cuda.memory.change_current_allocator(allocator)
-    except RuntimeError as e:
-        if "already initialized" in str(e):
-            raise RuntimeError(_ALREADY_INITIALIZED) from e
-        raise
-
-    _C.cuda_set_installed(True)
-    _state.conf, _state.config = text, wanted
+    _swap(lambda: torch.cuda.memory.change_current_allocator(allocator))
     _state.allocator, _state.hooks = allocator, tuple(installed_hooks)
-    if patch_torch:
-        _patch_torch()
 
 
-def is_installed() -> bool:
-    """Whether pyalloc is PyTorch's CUDA allocator in this process."""
-    return bool(_C.cuda_is_installed())
+def is_installed() -> Optional[str]:
+    """How PyTorch reaches pyalloc in this process: ``"bridge"`` (every PyTorch memory
+    tool works), ``"hooks"`` (CUDAPluggableAllocator's C hooks), or None when pyalloc
+    is not PyTorch's allocator."""
+    route = _C.cuda_route()
+    return None if route == "none" else route
 
 
 def _import_torch():

@@ -20,7 +20,7 @@ from typing import List
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.usage = (
-        "pyalloc run [--conf SETTINGS] [--no-patch-torch] (script.py | -m module) [args ...]"
+        "pyalloc run [--conf SETTINGS] [--no-bridge] [--no-patch-torch] (script.py | -m module) [args ...]"
     )
     parser.epilog = (
         "Settings are 'key:value,...' (e.g. pool_size:40GiB,max_pool_size:70GiB); "
@@ -28,8 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--conf", metavar="SETTINGS", default=None,
                         help="pyalloc settings, on top of those in PYALLOC_CONF")
+    parser.add_argument("--no-bridge", action="store_true",
+                        help="use CUDAPluggableAllocator's C hooks rather than the bridge")
     parser.add_argument("--no-patch-torch", action="store_true",
-                        help="leave torch.cuda.memory_stats() and friends untouched")
+                        help="hooks route: leave torch.cuda.memory_stats() and friends untouched")
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="module ...",
                         help="run a library module as a script, like python -m")
     parser.add_argument("script", nargs=argparse.REMAINDER, metavar="script.py ...",
@@ -54,7 +56,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         conf = cuda.settings_text(args.conf)
-        cuda.install(args.conf, patch_torch=not args.no_patch_torch)
+        cuda.install(args.conf, bridge=False if args.no_bridge else None,
+                     patch_torch=not args.no_patch_torch)
     except (RuntimeError, ValueError, TypeError) as e:
         return _fail(str(e))
     # Processes the program starts (workers, torch.multiprocessing) use the same settings.

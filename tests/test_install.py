@@ -15,7 +15,7 @@ import types
 import pytest
 
 import pyalloc
-from pyalloc import _C
+from pyalloc import _C, bridge
 from pyalloc import cuda as api
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,6 +126,10 @@ def fake_torch(cuda="12.8", hip=None, available=True, initialized=False, pluggab
     )
 
 
+def no_bridge():
+    raise bridge.BridgeUnavailable("no compiler here")
+
+
 @pytest.fixture
 def stand_in(monkeypatch):
     """install() with a stand-in torch and driver; its state is undone afterwards."""
@@ -133,12 +137,14 @@ def stand_in(monkeypatch):
     fake_c = types.SimpleNamespace(
         cuda_check_driver=lambda: 13000,
         cuda_configure=calls["configured"].append,
-        cuda_set_installed=calls["installed"].append,
+        cuda_set_route=calls["installed"].append,
         library_path=_C.library_path,
     )
     monkeypatch.setattr(api, "_C", fake_c)
-    for name in ("conf", "config", "allocator", "hooks"):
+    for name in ("conf", "config", "allocator", "hooks", "route"):
         monkeypatch.setattr(api._state, name, None)
+    # The bridge cannot be built here unless a test says otherwise.
+    monkeypatch.setattr(bridge, "load", no_bridge)
     monkeypatch.setattr(api._state, "patched", False)
 
     def patch():
@@ -157,14 +163,14 @@ def stand_in(monkeypatch):
 def test_install_registers_every_hook_torch_offers(stand_in):
     torch = fake_torch()
     calls = stand_in(torch)
-    pyalloc.install(pool_size="1GiB")
+    pyalloc.install(pool_size="1GiB", bridge=False)
     (allocator,) = torch.swaps
     assert allocator.args == (_C.library_path(), "pyalloc_malloc", "pyalloc_free")
     lib = ctypes.CDLL(_C.library_path())
     for setter, symbol in api._HOOKS:
         assert allocator.hooks.given[setter] == ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
     assert calls["configured"] == ["pool_size:1073741824"]
-    assert calls["installed"] == [True] and calls["patched"] == 1
+    assert calls["installed"] == ["hooks"] and calls["patched"] == 1
 
     # Again with the same settings: nothing happens. With others: a clear error.
     pyalloc.install("pool_size:1024MiB")
@@ -176,7 +182,7 @@ def test_install_registers_every_hook_torch_offers(stand_in):
 def test_install_sets_only_the_hooks_the_installed_torch_has(stand_in):
     torch = fake_torch(setters=("set_reset_fn", "set_record_stream_fn"))
     stand_in(torch)
-    pyalloc.install(patch_torch=False)
+    pyalloc.install(patch_torch=False, bridge=False)
     assert set(torch.swaps[0].hooks.given) == {"set_reset_fn", "set_record_stream_fn"}
     assert api._state.hooks == ("set_reset_fn", "set_record_stream_fn")
     assert not api._state.patched
@@ -184,7 +190,7 @@ def test_install_sets_only_the_hooks_the_installed_torch_has(stand_in):
 
 def test_install_later_can_add_the_torch_patch(stand_in):
     calls = stand_in(fake_torch())
-    pyalloc.install(patch_torch=False)
+    pyalloc.install(patch_torch=False, bridge=False)
     pyalloc.install()
     assert calls["patched"] == 1
 
@@ -204,15 +210,95 @@ def test_install_refusals_are_clear(stand_in, torch_kwargs, words):
     torch = fake_torch(**torch_kwargs)
     calls = stand_in(torch)
     with pytest.raises(RuntimeError, match=words):
-        pyalloc.install()
+        pyalloc.install(bridge=False)
     assert calls["installed"] == [] and api._state.config is None
 
 
 def test_already_initialized_error_names_the_fixes(stand_in):
     stand_in(fake_torch(initialized=True))
     with pytest.raises(RuntimeError) as e:
-        pyalloc.install()
+        pyalloc.install(bridge=False)
     message = str(e.value)
     for fix in ("call pyalloc.install() first", "python -m pyalloc run script.py",
                 "torchrun ... -m pyalloc run", "PYALLOC_CONF"):
         assert fix in message
+
+
+# -- the bridge route ------------------------------------------------------------------
+
+
+class FakeBridge:
+    """A stand-in for the built bridge module: install() records what it was given."""
+
+    def __init__(self, swap_error=None):
+        self.given = []
+        self.swap_error = swap_error
+
+    def install(self, library):
+        if self.swap_error:
+            raise RuntimeError(self.swap_error)
+        self.given.append(library)
+
+
+def test_the_bridge_is_the_default_route_and_patches_nothing(stand_in, monkeypatch):
+    torch = fake_torch()
+    calls = stand_in(torch)
+    module = FakeBridge()
+    monkeypatch.setattr(bridge, "load", lambda: module)
+    pyalloc.install(pool_size="1GiB")
+    assert module.given == [_C.library_path()]
+    assert torch.swaps == [], "the C hooks must not be registered too"
+    assert calls["installed"] == ["bridge"] and calls["patched"] == 0
+    assert api._state.route == "bridge"
+    pyalloc.install(pool_size="1GiB")  # again: nothing more, and still no patch
+    assert calls["patched"] == 0 and len(module.given) == 1
+
+
+def test_without_a_bridge_install_falls_back_and_says_what_is_lost(stand_in):
+    torch = fake_torch()
+    calls = stand_in(torch)
+    with pytest.warns(RuntimeWarning) as caught:
+        pyalloc.install()
+    (warning,) = caught
+    text = str(warning.message)
+    assert "no compiler here" in text and "pyalloc bridge build" in text
+    for lost in ("cudnn.benchmark", "torch.cuda.OutOfMemoryError", "_record_memory_history",
+                 "MemPool", "reduce-overhead"):
+        assert lost in text
+    assert len(torch.swaps) == 1 and calls["installed"] == ["hooks"] and calls["patched"] == 1
+
+
+def test_bridge_true_fails_rather_than_fall_back(stand_in):
+    torch = fake_torch()
+    calls = stand_in(torch)
+    with pytest.raises(RuntimeError, match=r"install\(bridge=True\): no compiler here"):
+        pyalloc.install(bridge=True)
+    assert torch.swaps == [] and calls["installed"] == [] and api._state.config is None
+
+
+def test_bridge_after_cuda_is_in_use_says_how_to_fix_it(stand_in, monkeypatch):
+    stand_in(fake_torch())
+    monkeypatch.setattr(bridge, "load",
+                        lambda: FakeBridge("Can't swap an already initialized allocator"))
+    with pytest.raises(RuntimeError, match="pyalloc.install\\(\\) must run before PyTorch initializes CUDA"):
+        pyalloc.install()
+    assert api._state.config is None
+
+
+@pytest.mark.parametrize("value, route", [("0", "hooks"), ("1", "bridge"), ("auto", "bridge")])
+def test_pyalloc_bridge_env_chooses_the_route(stand_in, monkeypatch, value, route):
+    calls = stand_in(fake_torch())
+    monkeypatch.setattr(bridge, "load", lambda: FakeBridge())
+    monkeypatch.setenv("PYALLOC_BRIDGE", value)
+    pyalloc.install()
+    assert calls["installed"] == [route]
+
+
+def test_pyalloc_bridge_env_1_fails_without_a_bridge(stand_in, monkeypatch):
+    stand_in(fake_torch())
+    monkeypatch.setenv("PYALLOC_BRIDGE", "1")
+    with pytest.raises(RuntimeError, match="bridge=True"):
+        pyalloc.install()
+    monkeypatch.setenv("PYALLOC_BRIDGE", "yes")
+    with pytest.raises(ValueError, match="PYALLOC_BRIDGE='yes'"):
+        pyalloc.install()

@@ -84,8 +84,17 @@ def test_bad_pyalloc_conf_is_named(tmp_path):
 @pytest.fixture
 def launched(monkeypatch):
     """Records install() calls instead of swapping torch's allocator."""
-    calls = []
-    monkeypatch.setattr(api, "install", lambda conf=None, patch_torch=True: calls.append((conf, patch_torch)))
+    class Calls(list):
+        bridge: list  # what each call asked of the bridge
+
+    calls = Calls()
+    calls.bridge = []
+
+    def install(conf=None, bridge=None, patch_torch=True):
+        calls.append((conf, patch_torch))
+        calls.bridge.append(bridge)
+
+    monkeypatch.setattr(api, "install", install)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delenv("PYALLOC_CONF", raising=False)
@@ -135,7 +144,7 @@ def test_the_programs_exit_status_is_the_processes(launched, tmp_path):
 
 
 def test_install_errors_stop_the_launch(monkeypatch, tmp_path, capsys):
-    def refuse(conf=None, patch_torch=True):
+    def refuse(conf=None, bridge=None, patch_torch=True):
         raise RuntimeError("no GPU here")
 
     monkeypatch.setattr(api, "install", refuse)
@@ -143,3 +152,11 @@ def test_install_errors_stop_the_launch(monkeypatch, tmp_path, capsys):
     script.write_text("raise AssertionError('must not run')\n")
     assert cli.main(["run", str(script)]) == 1
     assert capsys.readouterr().err == "pyalloc run: error: no GPU here\n"
+
+
+def test_no_bridge_asks_for_the_hooks_route(launched, tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    assert cli.main(["run", str(script)]) == 0
+    assert cli.main(["run", "--no-bridge", str(script)]) == 0
+    assert launched.bridge == [None, False]
