@@ -129,6 +129,10 @@ uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
   // Segment events this request causes carry its tag (until it returns or throws).
   ContextScope scope(&trace_context_, context);
   Block* b = rounded <= cfg_.small_size ? alloc_small(rounded, s, size) : alloc_large(rounded, s, size);
+  return hand_out(b, size, s, context);
+}
+
+uintptr_t Allocator::hand_out(Block* b, size_t size, Stream s, uint64_t context) {
   b->requested = size;
   b->context = context;
   live_.insert(b->addr, b);
@@ -142,6 +146,74 @@ uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
   if (cfg_.max_split_size != 0 && b->size >= cfg_.max_split_size) stats_.oversize_allocations.add(1);
   if (history_on_) trace(TraceEntry::kAlloc, b->addr, size, s);
   return b->addr;
+}
+
+// ---------------------------------------------------------------------------
+// Allocation at a given address (restoring a checkpoint)
+
+uintptr_t Allocator::allocate_at(uintptr_t addr, size_t size, Stream s, uint64_t context) {
+  if (size == 0 || size > kMaxRequest)
+    throw std::invalid_argument("allocate_at: size " + std::to_string(size) + " is out of range");
+  size_t rounded = round_up(size, kGranularity);
+  std::lock_guard<Lock> guard(mu_);
+  OpEnd end{this};
+  ContextScope scope(&trace_context_, context);
+  Block* b = block_at(addr);
+  std::string where = "allocate_at(" + format_ptr(addr) + ", " + std::to_string(size) + "): ";
+  if (b == nullptr) throw std::invalid_argument(where + "no memory of this pool is there");
+  if (!b->free_mapped() || addr + rounded > b->end())
+    throw std::invalid_argument(where + "that range is not free in one block");
+  if ((addr - b->segment->base) % kGranularity != 0)
+    throw std::invalid_argument(where + "the address is not on a block boundary");
+  // The small pool keeps small requests: memory that moved between the pools
+  // since the checkpoint cannot be given back as it was.
+  if ((rounded <= cfg_.small_size) != (b->segment->pool == kSmallPool))
+    throw std::invalid_argument(where + "that memory now belongs to the other size pool");
+  if (b->addr < addr) b = split_free_at(b, addr);
+  if (addr + rounded < b->end()) split_free_at(b, addr + rounded);
+  // b is exactly the range now: out of the free index, to the caller's stream.
+  state(b->stream).free[b->segment->pool].remove(b);
+  track_inactive_split(b, -1);
+  if (b->stream != s) {
+    b->stream = s;
+    b->free_seq = 0;
+  }
+  b->state = BlockState::kAllocated;
+  return hand_out(b, size, s, context);
+}
+
+Block* Allocator::block_at(uintptr_t ptr) const {
+  auto it = segments_.upper_bound(ptr);
+  if (it == segments_.begin() || ptr >= std::prev(it)->second->base + std::prev(it)->second->size)
+    return nullptr;
+  Block* b = std::prev(it)->second->first;
+  while (true) {
+    while (b != nullptr && ptr >= b->end()) b = b->next;
+    if (b == nullptr || b->chunk == nullptr) return b;
+    b = b->chunk->first;  // descend into the small-pool chunk
+  }
+}
+
+Block* Allocator::split_free_at(Block* b, uintptr_t at) {
+  Pool pool = b->segment->pool;
+  FreeIndex& index = state(b->stream).free[pool];
+  bool was_split = b->is_split();
+  Block* n = new_block();
+  n->addr = at;
+  n->size = b->end() - at;
+  n->segment = b->segment;
+  n->stream = b->stream;
+  n->free_seq = b->free_seq;
+  n->state = BlockState::kFree;
+  n->prev = b;
+  n->next = b->next;
+  if (b->next != nullptr) b->next->prev = n;
+  b->next = n;
+  index.resize(b, at - b->addr);
+  index.insert(n);
+  // Both halves are free blocks of a split segment now.
+  change_inactive_split(pool, was_split ? 1 : 2, was_split ? 0 : static_cast<int64_t>(b->size + n->size));
+  return n;
 }
 
 Block* Allocator::alloc_small(size_t size, Stream s, size_t request) {
@@ -754,16 +826,9 @@ void Allocator::throw_oom(size_t request, size_t size, Stream s, const std::stri
 
 std::string Allocator::describe_bad_pointer(uintptr_t ptr, const char* op) const {
   std::string where = std::string(op) + "(" + format_ptr(ptr) + "): ";
-  auto it = segments_.upper_bound(ptr);
-  if (it == segments_.begin() || ptr >= std::prev(it)->second->base + std::prev(it)->second->size)
+  const Block* b = block_at(ptr);
+  if (b == nullptr)
     return where + "not a pointer from this allocator (it lies outside every segment of its pool)";
-  const Segment* seg = std::prev(it)->second;
-  const Block* b = seg->first;
-  while (true) {
-    while (b != nullptr && ptr >= b->end()) b = b->next;
-    if (b == nullptr || b->chunk == nullptr) break;
-    b = b->chunk->first;  // descend into the small-pool chunk
-  }
   if (b != nullptr && b->state != BlockState::kAllocated)
     return where + "double free or stale pointer: the memory at this address is already free";
   if (b != nullptr && b->addr != ptr)

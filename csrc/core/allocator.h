@@ -127,6 +127,10 @@ class Allocator {
   /// is an opaque tag the history and snapshot() carry for this allocation
   /// (PyTorch's recorded stack traces, kept by the caller); 0 for none.
   uintptr_t malloc(size_t size, Stream stream, uint64_t context = 0);
+  /// Allocates exactly [addr, addr + size rounded) for `stream`, which must
+  /// lie in one free block (restoring a checkpoint of a pool, as PyTorch's
+  /// CUDA-graph trees do); std::invalid_argument if it does not.
+  uintptr_t allocate_at(uintptr_t addr, size_t size, Stream stream, uint64_t context = 0);
   /// Throws InvalidPointerError for anything but a live allocation.
   /// `context`: the tag of this free for the history (0: the allocation's).
   void free(uintptr_t ptr, uint64_t context = 0);
@@ -212,6 +216,12 @@ class Allocator {
   Block* new_block();
   void drop_block(Block* b);
 
+  // A block found for a request becomes the caller's: pointer map, stats, history.
+  uintptr_t hand_out(Block* b, size_t size, Stream s, uint64_t context);
+  // The block (of either pool) whose range holds ptr, or null.
+  Block* block_at(uintptr_t ptr) const;
+  // Splits free block b at `at`; returns the free block [at, b's old end).
+  Block* split_free_at(Block* b, uintptr_t at);
   Block* alloc_small(size_t size, Stream s, size_t request);
   Block* alloc_large(size_t size, Stream s, size_t request);
   Block* find_free(Pool pool, size_t size, Stream s);

@@ -146,6 +146,10 @@ void bind_core(py::module_& m) {
            "Allocates size bytes for use on stream; returns the address (0 for size 0). "
            "context: an opaque tag the history carries for this allocation.")
       .def("free", &A::free, py::arg("ptr"), py::arg("context") = 0, nogil)
+      .def("allocate_at", &A::allocate_at, py::arg("addr"), py::arg("size"), py::arg("stream") = 0,
+           py::arg("context") = 0, nogil,
+           "Allocates exactly [addr, addr + size) out of one free block (restoring a "
+           "checkpoint); ValueError if that range is not free.")
       .def("record_stream", &A::record_stream, py::arg("ptr"), py::arg("stream"), nogil)
       .def("empty_cache", &A::empty_cache, nogil, "Releases wholly free segments; bytes released.")
       .def("reserve", &A::reserve, py::arg("nbytes"), nogil, "Grows the pool; bytes reserved.")

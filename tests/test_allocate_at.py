@@ -1,0 +1,102 @@
+"""Allocator.allocate_at: the blocks of a checkpoint given back at their addresses.
+
+PyTorch's CUDA-graph trees (torch.compile(mode="reduce-overhead")) restore a
+private pool to a checkpoint: the blocks live then are allocated again where
+they were. These tests check that the core can, on every backend and strategy,
+and that it refuses clearly when the range is not free.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pyalloc import _C
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def core(backend, strategy, **conf):
+    text = ",".join([f"strategy:{strategy}"] + [f"{k}:{v}" for k, v in conf.items()])
+    return _C.Allocator(backend, text, 1 << 30)
+
+
+def test_a_freed_block_comes_back_at_its_address(backend, strategy):
+    a = core(backend, strategy)
+    p = a.malloc(3 * MiB)
+    q = a.malloc(5 * MiB)
+    small = a.malloc(4 * KiB)
+    a.free(p)
+    a.free(small)
+    assert a.allocate_at(p, 3 * MiB) == p
+    assert a.allocate_at(small, 4 * KiB) == small
+    a.check_invariants()
+    stats = a.stats()
+    assert stats["allocation.all.current"] == 3
+    assert stats["requested_bytes.all.current"] == 8 * MiB + 4 * KiB
+    for ptr in (p, q, small):
+        a.free(ptr)
+    a.check_invariants()
+    assert a.stats()["allocated_bytes.all.current"] == 0
+
+
+def test_a_range_inside_a_larger_free_block_is_carved_out(backend, strategy):
+    a = core(backend, strategy)
+    p = a.malloc(8 * MiB)
+    a.free(p)
+    # The middle of what was one block: free pieces stay on both sides.
+    mid = a.allocate_at(p + 2 * MiB, MiB)
+    assert mid == p + 2 * MiB
+    a.check_invariants()
+    before = a.malloc(2 * MiB)
+    assert before == p, "the piece in front stays free and usable"
+    a.free(before)
+    a.free(mid)
+    a.check_invariants()
+
+
+def test_a_range_in_use_or_outside_the_pool_is_refused(backend, strategy):
+    a = core(backend, strategy)
+    p = a.malloc(2 * MiB)
+    with pytest.raises(ValueError, match="not free"):
+        a.allocate_at(p, 1 * MiB)
+    with pytest.raises(ValueError, match="no memory of this pool"):
+        a.allocate_at(0x1000, 1 * MiB)
+    a.free(p)
+    with pytest.raises(ValueError, match="block boundary"):
+        a.allocate_at(p + 100, 1 * MiB)
+    a.check_invariants()
+
+
+def test_restoring_a_checkpoint_after_random_traffic(backend):
+    # bestfit: the graph pools that checkpoints are taken of use plain segments.
+    rng = random.Random(7)
+    a = core(backend, "bestfit")
+    live = {}
+    for _ in range(300):
+        if live and rng.random() < 0.45:
+            ptr = rng.choice(list(live))
+            a.free(ptr)
+            del live[ptr]
+        else:
+            size = rng.choice([rng.randint(1, 64 * KiB), rng.randint(1, 8 * MiB)])
+            live[a.malloc(size)] = size
+    checkpoint = dict(live)
+    for _ in range(300):
+        if live and rng.random() < 0.5:
+            ptr = rng.choice(list(live))
+            a.free(ptr)
+            del live[ptr]
+        else:
+            size = rng.randint(1, 4 * MiB)
+            live[a.malloc(size)] = size
+    # Restore: free what the checkpoint did not hold, allocate what it held.
+    for ptr in [p for p in live if p not in checkpoint or live[p] != checkpoint[p]]:
+        a.free(ptr)
+        del live[ptr]
+    for ptr, size in checkpoint.items():
+        if ptr not in live:
+            assert a.allocate_at(ptr, size) == ptr
+            live[ptr] = size
+        a.check_invariants()
+    assert a.stats()["requested_bytes.all.current"] == sum(checkpoint.values())
