@@ -86,10 +86,15 @@ class TraceEntry(c.Structure):
     ]
 
 
+class LiveBlock(c.Structure):
+    _fields_ = [("ptr", c.c_uint64), ("size", c.c_uint64), ("stream", c.c_void_p)]
+
+
 SEGMENT_FN = c.CFUNCTYPE(None, c.c_void_p, c.POINTER(SegmentInfo), c.POINTER(BlockInfo), c.c_size_t)
 TRACE_FN = c.CFUNCTYPE(None, c.c_void_p, c.POINTER(TraceEntry))
 VALUE_FN = c.CFUNCTYPE(None, c.c_void_p, c.c_uint64)
 FILTER_FN = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_void_p)
+LIVE_BLOCK_FN = c.CFUNCTYPE(None, c.c_void_p, c.POINTER(LiveBlock))
 POOL_STAT_FN = c.CFUNCTYPE(None, c.c_void_p, c.c_uint64, c.c_uint64, c.POINTER(StatArray))
 u64, i32 = c.c_uint64, c.c_int
 
@@ -122,6 +127,9 @@ class Api(c.Structure):
         ("create_or_incref_pool", c.CFUNCTYPE(i32, i32, u64, u64)),
         ("pool_use_count", c.CFUNCTYPE(i32, i32, u64, u64, c.POINTER(i32))),
         ("pool_live_blocks", c.CFUNCTYPE(i32, i32, u64, u64, VALUE_FN, c.c_void_p)),
+        ("pool_checkpoint", c.CFUNCTYPE(i32, i32, u64, u64, LIVE_BLOCK_FN, c.c_void_p)),
+        ("pool_restore", c.CFUNCTYPE(i32, i32, u64, u64, c.POINTER(LiveBlock), u64, VALUE_FN,
+                                     VALUE_FN, c.c_void_p)),
         ("init", c.CFUNCTYPE(i32, i32)),
         ("set_route", c.CFUNCTYPE(i32, i32)),
         ("settings", c.CFUNCTYPE(i32, c.c_char_p, u64)),
@@ -217,3 +225,25 @@ class BridgeApi:
         status = getattr(self.table, fn_name)(*args, cb, None)
         assert status == OK, self.error()
         return out
+
+
+def checkpoint(api: "BridgeApi", device: int, pool_id) -> list:
+    """[(ptr, size, stream)] of the pool's live allocations."""
+    out = []
+
+    def on_block(_user, b):
+        x = b.contents
+        out.append((x.ptr, x.size, x.stream or 0))
+
+    assert api.table.pool_checkpoint(device, *pool_id, LIVE_BLOCK_FN(on_block), None) == OK, api.error()
+    return out
+
+
+def restore(api: "BridgeApi", device: int, pool_id, blocks):
+    """(status, freed, allocated) of making exactly `blocks` live in the pool."""
+    freed, allocated = [], []
+    array = (LiveBlock * max(len(blocks), 1))(*[LiveBlock(p, s, st or None) for p, s, st in blocks])
+    status = api.table.pool_restore(device, *pool_id, array, len(blocks),
+                                    VALUE_FN(lambda _u, v: freed.append(v)),
+                                    VALUE_FN(lambda _u, v: allocated.append(v)), None)
+    return status, freed, allocated

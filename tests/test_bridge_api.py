@@ -21,7 +21,7 @@ import pyalloc
 from pyalloc import _C
 
 from bridge_api import INVALID, OK, OUT_OF_MEMORY, Api, BlockInfo, BridgeApi, DeviceStats
-from bridge_api import FILTER_FN, OomInfo, SegmentInfo, TraceEntry
+from bridge_api import FILTER_FN, LiveBlock, OomInfo, SegmentInfo, TraceEntry, checkpoint, restore
 
 MiB = 1 << 20
 CAPACITY = 64 * MiB
@@ -57,7 +57,8 @@ def test_the_header_and_its_ctypes_mirror_agree(tmp_path):
     checks = {
         "pyalloc_oom_info": OomInfo, "pyalloc_device_stats": DeviceStats,
         "pyalloc_block_info": BlockInfo, "pyalloc_segment_info": SegmentInfo,
-        "pyalloc_trace_entry": TraceEntry, "pyalloc_bridge_api": Api,
+        "pyalloc_trace_entry": TraceEntry, "pyalloc_live_block": LiveBlock,
+        "pyalloc_bridge_api": Api,
     }
     lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "cuda/bridge_api.h"',
              "int main(void) {"]
@@ -259,3 +260,29 @@ def test_route_settings_and_init(api, fake):
     assert api.settings(buf, 512) == OK
     assert "strategy:" in buf.value.decode()
     assert api.settings(buf, 4) == INVALID
+
+
+def test_a_pool_checkpoint_is_restored_at_the_same_addresses(api, fake):
+    # What torch.compile's CUDA-graph trees do between recordings.
+    filt = FILTER_FN(lambda _u, _s: 1)
+    assert api.begin_allocate_to_pool(0, 4, 0, filt, None) == OK
+    ptrs = [api.malloc(size, stream=0)[1] for size in (3 * MiB, 700 * 1024, 5 * MiB, 4096)]
+    api.free(ptrs[1], 0)
+    saved = checkpoint(api, 0, (4, 0))
+    assert sorted(p for p, _, _ in saved) == sorted([ptrs[0], ptrs[2], ptrs[3]])
+    assert {p: s for p, s, _ in saved}[ptrs[2]] == 5 * MiB
+    # The pool moves on: a checkpointed block is freed, a new one appears.
+    api.free(ptrs[2], 0)
+    _, extra, _ = api.malloc(2 * MiB)
+    assert api.end_allocate_to_pool(0, 4, 0) == OK
+
+    status, freed, allocated = restore(api, 0, (4, 0), saved)
+    assert status == OK, api.error()
+    assert freed == [extra] and allocated == [ptrs[2]]
+    assert sorted(api.values("pool_live_blocks", 0, 4, 0)) == sorted(p for p, _, _ in saved)
+    _C.cuda_check_invariants(0)
+    # Restoring blocks whose memory is taken is an error, not a corruption.
+    status, _, _ = restore(api, 0, (9, 9), saved)
+    assert status == INVALID and "no longer exists" in api.error()
+    for p, _, _ in saved:
+        assert api.free(p, 0) == OK

@@ -168,6 +168,8 @@ class Allocator {
   /// Throws InvariantError describing the first inconsistency found.
   void check_invariants() const;
 
+  /// A live allocation's requested size and stream: false if ptr is none.
+  bool live_block(uintptr_t ptr, size_t* requested, Stream* stream) const;
   /// The backend segment holding ptr: false if none does.
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
 

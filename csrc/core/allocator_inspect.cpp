@@ -30,6 +30,15 @@ size_t Allocator::largest_free_block() const {
   return std::max(largest_free_locked(kSmallPool), largest_free_locked(kLargePool));
 }
 
+bool Allocator::live_block(uintptr_t ptr, size_t* requested, Stream* stream) const {
+  std::lock_guard<Lock> guard(mu_);
+  const Block* b = live_.find(ptr);
+  if (b == nullptr || b->state != BlockState::kAllocated) return false;
+  *requested = b->requested;
+  *stream = b->stream;
+  return true;
+}
+
 void Allocator::set_stats_sink(StatsSink* sink) {
   std::lock_guard<Lock> guard(mu_);
   sink_ = sink;

@@ -297,6 +297,32 @@ int api_pool_live_blocks(int device, uint64_t id0, uint64_t id1, pyalloc_value_f
   });
 }
 
+int api_pool_checkpoint(int device, uint64_t id0, uint64_t id1, pyalloc_live_block_fn fn,
+                        void* user) {
+  return guarded([&] {
+    DevicePools* p = pools_of(device, false);
+    if (p == nullptr) return;
+    for (const DevicePools::LiveBlock& b : p->pool_checkpoint({id0, id1})) {
+      pyalloc_live_block out{b.ptr, b.size, stream_ptr(b.stream)};
+      fn(user, &out);
+    }
+  });
+}
+
+int api_pool_restore(int device, uint64_t id0, uint64_t id1, const pyalloc_live_block* blocks,
+                     uint64_t num_blocks, pyalloc_value_fn freed_fn, pyalloc_value_fn allocated_fn,
+                     void* user) {
+  return guarded([&] {
+    std::vector<DevicePools::LiveBlock> wanted;
+    for (uint64_t i = 0; i < num_blocks; ++i)
+      wanted.push_back({blocks[i].ptr, blocks[i].size, stream_of(blocks[i].stream)});
+    std::vector<uintptr_t> freed, allocated;
+    pools_of(device, true)->restore_pool({id0, id1}, wanted, &freed, &allocated);
+    for (uintptr_t ptr : freed) freed_fn(user, ptr);
+    for (uintptr_t ptr : allocated) allocated_fn(user, ptr);
+  });
+}
+
 int api_init(int device_count) {
   return guarded([&] { hooks::init(device_count); });
 }
@@ -354,6 +380,8 @@ const pyalloc_bridge_api kApiV1 = {
     &api_create_or_incref_pool,
     &api_pool_use_count,
     &api_pool_live_blocks,
+    &api_pool_checkpoint,
+    &api_pool_restore,
     &api_init,
     &api_set_route,
     &api_settings,

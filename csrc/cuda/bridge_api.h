@@ -112,10 +112,18 @@ typedef struct pyalloc_trace_entry {
   uint64_t pool_id[2];
 } pyalloc_trace_entry;
 
+/* A live allocation of a private pool: a checkpoint is a list of these. */
+typedef struct pyalloc_live_block {
+  uint64_t ptr;
+  uint64_t size; /* as requested */
+  void* stream;
+} pyalloc_live_block;
+
 typedef void (*pyalloc_segment_fn)(void* user, const pyalloc_segment_info* segment,
                                    const pyalloc_block_info* blocks, size_t num_blocks);
 typedef void (*pyalloc_trace_fn)(void* user, const pyalloc_trace_entry* entry);
 typedef void (*pyalloc_value_fn)(void* user, uint64_t value);
+typedef void (*pyalloc_live_block_fn)(void* user, const pyalloc_live_block* block);
 typedef void (*pyalloc_pool_stat_fn)(void* user, uint64_t id0, uint64_t id1,
                                      const pyalloc_stat_array* reserved);
 /* Returns nonzero if the stream's allocations go to the pool. */
@@ -177,6 +185,15 @@ typedef struct pyalloc_bridge_api {
   /* fn for the address of each live allocation of the pool. */
   int (*pool_live_blocks)(int device, uint64_t id0, uint64_t id1, pyalloc_value_fn fn,
                           void* user);
+  /* Checkpoints (torch.compile's CUDA-graph trees): fn for each live
+   * allocation of the pool; and making exactly `blocks` live again, the
+   * others freed (freed_fn each) and the missing ones allocated at their
+   * addresses (allocated_fn each). */
+  int (*pool_checkpoint)(int device, uint64_t id0, uint64_t id1, pyalloc_live_block_fn fn,
+                         void* user);
+  int (*pool_restore)(int device, uint64_t id0, uint64_t id1, const pyalloc_live_block* blocks,
+                      uint64_t num_blocks, pyalloc_value_fn freed_fn, pyalloc_value_fn allocated_fn,
+                      void* user);
 
   /* PyTorch's init(device_count); the route now in use (0: none, 1: hooks,
    * 2: bridge), for is_installed() and the doctor. */

@@ -389,6 +389,53 @@ std::vector<uintptr_t> DevicePools::pool_live_blocks(PoolId id) const {
   return out;
 }
 
+std::vector<DevicePools::LiveBlock> DevicePools::pool_checkpoint(PoolId id) const {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  std::vector<LiveBlock> out;
+  for (const auto& [ptr, pool] : pool_blocks_) {
+    if (pool->id != id) continue;
+    LiveBlock b{ptr, 0, 0};
+    if (pool->alloc->live_block(ptr, &b.size, &b.stream)) out.push_back(b);
+  }
+  std::sort(out.begin(), out.end(), [](const LiveBlock& a, const LiveBlock& b) { return a.ptr < b.ptr; });
+  return out;
+}
+
+void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
+                               std::vector<uintptr_t>* freed, std::vector<uintptr_t>* allocated) {
+  std::lock_guard<std::mutex> g(pools_mu_);
+  auto it = pools_.find(id);
+  if (it == pools_.end())
+    throw std::invalid_argument("cannot restore graph pool (" + std::to_string(id.first) + ", " +
+                                std::to_string(id.second) + "): it no longer exists");
+  GraphPool& pool = *it->second;
+  std::unordered_map<uintptr_t, const LiveBlock*> wanted;
+  for (const LiveBlock& b : blocks) wanted.emplace(b.ptr, &b);
+  // First free what the checkpoint did not hold, so that its blocks' memory is free again.
+  std::vector<uintptr_t> drop;
+  for (const auto& [ptr, owner] : pool_blocks_) {
+    if (owner != &pool) continue;
+    size_t size = 0;
+    Stream stream = 0;
+    auto w = wanted.find(ptr);
+    if (w == wanted.end() || !pool.alloc->live_block(ptr, &size, &stream) || size != w->second->size)
+      drop.push_back(ptr);
+  }
+  for (uintptr_t ptr : drop) {
+    pool.alloc->free(ptr);
+    pool_blocks_.erase(ptr);
+    pool.live--;
+    freed->push_back(ptr);
+  }
+  for (const LiveBlock& b : blocks) {
+    if (pool_blocks_.count(b.ptr) != 0) continue;  // live then and now
+    pool.alloc->allocate_at(b.ptr, b.size, b.stream);
+    pool_blocks_.emplace(b.ptr, &pool);
+    pool.live++;
+    allocated->push_back(b.ptr);
+  }
+}
+
 std::vector<std::pair<DevicePools::PoolId, Allocator*>> DevicePools::graph_pools() const {
   std::lock_guard<std::mutex> g(pools_mu_);
   std::vector<std::pair<PoolId, Allocator*>> out;

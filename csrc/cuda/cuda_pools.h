@@ -117,6 +117,20 @@ class DevicePools {
   int pool_use_count(PoolId id) const;
   /// The live allocations of pool `id` (PyTorch's checkPoolLiveAllocations).
   std::vector<uintptr_t> pool_live_blocks(PoolId id) const;
+  struct LiveBlock {
+    uintptr_t ptr;
+    size_t size;  // as requested
+    Stream stream;
+  };
+  /// The live allocations of pool `id` with their sizes and streams: a
+  /// checkpoint of it (PyTorch's getCheckpointState, for CUDA-graph trees).
+  std::vector<LiveBlock> pool_checkpoint(PoolId id) const;
+  /// Makes exactly `blocks` the live allocations of pool `id`: frees the
+  /// others and allocates the missing ones at their addresses, listing both
+  /// (PyTorch's setCheckpointPoolState). Throws std::invalid_argument if the
+  /// pool is gone or a block's memory is no longer free.
+  void restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
+                    std::vector<uintptr_t>* freed, std::vector<uintptr_t>* allocated);
   /// The graph pools that exist (for stats and tests); their allocators
   /// stay valid only while no pool is released.
   std::vector<std::pair<PoolId, Allocator*>> graph_pools() const;

@@ -435,17 +435,50 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
     return live == expected;
   }
 
-  std::shared_ptr<cca::AllocatorState> getCheckpointState(DeviceIndex, MempoolId) override {
-    unsupported("checkpointing a private pool's state (torch.compile's CUDA-graph trees)",
-                "Use torch.compile(mode=\"max-autotune-no-cudagraphs\"), or "
-                "torch._inductor.config.triton.cudagraph_trees = False.");
+  // torch.compile's CUDA-graph trees take a checkpoint of a private pool after
+  // each recording and, when they switch paths, put the pool back to it: the
+  // blocks live then are allocated again at their addresses, the others freed.
+  struct PoolCheckpoint : cca::AllocatorState {
+    DeviceIndex device = 0;
+    MempoolId id{0, 0};
+    std::vector<pyalloc_live_block> blocks;
+  };
+
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(DeviceIndex device, MempoolId id) override {
+    auto state = std::make_shared<PoolCheckpoint>();
+    state->device = device;
+    state->id = id;
+    check(api->pool_checkpoint(
+        device, id.first, id.second,
+        [](void* user, const pyalloc_live_block* b) {
+          static_cast<std::vector<pyalloc_live_block>*>(user)->push_back(*b);
+        },
+        &state->blocks));
+    return state;
   }
 
-  cca::CheckpointDelta setCheckpointPoolState(DeviceIndex,
-                                              std::shared_ptr<cca::AllocatorState>) override {
-    unsupported("restoring a private pool's state (torch.compile's CUDA-graph trees)",
-                "Use torch.compile(mode=\"max-autotune-no-cudagraphs\"), or "
-                "torch._inductor.config.triton.cudagraph_trees = False.");
+  cca::CheckpointDelta setCheckpointPoolState(DeviceIndex device,
+                                              std::shared_ptr<cca::AllocatorState> pps) override {
+    auto* state = dynamic_cast<PoolCheckpoint*>(pps.get());
+    TORCH_CHECK(state != nullptr && state->device == device,
+                "pyalloc: this checkpoint was not taken by pyalloc on device ", device);
+    struct Delta {
+      cca::CheckpointDelta out;
+      DeviceIndex device;
+    } delta{{}, device};
+    check(api->pool_restore(
+        device, state->id.first, state->id.second, state->blocks.data(), state->blocks.size(),
+        [](void* user, uint64_t ptr) {
+          static_cast<Delta*>(user)->out.ptrs_freed.push_back(reinterpret_cast<void*>(ptr));
+        },
+        [](void* user, uint64_t ptr) {
+          auto* d = static_cast<Delta*>(user);
+          void* p = reinterpret_cast<void*>(ptr);
+          d->out.dataptrs_allocd.emplace_back(p, p, &delete_block,
+                                              c10::Device(c10::DeviceType::CUDA, d->device));
+        },
+        &delta));
+    return std::move(delta.out);
   }
 
   // -- devices -------------------------------------------------------------
