@@ -10,6 +10,9 @@ Cases:
   cache hit         one size, malloc then free: the block is reused every time
   mixed sizes       log-uniform 512 B .. 64 MiB with 64 allocations kept live
   2 threads         the cache-hit loop from two threads at once (one pool)
+  device pools      the cache-hit loop through a CUDA device's pools as PyTorch
+                    reaches them (the C hooks, or the bridge's C table), over a
+                    fake device: the CUDA layer's cost without a GPU
 Target: a cache-hit pair under 100 ns, judged on the best of the repeats (on
 a shared machine other tenants only add time; medians are reported too).
 """
@@ -51,6 +54,21 @@ def measure(sizes, iterations, threads=1, window=1, repeats=5):
     return statistics.median(results), min(results)
 
 
+def device_pair_ns(via: str, size: int, iterations: int, repeats: int):
+    """(median, best) ns per pair through device 0's pools on a fake device."""
+    results = []
+    for _ in range(repeats):
+        _C._testing_use_fake_devices(256 * MiB)
+        # As installed: PyTorch announces captures (the bridge; hooks where torch has them).
+        _C.cuda_set_told_of_captures(True)
+        try:
+            _C.bench_device_pairs(via, size, max(1000, iterations // 10))  # warm
+            results.append(_C.bench_device_pairs(via, size, iterations) * 1e9 / iterations)
+        finally:
+            _C._testing_reset()
+    return statistics.median(results), min(results)
+
+
 def python_pair_ns(iterations: int) -> float:
     a = pyalloc.Allocator("virtual")
     malloc, free = a.malloc, a.free
@@ -81,6 +99,12 @@ def main() -> int:
         median, best = measure(iterations=iters, repeats=r, **kw)
         rows.append({"case": name, "ns_per_pair_median": round(median, 2), "ns_per_pair_best": round(best, 2),
                      "iterations": iters, "threads": kw.get("threads", 1), "live_window": kw.get("window", 1)})
+    for via, label in (("hooks", "C hooks"), ("bridge_api", "bridge's C table")):
+        for size, size_name in ((4 * KiB, "4 KiB"), (8 * MiB, "8 MiB")):
+            median, best = device_pair_ns(via, size, n // 2, r)
+            rows.append({"case": f"device pools via {label}, {size_name}", "ns_per_pair_median": round(median, 2),
+                         "ns_per_pair_best": round(best, 2), "iterations": n // 2, "threads": 1,
+                         "live_window": 1})
     py_ns = python_pair_ns(200_000)
 
     width = max(len(row["case"]) for row in rows)

@@ -209,6 +209,9 @@ def _install_hooks(torch) -> None:
             installed_hooks.append(setter)
     _swap(lambda: torch.cuda.memory.change_current_allocator(allocator))
     _state.allocator, _state.hooks = allocator, tuple(installed_hooks)
+    # With the graph-pool hooks PyTorch announces every capture, so allocations
+    # need not ask the driver about their stream each time.
+    _C.cuda_set_told_of_captures("set_begin_allocate_to_pool" in installed_hooks)
 
 
 def is_installed() -> Optional[str]:

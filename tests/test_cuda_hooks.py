@@ -541,3 +541,21 @@ def test_buffer_pointers_are_known_to_the_hooks(fake, lib):
     del t
     gc.collect()
     assert _C.cuda_stats(0, "buffers")["active_bytes.all.current"] in (0, 2 * MiB)
+
+
+def test_once_pytorch_announces_captures_allocations_stop_asking(graph_pool):
+    # With the graph-pool hooks registered (or the bridge), a capture always
+    # begins with begin_allocate_to_pool: no allocation asks the driver about
+    # its stream, so a capture pyalloc was not told of is not seen either.
+    lib = graph_pool
+    _C.cuda_set_told_of_captures(True)
+    try:
+        capture(9)
+        a = lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM)
+        lib.pyalloc_free(a, MiB, 0, CAPTURE_STREAM)
+        assert _C.cuda_graph_memory(0) == (0, 0), "the stream was probed after all"
+        assert allocated() == 0
+    finally:
+        capture(0)
+        _C.cuda_set_told_of_captures(False)
+    check()

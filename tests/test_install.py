@@ -133,11 +133,12 @@ def no_bridge():
 @pytest.fixture
 def stand_in(monkeypatch):
     """install() with a stand-in torch and driver; its state is undone afterwards."""
-    calls = {"configured": [], "installed": [], "patched": 0}
+    calls = {"configured": [], "installed": [], "patched": 0, "told": []}
     fake_c = types.SimpleNamespace(
         cuda_check_driver=lambda: 13000,
         cuda_configure=calls["configured"].append,
         cuda_set_route=calls["installed"].append,
+        cuda_set_told_of_captures=calls["told"].append,
         library_path=_C.library_path,
     )
     monkeypatch.setattr(api, "_C", fake_c)
@@ -171,6 +172,8 @@ def test_install_registers_every_hook_torch_offers(stand_in):
         assert allocator.hooks.given[setter] == ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
     assert calls["configured"] == ["pool_size:1073741824"]
     assert calls["installed"] == ["hooks"] and calls["patched"] == 1
+    # PyTorch announces captures through the graph-pool hooks: no per-allocation query.
+    assert calls["told"] == [True]
 
     # Again with the same settings: nothing happens. With others: a clear error.
     pyalloc.install("pool_size:1024MiB")
@@ -181,9 +184,10 @@ def test_install_registers_every_hook_torch_offers(stand_in):
 
 def test_install_sets_only_the_hooks_the_installed_torch_has(stand_in):
     torch = fake_torch(setters=("set_reset_fn", "set_record_stream_fn"))
-    stand_in(torch)
+    calls = stand_in(torch)
     pyalloc.install(patch_torch=False, bridge=False)
     assert set(torch.swaps[0].hooks.given) == {"set_reset_fn", "set_record_stream_fn"}
+    assert calls["told"] == [False], "without the graph-pool hooks, captures must be asked about"
     assert api._state.hooks == ("set_reset_fn", "set_record_stream_fn")
     assert not api._state.patched
 

@@ -148,8 +148,7 @@ class Allocator {
 
   Stats stats() const;
   void reset_peak_stats();
-  /// Every allocated / freed sum and counter starts again from 0 (a sink
-  /// keeps its own: StatsSink::reset_accumulated()).
+  /// Every allocated / freed sum and counter starts again from 0.
   void reset_accumulated_stats();
   /// The largest mapped free block of either pool (bytes), without the
   /// rest of fragmentation()'s survey.
@@ -289,7 +288,7 @@ class Allocator {
   uint64_t next_segment_id_ = 0;
   Stats stats_;
   StatsSink* sink_ = nullptr;
-  Stats pushed_;  // what sink_ has of stats_
+  Stats pushed_;  // the current counts sink_ has of stats_
 
   std::vector<std::unique_ptr<Block[]>> block_slabs_;
   std::vector<Block*> spare_blocks_;

@@ -22,7 +22,6 @@ void Allocator::reset_peak_stats() {
 void Allocator::reset_accumulated_stats() {
   std::lock_guard<Lock> guard(mu_);
   stats_.reset_accumulated();
-  pushed_.reset_accumulated();  // the sink's own sums are reset apart
 }
 
 size_t Allocator::largest_free_block() const {

@@ -78,37 +78,80 @@ std::vector<std::pair<std::string, int64_t>> Stats::flatten() const {
   return out;
 }
 
-void StatsSink::push(const Stats& now, Stats* last) {
-  auto add = [](Stat& total, const Stat& n, const Stat& l) {
-    total.current += n.current - l.current;
-    total.allocated += n.allocated - l.allocated;
-    total.freed += n.freed - l.freed;
+namespace {
+
+// Adds the sums that only grow (allocated, freed, the counters) of `from` to `to`.
+void add_sums(Stats& to, const Stats& from) {
+  auto add = [](Stat& t, const Stat& f) {
+    t.allocated += f.allocated;
+    t.freed += f.freed;
   };
-  constexpr StatArray Stats::*kArrays[] = {
-      &Stats::allocation,      &Stats::segment,        &Stats::active,
-      &Stats::inactive_split,  &Stats::allocated_bytes, &Stats::reserved_bytes,
-      &Stats::active_bytes,    &Stats::inactive_split_bytes, &Stats::requested_bytes,
-  };
-  constexpr int64_t Stats::*kCounters[] = {
-      &Stats::num_alloc_retries, &Stats::num_ooms,        &Stats::num_sync_all_streams,
-      &Stats::num_device_alloc,  &Stats::num_device_free, &Stats::num_oom_rejections,
-  };
-  std::lock_guard<Lock> guard(mu_);
-  for (StatArray Stats::*a : kArrays) {
-    add((total_.*a).all, (now.*a).all, (last->*a).all);
-    add((total_.*a).small, (now.*a).small, (last->*a).small);
-    add((total_.*a).large, (now.*a).large, (last->*a).large);
+  auto to_arrays = arrays_of(to);
+  auto from_arrays = arrays_of(from);
+  for (size_t i = 0; i < to_arrays.size(); ++i) {
+    add(to_arrays[i]->all, from_arrays[i]->all);
+    add(to_arrays[i]->small, from_arrays[i]->small);
+    add(to_arrays[i]->large, from_arrays[i]->large);
   }
-  add(total_.oversize_allocations, now.oversize_allocations, last->oversize_allocations);
-  add(total_.oversize_segments, now.oversize_segments, last->oversize_segments);
-  for (int64_t Stats::*c : kCounters) total_.*c += now.*c - last->*c;
-  total_.settle();
-  *last = now;
+  add(to.oversize_allocations, from.oversize_allocations);
+  add(to.oversize_segments, from.oversize_segments);
+  to.num_alloc_retries += from.num_alloc_retries;
+  to.num_ooms += from.num_ooms;
+  to.num_sync_all_streams += from.num_sync_all_streams;
+  to.num_device_alloc += from.num_device_alloc;
+  to.num_device_free += from.num_device_free;
+  to.num_oom_rejections += from.num_oom_rejections;
 }
 
-Stats StatsSink::read() const {
+}  // namespace
+
+namespace {
+
+inline void carry(Stat& total, const Stat& now, Stat& last) {
+  int64_t delta = now.current - last.current;
+  if (delta == 0) return;
+  last.current = now.current;
+  total.current += delta;
+  if (total.current > total.peak) total.peak = total.current;
+}
+
+inline void carry(StatArray& total, const StatArray& now, StatArray& last) {
+  carry(total.all, now.all, last.all);
+  carry(total.small, now.small, last.small);
+  carry(total.large, now.large, last.large);
+}
+
+}  // namespace
+
+void StatsSink::push(const Stats& now, Stats* last) {
+  // Only current counts, and only those that changed: this runs at the end of
+  // every allocation and free of every pool of the device, so it is spelled
+  // out for the compiler rather than looped over member tables.
   std::lock_guard<Lock> guard(mu_);
-  return total_;
+  carry(total_.allocation, now.allocation, last->allocation);
+  carry(total_.segment, now.segment, last->segment);
+  carry(total_.active, now.active, last->active);
+  carry(total_.inactive_split, now.inactive_split, last->inactive_split);
+  carry(total_.allocated_bytes, now.allocated_bytes, last->allocated_bytes);
+  carry(total_.reserved_bytes, now.reserved_bytes, last->reserved_bytes);
+  carry(total_.active_bytes, now.active_bytes, last->active_bytes);
+  carry(total_.inactive_split_bytes, now.inactive_split_bytes, last->inactive_split_bytes);
+  carry(total_.requested_bytes, now.requested_bytes, last->requested_bytes);
+  carry(total_.oversize_allocations, now.oversize_allocations, last->oversize_allocations);
+  carry(total_.oversize_segments, now.oversize_segments, last->oversize_segments);
+}
+
+Stats StatsSink::read(const std::vector<Stats>& pools) const {
+  std::lock_guard<Lock> guard(mu_);
+  Stats out = total_;
+  add_sums(out, retired_);
+  for (const Stats& p : pools) add_sums(out, p);
+  return out;
+}
+
+void StatsSink::retire(const Stats& final) {
+  std::lock_guard<Lock> guard(mu_);
+  add_sums(retired_, final);
 }
 
 void StatsSink::reset_peak() {
@@ -118,7 +161,7 @@ void StatsSink::reset_peak() {
 
 void StatsSink::reset_accumulated() {
   std::lock_guard<Lock> guard(mu_);
-  total_.reset_accumulated();
+  retired_ = Stats();
 }
 
 }  // namespace pyalloc

@@ -121,22 +121,33 @@ struct Stats {
 };
 
 /// The stats of several allocators as one, as PyTorch keeps one DeviceStats
-/// for all the pools of a device: each allocator pushes what changed at the
-/// end of every operation, so every peak here is the peak of the sum (never
-/// the sum of the allocators' peaks). max_split_size is left to the caller.
+/// for all the pools of a device. Only the current counts go through the
+/// sink, at the end of every operation of each allocator: the peaks of their
+/// sum must be taken as they happen (never a sum of the allocators' peaks).
+/// The sums that only grow (allocated, freed, the counters) are added up when
+/// read, from the allocators' own stats and those of allocators retired.
 class StatsSink {
  public:
-  /// Adds the change from `*last` to `now`, settles the peaks, and makes
-  /// `*last` `now`. Called under the pushing allocator's lock; takes only
-  /// the sink's own.
+  /// Adds the change of the current counts from `*last` to `now`, settles
+  /// the peaks, and brings `*last`'s current counts to `now`'s. Called under
+  /// the pushing allocator's lock; takes only the sink's own.
   void push(const Stats& now, Stats* last);
-  Stats read() const;
+  /// The allocators' stats as one: the sink's current counts and peaks, the
+  /// sums of `pools` (each allocator's stats()) and of the retired ones.
+  /// max_split_size is left to the caller.
+  Stats read(const std::vector<Stats>& pools) const;
+  /// An allocator detached for good (its current counts all 0): its sums
+  /// stay in the device's.
+  void retire(const Stats& final);
   void reset_peak();
+  /// The retired allocators' sums start again from 0 (each live allocator
+  /// resets its own).
   void reset_accumulated();
 
  private:
   mutable Lock mu_;
-  Stats total_;
+  Stats total_;    // current counts and their peaks
+  Stats retired_;  // allocated / freed sums and counters of retired allocators
 };
 
 }  // namespace pyalloc

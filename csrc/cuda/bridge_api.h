@@ -204,6 +204,7 @@ typedef struct pyalloc_bridge_api {
 } pyalloc_bridge_api;
 
 /* The table of `version`, or NULL if this pyalloc does not offer it. */
+const pyalloc_bridge_api* pyalloc_bridge_api_get(uint32_t version);
 typedef const pyalloc_bridge_api* (*pyalloc_bridge_api_get_fn)(uint32_t version);
 #define PYALLOC_BRIDGE_API_SYMBOL "pyalloc_bridge_api_get"
 

@@ -102,6 +102,7 @@ struct CudaShared {
   std::mutex error_mu;
   std::string error;
   bool error_told = false;
+  std::atomic<bool> has_error{false};  // error is not empty: read without the lock
 
   size_t access_count() const { return peers_refused.load(std::memory_order_acquire) ? 1 : access.size(); }
 
@@ -117,6 +118,7 @@ struct CudaShared {
                           "until the process restarts";
     std::lock_guard<std::mutex> g(error_mu);
     if (error.empty()) error = message;
+    has_error.store(true, std::memory_order_release);
     // At exit the driver is torn down before the last frees: nothing to tell then.
     if (error_told || r == CUDA_ERROR_DEINITIALIZED) return;
     error_told = true;
@@ -440,6 +442,7 @@ class CudaBackend final : public Backend {
       std::lock_guard<std::mutex> g(sh_->error_mu);
       std::string message = "CUDA error on device " + std::to_string(sh_->index) + ": " + what;
       if (sh_->error.empty()) sh_->error = message;
+      sh_->has_error.store(true, std::memory_order_release);
       if (!sh_->error_told) std::fprintf(stderr, "pyalloc: %s\n", message.c_str());
       sh_->error_told = true;
     } else {
@@ -518,9 +521,11 @@ class CudaDevice final : public Device {
   int dlpack_device_type() const override { return 2; }  // kDLCUDA
   std::string vmm_unavailable() const override { return sh_->vmm_page != 0 ? "" : sh_->vmm_why; }
   std::string take_error() override {
+    if (!sh_->has_error.load(std::memory_order_acquire)) return {};  // every allocation asks
     std::lock_guard<std::mutex> g(sh_->error_mu);
     std::string e;
     e.swap(sh_->error);
+    sh_->has_error.store(false, std::memory_order_release);
     return e;
   }
 

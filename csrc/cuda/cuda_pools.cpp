@@ -103,7 +103,9 @@ uintptr_t DevicePools::malloc(size_t size, Stream stream, uint64_t context) {
     uintptr_t p = routed_malloc(size, stream, context, &routed);
     if (routed) return p;
   }
-  if (!told_of_captures_.load(std::memory_order_acquire)) {
+  // Without PyTorch's pool calls, each allocation asks whether its stream is capturing.
+  if (!told_of_captures_.load(std::memory_order_acquire) &&
+      !PoolRegistry::instance().told_of_captures()) {
     CaptureState cap = device_->captures().probe(stream);
     if (cap.capturing) return capture_malloc(size, stream, cap.id, context);
   }
@@ -316,7 +318,9 @@ bool DevicePools::reclaim_locked(GraphPool& pool) {
   pool.alloc->empty_cache();  // waits for the streams that used its blocks
   if (pool.alloc->stats().reserved_bytes.all.current != 0) return false;
   pool.alloc->set_stats_sink(nullptr);  // all it added is given back by now
-  released_reserved_[pool.id] = pool.alloc->stats().reserved_bytes;
+  Stats final = pool.alloc->stats();
+  device_stats_.retire(final);  // its sums stay the device's
+  released_reserved_[pool.id] = final.reserved_bytes;
   pools_.erase(pool.id);
   pools_exist_.store(!pools_.empty(), std::memory_order_release);
   return true;
@@ -519,7 +523,12 @@ size_t DevicePools::release_graph_memory() {
 // Statistics and history of the device
 
 Stats DevicePools::stats() const {
-  Stats s = device_stats_.read();
+  std::vector<Stats> pools{general_->stats(), buffers_->stats()};
+  {
+    std::lock_guard<std::mutex> g(pools_mu_);
+    for (const auto& [id, pool] : pools_) pools.push_back(pool->alloc->stats());
+  }
+  Stats s = device_stats_.read(pools);
   s.max_split_size = max_split_size_;
   return s;
 }
@@ -656,6 +665,8 @@ DevicePools& PoolRegistry::get(int device) {
   if (history_) pools->record_history(true, history_max_);
   p = pools.release();
   pools_[device].store(p, std::memory_order_release);
+  only_.store(only_.load() == nullptr ? p : reinterpret_cast<DevicePools*>(kSeveral),
+              std::memory_order_release);
   return *p;
 }
 
@@ -691,12 +702,14 @@ void PoolRegistry::use_fake_devices(size_t capacity) {
 void PoolRegistry::reset_fake() {
   std::lock_guard<std::mutex> g(mu_);
   if (!fake_) throw std::runtime_error("only fake pools can be dropped");
+  only_.store(nullptr);
   for (auto& slot : pools_) delete slot.exchange(nullptr);
   configured_ = false;
   config_ = Config();
   history_ = false;
   history_max_ = 0;
   route_ = kNotInstalled;
+  told_of_captures_ = false;
   device_count_ = -1;
   fake_ = false;
   fake_capacity_ = 0;
@@ -736,6 +749,7 @@ bool free_checked(uintptr_t ptr, int device, uint64_t context, std::string* why)
   if (ptr == 0) return true;
   PoolRegistry& r = PoolRegistry::instance();
   DevicePools* hinted = r.find(device);
+  if (hinted == nullptr && device < 0) hinted = r.only();  // one device: no search
   if (hinted != nullptr && hinted->free(ptr, why, context)) return true;
   // The device is a hint: the pointer's owner decides.
   uintptr_t base;

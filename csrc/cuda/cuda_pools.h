@@ -256,6 +256,11 @@ class PoolRegistry {
   /// The device's pools if they exist (no lock).
   DevicePools* find(int device) const;
   std::vector<DevicePools*> all() const;
+  /// The pools of the one device that has them, or null if none or several do.
+  DevicePools* only() const {
+    DevicePools* p = only_.load(std::memory_order_acquire);
+    return p == reinterpret_cast<DevicePools*>(kSeveral) ? nullptr : p;
+  }
 
   /// Remembered for pools created later, applied to both pools of each device.
   void record_history(bool enabled, size_t max_entries);
@@ -267,7 +272,15 @@ class PoolRegistry {
   /// How PyTorch reaches the pools: not at all, through the C hooks of its
   /// CUDAPluggableAllocator, or through the bridge (csrc/torch_bridge/).
   enum Route : int { kNotInstalled = 0, kHooks = 1, kBridge = 2 };
-  void set_route(Route route) { route_ = route; }
+  void set_route(Route route) {
+    route_ = route;
+    if (route == kBridge) set_told_of_captures(true);  // the bridge always passes them on
+  }
+  /// PyTorch will call begin/end_allocate_to_pool around every capture (the
+  /// bridge, or hooks where torch has the setters): allocations need not ask
+  /// the driver whether their stream is capturing.
+  void set_told_of_captures(bool told) { told_of_captures_.store(told, std::memory_order_release); }
+  bool told_of_captures() const { return told_of_captures_.load(std::memory_order_acquire); }
   Route route() const { return static_cast<Route>(route_.load()); }
   bool installed() const { return route_.load() != kNotInstalled; }
 
@@ -288,7 +301,10 @@ class PoolRegistry {
   Config config_;
   bool history_ = false;
   size_t history_max_ = 0;
+  static constexpr uintptr_t kSeveral = 1;
+  std::atomic<DevicePools*> only_{nullptr};  // kSeveral once a second device has pools
   std::atomic<int> route_{kNotInstalled};
+  std::atomic<bool> told_of_captures_{false};
   std::atomic<int> device_count_{-1};
   bool fake_ = false;
   size_t fake_capacity_ = 0;

@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "core/allocator.h"
+#include "cuda/bridge_api.h"
+#include "cuda/cuda_pools.h"
 #include "py_bindings.h"
 
 namespace py = pybind11;
@@ -40,9 +42,34 @@ double run_pairs(Allocator& a, const std::vector<size_t>& sizes, size_t iteratio
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// A cache-hit pair through a device's pools as PyTorch reaches them: the C
+// hooks' functions, or the bridge's C table (what the bridge calls, minus
+// torch). Run over fake devices (no GPU): the cost of the CUDA layer.
+double run_device_pairs(const std::string& via, size_t size, size_t iterations) {
+  const pyalloc_bridge_api* api = pyalloc_bridge_api_get(PYALLOC_BRIDGE_API_VERSION);
+  bool table = via == "bridge_api";
+  if (!table && via != "hooks")
+    throw std::invalid_argument("via must be 'hooks' or 'bridge_api', not '" + via + "'");
+  auto start = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < iterations; ++i) {
+    if (table) {
+      void* p = nullptr;
+      if (api->malloc(0, size, nullptr, 0, &p, nullptr) != PYALLOC_OK || api->free(p, 0) != PYALLOC_OK)
+        throw std::runtime_error(api->last_error());
+    } else {
+      hooks::free(hooks::malloc(size, 0, 0), 0);
+    }
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 }  // namespace
 
 void bind_bench(py::module_& m) {
+  m.def("bench_device_pairs", &run_device_pairs, py::arg("via"), py::arg("size"), py::arg("iterations"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Runs iterations malloc+free pairs on device 0's pools through 'hooks' (the C hooks' "
+        "logic) or 'bridge_api' (the bridge's C table); returns wall seconds. Use fake devices.");
   m.def("bench_pairs", &run_pairs, py::arg("allocator"), py::arg("sizes"), py::arg("iterations"),
         py::arg("threads") = 1, py::arg("window") = 1,
         py::call_guard<py::gil_scoped_release>(),

@@ -195,6 +195,11 @@ void bind_cuda(py::module_& m) {
       },
       "How PyTorch reaches pyalloc in this process: 'hooks', 'bridge' or 'none'.");
   m.def(
+      "cuda_set_told_of_captures", [](bool told) { registry().set_told_of_captures(told); },
+      py::arg("told"),
+      "PyTorch calls the graph-pool hooks around every capture: allocations stop asking the "
+      "driver whether their stream is capturing.");
+  m.def(
       "cuda_is_installed", [] { return registry().installed(); },
       "Whether pyalloc is PyTorch's CUDA allocator in this process.");
   m.def(
