@@ -31,17 +31,20 @@ def _files(pattern):
 
 
 sources = _files("*.cpp")
+EXPORTS = os.path.join(here, "csrc", "python", "exports.map")
 headers = _files("*.h")
 
 ext = Pybind11Extension(
     "pyalloc._C",
     sources,
-    depends=headers,  # rebuild when a header changes, not only a .cpp
+    depends=headers + [EXPORTS],  # rebuild when a header changes, not only a .cpp
     cxx_std=17,
     include_dirs=["csrc"],  # includes name their layer: "core/allocator.h"
     define_macros=[("PYALLOC_VERSION", f'"{VERSION}"')],
     extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall", "-Wextra"],
     libraries=["dl"],
+    # Exports only the module's entry point and the pyalloc_* C functions.
+    extra_link_args=[f"-Wl,--version-script={EXPORTS}"],
 )
 
 # The bridge is compiled later, against the torch the user has (pyalloc/bridge.py):

@@ -286,3 +286,14 @@ def test_a_pool_checkpoint_is_restored_at_the_same_addresses(api, fake):
     assert status == INVALID and "no longer exists" in api.error()
     for p, _, _ in saved:
         assert api.free(p, 0) == OK
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm")
+def test_the_library_exports_only_its_entry_points():
+    # PyTorch and the bridge look up pyalloc_* by name; nothing else of ours
+    # (no C++ template instantiation) may be bound to from another library.
+    out = subprocess.run(["nm", "-D", "--defined-only", _C.__file__], capture_output=True,
+                         text=True, check=True).stdout
+    names = [line.split()[-1] for line in out.splitlines() if line.strip()]
+    assert "PyInit__C" in names and "pyalloc_bridge_api_get" in names and "pyalloc_malloc" in names
+    assert [n for n in names if n != "PyInit__C" and not n.startswith("pyalloc_")] == []

@@ -16,8 +16,9 @@ namespace {
 // The buffer pool grows by exactly what a buffer needs (in the core's 2 MiB
 // segment unit) and splits off every remainder worth a block, so that each
 // buffer costs what it holds and the rest of its segment serves the next.
-Config buffer_config() {
+Config buffer_config(const Config& general) {
   Config b;
+  b.strategy = general.strategy;  // strategy:bestfit means no virtual memory at all
   b.segment_size = kSegmentAlign;
   b.small_size = kGranularity;
   return b;
@@ -77,7 +78,7 @@ struct DevicePools::GraphPool {
 DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config)
     : device_(std::move(device)), config_(config) {
   general_ = std::make_unique<Allocator>(device_->make_backend(), config_);
-  buffers_ = std::make_unique<Allocator>(device_->make_backend(), buffer_config());
+  buffers_ = std::make_unique<Allocator>(device_->make_backend(), buffer_config(config_));
   general_->set_stats_sink(&device_stats_);
   buffers_->set_stats_sink(&device_stats_);
   max_split_size_ = general_->stats().max_split_size;
