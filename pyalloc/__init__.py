@@ -24,6 +24,7 @@ from .cuda import (
     release_graph_memory,
     reserve,
     reserve_buffer,
+    reset_accumulated_memory_stats,
     reset_peak_memory_stats,
     snapshot,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "release_graph_memory",
     "reserve",
     "reserve_buffer",
+    "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "snapshot",
 ]

@@ -341,6 +341,12 @@ def reset_peak_memory_stats(device: Any = None) -> None:
     _C.cuda_reset_peak_stats(_device_index(device))
 
 
+def reset_accumulated_memory_stats(device: Any = None) -> None:
+    """Sets every ``allocated`` / ``freed`` sum and counter (``num_ooms``,
+    ``num_device_alloc``, ...) of the device to 0, as ``torch.cuda`` does."""
+    _C.cuda_reset_accumulated_stats(_device_index(device))
+
+
 def fragmentation(device: Any = None) -> Dict[str, Any]:
     """The device's general pool: free bytes, largest free block, external
     fragmentation (1 - largest free block / free bytes), free blocks by size."""
@@ -367,6 +373,7 @@ TORCH_REPLACEMENTS = (
     memory_reserved,
     max_memory_reserved,
     reset_peak_memory_stats,
+    reset_accumulated_memory_stats,
     memory_summary,
 )
 

@@ -57,6 +57,22 @@ def test_stats_have_torchs_keys_and_count_both_pools(fake):
     assert pyalloc.max_memory_reserved(0) == pyalloc.memory_reserved(0)
 
 
+def test_reset_accumulated_memory_stats(fake):
+    for _ in range(3):
+        hook_free(hook_malloc(3 * MiB))
+    stats = pyalloc.memory_stats(0)
+    assert stats["allocation.all.allocated"] == stats["allocation.all.freed"] == 3
+    assert stats["num_device_alloc"] >= 1
+    reserved = stats["reserved_bytes.all.current"]
+    pyalloc.reset_accumulated_memory_stats(0)
+    stats = pyalloc.memory_stats(0)
+    assert [k for k, v in stats.items() if v and k.endswith((".allocated", ".freed"))] == []
+    assert stats["num_device_alloc"] == 0 and stats["reserved_bytes.all.current"] == reserved
+    p = hook_malloc(MiB)  # counting goes on from 0
+    assert pyalloc.memory_stats(0)["allocation.all.allocated"] == 1
+    hook_free(p)
+
+
 def test_buffers_are_never_labelled_as_a_pytorch_pool(fake):
     # The first torch.cuda.MemPool() is (0, 1), the first graph's pool (1, 0).
     cap = _C.cuda_buffer(0, MiB, 0)
