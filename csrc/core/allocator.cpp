@@ -153,6 +153,7 @@ Block* Allocator::alloc_small(size_t size, Stream s, size_t request) {
   cb->state = BlockState::kFree;
   chunk->first = cb;
   state(s).free[kSmallPool].insert(cb);
+  free_chunks_++;
   return take(cb, size, s);
 }
 
@@ -220,9 +221,13 @@ void Allocator::trace_split(const Block* b, uintptr_t lo, uintptr_t hi) {
 }
 
 Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
-  Block* b = find_free(kLargePool, size, s);
-  if (b == nullptr && !chunks_.empty() && reclaim_free_chunks() > 0)
-    b = find_free(kLargePool, size, s);
+  // Where the pool grows comes last: after every other free block, and
+  // after the wholly free chunks the small pool can give back.
+  Block* frontier = nullptr;
+  Block* b = find_free(kLargePool, size, s, &frontier);
+  if (b == nullptr && free_chunks_ > 0 && reclaim_free_chunks() > 0)
+    b = find_free(kLargePool, size, s, &frontier);
+  if (b == nullptr) b = frontier;
   std::string why;
   if (b == nullptr) b = vmm_ ? map_for(size, s, &why) : grow(size, s, &why);
   if (b == nullptr && !backend_->is_capturing(s) && !backend_->capture_underway()) {
@@ -246,20 +251,31 @@ bool Allocator::fits_split_rule(const Block* b, size_t size) const {
   return b->size < size + kOversizeSlack;
 }
 
-Block* Allocator::find_free(Pool pool, size_t size, Stream s) {
-  StreamState& st = state(s);
-  Block* b = st.free[pool].best_fit(size, [&](const Block* x) { return fits_split_rule(x, size); });
-  if (b != nullptr || streams_.size() == 1) return b;
-  return find_other_streams(pool, size, s);
+bool Allocator::held_back(const Block* x, Block** frontier) const {
+  if (frontier == nullptr || !at_frontier(x)) return false;
+  // Of the frontier blocks that fit, the smallest (then the lowest).
+  const Block* f = *frontier;
+  if (f == nullptr || x->size < f->size || (x->size == f->size && x->addr < f->addr))
+    *frontier = const_cast<Block*>(x);
+  return true;
 }
 
-Block* Allocator::find_other_streams(Pool pool, size_t size, Stream s) {
+Block* Allocator::find_free(Pool pool, size_t size, Stream s, Block** frontier) {
+  StreamState& st = state(s);
+  if (frontier != nullptr) *frontier = nullptr;
+  Block* b = st.free[pool].best_fit(
+      size, [&](const Block* x) { return fits_split_rule(x, size) && !held_back(x, frontier); });
+  if (b != nullptr || streams_.size() == 1) return b;
+  return find_other_streams(pool, size, s, frontier);
+}
+
+Block* Allocator::find_other_streams(Pool pool, size_t size, Stream s, Block** frontier) {
   Block* best = nullptr;
   for (auto& [stream, stp] : streams_) {
     StreamState& o = *stp;
     if (stream == s || o.free[pool].empty()) continue;
     auto ready = [&](const Block* x) {
-      return x->free_seq <= o.ready_seq && fits_split_rule(x, size);
+      return x->free_seq <= o.ready_seq && fits_split_rule(x, size) && !held_back(x, frontier);
     };
     poll_syncs(o, false);
     Block* b = o.free[pool].best_fit(size, ready);
@@ -285,6 +301,7 @@ Block* Allocator::take(Block* b, size_t size, Stream s) {
                    ? rest >= kGranularity
                    : rest > (vmm_ ? kGranularity - 1 : cfg_.small_size) &&
                          (cfg_.max_split_size == 0 || vmm_ || size < cfg_.max_split_size);
+  if (pool == kSmallPool && !b->is_split()) free_chunks_--;  // a wholly free chunk
   if (!split) {
     track_inactive_split(b, -1);
     index.remove(b);
@@ -443,6 +460,7 @@ Block* Allocator::insert_free(Block* b) {
       bool split = m->is_split();
       change_inactive_split(pool, (split ? 1 : 0) - before_blocks,
                             (split ? static_cast<int64_t>(m->size) : 0) - before_bytes);
+      if (!split && pool == kSmallPool) free_chunks_++;
       return m;
     }
   }
@@ -453,6 +471,7 @@ Block* Allocator::insert_free(Block* b) {
   b->state = BlockState::kFree;
   state(b->stream).free[b->segment->pool].insert(b);
   track_inactive_split(b, +1);
+  if (b->segment->pool == kSmallPool && !b->is_split()) free_chunks_++;
   return b;
 }
 
@@ -530,7 +549,7 @@ void Allocator::process_pending(bool wait) {
 
 size_t Allocator::reclaim_free_chunks() {
   size_t reclaimed = 0;
-  for (size_t i = 0; i < chunks_.size();) {
+  for (size_t i = 0; i < chunks_.size() && free_chunks_ > 0;) {
     Segment* chunk = chunks_[i];
     if (!chunk->wholly_free()) {
       ++i;
@@ -546,6 +565,7 @@ size_t Allocator::reclaim_free_chunks() {
     chunks_[i] = chunks_.back();
     chunks_[i]->index = i;
     chunks_.pop_back();
+    free_chunks_--;
     drop_block(cb);
     delete chunk;
     insert_free(parent);
@@ -571,6 +591,7 @@ void Allocator::merge_ready_neighbours() {
       }
       state(b->stream).free[seg->pool].insert(b);
       track_inactive_split(b, +1);
+      if (seg->pool == kSmallPool && !b->is_split()) free_chunks_++;
     }
   };
   for (Segment* c : chunks_) merge_runs(c);
@@ -646,7 +667,7 @@ size_t Allocator::empty_cache() {
   size_t want = keep - reserved;
   std::string why;
   if (vmm_) {
-    map_for(want, 0, &why, /*recycle=*/false);
+    map_for(want, 0, &why);
   } else if (uintptr_t base = backend_->reserve(want); base != 0) {
     add_segment(base, want, 0);
   }
@@ -665,7 +686,7 @@ size_t Allocator::reserve(size_t nbytes) {
   if (vmm_) {
     int64_t before = stats_.reserved_bytes.all.current;
     std::string why;
-    if (map_for(round_up(nbytes, kGranularity), 0, &why, /*recycle=*/false) == nullptr)
+    if (map_for(round_up(nbytes, kGranularity), 0, &why) == nullptr)
       throw OutOfMemoryError("out of memory: reserve(" + format_bytes(nbytes) + "): " + why);
     return static_cast<size_t>(stats_.reserved_bytes.all.current - before);
   }

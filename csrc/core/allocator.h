@@ -24,11 +24,14 @@
 //   is moved or touched.
 // - Strategy "vmm" (backends with virtual memory): the large pool is one
 //   virtual range; physical pages are mapped under a block when it is taken
-//   and stay mapped while free (a cache: the steady state maps nothing). When
-//   a request fits no mapped free block, pages are mapped in the unmapped
-//   range that needs the fewest; when that would pass max_pool_size (or the
-//   device is full), wholly free pages anywhere are unmapped first, so free
-//   memory in holes can back a new large allocation.
+//   and stay mapped while free (a cache). When a request fits no mapped free
+//   block, pages are mapped in the unmapped range that needs the fewest; only
+//   when that would pass max_pool_size (or the device is full) are wholly
+//   free pages of holes unmapped first, so free memory in holes can back a
+//   new large allocation. A free block beside unmapped pages (the frontier,
+//   where the pool grows) is taken only when no other free block fits. So a
+//   loop that repeats exactly puts each block where its first pass did, into
+//   pages that pass mapped: after it, the loop maps and unmaps nothing.
 //
 // Thread safety: every public method takes the allocator's lock (lock.h).
 #pragma once
@@ -180,8 +183,20 @@ class Allocator {
 
   Block* alloc_small(size_t size, Stream s, size_t request);
   Block* alloc_large(size_t size, Stream s, size_t request);
-  Block* find_free(Pool pool, size_t size, Stream s);
-  Block* find_other_streams(Pool pool, size_t size, Stream s);
+  // Best fit over the caller's stream, then over other streams' blocks that
+  // are safe to take. With `frontier`, blocks at the frontier (at_frontier)
+  // are passed over, the one to take last left in *frontier.
+  Block* find_free(Pool pool, size_t size, Stream s, Block** frontier = nullptr);
+  Block* find_other_streams(Pool pool, size_t size, Stream s, Block** frontier);
+  // The frontier (vmm): a free block beside unmapped pages of the range,
+  // where the pool grows. Taken only when no other free block fits, as
+  // dlmalloc preserves its top chunk: a loop that repeats exactly then puts
+  // each block where its first pass did, into memory that pass mapped.
+  bool at_frontier(const Block* b) const {
+    return vmm_ && ((b->prev != nullptr && !b->prev->mapped) || (b->next != nullptr && !b->next->mapped));
+  }
+  // x is at the frontier: noted in *frontier if it is the one to take last.
+  bool held_back(const Block* x, Block** frontier) const;
   bool fits_split_rule(const Block* b, size_t size) const;
   Block* take(Block* b, size_t size, Stream s);
   Block* grow(size_t size, Stream s, std::string* why);
@@ -192,7 +207,7 @@ class Allocator {
   void take_place_of(Block* b, Block* n);
   // Virtual memory (strategy vmm)
   void init_vmm();
-  Block* map_for(size_t size, Stream s, std::string* why, bool recycle = true);
+  Block* map_for(size_t size, Stream s, std::string* why);
   Block* usable_neighbour(Block* n, Stream s);
   size_t unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t keep_hi, bool wait);
   Block* unmap_range(Block* f, uintptr_t lo, uintptr_t hi);
@@ -235,6 +250,7 @@ class Allocator {
   PtrMap live_;
   std::map<uintptr_t, Segment*> segments_;  // backend segments by base
   std::vector<Segment*> chunks_;             // small-pool chunks
+  size_t free_chunks_ = 0;                   // of them, wholly free ones
   std::unordered_map<Stream, std::unique_ptr<StreamState>> streams_;
   Stream last_stream_ = 0;
   StreamState* last_state_ = nullptr;

@@ -6,9 +6,13 @@
 // no pages, kept in unmapped_ only). Mapped free blocks are a cache: nothing
 // is unmapped on free. Pages are mapped when a request fits no mapped free
 // block, in the unmapped block (plus its usable free neighbours) needing the
-// fewest new pages. When the cap or the device would be exceeded, the
-// interiors of free blocks that every stream is done with are unmapped first:
-// physical memory stranded in holes moves to where it is needed.
+// fewest new pages. Only when the cap or the device would be exceeded are the
+// interiors of free blocks that every stream is done with unmapped first:
+// physical memory stranded in holes moves to where it is needed. Doing so
+// while the pool can still grow costs a map and an unmap on every pass of a
+// loop whose holes are used again (the steady state of a training step);
+// what it saved in replay is what the pool holds when nothing else wants the
+// memory (benchmarks/results/fragmentation.md).
 #include <algorithm>
 #include <vector>
 
@@ -72,7 +76,7 @@ Block* Allocator::usable_neighbour(Block* n, Stream s) {
   return n->stream == s || is_ready(n) ? n : nullptr;
 }
 
-Block* Allocator::map_for(size_t size, Stream s, std::string* why, bool recycle) {
+Block* Allocator::map_for(size_t size, Stream s, std::string* why) {
   // During a capture only fresh pages may be mapped: unmap_free_pages()
   // moves none then.
   if ((backend_->is_capturing(s) || backend_->capture_underway()) &&
@@ -82,7 +86,7 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, bool recycle)
     return nullptr;
   }
   // Wholly free chunks hold mapped pages the large pool can use.
-  if (!chunks_.empty()) reclaim_free_chunks();
+  if (free_chunks_ > 0) reclaim_free_chunks();
 
   // The unmapped block needing the fewest new pages, mapped from the side
   // whose usable free neighbour is larger.
@@ -119,9 +123,9 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, bool recycle)
     return nullptr;
   }
 
-  // Recycle before growing: pages of free blocks that every stream is done
-  // with move here rather than the pool growing around them.
-  if (recycle) unmap_free_pages(need, keep_lo, keep_hi, /*wait=*/false);
+  // Grow while the cap and the device allow: pages moved out of holes now
+  // would be mapped again when the holes are used again (a training step's
+  // next pass), so recycling waits until the pool cannot grow.
   size_t cap = cfg_.max_pool_size;
   size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   if (cap != 0 && reserved + need > cap) {
