@@ -228,17 +228,51 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
   if (b == nullptr && free_chunks_ > 0 && reclaim_free_chunks() > 0)
     b = find_free(kLargePool, size, s, &frontier);
   if (b == nullptr) b = frontier;
+  if (b != nullptr) return take(b, size, s);
+
+  // The pool must grow. A request it can never hold fails here, before any
+  // page is mapped or any cached memory is thrown away for nothing.
   std::string why;
-  if (b == nullptr) b = vmm_ ? map_for(size, s, &why) : grow(size, s, &why);
+  size_t room = kUnknownRoom;
+  if (!may_grow(size, &room, &why)) throw_oom(request, size, s, why);
+  b = vmm_ ? map_for(size, s, &why, room) : grow(size, s, &why, room);
   if (b == nullptr && !backend_->is_capturing(s) && !backend_->capture_underway()) {
     // Give back everything cached and try once more, as PyTorch does.
     stats_.num_alloc_retries++;
     release_cached();
     b = find_free(kLargePool, size, s);
-    if (b == nullptr) b = vmm_ ? map_for(size, s, &why) : grow(size, s, &why);
+    if (b == nullptr && may_grow(size, &room, &why))
+      b = vmm_ ? map_for(size, s, &why, room) : grow(size, s, &why, room);
   }
   if (b == nullptr) throw_oom(request, size, s, why);
   return take(b, size, s);
+}
+
+bool Allocator::may_grow(size_t size, size_t* room, std::string* why) {
+  // What no release can give back: the allocated bytes. Pending frees are
+  // not counted: the out-of-memory path waits for them.
+  size_t held = static_cast<size_t>(stats_.allocated_bytes.all.current);
+  size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  size_t cap = cfg_.max_pool_size;
+  if (cap != 0 && (size > cap || held > cap - size)) {
+    *why = "max_pool_size " + format_bytes(cap) + " would be exceeded: " + format_bytes(held) +
+           " of the pool is allocated";
+    return false;
+  }
+  // One question to the backend: a driver call per growth, never per cache hit.
+  size_t dev_free = 0, dev_total = 0;
+  backend_->mem_info(&dev_free, &dev_total);
+  *room = kUnknownRoom;
+  if (dev_total == 0) return true;  // unbounded, or not known during a capture
+  *room = dev_free;
+  size_t give_back = reserved - std::min(held, reserved);
+  if (size > dev_free && size - dev_free > give_back) {
+    *why = std::string("the ") + backend_->name() + " backend could not provide " + format_bytes(size) +
+           ": the device has " + format_bytes(dev_free) + " free, and the pool could give back at most " +
+           format_bytes(give_back);
+    return false;
+  }
+  return true;
 }
 
 bool Allocator::fits_split_rule(const Block* b, size_t size) const {
@@ -336,7 +370,7 @@ Block* Allocator::take(Block* b, size_t size, Stream s) {
   return a;
 }
 
-Block* Allocator::grow(size_t size, Stream s, std::string* why) {
+Block* Allocator::grow(size_t size, Stream s, std::string* why, size_t room) {
   if (backend_->is_capturing(s) && !backend_->grows_while_capturing()) {
     *why = "the stream is being captured into a CUDA graph and the pool cannot grow during "
            "capture; reserve the memory before capture (pyalloc reserve())";
@@ -354,13 +388,16 @@ Block* Allocator::grow(size_t size, Stream s, std::string* why) {
       return nullptr;
     }
   }
-  uintptr_t base = backend_->reserve(want);
+  // Sizes the device has no room for are not asked for.
+  if (want > room && want > exact) want = exact;
+  uintptr_t base = want <= room ? backend_->reserve(want) : 0;
   if (base == 0 && want > exact) {
     want = exact;
     base = backend_->reserve(want);
   }
   if (base == 0) {
     *why = std::string("the ") + backend_->name() + " backend could not provide " + format_bytes(want);
+    if (room != kUnknownRoom) *why += " (the device has " + format_bytes(room) + " free)";
     return nullptr;
   }
   return add_segment(base, want, s);

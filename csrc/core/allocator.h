@@ -21,7 +21,10 @@
 //   the block becomes free at all ("pending free", as in PyTorch).
 // - Out of memory: release every cached free segment (after waiting for all
 //   events), retry once, then raise OutOfMemoryError saying why. Nothing live
-//   is moved or touched.
+//   is moved or touched. A request the pool can never hold (beyond
+//   max_pool_size with what stays allocated, or beyond the device's free
+//   memory plus everything the pool could give back: one mem_info() per
+//   growth tells) fails at once, before anything is mapped or released.
 // - Strategy "vmm" (backends with virtual memory): the large pool is one
 //   virtual range; physical pages are mapped under a block when it is taken
 //   and stay mapped while free (a cache). When a request fits no mapped free
@@ -199,7 +202,13 @@ class Allocator {
   bool held_back(const Block* x, Block** frontier) const;
   bool fits_split_rule(const Block* b, size_t size) const;
   Block* take(Block* b, size_t size, Stream s);
-  Block* grow(size_t size, Stream s, std::string* why);
+  // The device's free bytes when a growth needs them; kUnknownRoom when the
+  // backend does not say (unbounded, or a capture is underway).
+  static constexpr size_t kUnknownRoom = SIZE_MAX;
+  // Whether the pool could grow by size (the cap; the device's free memory
+  // plus what the pool could give back); *room: the device's free bytes.
+  bool may_grow(size_t size, size_t* room, std::string* why);
+  Block* grow(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom);
   Block* add_segment(uintptr_t base, size_t size, Stream s);
   Block* insert_free(Block* b);
   bool merge_neighbour(Block* b, Block* n);
@@ -207,9 +216,13 @@ class Allocator {
   void take_place_of(Block* b, Block* n);
   // Virtual memory (strategy vmm)
   void init_vmm();
-  Block* map_for(size_t size, Stream s, std::string* why);
+  Block* map_for(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom);
   Block* usable_neighbour(Block* n, Stream s);
-  size_t unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t keep_hi, bool wait);
+  // Unmaps up to `want` bytes of whole free pages outside [keep_lo, keep_hi)
+  // that every stream is done with (waiting for the streams if asked), in
+  // address order; with all_or_none, nothing unless want can be reached.
+  size_t unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t keep_hi, bool wait,
+                          bool all_or_none = false);
   Block* unmap_range(Block* f, uintptr_t lo, uintptr_t hi);
   void finish_free(Block* b);
   bool is_ready(const Block* b);
