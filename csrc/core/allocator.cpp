@@ -153,7 +153,6 @@ Block* Allocator::alloc_small(size_t size, Stream s, size_t request) {
   cb->state = BlockState::kFree;
   chunk->first = cb;
   state(s).free[kSmallPool].insert(cb);
-  free_chunks_++;
   return take(cb, size, s);
 }
 
@@ -224,9 +223,8 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
   // Where the pool grows comes last: after every other free block, and
   // after the wholly free chunks the small pool can give back.
   Block* frontier = nullptr;
-  Block* b = find_free(kLargePool, size, s, &frontier);
-  if (b == nullptr && free_chunks_ > 0 && reclaim_free_chunks() > 0)
-    b = find_free(kLargePool, size, s, &frontier);
+  Block* b = find_large(size, s, &frontier);
+  if (b == nullptr && free_chunks_ > 0 && reclaim_free_chunks() > 0) b = find_large(size, s, &frontier);
   if (b == nullptr) b = frontier;
   if (b != nullptr) return take(b, size, s);
 
@@ -294,13 +292,29 @@ bool Allocator::held_back(const Block* x, Block** frontier) const {
   return true;
 }
 
-Block* Allocator::find_free(Pool pool, size_t size, Stream s, Block** frontier) {
+Block* Allocator::find_free(Pool pool, size_t size, Stream s) {
   StreamState& st = state(s);
-  if (frontier != nullptr) *frontier = nullptr;
-  Block* b = st.free[pool].best_fit(
-      size, [&](const Block* x) { return fits_split_rule(x, size) && !held_back(x, frontier); });
+  Block* b = st.free[pool].best_fit(size, [&](const Block* x) { return fits_split_rule(x, size); });
   if (b != nullptr || streams_.size() == 1) return b;
-  return find_other_streams(pool, size, s, frontier);
+  return find_other_streams(pool, size, s, nullptr);
+}
+
+Block* Allocator::find_large(size_t size, Stream s, Block** frontier) {
+  FreeIndex& index = state(s).free[kLargePool];
+  auto fits = [&](const Block* x) { return fits_split_rule(x, size); };
+  *frontier = nullptr;
+  Block* b = index.best_fit(size, fits);
+  if (b != nullptr && at_frontier(b)) {
+    // The smallest block that fits is at the frontier (seldom, but always in
+    // a cache-hit loop, where it is the only free block): look again without
+    // the frontier, and keep it for last.
+    *frontier = b;
+    b = index.count() == 1 ? nullptr : index.best_fit(size, [&](const Block* x) {
+      return fits(x) && !at_frontier(x);
+    });
+  }
+  if (b != nullptr || streams_.size() == 1) return b;
+  return find_other_streams(kLargePool, size, s, frontier);
 }
 
 Block* Allocator::find_other_streams(Pool pool, size_t size, Stream s, Block** frontier) {
@@ -335,7 +349,6 @@ Block* Allocator::take(Block* b, size_t size, Stream s) {
                    ? rest >= kGranularity
                    : rest > (vmm_ ? kGranularity - 1 : cfg_.small_size) &&
                          (cfg_.max_split_size == 0 || vmm_ || size < cfg_.max_split_size);
-  if (pool == kSmallPool && !b->is_split()) free_chunks_--;  // a wholly free chunk
   if (!split) {
     track_inactive_split(b, -1);
     index.remove(b);
@@ -586,7 +599,7 @@ void Allocator::process_pending(bool wait) {
 
 size_t Allocator::reclaim_free_chunks() {
   size_t reclaimed = 0;
-  for (size_t i = 0; i < chunks_.size() && free_chunks_ > 0;) {
+  for (size_t i = 0; i < chunks_.size();) {
     Segment* chunk = chunks_[i];
     if (!chunk->wholly_free()) {
       ++i;
@@ -602,12 +615,12 @@ size_t Allocator::reclaim_free_chunks() {
     chunks_[i] = chunks_.back();
     chunks_[i]->index = i;
     chunks_.pop_back();
-    free_chunks_--;
     drop_block(cb);
     delete chunk;
     insert_free(parent);
     reclaimed++;
   }
+  free_chunks_ = 0;
   return reclaimed;
 }
 

@@ -187,9 +187,12 @@ class Allocator {
   Block* alloc_small(size_t size, Stream s, size_t request);
   Block* alloc_large(size_t size, Stream s, size_t request);
   // Best fit over the caller's stream, then over other streams' blocks that
-  // are safe to take. With `frontier`, blocks at the frontier (at_frontier)
-  // are passed over, the one to take last left in *frontier.
-  Block* find_free(Pool pool, size_t size, Stream s, Block** frontier = nullptr);
+  // are safe to take.
+  Block* find_free(Pool pool, size_t size, Stream s);
+  // find_free() in the large pool passing over blocks at the frontier
+  // (at_frontier): the one to take last is left in *frontier.
+  Block* find_large(size_t size, Stream s, Block** frontier);
+  // With `frontier`, blocks at the frontier are passed over, as find_large().
   Block* find_other_streams(Pool pool, size_t size, Stream s, Block** frontier);
   // The frontier (vmm): a free block beside unmapped pages of the range,
   // where the pool grows. Taken only when no other free block fits, as
@@ -263,7 +266,10 @@ class Allocator {
   PtrMap live_;
   std::map<uintptr_t, Segment*> segments_;  // backend segments by base
   std::vector<Segment*> chunks_;             // small-pool chunks
-  size_t free_chunks_ = 0;                   // of them, wholly free ones
+  // At least the number of wholly free chunks (counted when one becomes
+  // wholly free, zeroed when they are given back): while 0, no scan of
+  // chunks_ for them is needed.
+  size_t free_chunks_ = 0;
   std::unordered_map<Stream, std::unique_ptr<StreamState>> streams_;
   Stream last_stream_ = 0;
   StreamState* last_state_ = nullptr;
