@@ -124,8 +124,10 @@ def why(row: Dict[str, Any], strategy: str) -> str:
     text = (f"at peak live, {(large + small) / mib:.1f} MiB reserved is free: {large / mib:.1f} MiB in the "
             f"large pool, {small / mib:.1f} MiB in small-pool chunks")
     if strategy == "vmm":
-        text += (f"; pages are mapped and unmapped whole, so free bytes in pages partly under live "
-                 f"blocks stay reserved (and cached pages stay until a mapping needs them); one 2 MiB "
+        text += (f"; with no cap, pages stay mapped in free holes and the pool grows instead (moving "
+                 f"them would map and unmap again on every pass of a workload that repeats); they move "
+                 f"only at max_pool_size or on a full device, which the budget measures; pages are "
+                 f"mapped whole, so free bytes in pages partly under live blocks stay reserved; one 2 MiB "
                  f"page is {PAGE / row['peak_live_bytes']:.1%} of peak live")
     else:
         text += ("; segments are never merged or split across, so free space in one cannot serve a "
@@ -212,8 +214,8 @@ def markdown(results: List[Dict[str, Any]], meta: Dict[str, Any], table: str, st
     ] + ([] if not changes else [
         "## Since the previous results",
         "",
-        f"Against `{meta['previous']['command']}` on {meta['previous']['date']} (git "
-        f"{meta['previous'].get('git_commit', 'unknown')}): budget and reserved as ratios to peak live, "
+        f"Against `{meta['previous']['file']}` (`{meta['previous']['command']}` on {meta['previous']['date']}, "
+        f"git {meta['previous'].get('git_commit') or 'unknown'}): budget and reserved as ratios to peak live, "
         "calls as above; (+) marks a figure that rose, (-) one that fell.",
         "",
         changes,
@@ -249,7 +251,8 @@ def main() -> int:
     calls = sum(row["calls_per_second"] * row["replay_seconds"] for row in rows)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python benchmarks/fragmentation.py" + (f" --config '{args.config}'" if args.config else ""),
+        "command": "python benchmarks/fragmentation.py" + (f" --config '{args.config}'" if args.config else "")
+                   + (f" --previous {args.previous}" if args.previous else ""),
         "pyalloc": pyalloc.__version__,
         "git_commit": _git_commit(),
         "config": args.config,
@@ -267,6 +270,7 @@ def main() -> int:
         with open(args.previous) as f:
             previous = json.load(f)
         meta["previous"] = {k: previous.get(k) for k in ("date", "command", "git_commit")}
+        meta["previous"]["file"] = os.path.relpath(os.path.abspath(args.previous), ROOT)
         changes = changes_table(by_strategy, strategies, previous)
     print(format_table(results))
     print()
