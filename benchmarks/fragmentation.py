@@ -10,10 +10,14 @@ and fragmentation.json with the raw numbers, including the C++ replay's
 throughput in events per second. Needs no GPU.
 
     python benchmarks/fragmentation.py [--config CONF] [--strategies bestfit,vmm] [--no-write]
+                                       [--previous OLD.json]
 
 Besides the main table (the default configuration, or --config), every trace
 is replayed once per strategy, and a second table sets each strategy against
-the targets: smallest budget within 2% of peak live, peak reserved within 5%.
+the targets: smallest budget within 2% of peak live, peak reserved within 5%,
+beside the device calls of the second half of each trace. With --previous (the
+fragmentation.json of an earlier run), a third table says per trace and
+strategy what changed since: which trace pays, and how much.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ import pyalloc
 from pyalloc import _C
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _env import cpu_model  # noqa: E402
+from _env import _git_commit, cpu_model  # noqa: E402
 from pyalloc.replay import plan_trace, replay
 from pyalloc.replay_report import LEGEND, format_table
 from pyalloc.snapshot_io import read_trace
@@ -94,6 +98,8 @@ def strategy_rows(files: List[Path], strategies: List[str], base: str) -> List[D
             row[strategy] = {
                 "at_peak_live": r.fragmentation_at_peak,
                 "peak_reserved_bytes": r.pyalloc_peak_reserved_bytes,
+                "device_calls": r.device_allocs + r.device_frees,
+                "second_half_device_calls": r.second_half_device_calls,
                 "min_budget_bytes": r.pyalloc_min_budget_bytes,
                 "reserved_ratio": r.pyalloc_peak_reserved_bytes / live if live else None,
                 "budget_ratio": r.pyalloc_min_budget_bytes / live if live and r.pyalloc_min_budget_bytes else None,
@@ -118,8 +124,10 @@ def why(row: Dict[str, Any], strategy: str) -> str:
     text = (f"at peak live, {(large + small) / mib:.1f} MiB reserved is free: {large / mib:.1f} MiB in the "
             f"large pool, {small / mib:.1f} MiB in small-pool chunks")
     if strategy == "vmm":
-        text += (f"; pages are mapped and unmapped whole, so free bytes in pages partly under live "
-                 f"blocks stay reserved (and cached pages stay until a mapping needs them); one 2 MiB "
+        text += (f"; with no cap, pages stay mapped in free holes and the pool grows instead (moving "
+                 f"them would map and unmap again on every pass of a workload that repeats); they move "
+                 f"only at max_pool_size or on a full device, which the budget measures; pages are "
+                 f"mapped whole, so free bytes in pages partly under live blocks stay reserved; one 2 MiB "
                  f"page is {PAGE / row['peak_live_bytes']:.1%} of peak live")
     else:
         text += ("; segments are never merged or split across, so free space in one cannot serve a "
@@ -133,15 +141,19 @@ def strategy_table(rows: List[Dict[str, Any]], strategies: List[str]) -> str:
             return "-"
         return f"{v:.3f}" + (" ✓" if v <= target else "")
 
+    def calls(v: Any) -> str:
+        return "-" if v is None else str(v)
+
     head = ["trace"]
     for st in strategies:
-        head += [f"{st} budget", f"{st} reserved"]
+        head += [f"{st} budget", f"{st} reserved", f"{st} calls"]
     head.append("native reserved")
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for row in rows:
         cells = [row["trace"]]
         for st in strategies:
-            cells += [cell(row[st]["budget_ratio"], TARGET_BUDGET), cell(row[st]["reserved_ratio"], TARGET_RESERVED)]
+            cells += [cell(row[st]["budget_ratio"], TARGET_BUDGET), cell(row[st]["reserved_ratio"], TARGET_RESERVED),
+                      calls(row[st]["second_half_device_calls"])]
         cells.append("-" if row["native_ratio"] is None else f"{row['native_ratio']:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Where each strategy lands and why (the default strategy first):", ""]
@@ -151,7 +163,28 @@ def strategy_table(rows: List[Dict[str, Any]], strategies: List[str]) -> str:
     return "\n".join(lines)
 
 
-def markdown(results: List[Dict[str, Any]], meta: Dict[str, Any], table: str, strategies: str = "") -> str:
+def changes_table(rows: List[Dict[str, Any]], strategies: List[str], previous: Dict[str, Any]) -> str:
+    """Per trace and strategy: the ratios and the second half's device calls, before -> now."""
+    before = {row["trace"]: row for row in previous.get("strategies", [])}
+
+    def pair(old: Any, new: Any, fmt: str) -> str:
+        a, b = ("-" if v is None else format(v, fmt) for v in (old, new))
+        mark = "" if old is None or new is None or a == b else (" (+)" if new > old else " (-)")
+        return f"{a} -> {b}{mark}"
+
+    lines = ["| trace | strategy | budget | reserved | calls |", "| --- | --- | --- | --- | --- |"]
+    for row in rows:
+        old_row = before.get(row["trace"], {})
+        for st in strategies:
+            old, new = old_row.get(st, {}), row[st]
+            lines.append(f"| {row['trace']} | {st} | {pair(old.get('budget_ratio'), new['budget_ratio'], '.3f')} | "
+                         f"{pair(old.get('reserved_ratio'), new['reserved_ratio'], '.3f')} | "
+                         f"{pair(old.get('second_half_device_calls'), new['second_half_device_calls'], 'd')} |")
+    return "\n".join(lines)
+
+
+def markdown(results: List[Dict[str, Any]], meta: Dict[str, Any], table: str, strategies: str = "",
+             changes: str = "") -> str:
     t = meta["throughput"]
     return "\n".join([
         "# Fragmentation benchmark",
@@ -172,11 +205,22 @@ def markdown(results: List[Dict[str, Any]], meta: Dict[str, Any], table: str, st
         "## Strategies against the targets",
         "",
         f"Ratios to peak live: the smallest budget without an OOM (target <= {TARGET_BUDGET}) and the peak "
-        f"reserved bytes with no cap (target <= {TARGET_RESERVED}); ✓ marks a target met.",
+        f"reserved bytes with no cap (target <= {TARGET_RESERVED}); ✓ marks a target met. calls: the device "
+        f"calls of the replay with no cap in the second half of the trace (num_device_alloc + "
+        f"num_device_free: segments reserved and released, page ranges mapped and unmapped).",
         "",
         strategies,
         "",
-    ])
+    ] + ([] if not changes else [
+        "## Since the previous results",
+        "",
+        f"Against `{meta['previous']['file']}` (`{meta['previous']['command']}` on {meta['previous']['date']}, "
+        f"git {meta['previous'].get('git_commit') or 'unknown'}): budget and reserved as ratios to peak live, "
+        "calls as above; (+) marks a figure that rose, (-) one that fell.",
+        "",
+        changes,
+        "",
+    ]))
 
 
 def main() -> int:
@@ -184,6 +228,8 @@ def main() -> int:
     parser.add_argument("--config", default="", help="pyalloc configuration, 'key:value,...'")
     parser.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
     parser.add_argument("--strategies", default="bestfit,vmm", help="strategies to set against the targets")
+    parser.add_argument("--previous", default=None, metavar="OLD.json",
+                        help="the fragmentation.json of an earlier run, to say what changed since")
     args = parser.parse_args()
     strategies = [s for s in args.strategies.split(",") if s]
 
@@ -205,8 +251,10 @@ def main() -> int:
     calls = sum(row["calls_per_second"] * row["replay_seconds"] for row in rows)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python benchmarks/fragmentation.py" + (f" --config '{args.config}'" if args.config else ""),
+        "command": "python benchmarks/fragmentation.py" + (f" --config '{args.config}'" if args.config else "")
+                   + (f" --previous {args.previous}" if args.previous else ""),
         "pyalloc": pyalloc.__version__,
+        "git_commit": _git_commit(),
         "config": args.config,
         "machine": machine(),
         "throughput": {
@@ -217,16 +265,27 @@ def main() -> int:
         },
     }
     by_strategy = strategy_rows(files, strategies, args.config)
+    changes = ""
+    if args.previous is not None:
+        with open(args.previous) as f:
+            previous = json.load(f)
+        meta["previous"] = {k: previous.get(k) for k in ("date", "command", "git_commit")}
+        meta["previous"]["file"] = os.path.relpath(os.path.abspath(args.previous), ROOT)
+        changes = changes_table(by_strategy, strategies, previous)
     print(format_table(results))
     print()
     print(strategy_table(by_strategy, strategies))
+    if changes:
+        print()
+        print(changes)
     t = meta["throughput"]
     if t["events_per_second"] is not None:
         print(f"\nC++ replay: {t['events_per_second'] / 1e6:.1f} M events/s over {events} events")
     if not args.no_write:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "fragmentation.md").write_text(
-            markdown(rows, meta, format_table(results, markdown=True), strategy_table(by_strategy, strategies)))
+            markdown(rows, meta, format_table(results, markdown=True), strategy_table(by_strategy, strategies),
+                     changes))
         with open(RESULTS / "fragmentation.json", "w") as f:
             json.dump({**meta, "traces": rows, "strategies": by_strategy,
                        "targets": {"budget_ratio": TARGET_BUDGET, "reserved_ratio": TARGET_RESERVED}}, f, indent=1)

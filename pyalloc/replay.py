@@ -321,6 +321,9 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
     main.run()
     stats = allocator.stats()
     peak_reserved = stats["reserved_bytes.all.peak"]
+    half_allocs, half_frees = main.device_calls_at_half
+    second_half_calls = (None if half_allocs < 0 else
+                         stats["num_device_alloc"] - half_allocs + stats["num_device_free"] - half_frees)
 
     min_budget, replays = None, 0
     if search and main.ooms == 0:
@@ -347,6 +350,9 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
         frees_at_request=plan.frees_at_request,
         native_ooms=plan.native_ooms,
         config=conf,
+        device_allocs=stats["num_device_alloc"],
+        device_frees=stats["num_device_free"],
+        second_half_device_calls=second_half_calls,
         replay_seconds=main.seconds,
         events_per_second=len(trace) / main.seconds if main.seconds > 0 else None,
         calls_per_second=len(plan) / main.seconds if main.seconds > 0 else None,

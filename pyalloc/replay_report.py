@@ -19,6 +19,7 @@ COLUMNS = [
     "peak live",
     "pyalloc reserved",
     "ratio",
+    "2nd-half device calls",
     "min budget",
     "native reserved",
     "native ratio",
@@ -28,6 +29,9 @@ COLUMNS = [
 LEGEND = (
     "peak live: most requested bytes live at once, the least any allocator must hold. "
     "pyalloc reserved: pyalloc's peak reserved bytes replaying the trace (ratio: to peak live). "
+    "2nd-half device calls: num_device_alloc + num_device_free over the second half of the trace "
+    "(segments reserved and released, page ranges mapped and unmapped: each is a call to the "
+    "driver, or a few); a workload that repeats makes none once warm. "
     "min budget: the smallest device size under which pyalloc replays the trace without an OOM "
     "(bisection, within 1%). native reserved: peak reserved bytes of the allocator that recorded "
     "the trace, from its segments ('-' where the trace has none). frag at peak: at peak live, "
@@ -52,6 +56,7 @@ def _row(r: ReplayResult, with_budget: bool) -> List[str]:
         _bytes(r.peak_live_bytes),
         _bytes(r.pyalloc_peak_reserved_bytes),
         _ratio(r.pyalloc_ratio),
+        "-" if r.second_half_device_calls is None else str(r.second_half_device_calls),
         _bytes(r.pyalloc_min_budget_bytes),
         _bytes(r.native_peak_reserved_bytes),
         _ratio(r.native_ratio),

@@ -30,6 +30,13 @@ class ReplayResult:
     frees_at_request: int
     native_ooms: int
     config: str
+    #: The replay's device calls, as the stats count them: segments reserved plus page ranges
+    #: mapped (num_device_alloc), segments released plus page ranges unmapped (num_device_free);
+    #: over the whole trace, and (allocs + frees) over its second half, from the middle
+    #: allocator call on, where a workload that repeats should make none.
+    device_allocs: int = 0
+    device_frees: int = 0
+    second_half_device_calls: Optional[int] = None
     budget_bytes: Optional[int] = None
     budget_ooms: Optional[int] = None
     budget_peak_reserved_bytes: Optional[int] = None

@@ -99,7 +99,8 @@ def test_oom_message_says_why_and_stats_count_it(make):
     assert isinstance(e.value, RuntimeError)
     s = a.stats()
     assert s["num_ooms"] == 1
-    assert s["num_alloc_retries"] == 1
+    # 60 MiB allocated + 10 MiB > the cap whatever is given back: refused at once.
+    assert s["num_alloc_retries"] == 0 and s["num_device_free"] == 0
     assert s["allocation.all.current"] == 3
     a.check_invariants()
     for p in live:
@@ -138,6 +139,40 @@ def test_oom_releases_cached_segments_and_retries(make):
     assert s["num_device_free"] == 8
     a.free(p)
     a.check_invariants()
+
+
+def cached_pool(make, **kw):
+    a = make(capacity=64 * MiB, segment_size=2 * MiB, **kw)
+    keep = a.malloc(8 * MiB)
+    a.free(a.malloc(24 * MiB))  # cached: 32 MiB reserved, 24 MiB of it free
+    return a, keep
+
+
+def test_impossible_requests_fail_at_once_and_keep_the_cache(make):
+    """Beyond the cap, or beyond the device's free memory plus everything the
+    pool could give back, a request fails before anything is mapped, reserved
+    or released: the cached memory stays for the requests that fit."""
+    capped, _ = cached_pool(make, max_pool_size=48 * MiB)
+    uncapped, _ = cached_pool(make)
+    before = [p.stats() for p in (capped, uncapped)]
+    with pytest.raises(pyalloc.OutOfMemoryError, match="max_pool_size 48.00 MiB would be exceeded"):
+        capped.malloc(49 * MiB)
+    with pytest.raises(pyalloc.OutOfMemoryError, match="8.00 MiB of the pool is allocated"):
+        capped.malloc(41 * MiB)  # 8 MiB stays allocated whatever is given back
+    with pytest.raises(pyalloc.OutOfMemoryError,
+                       match="the device has 32.00 MiB free, and the pool could give back at most 24.00 MiB"):
+        uncapped.malloc(57 * MiB)
+    for pool, was in zip((capped, uncapped), before):
+        s = pool.stats()
+        for key in ("num_device_alloc", "num_device_free", "num_alloc_retries", "reserved_bytes.all.current"):
+            assert s[key] == was[key], key
+        pool.check_invariants()
+    assert capped.stats()["num_oom_rejections"] == 2 and uncapped.stats()["num_oom_rejections"] == 0
+    # What fits once the cache is given back is served, with at most one retry.
+    p = uncapped.malloc(56 * MiB)
+    assert uncapped.stats()["num_alloc_retries"] <= 1
+    uncapped.free(p)
+    uncapped.check_invariants()
 
 
 def test_oom_leaves_live_allocations_intact(host):

@@ -87,6 +87,14 @@ def test_doctor_says_ready():
     lines = out.strip().splitlines()
     assert lines[-1] == "ready", out
     assert any(line.startswith("live:") and " ok " in line for line in lines), out
+
+
+@pytest.mark.parametrize("strategy", ["vmm", "bestfit"])
+def test_fixed_shape_training_calls_the_driver_never_once_warm(strategy):
+    out = script("steady_state.py", env={"PYALLOC_CONF": f"strategy:{strategy}"})
+    assert "OK" in out
+
+
 def test_cuda_graph_pools_shared_and_released():
     assert "OK" in script("cuda_graph_pools.py")
 

@@ -353,9 +353,35 @@ def test_result_dict_has_the_documented_keys():
     json.dumps(d)
 
 
+def repeating(passes, sizes=(2 * MiB, 3 * MiB, 7 * MiB // 2)):
+    """The loop of tests/test_steady_state.py, `passes` times, as a trace."""
+    p, q, s = sizes
+    events = []
+    for _ in range(passes):
+        events += [ev("alloc", 0x1000, p), ev("alloc", 0x2000, q), ev("free_requested", 0x1000, p),
+                   ev("free_completed", 0x1000, p), ev("alloc", 0x3000, s),
+                   ev("free_requested", 0x2000, q), ev("free_completed", 0x2000, q),
+                   ev("free_requested", 0x3000, s), ev("free_completed", 0x3000, s)]
+    return snap(events)
+
+
+@pytest.mark.parametrize("strategy", ["bestfit", "vmm"])
+def test_device_calls_of_the_second_half_are_counted(strategy):
+    r = replay(repeating(10), f"strategy:{strategy}", search=False)
+    assert r.device_allocs >= 1 and r.second_half_device_calls == 0
+    # A trace whose second half grows the pool: its calls are counted there.
+    growing = snap(life(0x1000, MiB) + life(0x1000, MiB) + [ev("alloc", 0x2000, 64 * MiB)]
+                   + life(0x3000, 128 * MiB))
+    r = replay(growing, f"strategy:{strategy}", search=False)
+    assert r.second_half_device_calls >= 1
+    assert r.device_allocs + r.device_frees >= r.second_half_device_calls
+    assert r.to_dict()["second_half_device_calls"] == r.second_half_device_calls
+
+
 def test_empty_trace():
     r = replay(snap([]))
     assert (r.events, r.allocs, r.peak_live_bytes, r.pyalloc_min_budget_bytes) == (0, 0, 0, 0)
+    assert r.second_half_device_calls is None  # no second half
 
 
 # -- known totals ------------------------------------------------------------

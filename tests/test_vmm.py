@@ -85,18 +85,32 @@ def test_pages_under_other_streams_work_are_not_moved():
     a.check_invariants()
 
 
-def test_recycling_keeps_reserved_near_live(backend):
-    a = vmm(backend)
+def shifting_shapes(a, steps=40):
+    """Shapes change every step: each step's large block fits no old hole."""
     live = []
-    for step in range(40):
-        # Shapes change every step: each step's large block fits no old hole.
+    for step in range(steps):
         live.append(a.malloc((8 + step) * MiB + 12345))
         if len(live) > 3:
             a.free(live.pop(0))
         a.check_invariants()
+    return max(sum((8 + i) * MiB + 12345 for i in range(k - 3, k + 1)) for k in range(3, steps))
+
+
+def test_recycling_at_the_cap_keeps_reserved_near_live(backend):
+    cap = 190890212 + 4 * PAGE  # peak live of shifting_shapes() and four pages
+    a = vmm(backend, max_pool_size=cap)
+    peak_live = shifting_shapes(a)
     s = a.stats()
-    peak_live = max(sum((8 + i) * MiB + 12345 for i in range(k - 3, k + 1)) for k in range(3, 40))
     assert s["reserved_bytes.all.peak"] <= peak_live + 4 * PAGE
+    assert s["num_device_free"] > 0 and s["num_ooms"] == 0  # pages moved out of holes
+
+
+def test_without_a_cap_the_pool_grows_rather_than_recycles(backend):
+    """Pages moved out of a hole now would be mapped again when the hole is used
+    again: with room to grow, nothing is unmapped."""
+    a = vmm(backend)
+    shifting_shapes(a)
+    assert a.stats()["num_device_free"] == 0
 
 
 def test_snapshot_lists_mapped_blocks_of_an_expandable_segment(backend):

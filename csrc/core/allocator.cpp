@@ -310,20 +310,57 @@ void Allocator::trace_split(const Block* b, uintptr_t lo, uintptr_t hi) {
 }
 
 Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
-  Block* b = find_free(kLargePool, size, s);
-  if (b == nullptr && !chunks_.empty() && reclaim_free_chunks() > 0)
-    b = find_free(kLargePool, size, s);
+  // Where the pool grows comes last: after every other free block, and
+  // after the wholly free chunks the small pool can give back.
+  Block* frontier = nullptr;
+  Block* b = find_large(size, s, &frontier);
+  if (b == nullptr && free_chunks_ > 0 && reclaim_free_chunks() > 0) b = find_large(size, s, &frontier);
+  if (b == nullptr) b = frontier;
+  if (b != nullptr) return take(b, size, s);
+
+  // The pool must grow. A request it can never hold fails here, before any
+  // page is mapped or any cached memory is thrown away for nothing.
   std::string why;
-  if (b == nullptr) b = vmm_ ? map_for(size, s, &why) : grow(size, s, &why);
+  size_t room = kUnknownRoom;
+  if (!may_grow(size, &room, &why)) throw_oom(request, size, s, why);
+  b = vmm_ ? map_for(size, s, &why, room) : grow(size, s, &why, room);
   if (b == nullptr && !backend_->is_capturing(s) && !backend_->capture_underway()) {
     // Give back everything cached and try once more, as PyTorch does.
     stats_.num_alloc_retries++;
     release_cached();
     b = find_free(kLargePool, size, s);
-    if (b == nullptr) b = vmm_ ? map_for(size, s, &why) : grow(size, s, &why);
+    if (b == nullptr && may_grow(size, &room, &why))
+      b = vmm_ ? map_for(size, s, &why, room) : grow(size, s, &why, room);
   }
   if (b == nullptr) throw_oom(request, size, s, why);
   return take(b, size, s);
+}
+
+bool Allocator::may_grow(size_t size, size_t* room, std::string* why) {
+  // What no release can give back: the allocated bytes. Pending frees are
+  // not counted: the out-of-memory path waits for them.
+  size_t held = static_cast<size_t>(stats_.allocated_bytes.all.current);
+  size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  size_t cap = cfg_.max_pool_size;
+  if (cap != 0 && (size > cap || held > cap - size)) {
+    *why = "max_pool_size " + format_bytes(cap) + " would be exceeded: " + format_bytes(held) +
+           " of the pool is allocated";
+    return false;
+  }
+  // One question to the backend: a driver call per growth, never per cache hit.
+  size_t dev_free = 0, dev_total = 0;
+  backend_->mem_info(&dev_free, &dev_total);
+  *room = kUnknownRoom;
+  if (dev_total == 0) return true;  // unbounded, or not known during a capture
+  *room = dev_free;
+  size_t give_back = reserved - std::min(held, reserved);
+  if (size > dev_free && size - dev_free > give_back) {
+    *why = std::string("the ") + backend_->name() + " backend could not provide " + format_bytes(size) +
+           ": the device has " + format_bytes(dev_free) + " free, and the pool could give back at most " +
+           format_bytes(give_back);
+    return false;
+  }
+  return true;
 }
 
 bool Allocator::fits_split_rule(const Block* b, size_t size) const {
@@ -336,20 +373,47 @@ bool Allocator::fits_split_rule(const Block* b, size_t size) const {
   return b->size < size + kOversizeSlack;
 }
 
+bool Allocator::held_back(const Block* x, Block** frontier) const {
+  if (frontier == nullptr || !at_frontier(x)) return false;
+  // Of the frontier blocks that fit, the smallest (then the lowest).
+  const Block* f = *frontier;
+  if (f == nullptr || x->size < f->size || (x->size == f->size && x->addr < f->addr))
+    *frontier = const_cast<Block*>(x);
+  return true;
+}
+
 Block* Allocator::find_free(Pool pool, size_t size, Stream s) {
   StreamState& st = state(s);
   Block* b = st.free[pool].best_fit(size, [&](const Block* x) { return fits_split_rule(x, size); });
   if (b != nullptr || streams_.size() == 1) return b;
-  return find_other_streams(pool, size, s);
+  return find_other_streams(pool, size, s, nullptr);
 }
 
-Block* Allocator::find_other_streams(Pool pool, size_t size, Stream s) {
+Block* Allocator::find_large(size_t size, Stream s, Block** frontier) {
+  FreeIndex& index = state(s).free[kLargePool];
+  auto fits = [&](const Block* x) { return fits_split_rule(x, size); };
+  *frontier = nullptr;
+  Block* b = index.best_fit(size, fits);
+  if (b != nullptr && at_frontier(b)) {
+    // The smallest block that fits is at the frontier (seldom, but always in
+    // a cache-hit loop, where it is the only free block): look again without
+    // the frontier, and keep it for last.
+    *frontier = b;
+    b = index.count() == 1 ? nullptr : index.best_fit(size, [&](const Block* x) {
+      return fits(x) && !at_frontier(x);
+    });
+  }
+  if (b != nullptr || streams_.size() == 1) return b;
+  return find_other_streams(kLargePool, size, s, frontier);
+}
+
+Block* Allocator::find_other_streams(Pool pool, size_t size, Stream s, Block** frontier) {
   Block* best = nullptr;
   for (auto& [stream, stp] : streams_) {
     StreamState& o = *stp;
     if (stream == s || o.free[pool].empty()) continue;
     auto ready = [&](const Block* x) {
-      return x->free_seq <= o.ready_seq && fits_split_rule(x, size);
+      return x->free_seq <= o.ready_seq && fits_split_rule(x, size) && !held_back(x, frontier);
     };
     poll_syncs(o, false);
     Block* b = o.free[pool].best_fit(size, ready);
@@ -409,7 +473,7 @@ Block* Allocator::take(Block* b, size_t size, Stream s) {
   return a;
 }
 
-Block* Allocator::grow(size_t size, Stream s, std::string* why) {
+Block* Allocator::grow(size_t size, Stream s, std::string* why, size_t room) {
   if (backend_->is_capturing(s) && !backend_->grows_while_capturing()) {
     *why = "the stream is being captured into a CUDA graph and the pool cannot grow during "
            "capture; reserve the memory before capture (pyalloc reserve())";
@@ -427,13 +491,16 @@ Block* Allocator::grow(size_t size, Stream s, std::string* why) {
       return nullptr;
     }
   }
-  uintptr_t base = backend_->reserve(want);
+  // Sizes the device has no room for are not asked for.
+  if (want > room && want > exact) want = exact;
+  uintptr_t base = want <= room ? backend_->reserve(want) : 0;
   if (base == 0 && want > exact) {
     want = exact;
     base = backend_->reserve(want);
   }
   if (base == 0) {
     *why = std::string("the ") + backend_->name() + " backend could not provide " + format_bytes(want);
+    if (room != kUnknownRoom) *why += " (the device has " + format_bytes(room) + " free)";
     return nullptr;
   }
   return add_segment(base, want, s);
@@ -541,6 +608,7 @@ Block* Allocator::insert_free(Block* b) {
       bool split = m->is_split();
       change_inactive_split(pool, (split ? 1 : 0) - before_blocks,
                             (split ? static_cast<int64_t>(m->size) : 0) - before_bytes);
+      if (!split && pool == kSmallPool) free_chunks_++;
       return m;
     }
   }
@@ -551,6 +619,7 @@ Block* Allocator::insert_free(Block* b) {
   b->state = BlockState::kFree;
   state(b->stream).free[b->segment->pool].insert(b);
   track_inactive_split(b, +1);
+  if (b->segment->pool == kSmallPool && !b->is_split()) free_chunks_++;
   return b;
 }
 
@@ -649,6 +718,7 @@ size_t Allocator::reclaim_free_chunks() {
     insert_free(parent);
     reclaimed++;
   }
+  free_chunks_ = 0;
   return reclaimed;
 }
 
@@ -669,6 +739,7 @@ void Allocator::merge_ready_neighbours() {
       }
       state(b->stream).free[seg->pool].insert(b);
       track_inactive_split(b, +1);
+      if (seg->pool == kSmallPool && !b->is_split()) free_chunks_++;
     }
   };
   for (Segment* c : chunks_) merge_runs(c);
@@ -745,7 +816,7 @@ size_t Allocator::empty_cache() {
   size_t want = keep - reserved;
   std::string why;
   if (vmm_) {
-    map_for(want, 0, &why, /*recycle=*/false);
+    map_for(want, 0, &why);
   } else if (uintptr_t base = backend_->reserve(want); base != 0) {
     add_segment(base, want, 0);
   }
@@ -765,7 +836,7 @@ size_t Allocator::reserve(size_t nbytes) {
   if (vmm_) {
     int64_t before = stats_.reserved_bytes.all.current;
     std::string why;
-    if (map_for(round_up(nbytes, kGranularity), 0, &why, /*recycle=*/false) == nullptr)
+    if (map_for(round_up(nbytes, kGranularity), 0, &why) == nullptr)
       throw OutOfMemoryError("out of memory: reserve(" + format_bytes(nbytes) + "): " + why);
     return static_cast<size_t>(stats_.reserved_bytes.all.current - before);
   }

@@ -21,14 +21,20 @@
 //   the block becomes free at all ("pending free", as in PyTorch).
 // - Out of memory: release every cached free segment (after waiting for all
 //   events), retry once, then raise OutOfMemoryError saying why. Nothing live
-//   is moved or touched.
+//   is moved or touched. A request the pool can never hold (beyond
+//   max_pool_size with what stays allocated, or beyond the device's free
+//   memory plus everything the pool could give back: one mem_info() per
+//   growth tells) fails at once, before anything is mapped or released.
 // - Strategy "vmm" (backends with virtual memory): the large pool is one
 //   virtual range; physical pages are mapped under a block when it is taken
-//   and stay mapped while free (a cache: the steady state maps nothing). When
-//   a request fits no mapped free block, pages are mapped in the unmapped
-//   range that needs the fewest; when that would pass max_pool_size (or the
-//   device is full), wholly free pages anywhere are unmapped first, so free
-//   memory in holes can back a new large allocation.
+//   and stay mapped while free (a cache). When a request fits no mapped free
+//   block, pages are mapped in the unmapped range that needs the fewest; only
+//   when that would pass max_pool_size (or the device is full) are wholly
+//   free pages of holes unmapped first, so free memory in holes can back a
+//   new large allocation. A free block beside unmapped pages (the frontier,
+//   where the pool grows) is taken only when no other free block fits. So a
+//   loop that repeats exactly puts each block where its first pass did, into
+//   pages that pass mapped: after it, the loop maps and unmaps nothing.
 //
 // Thread safety: every public method takes the allocator's lock (lock.h).
 #pragma once
@@ -225,11 +231,32 @@ class Allocator {
   Block* split_free_at(Block* b, uintptr_t at);
   Block* alloc_small(size_t size, Stream s, size_t request);
   Block* alloc_large(size_t size, Stream s, size_t request);
+  // Best fit over the caller's stream, then over other streams' blocks that
+  // are safe to take.
   Block* find_free(Pool pool, size_t size, Stream s);
-  Block* find_other_streams(Pool pool, size_t size, Stream s);
+  // find_free() in the large pool passing over blocks at the frontier
+  // (at_frontier): the one to take last is left in *frontier.
+  Block* find_large(size_t size, Stream s, Block** frontier);
+  // With `frontier`, blocks at the frontier are passed over, as find_large().
+  Block* find_other_streams(Pool pool, size_t size, Stream s, Block** frontier);
+  // The frontier (vmm): a free block beside unmapped pages of the range,
+  // where the pool grows. Taken only when no other free block fits, as
+  // dlmalloc preserves its top chunk: a loop that repeats exactly then puts
+  // each block where its first pass did, into memory that pass mapped.
+  bool at_frontier(const Block* b) const {
+    return vmm_ && ((b->prev != nullptr && !b->prev->mapped) || (b->next != nullptr && !b->next->mapped));
+  }
+  // x is at the frontier: noted in *frontier if it is the one to take last.
+  bool held_back(const Block* x, Block** frontier) const;
   bool fits_split_rule(const Block* b, size_t size) const;
   Block* take(Block* b, size_t size, Stream s);
-  Block* grow(size_t size, Stream s, std::string* why);
+  // The device's free bytes when a growth needs them; kUnknownRoom when the
+  // backend does not say (unbounded, or a capture is underway).
+  static constexpr size_t kUnknownRoom = SIZE_MAX;
+  // Whether the pool could grow by size (the cap; the device's free memory
+  // plus what the pool could give back); *room: the device's free bytes.
+  bool may_grow(size_t size, size_t* room, std::string* why);
+  Block* grow(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom);
   Block* add_segment(uintptr_t base, size_t size, Stream s);
   Block* insert_free(Block* b);
   bool merge_neighbour(Block* b, Block* n);
@@ -237,9 +264,13 @@ class Allocator {
   void take_place_of(Block* b, Block* n);
   // Virtual memory (strategy vmm)
   void init_vmm();
-  Block* map_for(size_t size, Stream s, std::string* why, bool recycle = true);
+  Block* map_for(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom);
   Block* usable_neighbour(Block* n, Stream s);
-  size_t unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t keep_hi, bool wait);
+  // Unmaps up to `want` bytes of whole free pages outside [keep_lo, keep_hi)
+  // that every stream is done with (waiting for the streams if asked), in
+  // address order; with all_or_none, nothing unless want can be reached.
+  size_t unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t keep_hi, bool wait,
+                          bool all_or_none = false);
   Block* unmap_range(Block* f, uintptr_t lo, uintptr_t hi);
   void finish_free(Block* b);
   bool is_ready(const Block* b);
@@ -280,6 +311,10 @@ class Allocator {
   PtrMap live_;
   std::map<uintptr_t, Segment*> segments_;  // backend segments by base
   std::vector<Segment*> chunks_;             // small-pool chunks
+  // At least the number of wholly free chunks (counted when one becomes
+  // wholly free, zeroed when they are given back): while 0, no scan of
+  // chunks_ for them is needed.
+  size_t free_chunks_ = 0;
   std::unordered_map<Stream, std::unique_ptr<StreamState>> streams_;
   Stream last_stream_ = 0;
   StreamState* last_state_ = nullptr;

@@ -160,6 +160,7 @@ struct Tally {
   int64_t reserved_bytes[2] = {0, 0};
   size_t pending = 0;
   size_t chunks = 0;
+  size_t free_chunks = 0;
   size_t unmapped = 0;
   std::unordered_set<const Block*> free_blocks;
 };
@@ -234,6 +235,7 @@ void Allocator::check_invariants() const {
             fail(at + " is free with a sequence number its stream never issued");
           if (b->bin != FreeIndex::bin_of(b->size)) fail(at + " is in the wrong bin");
           t.free_blocks.insert(b);
+          if (pool == kSmallPool && !b->is_split()) t.free_chunks++;
           if (b->is_split()) {
             t.inactive_split[pool]++;
             t.inactive_split_bytes[pool] += static_cast<int64_t>(b->size);
@@ -283,6 +285,9 @@ void Allocator::check_invariants() const {
     walk(seg, walk);
   }
   if (t.chunks != chunks_.size()) fail("chunk list does not match the chunks in the segments");
+  if (t.free_chunks > free_chunks_)
+    fail(std::to_string(t.free_chunks) + " wholly free chunks, counted as at most " +
+         std::to_string(free_chunks_));
   if (t.unmapped != unmapped_.size()) fail("unmapped map does not match the unmapped blocks");
   for (size_t i = 0; i < chunks_.size(); ++i)
     if (chunks_[i]->index != i) fail("chunk list index out of date");

@@ -6,9 +6,13 @@
 // no pages, kept in unmapped_ only). Mapped free blocks are a cache: nothing
 // is unmapped on free. Pages are mapped when a request fits no mapped free
 // block, in the unmapped block (plus its usable free neighbours) needing the
-// fewest new pages. When the cap or the device would be exceeded, the
-// interiors of free blocks that every stream is done with are unmapped first:
-// physical memory stranded in holes moves to where it is needed.
+// fewest new pages. Only when the cap or the device would be exceeded are the
+// interiors of free blocks that every stream is done with unmapped first:
+// physical memory stranded in holes moves to where it is needed. Doing so
+// while the pool can still grow costs a map and an unmap on every pass of a
+// loop whose holes are used again (the steady state of a training step);
+// what it saved in replay is what the pool holds when nothing else wants the
+// memory (benchmarks/results/fragmentation.md).
 #include <algorithm>
 #include <vector>
 
@@ -72,7 +76,7 @@ Block* Allocator::usable_neighbour(Block* n, Stream s) {
   return n->stream == s || is_ready(n) ? n : nullptr;
 }
 
-Block* Allocator::map_for(size_t size, Stream s, std::string* why, bool recycle) {
+Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room) {
   // During a capture only fresh pages may be mapped: unmap_free_pages()
   // moves none then.
   if ((backend_->is_capturing(s) || backend_->capture_underway()) &&
@@ -82,7 +86,7 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, bool recycle)
     return nullptr;
   }
   // Wholly free chunks hold mapped pages the large pool can use.
-  if (!chunks_.empty()) reclaim_free_chunks();
+  if (free_chunks_ > 0) reclaim_free_chunks();
 
   // The unmapped block needing the fewest new pages, mapped from the side
   // whose usable free neighbour is larger.
@@ -119,24 +123,29 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, bool recycle)
     return nullptr;
   }
 
-  // Recycle before growing: pages of free blocks that every stream is done
-  // with move here rather than the pool growing around them.
-  if (recycle) unmap_free_pages(need, keep_lo, keep_hi, /*wait=*/false);
+  // Grow while the cap and the device allow: pages moved out of holes now
+  // would be mapped again when the holes are used again (a training step's
+  // next pass), so recycling waits until the pool cannot grow.
   size_t cap = cfg_.max_pool_size;
   size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   if (cap != 0 && reserved + need > cap) {
-    unmap_free_pages(reserved + need - cap, keep_lo, keep_hi, /*wait=*/true);
+    unmap_free_pages(reserved + need - cap, keep_lo, keep_hi, /*wait=*/true, /*all_or_none=*/true);
     reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
     if (reserved + need > cap) {
       *why = "max_pool_size " + format_bytes(cap) + " would be exceeded";
       return nullptr;
     }
   }
-  if (!backend_->vmm_map(lo, need)) {
-    // The device is full: take pages from free holes and try once more.
-    if (unmap_free_pages(need, keep_lo, keep_hi, /*wait=*/true) < need ||
+  // Where the device has no room for the pages (as `room` says, or a refused
+  // mapping shows), the pages the mapping needs move out of free holes
+  // (moving only the shortfall left the range more cut up: in replay,
+  // encoder-dynbatch-infer then needed a 3% larger device), and the mapping
+  // is tried once more: never page after page into a device known to be full.
+  if (need > room || !backend_->vmm_map(lo, need)) {
+    if (unmap_free_pages(need, keep_lo, keep_hi, /*wait=*/true, /*all_or_none=*/true) < need ||
         !backend_->vmm_map(lo, need)) {
       *why = std::string("the ") + backend_->name() + " backend could not map " + format_bytes(need);
+      if (room != kUnknownRoom) *why += " (the device has " + format_bytes(room) + " free)";
       return nullptr;
     }
   }
@@ -196,7 +205,8 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, bool recycle)
   return m->size >= size ? m : nullptr;
 }
 
-size_t Allocator::unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t keep_hi, bool wait) {
+size_t Allocator::unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t keep_hi, bool wait,
+                                   bool all_or_none) {
   if (!vmm_ || backend_->capture_underway()) return 0;
   // A page may be unmapped only once no queued work can touch it: mark how
   // far each stream has got (waiting for it only if asked to).
@@ -223,13 +233,23 @@ size_t Allocator::unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t kee
             [](const Block* x, const Block* y) { return x->addr < y->addr; });
   size_t done = 0;
   uintptr_t base = vmm_seg_->base;
+  auto whole_pages = [&](const Block* b, uintptr_t* lo, uintptr_t* hi) {
+    *lo = base + round_up(b->addr - base, page_);
+    *hi = base + (b->end() - base) / page_ * page_;
+    return *hi > *lo ? *hi - *lo : 0;
+  };
+  if (all_or_none) {
+    size_t movable = 0;
+    uintptr_t lo, hi;
+    for (const Block* b : candidates) movable += whole_pages(b, &lo, &hi);
+    if (movable < want) return 0;
+  }
   // unmap_range() changes only the block it is given (and drops unmapped
   // neighbours, which are no candidates), so the list stays valid.
   for (Block* b : candidates) {
     if (done >= want) break;
-    uintptr_t lo = base + round_up(b->addr - base, page_);
-    uintptr_t hi = base + (b->end() - base) / page_ * page_;
-    if (hi <= lo) continue;
+    uintptr_t lo, hi;
+    if (whole_pages(b, &lo, &hi) == 0) continue;
     size_t n = std::min(hi - lo, round_up(std::min(want - done, hi - lo), page_));
     done += n;
     unmap_range(b, lo, lo + n);

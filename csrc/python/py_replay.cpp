@@ -118,6 +118,9 @@ void bind_replay(py::module_& m) {
                              "Requested bytes the allocator holds for the trace now.")
       .def_property_readonly("peak_live_bytes", &Replayer::peak_live_bytes)
       .def_property_readonly("seconds", &Replayer::seconds, "Wall seconds spent in run().")
+      .def_property_readonly("device_calls_at_half", &Replayer::device_calls_at_half,
+                             "(num_device_alloc, num_device_free) of the allocator when the replay "
+                             "reached op len(trace) // 2; (-1, -1) before.")
       .def(
           "timeline",
           [](const Replayer& r) {

@@ -50,7 +50,8 @@ Replayer::Replayer(Allocator& allocator, const ReplayTrace& trace, bool stop_on_
       trace_(trace),
       stop_on_oom_(stop_on_oom),
       ptr_(trace.slots(), 0),
-      held_(trace.slots(), 0) {
+      held_(trace.slots(), 0),
+      half_(trace.size() / 2) {
   if (timeline_points > 0 && trace.size() > 0) {
     bucket_ = (trace.size() + timeline_points - 1) / timeline_points;
     timeline_.reserve(trace.size() / bucket_ + 1);
@@ -64,6 +65,10 @@ bool Replayer::run(size_t stop) {
   stop = std::min(stop, ops.size());
   auto start = std::chrono::steady_clock::now();
   for (; pos_ < stop; ++pos_) {
+    if (pos_ == half_) {
+      Stats s = alloc_.stats();
+      calls_at_half_ = {s.num_device_alloc, s.num_device_free};
+    }
     const ReplayOp& op = ops[pos_];
     if (op.kind == ReplayOp::kAlloc) {
       if (!alloc_one(op)) {

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "core/allocator.h"
@@ -82,6 +83,9 @@ class Replayer {
   int64_t peak_live_bytes() const { return peak_live_; }
   /// Wall seconds spent in run().
   double seconds() const { return seconds_; }
+  /// The allocator's num_device_alloc and num_device_free when the replay
+  /// reached op size() / 2 (before running it); {-1, -1} until then.
+  std::pair<int64_t, int64_t> device_calls_at_half() const { return calls_at_half_; }
   std::vector<TimelinePoint> timeline() const;
 
  private:
@@ -102,6 +106,8 @@ class Replayer {
   uint64_t mallocs_ = 0, frees_ = 0, ooms_ = 0, skipped_frees_ = 0;
   int64_t first_oom_op_ = -1;
   int64_t live_ = 0, peak_live_ = 0, bucket_live_max_ = 0;
+  size_t half_ = 0;
+  std::pair<int64_t, int64_t> calls_at_half_{-1, -1};
   double seconds_ = 0;
   std::vector<TimelinePoint> timeline_;
 };

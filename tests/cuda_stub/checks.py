@@ -34,6 +34,7 @@ class Stub(c.Structure):
         ("capture_info_v1", c.c_int64), ("access_count", c.c_int64), ("access_mask", c.c_int64),
         ("destroyed_stream", c.c_uint64), ("destroyed_queries", c.c_int64),
         ("mode_exchanges", c.c_int64), ("relaxed_during_capture", c.c_int64),
+        ("mem_get_info", c.c_int64), ("mem_alloc_refused", c.c_int64), ("mem_create_refused", c.c_int64),
     ]
 
 
@@ -194,6 +195,90 @@ def check_out_of_memory():
     assert message.startswith("CUDA out of memory. Tried to allocate 1.00 GiB on device 0"), message
     assert "GPU 0 has a total capacity of 256.00 MiB" in message, message
     free(malloc(8 * MiB))  # the process goes on
+
+
+MEMORY_CALLS = ("mem_alloc", "mem_alloc_refused", "mem_free", "mem_create", "mem_create_refused",
+                "mem_release", "mem_map", "mem_unmap", "mem_get_info")
+
+
+def memory_calls():
+    return {k: getattr(stub, k) for k in MEMORY_CALLS}
+
+
+def calls_since(before):
+    """The driver calls about memory made since `before`, by name (refusals apart)."""
+    now = memory_calls()
+    return {k: now[k] - before[k] for k in MEMORY_CALLS if now[k] != before[k]}
+
+
+def fails_at_once(size):
+    """A request pyalloc can tell is impossible: refused with no memory taken or given back."""
+    reserved = stats()["reserved_bytes.all.current"]
+    before = memory_calls()
+    try:
+        malloc(size)
+        raise AssertionError(f"{size} bytes were allocated")
+    except RuntimeError as e:
+        assert str(e).startswith("CUDA out of memory."), str(e)
+    made = calls_since(before)
+    # Questions about free memory (one to decide, two for the message): nothing
+    # allocated, mapped, freed or unmapped.
+    assert set(made) <= {"mem_get_info"} and made.get("mem_get_info", 0) <= 3, made
+    assert stats()["reserved_bytes.all.current"] == reserved
+
+
+OTHER_PROCESS = 64 * MiB
+
+
+def impossible_and_possible_requests(cached):
+    """With `cached` bytes of free memory in the pool and another process holding
+    OTHER_PROCESS bytes of the device: requests no release could serve fail at
+    once; one that needs the cache given back is served with one retry."""
+    stub.used[0] += OTHER_PROCESS
+    try:
+        st = stats()
+        room = stub.capacity - stub.used[0]
+        give_back = st["reserved_bytes.all.current"] - st["allocated_bytes.all.current"]
+        fails_at_once(stub.capacity + MiB)  # more than the device holds
+        fails_at_once(room + give_back + 2 * MiB)  # more than free + everything cached
+        before = memory_calls()
+        retries = st["num_alloc_retries"]
+        size = room + cached - 4 * MiB
+        p = malloc(size)
+        made = calls_since(before)
+        assert stats()["num_alloc_retries"] == retries + 1
+        assert made.get("mem_get_info", 0) <= 2, made
+        assert made.get("mem_alloc_refused", 0) + made.get("mem_create_refused", 0) == 0, made
+        free(p)
+        return made, size
+    finally:
+        stub.used[0] -= OTHER_PROCESS
+
+
+def check_impossible_requests_fail_at_once():
+    keep = malloc(8 * MiB)  # in the pool_size segment
+    free(malloc(120 * MiB))  # a cached segment of its own
+    made, _ = impossible_and_possible_requests(120 * MiB)
+    # The cached segment freed, the request's segment allocated: nothing more.
+    assert made.get("mem_free") == 1 and made.get("mem_alloc") == 1, made
+    free(keep)
+    hooks.pyalloc_empty_cache()
+    _C.cuda_check_invariants(0)
+
+
+def check_a_repeating_loop_allocates_nothing_after_its_first_pass():
+    hooks.pyalloc_empty_cache()
+    for i in range(6):
+        p = malloc(20 * MiB)
+        q = malloc(30 * MiB)
+        free(p)
+        s = malloc(35 * MiB)
+        free(q)
+        free(s)
+        if i == 0:
+            first = memory_calls()
+    assert calls_since(first) == {}, calls_since(first)
+    _C.cuda_check_invariants(0)
 
 
 def check_other_driver_errors_are_not_oom():
@@ -399,6 +484,41 @@ def vmm_check_holes_back_a_large_allocation():
     for p in ptrs[1::2]:
         free(p)
     hooks.pyalloc_set_memory_fraction(1.0, 0)
+    _C.cuda_check_invariants(0)
+
+
+def vmm_check_a_repeating_loop_maps_nothing_after_its_first_pass():
+    """Each pass of this loop mapped one page and unmapped another, forever."""
+    hooks.pyalloc_empty_cache()
+    for i in range(6):
+        p = malloc(2 * MiB)
+        q = malloc(3 * MiB)
+        free(p)
+        s = malloc(7 * MiB // 2)
+        free(q)
+        free(s)
+        if i == 0:
+            first = memory_calls()
+            assert stub.mem_map > 0
+    assert calls_since(first) == {}, calls_since(first)
+    _C.cuda_check_invariants(0)
+
+
+def vmm_check_impossible_requests_fail_at_once():
+    hooks.pyalloc_empty_cache()
+    keep = malloc(8 * MiB)
+    hole = malloc(96 * MiB)
+    keep2 = malloc(2 * MiB)
+    free(hole)  # 48 pages mapped and cached, between live blocks
+    made, size = impossible_and_possible_requests(96 * MiB)
+    # The cached pages unmapped and released, the request's pages made and
+    # mapped: one call of each per page, and no page asked of a full device.
+    pages, new_pages = 96 * MiB // (2 * MiB), -(-size // (2 * MiB))
+    assert made.get("mem_unmap") == pages and made.get("mem_release") == pages, made
+    assert made.get("mem_create") == new_pages and made.get("mem_map") == new_pages, made
+    free(keep)
+    free(keep2)
+    hooks.pyalloc_empty_cache()
     _C.cuda_check_invariants(0)
 
 

@@ -2,6 +2,8 @@
  * backend (csrc/cuda/cuda_backend.cpp) against the driver API it uses.
  *
  * Memory is host memory. Contexts are per device and current per thread.
+ * Every call that takes or gives back memory is counted (refusals too), so
+ * tests can bound what pyalloc asks the driver for.
  * Streams are opaque numbers; the test marks one as capturing and counts every
  * call that CUDA's global capture mode forbids, or that pyalloc promises not to
  * make, while a capture is underway (allocating, freeing, asking for free
@@ -63,6 +65,8 @@ struct Stub {
   uint64_t destroyed_stream; /* capture queries on it answer INVALID_HANDLE */
   int64_t destroyed_queries;
   int64_t mode_exchanges, relaxed_during_capture;
+  int64_t mem_get_info;                        /* cuMemGetInfo calls */
+  int64_t mem_alloc_refused, mem_create_refused; /* cuMemAlloc / cuMemCreate answered OUT_OF_MEMORY */
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -141,7 +145,7 @@ CUresult cuMemAlloc_v2(unsigned long long* p, size_t size) {
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   if ((int64_t)size == stub.fail_alloc_size) return STUB_FAILURE;
   int d = current->device;
-  if (stub.used[d] + (int64_t)size > stub.capacity) return OUT_OF_MEMORY;
+  if (stub.used[d] + (int64_t)size > stub.capacity) { stub.mem_alloc_refused++; return OUT_OF_MEMORY; }
   for (int i = 0; i < MAX_BLOCKS; ++i) {
     if (blocks[i].ptr != 0) continue;
     void* m = aligned_alloc(4096, size);
@@ -173,6 +177,7 @@ CUresult cuMemFree_v2(unsigned long long p) {
 
 CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
   during_capture();
+  stub.mem_get_info++;
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   *total = (size_t)stub.capacity;
   *free_bytes = (size_t)(stub.capacity - stub.used[current->device]);
@@ -283,7 +288,7 @@ CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsig
   if (stub.vmm_refuse) return NOT_PERMITTED;
   int d = current->device;
   if (size != PAGE) return INVALID_VALUE;
-  if (stub.used[d] + (int64_t)size > stub.capacity) return OUT_OF_MEMORY;
+  if (stub.used[d] + (int64_t)size > stub.capacity) { stub.mem_create_refused++; return OUT_OF_MEMORY; }
   if (next_handle >= (1 << 16)) return OUT_OF_MEMORY;
   stub.used[d] += (int64_t)size;
   handle_device[next_handle] = d;
