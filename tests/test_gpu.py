@@ -194,3 +194,34 @@ def test_ddp_under_torchrun_with_pyalloc_conf():
     out = torchrun(os.path.join(GPU_DIR, "ddp.py"), "--install", env={"PYALLOC_CONF": "pool_size:32MiB"})
     assert "rank 0 OK" in out and "rank 1 OK" in out
 
+
+# -- what the bridge gives (tests/gpu/gpu_common.py: bridge_only) ---------------------------
+
+
+def test_torch_memory_stats_are_pyallocs_and_raw_allocations_work():
+    check("torch_stats.py")  # both routes: torch's own functions through the bridge
+
+
+@bridge_only
+def test_cudnn_benchmark_mode_trains_a_convnet():
+    check("cudnn_benchmark.py")
+
+
+@bridge_only
+def test_out_of_memory_is_torchs_error_with_observers_called_first():
+    check("oom_observer.py")
+
+
+@bridge_only
+def test_memory_history_names_python_frames_and_every_reader_takes_it(tmp_path):
+    check("memory_history.py", str(tmp_path / "history.pickle"))
+
+
+@bridge_only
+def test_mempool_keeps_its_allocations_and_returns_its_memory():
+    check("mempool.py")
+
+
+@bridge_only
+def test_torch_compile_reduce_overhead_matches_eager():
+    check("compile_reduce_overhead.py", timeout=900)
