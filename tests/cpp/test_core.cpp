@@ -187,7 +187,7 @@ void test_threads(const char* backend, const char* conf) {
   CHECK(s.active_bytes.all.current == 0);
   CHECK(s.reserved_bytes.all.current == 0);
   CHECK(s.segment.all.current == 0);
-  CHECK(s.allocation.all.freed() == s.allocation.all.allocated);
+  CHECK(s.allocation.all.freed == s.allocation.all.allocated);
 }
 
 }  // namespace
