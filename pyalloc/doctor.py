@@ -52,7 +52,8 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     pyalloc.install()
 for w in caught:
-    print("FALLBACK", str(w.message).splitlines()[0], flush=True)
+    if "bridge" in str(w.message):  # install()'s warning when it falls back to the C hooks
+        print("FALLBACK", str(w.message).splitlines()[0], flush=True)
 route = pyalloc.is_installed()
 MiB = 1 << 20
 side = torch.cuda.Stream()
@@ -218,7 +219,11 @@ def check_bridge(r: Report, torch: Any = None) -> Optional[str]:
     from . import bridge
     from .cuda import BRIDGE_ENV, _bridge_from_env
 
-    st = bridge.status(torch)
+    try:
+        st = bridge.status(torch)
+    except Exception as e:  # a torch that fails to import with something else than ImportError
+        r.line(f"bridge:   cannot be used: torch cannot be imported ({_one_line(e)})")
+        return None
     why = st["why_not"]
     if st["torch"] is None:
         r.line(f"bridge:   cannot be used: {why}")

@@ -87,7 +87,10 @@ def test_a_broken_torch_is_a_line_not_a_traceback(stub_driver, tmp_path):  # noq
     rc, lines = doctor(ld_path=str(stub_driver.parent), path=[str(tmp_path)])
     assert rc == 1
     assert any("torch:    cannot be imported (OSError: libtorch_cuda.so" in line for line in lines), lines
+    assert "bridge:   cannot be used: torch cannot be imported (OSError: libtorch_cuda.so: cannot open " \
+           "shared object file)" in lines, lines
     assert lines[-1].startswith("not ready: torch cannot be imported (OSError: libtorch_cuda.so"), lines
+    assert not any(line.startswith("internal error") for line in lines), lines
 
 
 def test_doctor_is_a_command():
