@@ -136,7 +136,7 @@ def test_doctor_says_ready_and_names_the_route():
     lines = out.strip().splitlines()
     assert lines[-1] == "ready", out
     route = "the C hooks" if HOOKS_ROUTE else "the bridge"
-    live = [line for line in lines if line.startswith("live:")]
+    live = [line for line in lines if line.startswith("live:     cuda:")]
     assert live and all(" ok " in line and f"through {route}" in line for line in live), out
     assert any(line.startswith("exceptions:") and "reaches Python" in line for line in lines), out
 
