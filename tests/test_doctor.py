@@ -118,21 +118,17 @@ def test_a_cpu_torch_cannot_take_the_bridge_and_the_report_says_what_is_lost(stu
         assert f"            - {item}" in text
     assert "to get it: " in text and "pyalloc bridge build" in text
     assert lines[-1].startswith("not ready: ") and "bridge" not in lines[-1], lines[-1]
+    # The C++ exception check ran in a child process, and found them reaching Python.
+    assert "exceptions: a C++ exception thrown in pyalloc._C reaches Python (ValueError)" in lines, lines
 
 
-@pytest.mark.parametrize("value, words", [
-    ("0", "install() would take: the C hooks (PYALLOC_BRIDGE=0)"),
-    ("1", "install() would fail: PYALLOC_BRIDGE=1 asks for the bridge"),
-    ("sometimes", "install() would fail: PYALLOC_BRIDGE='sometimes'"),
-])
-def test_pyalloc_bridge_is_named(stub_driver, value, words):  # noqa: F811
+def test_pyalloc_bridge_1_without_a_bridge_is_not_ready(stub_driver):  # noqa: F811
     if not _torch_is_cpu_only():
         pytest.skip("a CUDA build of torch")
-    rc, lines = doctor("--no-live", ld_path=str(stub_driver.parent), env={"PYALLOC_BRIDGE": value})
-    assert any(words in line for line in lines), lines
-    assert rc == 1
-    if value != "0":
-        assert "PYALLOC_BRIDGE" in lines[-1], lines[-1]
+    rc, lines = doctor("--no-live", ld_path=str(stub_driver.parent), env={"PYALLOC_BRIDGE": "1"})
+    assert "          install() would fail: PYALLOC_BRIDGE=1 asks for the bridge, which cannot be had here" \
+        in lines, lines
+    assert rc == 1 and "PYALLOC_BRIDGE=1 asks for the bridge" in lines[-1], lines[-1]
 
 
 def _fake_torch(version="2.11.0+cu130", cuda="13.0"):
@@ -182,6 +178,21 @@ def test_a_cuda_torch_takes_the_bridge_built_on_first_install(buildable):
     assert f"          built: yes, {library}" in lines and "          install() would take: the bridge" in lines
 
 
+@pytest.mark.parametrize("value, route, words", [
+    ("0", "hooks", "install() would take: the C hooks (PYALLOC_BRIDGE=0)"),
+    ("auto", "bridge", "install() would take: the bridge, built by the first install()"),
+    ("sometimes", None, "install() would fail: PYALLOC_BRIDGE='sometimes'"),
+])
+def test_pyalloc_bridge_decides_the_route(buildable, monkeypatch, value, route, words):
+    from pyalloc.doctor import check_bridge
+
+    monkeypatch.setenv("PYALLOC_BRIDGE", value)
+    r, lines = _report()
+    assert check_bridge(r, _fake_torch()) == route
+    assert any(words in line for line in lines), lines
+    assert bool(r.problems) == (route is None)
+
+
 def test_what_keeps_the_bridge_away_is_named(buildable, monkeypatch):
     from pyalloc import bridge
     from pyalloc.doctor import check_bridge
@@ -213,11 +224,6 @@ def test_a_crash_where_pyalloc_throws_is_named():
     check_exceptions(r, code="raise SystemExit('the import failed')")
     assert lines == ["exceptions: the check failed: the child exited with 1: the import failed"], lines
     assert r.problems == ["the C++ exception check failed (the import failed)"]
-
-
-def test_the_doctor_checks_that_cpp_exceptions_reach_python(stub_driver):  # noqa: F811
-    rc, lines = doctor("--no-live", ld_path=str(stub_driver.parent))
-    assert "exceptions: a C++ exception thrown in pyalloc._C reaches Python (ValueError)" in lines, lines
 
 
 def test_the_live_check_says_which_route_it_got():
