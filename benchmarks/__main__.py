@@ -9,11 +9,13 @@ allocator (``benchmarks/fragmentation.py``). Extra arguments go to whichever run
 """
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 
 
 def has_gpu() -> bool:
@@ -33,7 +35,16 @@ def main(argv: list) -> int:
         print("no CUDA GPU: replaying recorded traces through pyalloc (benchmarks/fragmentation.py)",
               flush=True)
         cmd = [sys.executable, os.path.join(HERE, "fragmentation.py"), "--no-write"] + argv
-    return subprocess.call(cmd, cwd=os.path.dirname(HERE))
+    return subprocess.call(cmd, cwd=ROOT, env=child_env())
+
+
+def child_env() -> dict:
+    """The environment of the job: where this checkout's pyalloc is built in place, its
+    children import that one, not another checkout's that an editable install names."""
+    env = dict(os.environ)
+    if glob.glob(os.path.join(ROOT, "pyalloc", "_C*.so")):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    return env
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import sysconfig
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from . import _C
 
@@ -33,6 +33,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCE_ROOTS = (os.path.join(os.path.dirname(HERE), "csrc"), os.path.join(HERE, "csrc"))
 CACHE_ENV = "PYALLOC_BRIDGE_CACHE"
 MODULE_NAME = "pyalloc_bridge"
+#: The oldest torch release whose allocator interface the bridge is written for
+#: (bridge.cpp refuses to compile against an older one).
+OLDEST_TORCH = (2, 9)
 
 #: What PyTorch cannot do through the C hooks of CUDAPluggableAllocator, which
 #: the bridge gives back; install() names these when it falls back.
@@ -176,6 +179,47 @@ def _unresolved_outside_cuda(library: str) -> List[str]:
             if s not in defined and not cuda_only.search(s)]
 
 
+def _release(version: str) -> Tuple[int, int]:
+    """'2.11.0+cu130' -> (2, 11); (0, 0) when it cannot be read."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def missing_prerequisite(torch: Any = None, check: bool = False) -> Optional[str]:
+    """Why the bridge cannot be built against the installed torch here, or None when
+    everything the build needs is at hand: torch 2.9 or newer, a CUDA build of it
+    (unless check=True: compiled and linked only, which a CPU build allows), the CUDA
+    runtime's headers, a C++ compiler, ninja and the bridge's sources. It only looks:
+    nothing is compiled. ``torch`` replaces the installed one (tests)."""
+    if torch is None:
+        try:
+            torch = _import_torch()
+        except BridgeUnavailable as e:
+            return str(e)
+    if _release(torch.__version__) < OLDEST_TORCH:
+        return (f"torch {torch.__version__} is older than {OLDEST_TORCH[0]}.{OLDEST_TORCH[1]}, the "
+                "oldest release whose allocator interface the bridge is written for; upgrade torch")
+    if not check and torch.version.cuda is None:
+        return (f"torch {torch.__version__} is a CPU-only build: the bridge can be compiled against "
+                "it (pyalloc bridge build --check) but not loaded; install a CUDA build of torch")
+    if find_cuda_headers() is None:
+        return ("the CUDA runtime's headers (cuda_runtime_api.h) were found neither in a CUDA toolkit "
+                "(CUDA_HOME, nvcc, /usr/local/cuda) nor in an nvidia CUDA runtime wheel; install "
+                "the CUDA toolkit, or the CUDA runtime wheel torch names (pip show torch)")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler (c++, or $CXX) to build the bridge with"
+    try:
+        import ninja  # noqa: F401
+    except ImportError:
+        if shutil.which("ninja") is None:
+            return "ninja is needed to build the bridge: pip install ninja"
+    try:
+        source_dir()
+    except BridgeUnavailable as e:
+        return str(e)
+    return None
+
+
 def build(check: bool = False, verbose: bool = False) -> BuildResult:
     """Compiles and links the bridge against the installed torch (cached: a second
     call only loads it) and loads it.
@@ -188,25 +232,11 @@ def build(check: bool = False, verbose: bool = False) -> BuildResult:
     torch = _import_torch()
     from torch.utils import cpp_extension
 
-    if not check and torch.version.cuda is None:
-        raise BridgeUnavailable(
-            f"torch {torch.__version__} is a CPU-only build: the bridge can be compiled against "
-            "it (pyalloc bridge build --check) but not loaded; install a CUDA build of torch"
-        )
+    why = missing_prerequisite(torch, check=check)
+    if why is not None:
+        raise BridgeUnavailable(why)
     cuda = find_cuda_headers()
-    if cuda is None:
-        raise BridgeUnavailable(
-            "the CUDA runtime's headers (cuda_runtime_api.h) were found neither in a CUDA toolkit "
-            "(CUDA_HOME, nvcc, /usr/local/cuda) nor in an nvidia CUDA runtime wheel; install "
-            "the CUDA toolkit, or the CUDA runtime wheel torch names (pip show torch)"
-        )
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        raise BridgeUnavailable("no C++ compiler (c++, or $CXX) to build the bridge with")
-    try:
-        import ninja  # noqa: F401
-    except ImportError:
-        if shutil.which("ninja") is None:
-            raise BridgeUnavailable("ninja is needed to build the bridge: pip install ninja")
+    assert cuda is not None  # missing_prerequisite() looked
 
     src = source_dir()
     build_dir = os.path.join(cache_dir(torch), "check" if check else "cuda")
@@ -284,19 +314,30 @@ def load() -> Any:
     return _loaded
 
 
-def status() -> dict:
-    """For pyalloc doctor: whether the bridge could be used here, without building it."""
-    out = {"route": _C.cuda_route(), "cuda_headers": None, "built": False, "cache": None}
+def status(torch: Any = None) -> dict:
+    """For pyalloc doctor and ``pyalloc bridge status``: whether the bridge could be
+    used here, without building it. route: how PyTorch reaches pyalloc in this
+    process; torch: its version and CUDA; cuda_headers: where, and from what;
+    built, library, cache: whether the bridge is built for this torch and pyalloc,
+    the file, the folder; why_not: why it cannot be built or loaded here (None: it
+    can). ``torch`` replaces the installed one (tests)."""
+    out = {"route": _C.cuda_route(), "torch": None, "cuda_headers": None, "built": False,
+           "library": None, "cache": None, "why_not": None}
     cuda = find_cuda_headers()
     if cuda is not None:
         out["cuda_headers"] = f"{cuda.include} ({cuda.origin})"
     try:
-        torch = _import_torch()
-        directory = os.path.join(cache_dir(torch), "cuda")
-        out["cache"] = directory
-        out["built"] = _built_library(directory) is not None
+        torch = torch or _import_torch()
     except BridgeUnavailable as e:
-        out["why"] = str(e)
+        out["why_not"] = str(e)
+        return out
+    version = getattr(torch.version, "cuda", None)
+    out["torch"] = f"{torch.__version__}, " + (f"CUDA {version}" if version else "CPU-only")
+    directory = os.path.join(cache_dir(torch), "cuda")
+    out["cache"] = directory
+    out["library"] = _built_library(directory)
+    out["built"] = out["library"] is not None
+    out["why_not"] = missing_prerequisite(torch)
     return out
 
 

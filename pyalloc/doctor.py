@@ -1,13 +1,19 @@
 """``pyalloc doctor``: is this machine ready for pyalloc? Run it first on a new machine.
 
-It reports the CUDA driver and its version; each device with its memory, virtual
-memory support and peers; the installed PyTorch (a CUDA build or not, the hooks its
-pluggable allocator offers, whether CUDA is already initialised in this process);
-the effective PYALLOC_CONF. Where a GPU and a CUDA build of torch exist, it runs a
-live check of a few seconds per device, each in a child process (install pyalloc,
-allocate and free on two streams, record_stream, a tiny CUDA graph, empty_cache).
-It ends with one line: ready, or not ready and why. It never raises: whatever fails
-becomes a line of the report. Exit status 0 when ready, 1 when not.
+It reports whether a C++ exception thrown inside pyalloc._C reaches Python (in a
+child process: a build whose exceptions crash would crash on every error); the
+CUDA driver and its version; each device with its memory, virtual memory support
+and peers; the installed PyTorch (a CUDA build or not, the hooks its pluggable
+allocator offers, whether CUDA is already initialised in this process); the
+bridge (pyalloc.bridge): whether this torch can take it, where the CUDA headers
+are, whether it is built, which route install() would take and which is in use,
+and where it cannot be had, what is lost and how to get it; the effective
+PYALLOC_CONF. Where a GPU and a CUDA build of torch exist, it runs a live check of
+a few seconds per device, each in a child process (install pyalloc by the default
+route and say which it got, allocate and free on two streams, record_stream, a
+tiny CUDA graph, empty_cache). It ends with one line: ready, or not ready and
+why. It never raises: whatever fails becomes a line of the report. Exit status 0
+when ready, 1 when not.
 """
 from __future__ import annotations
 
@@ -22,12 +28,33 @@ from . import _C
 #: torch's pluggable-allocator setters that pyalloc uses when they exist.
 GRAPH_POOL_HOOKS = ("set_begin_allocate_to_pool", "set_end_allocate_to_pool", "set_release_pool")
 
+# Seconds a live check may take on top of --timeout when its install() builds the bridge.
+BRIDGE_BUILD_SECONDS = 600.0
+
+# A C++ exception thrown inside pyalloc._C, which must reach Python as ValueError.
+EXCEPTION_CHECK = r"""
+import pyalloc._C as C
+try:
+    C.cuda_configure("bogus:1")
+except ValueError:
+    print("EXCEPTIONS OK")
+"""
+
 # The live check, run in a child process that sees one device (CUDA_VISIBLE_DEVICES).
+# install() takes the default route; the check says which it got.
 LIVE_CHECK = r"""
+import warnings
+
 import torch
 import pyalloc
 
-pyalloc.install()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    pyalloc.install()
+for w in caught:
+    if "bridge" in str(w.message):  # install()'s warning when it falls back to the C hooks
+        print("FALLBACK", str(w.message).splitlines()[0], flush=True)
+route = pyalloc.is_installed()
 MiB = 1 << 20
 side = torch.cuda.Stream()
 main = torch.cuda.current_stream()
@@ -59,8 +86,11 @@ torch.cuda.synchronize()
 assert float(out[0]) == 7.0, float(out[0])
 del graph, out, static
 torch.cuda.empty_cache()
-print("LIVE OK", pyalloc.memory_stats()["reserved_bytes.all.current"])
+print("LIVE OK", route, pyalloc.memory_stats()["reserved_bytes.all.current"])
 """
+
+#: How the report names the routes.
+ROUTE_NAMES = {"bridge": "the bridge", "hooks": "the C hooks"}
 
 
 class Report:
@@ -177,16 +207,104 @@ def check_torch(r: Report) -> Any:
            + (f"; missing: {', '.join(missing)}" if missing else ""))
     graph = [name for name in GRAPH_POOL_HOOKS if hasattr(allocator_type, name)]
     r.line(f"          graph-pool hooks: {', '.join(graph) if graph else 'none (CUDA graphs use pool_size)'}")
-    try:
-        from . import bridge  # noqa: F401  (built only where torch's headers were at hand)
-
-        r.line("          pyalloc bridge: available")
-    except ImportError:
-        r.line("          pyalloc bridge: not built")
-    except Exception as e:
-        r.line(f"          pyalloc bridge: broken ({_one_line(e)})")
-    r.line(f"          pyalloc installed in this process: {'yes' if _C.cuda_is_installed() else 'no'}")
     return torch
+
+
+def check_bridge(r: Report, torch: Any = None) -> Optional[str]:
+    """The bridge: whether this torch can take it, the CUDA headers, whether it is
+    built, the route install() would take and the one in use; where it cannot be
+    had, what is lost and how to get it. Returns the route install() would take
+    ("bridge", "hooks"), or None where it would fail. ``torch`` replaces the
+    installed one (tests)."""
+    from . import bridge
+    from .cuda import BRIDGE_ENV, _bridge_from_env
+
+    try:
+        st = bridge.status(torch)
+    except Exception as e:  # a torch that fails to import with something else than ImportError
+        r.line(f"bridge:   cannot be used: torch cannot be imported ({_one_line(e)})")
+        return None
+    why = st["why_not"]
+    if st["torch"] is None:
+        r.line(f"bridge:   cannot be used: {why}")
+    else:
+        r.line(f"bridge:   torch {st['torch']}: " + ("can take it" if why is None else "cannot take it"))
+    r.line(f"          CUDA headers: {st['cuda_headers'] or 'not found'}")
+    if st["built"]:
+        r.line(f"          built: yes, {st['library']}")
+    else:
+        r.line("          built: no" + (f" (it would be built in {st['cache']})" if st["cache"] else ""))
+
+    try:
+        wanted = _bridge_from_env()
+    except ValueError as e:
+        r.line(f"          install() would fail: {e}")
+        r.problem(str(e))
+        return None
+    if wanted is False:
+        route: Optional[str] = "hooks"
+        r.line(f"          install() would take: the C hooks ({BRIDGE_ENV}=0)")
+    elif why is None:
+        route = "bridge"
+        r.line("          install() would take: the bridge" + (
+            "" if st["built"] else ", built by the first install() (a minute, once; or now: "
+                                   "pyalloc bridge build)"))
+    elif wanted:
+        route = None
+        r.line(f"          install() would fail: {BRIDGE_ENV}=1 asks for the bridge, which cannot be "
+               "had here")
+        r.problem(f"{BRIDGE_ENV}=1 asks for the bridge, which cannot be had here ({why})")
+    else:
+        route = "hooks"
+        r.line("          install() would take: the C hooks, with a warning")
+    in_use = st["route"]
+    r.line("          in use in this process: " + (ROUTE_NAMES.get(in_use, in_use) if in_use != "none"
+                                                   else "none (pyalloc is not installed here)"))
+    if why is not None:
+        r.line(f"          why not the bridge: {why}")
+        r.line("          without it, through the C hooks, these do not work:")
+        for item in bridge.LOST_WITHOUT_BRIDGE:
+            r.line(f"            - {item}")
+        r.line("          to get it: remedy the above, then run `pyalloc bridge build` (or let "
+               "install() build it)")
+    return route
+
+
+def _child_env(**extra: str) -> Dict[str, str]:
+    """This process's environment for a child that imports this pyalloc."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def check_exceptions(r: Report, code: str = EXCEPTION_CHECK, timeout: float = 60.0) -> None:
+    """In a child process, a C++ exception thrown inside pyalloc._C must reach Python:
+    pyalloc raises one on every error (a bad setting, an out-of-memory), and a build
+    whose exceptions crash the process (a compiler or C++ runtime that does not
+    match) turns every error into a crash."""
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=_child_env(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        r.line(f"exceptions: the check did not finish in {timeout:.0f} s")
+        r.problem("the C++ exception check hung")
+        return
+    except OSError as e:
+        r.line(f"exceptions: the check could not start: {e}")
+        r.problem("the C++ exception check could not start")
+        return
+    if out.returncode < 0:
+        text = (f"C++ exceptions crash in this build of pyalloc (signal {-out.returncode}): "
+                "rebuild it with the system C++ compiler")
+        r.line(f"exceptions: {text}")
+        r.problem(text)
+    elif out.returncode == 0 and "EXCEPTIONS OK" in out.stdout:
+        r.line("exceptions: a C++ exception thrown in pyalloc._C reaches Python (ValueError)")
+    else:
+        last = [line for line in out.stderr.strip().splitlines() if line.strip()][-1:] or ["no message"]
+        r.line(f"exceptions: the check failed: the child exited with {out.returncode}: {last[0]}")
+        r.problem(f"the C++ exception check failed ({last[0]})")
 
 
 def check_conf(r: Report, devices: List[Dict[str, Any]]) -> None:
@@ -207,25 +325,36 @@ def check_conf(r: Report, devices: List[Dict[str, Any]]) -> None:
                 r.line(f"          cuda:{d['index']} will use strategy bestfit: {d['vmm_why']}")
 
 
-def live_check(r: Report, devices: List[Dict[str, Any]], timeout: float) -> None:
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def live_check(r: Report, devices: List[Dict[str, Any]], timeout: float, builds_bridge: bool = False,
+               code: str = LIVE_CHECK) -> None:
+    """Runs the live check on each device; builds_bridge: the first install() builds the
+    bridge, which takes longer."""
+    if builds_bridge:
+        r.line("live:     the bridge is not built yet: the first device's install() builds it (a minute, once)")
     for d in devices:
         i = d["index"]
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i),
-                   PYTHONPATH=os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p))
+        limit = timeout + (BRIDGE_BUILD_SECONDS if builds_bridge else 0.0)
+        builds_bridge = False
         try:
-            out = subprocess.run([sys.executable, "-X", "faulthandler", "-c", LIVE_CHECK],
-                                 capture_output=True, text=True, env=env, timeout=timeout)
+            out = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code],
+                                 capture_output=True, text=True, env=_child_env(CUDA_VISIBLE_DEVICES=str(i)),
+                                 timeout=limit)
         except subprocess.TimeoutExpired:
-            r.line(f"live:     cuda:{i} did not finish in {timeout:.0f} s")
+            r.line(f"live:     cuda:{i} did not finish in {limit:.0f} s")
             r.problem(f"the live check on device {i} hung")
             continue
         except OSError as e:
             r.line(f"live:     cuda:{i} could not start: {e}")
             r.problem(f"the live check on device {i} could not start")
             continue
-        if out.returncode == 0 and "LIVE OK" in out.stdout:
-            r.line(f"live:     cuda:{i} ok (install, two streams, record_stream, a CUDA graph, empty_cache)")
+        done = [line.split() for line in out.stdout.splitlines() if line.startswith("LIVE OK")]
+        if out.returncode == 0 and done:
+            route = done[0][2] if len(done[0]) > 2 else "unknown"
+            r.line(f"live:     cuda:{i} ok through {ROUTE_NAMES.get(route, route)} "
+                   "(install, two streams, record_stream, a CUDA graph, empty_cache)")
+            for line in out.stdout.splitlines():
+                if line.startswith("FALLBACK "):
+                    r.line(f"          {line[len('FALLBACK '):]}")
             continue
         how = (f"died of signal {-out.returncode}" if out.returncode < 0 else f"exited with {out.returncode}")
         last = [line for line in out.stderr.strip().splitlines() if line.strip()][-1:] or ["no message"]
@@ -240,13 +369,17 @@ def diagnose(out: Callable[[str], None] = print, live: bool = True, timeout: flo
     r = Report(out)
     try:
         r.line(f"pyalloc:  {_C.__version__}, {_C.library_path()}")
+        check_exceptions(r)
         devices = check_driver(r)
         torch = check_torch(r)
+        route = check_bridge(r)
         check_conf(r, devices)
         if not live:
             r.line("live:     skipped (--no-live)")
         elif devices and torch is not None and not r.problems:
-            live_check(r, devices, timeout)
+            from . import bridge
+
+            live_check(r, devices, timeout, builds_bridge=route == "bridge" and not bridge.status()["built"])
         else:
             r.line("live:     skipped (nothing to run it on)")
     except BaseException as e:  # the report must end with its verdict, whatever happened

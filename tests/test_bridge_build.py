@@ -94,4 +94,8 @@ def test_bridge_command_line(capsys):
     assert main(["bridge", "status"]) == 0
     out = capsys.readouterr().out
     assert "route: none" in out and "cuda_headers:" in out
+    torch = pytest.importorskip("torch")
+    assert f"torch: {torch.__version__}, " in out and "built: " in out and "cache: " in out
+    if torch.version.cuda is None:
+        assert "why_not: torch " in out and "CPU-only" in out
     assert main(["bridge"]) == 2

@@ -4,6 +4,7 @@ ends with its verdict and never shows a traceback."""
 from __future__ import annotations
 
 import ctypes
+import types
 import os
 import subprocess
 import sys
@@ -86,10 +87,161 @@ def test_a_broken_torch_is_a_line_not_a_traceback(stub_driver, tmp_path):  # noq
     rc, lines = doctor(ld_path=str(stub_driver.parent), path=[str(tmp_path)])
     assert rc == 1
     assert any("torch:    cannot be imported (OSError: libtorch_cuda.so" in line for line in lines), lines
+    assert "bridge:   cannot be used: torch cannot be imported (OSError: libtorch_cuda.so: cannot open " \
+           "shared object file)" in lines, lines
     assert lines[-1].startswith("not ready: torch cannot be imported (OSError: libtorch_cuda.so"), lines
+    assert not any(line.startswith("internal error") for line in lines), lines
 
 
 def test_doctor_is_a_command():
     out = subprocess.run([sys.executable, "-m", "pyalloc", "--help"], capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
     assert "doctor" in out.stdout
+
+
+# -- the bridge ---------------------------------------------------------------------------
+
+
+def test_a_cpu_torch_cannot_take_the_bridge_and_the_report_says_what_is_lost(stub_driver):  # noqa: F811
+    if not _torch_is_cpu_only():
+        pytest.skip("a CUDA build of torch")
+    from pyalloc.bridge import LOST_WITHOUT_BRIDGE
+
+    rc, lines = doctor("--no-live", ld_path=str(stub_driver.parent))
+    text = "\n".join(lines)
+    assert any(line.startswith("bridge:   torch ") and "CPU-only: cannot take it" in line for line in lines), text
+    assert "          CUDA headers: " in text and "          built: no" in text
+    assert "install() would take: the C hooks, with a warning" in text
+    assert "in use in this process: none" in text
+    assert "why not the bridge: torch " in text and "install a CUDA build of torch" in text
+    for item in LOST_WITHOUT_BRIDGE:
+        assert f"            - {item}" in text
+    assert "to get it: " in text and "pyalloc bridge build" in text
+    assert lines[-1].startswith("not ready: ") and "bridge" not in lines[-1], lines[-1]
+    # The C++ exception check ran in a child process, and found them reaching Python.
+    assert "exceptions: a C++ exception thrown in pyalloc._C reaches Python (ValueError)" in lines, lines
+
+
+def test_pyalloc_bridge_1_without_a_bridge_is_not_ready(stub_driver):  # noqa: F811
+    if not _torch_is_cpu_only():
+        pytest.skip("a CUDA build of torch")
+    rc, lines = doctor("--no-live", ld_path=str(stub_driver.parent), env={"PYALLOC_BRIDGE": "1"})
+    assert "          install() would fail: PYALLOC_BRIDGE=1 asks for the bridge, which cannot be had here" \
+        in lines, lines
+    assert rc == 1 and "PYALLOC_BRIDGE=1 asks for the bridge" in lines[-1], lines[-1]
+
+
+def _fake_torch(version="2.11.0+cu130", cuda="13.0"):
+    return types.SimpleNamespace(__version__=version, version=types.SimpleNamespace(cuda=cuda))
+
+
+def _report():
+    from pyalloc.doctor import Report
+
+    lines = []
+    return Report(lines.append), lines
+
+
+@pytest.fixture
+def buildable(monkeypatch, tmp_path):
+    """Everything the bridge's build needs, found; an empty build cache."""
+    from pyalloc import bridge
+
+    monkeypatch.setenv("PYALLOC_BRIDGE_CACHE", str(tmp_path))
+    monkeypatch.delenv("PYALLOC_BRIDGE", raising=False)
+    monkeypatch.setattr(bridge, "find_cuda_headers",
+                        lambda *a: bridge.CudaHeaders("/opt/cuda/include", None, "toolkit"))
+    monkeypatch.setattr(bridge.shutil, "which", lambda name: f"/usr/bin/{name}")
+    return tmp_path
+
+
+def test_a_cuda_torch_takes_the_bridge_built_on_first_install(buildable):
+    from pyalloc import bridge
+    from pyalloc.doctor import check_bridge
+
+    r, lines = _report()
+    assert check_bridge(r, _fake_torch()) == "bridge"
+    text = "\n".join(lines)
+    assert lines[0] == "bridge:   torch 2.11.0+cu130, CUDA 13.0: can take it", text
+    assert "CUDA headers: /opt/cuda/include (toolkit)" in text
+    assert f"built: no (it would be built in {bridge.cache_dir(_fake_torch())}" in text
+    assert "install() would take: the bridge, built by the first install()" in text
+    assert "why not" not in text and "do not work" not in text and not r.problems
+
+    # Once built, the report names the file.
+    folder = os.path.join(bridge.cache_dir(_fake_torch()), "cuda")
+    os.makedirs(folder)
+    library = os.path.join(folder, "pyalloc_bridge.so")
+    open(library, "w").close()
+    r, lines = _report()
+    assert check_bridge(r, _fake_torch()) == "bridge"
+    assert f"          built: yes, {library}" in lines and "          install() would take: the bridge" in lines
+
+
+@pytest.mark.parametrize("value, route, words", [
+    ("0", "hooks", "install() would take: the C hooks (PYALLOC_BRIDGE=0)"),
+    ("auto", "bridge", "install() would take: the bridge, built by the first install()"),
+    ("sometimes", None, "install() would fail: PYALLOC_BRIDGE='sometimes'"),
+])
+def test_pyalloc_bridge_decides_the_route(buildable, monkeypatch, value, route, words):
+    from pyalloc.doctor import check_bridge
+
+    monkeypatch.setenv("PYALLOC_BRIDGE", value)
+    r, lines = _report()
+    assert check_bridge(r, _fake_torch()) == route
+    assert any(words in line for line in lines), lines
+    assert bool(r.problems) == (route is None)
+
+
+def test_what_keeps_the_bridge_away_is_named(buildable, monkeypatch):
+    from pyalloc import bridge
+    from pyalloc.doctor import check_bridge
+
+    r, lines = _report()
+    assert check_bridge(r, _fake_torch(version="2.8.0+cu128")) == "hooks"
+    assert "why not the bridge: torch 2.8.0+cu128 is older than 2.9" in "\n".join(lines)
+    monkeypatch.setattr(bridge, "find_cuda_headers", lambda *a: None)
+    r, lines = _report()
+    assert check_bridge(r, _fake_torch()) == "hooks"
+    text = "\n".join(lines)
+    assert "CUDA headers: not found" in text and "why not the bridge: the CUDA runtime's headers" in text
+    assert "install the CUDA toolkit" in text and not r.problems
+    monkeypatch.setenv("PYALLOC_BRIDGE", "1")
+    r, lines = _report()
+    assert check_bridge(r, _fake_torch()) is None
+    assert r.problems and "PYALLOC_BRIDGE=1 asks for the bridge" in r.problems[0]
+
+
+def test_a_crash_where_pyalloc_throws_is_named():
+    from pyalloc.doctor import check_exceptions
+
+    r, lines = _report()
+    check_exceptions(r, code="import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    text = ("C++ exceptions crash in this build of pyalloc (signal 11): rebuild it with the "
+            "system C++ compiler")
+    assert lines == [f"exceptions: {text}"] and r.problems == [text]
+    r, lines = _report()
+    check_exceptions(r, code="raise SystemExit('the import failed')")
+    assert lines == ["exceptions: the check failed: the child exited with 1: the import failed"], lines
+    assert r.problems == ["the C++ exception check failed (the import failed)"]
+
+
+def test_the_live_check_says_which_route_it_got():
+    from pyalloc.doctor import live_check
+
+    r, lines = _report()
+    code = ("print('FALLBACK pyalloc: the bridge to PyTorch is not available (no compiler)')\n"
+            "print('LIVE OK hooks 0')")
+    live_check(r, [{"index": 0}], timeout=60, code=code)
+    assert lines[0].startswith("live:     cuda:0 ok through the C hooks (install, "), lines
+    assert lines[1] == "          pyalloc: the bridge to PyTorch is not available (no compiler)"
+    assert not r.problems
+    r, lines = _report()
+    live_check(r, [{"index": 0}, {"index": 1}], timeout=60, builds_bridge=True, code="print('LIVE OK bridge 0')")
+    assert lines[0].startswith("live:     the bridge is not built yet")
+    assert [line[:37] for line in lines[1:]] == ["live:     cuda:0 ok through the bridg",
+                                                 "live:     cuda:1 ok through the bridg"]
+    r, lines = _report()
+    live_check(r, [{"index": 0}], timeout=60, code="import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    assert lines[0].startswith("live:     cuda:0 failed: the child died of signal 11"), lines
+    assert r.problems and "device 0" in r.problems[0]

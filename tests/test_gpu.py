@@ -3,6 +3,23 @@
 PyTorch's allocator can be swapped only once per process, so each check is a
 script in tests/gpu/ run in a fresh process. All are marked ``gpu`` and skipped
 (conftest.py) where torch sees no CUDA GPU.
+
+Routes. Each script inherits this process's environment, so every check runs on
+the route PYALLOC_BRIDGE selects: ``1`` the bridge (csrc/torch_bridge/, built
+against the installed torch), ``0`` the C hooks of CUDAPluggableAllocator,
+unset the bridge where it builds. The checks of what only the bridge gives
+(cuDNN benchmark mode, torch.cuda.OutOfMemoryError and its observers, memory
+history with Python frames, MemPool, torch.compile's CUDA-graph trees) skip
+under PYALLOC_BRIDGE=0, saying so; every other check runs on both routes. A
+GPU session builds the bridge once, then runs this file four times, both routes
+under the default strategy and under bestfit (PYALLOC_CONF applies to every
+check):
+
+    python3 -m pyalloc bridge build
+    PYALLOC_BRIDGE=1 python3 -m pytest tests/test_gpu.py
+    PYALLOC_BRIDGE=0 python3 -m pytest tests/test_gpu.py
+    PYALLOC_BRIDGE=1 PYALLOC_CONF=strategy:bestfit python3 -m pytest tests/test_gpu.py
+    PYALLOC_BRIDGE=0 PYALLOC_CONF=strategy:bestfit python3 -m pytest tests/test_gpu.py
 """
 from __future__ import annotations
 
@@ -23,6 +40,12 @@ GPU_DIR = os.path.join(REPO, "tests", "gpu")
 # PYALLOC_CONF in the environment of pytest (say strategy:bestfit) applies to every
 # check; a check that sets its own adds its keys to it.
 BASE_CONF = os.environ.get("PYALLOC_CONF", "")
+# The route every check's install() takes (PYALLOC_BRIDGE passes through to them).
+HOOKS_ROUTE = os.environ.get("PYALLOC_BRIDGE", "").strip() == "0"
+
+bridge_only = pytest.mark.skipif(
+    HOOKS_ROUTE, reason="needs the bridge: PYALLOC_BRIDGE=0 selects the C hooks route, where "
+                        "PyTorch answers this with 'not supported'")
 
 
 def run(args, env=None, timeout=600) -> str:
@@ -42,6 +65,35 @@ def run(args, env=None, timeout=600) -> str:
 def script(name: str, *args: str, **kwargs) -> str:
     # faulthandler: a check that crashes in native code still says where in Python.
     return run([sys.executable, "-X", "faulthandler", os.path.join(GPU_DIR, name), *args], **kwargs)
+
+
+def check(name: str, *args: str, **kwargs) -> str:
+    """Runs a check script: skipped where it prints a SKIP line, else it must print OK."""
+    out = script(name, *args, **kwargs)
+    skipped = [line for line in out.splitlines() if line.startswith("SKIP")]
+    if skipped:
+        pytest.skip(f"{name}: {skipped[0]}")
+    assert "OK" in out, out
+    return out
+
+
+# -- the bridge and the route ------------------------------------------------------------
+
+
+@pytest.mark.skipif(HOOKS_ROUTE, reason="PYALLOC_BRIDGE=0: the bridge is not used")
+def test_the_bridge_builds_against_the_installed_torch():
+    out = run([sys.executable, "-m", "pyalloc", "bridge", "build"], timeout=900)
+    assert "the bridge is built for torch" in out, out
+    status = run([sys.executable, "-m", "pyalloc", "bridge", "status"])
+    assert "built: True" in status, status
+
+
+def test_install_takes_the_route_pyalloc_bridge_selects():
+    out = check("route.py")
+    expected = "hooks" if HOOKS_ROUTE else "bridge"
+    assert f"ROUTE {expected}" in out, out  # unset: the bridge, which builds on a GPU machine
+    if expected == "bridge":
+        assert "WARNING" not in out, out
 
 
 def test_training_matches_the_native_allocator_bitwise():
@@ -76,17 +128,17 @@ def test_cuda_graph_capture_and_replay():
 
 
 def test_copies_between_devices():
-    out = script("peer_copy.py")
-    if "SKIP" in out:
-        pytest.skip("needs two GPUs")
-    assert "OK" in out
+    check("peer_copy.py")  # skipped with one GPU
 
 
-def test_doctor_says_ready():
+def test_doctor_says_ready_and_names_the_route():
     out = run([sys.executable, "-m", "pyalloc", "doctor"])  # exit status 0: ready
     lines = out.strip().splitlines()
     assert lines[-1] == "ready", out
-    assert any(line.startswith("live:") and " ok " in line for line in lines), out
+    route = "the C hooks" if HOOKS_ROUTE else "the bridge"
+    live = [line for line in lines if line.startswith("live:     cuda:")]
+    assert live and all(" ok " in line and f"through {route}" in line for line in live), out
+    assert any(line.startswith("exceptions:") and "reaches Python" in line for line in lines), out
 
 
 @pytest.mark.parametrize("strategy", ["vmm", "bestfit"])
@@ -147,3 +199,35 @@ def test_ddp_under_torchrun_with_the_launcher():
 def test_ddp_under_torchrun_with_pyalloc_conf():
     out = torchrun(os.path.join(GPU_DIR, "ddp.py"), "--install", env={"PYALLOC_CONF": "pool_size:32MiB"})
     assert "rank 0 OK" in out and "rank 1 OK" in out
+
+
+# -- what the bridge gives (tests/gpu/gpu_common.py: bridge_only) ---------------------------
+
+
+def test_torch_memory_stats_are_pyallocs_and_raw_allocations_work():
+    check("torch_stats.py")  # both routes: torch's own functions through the bridge
+
+
+@bridge_only
+def test_cudnn_benchmark_mode_trains_a_convnet():
+    check("cudnn_benchmark.py")
+
+
+@bridge_only
+def test_out_of_memory_is_torchs_error_with_observers_called_first():
+    check("oom_observer.py")
+
+
+@bridge_only
+def test_memory_history_names_python_frames_and_every_reader_takes_it(tmp_path):
+    check("memory_history.py", str(tmp_path / "history.pickle"))
+
+
+@bridge_only
+def test_mempool_keeps_its_allocations_and_returns_its_memory():
+    check("mempool.py")
+
+
+@bridge_only
+def test_torch_compile_reduce_overhead_matches_eager():
+    check("compile_reduce_overhead.py", timeout=900)

@@ -354,6 +354,70 @@ def test_the_readme_commands_are_valid():
 
 
 # ---------------------------------------------------------------------------
+# pyalloc's two routes: "pyalloc" (its default, the bridge) and "pyalloc_hooks"
+# ---------------------------------------------------------------------------
+
+
+def test_each_pyalloc_allocator_installs_its_route(monkeypatch):
+    import types
+
+    calls = []
+    fake = types.SimpleNamespace(install=lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setitem(sys.modules, "pyalloc", fake)
+    worker.install_allocator("pyalloc", 0, {"strategy": "bestfit"})
+    worker.install_allocator("pyalloc_hooks", 40 * GiB, {})
+    assert calls == [{"strategy": "bestfit"}, {"max_pool_size": 40 * GiB, "bridge": False}]
+    assert set(worker.PYALLOC_ALLOCATORS) == {"pyalloc", "pyalloc_hooks"} <= set(worker.ALLOCATORS)
+
+
+def test_the_route_of_pyalloc_is_the_harness_choice_not_the_shell(monkeypatch):
+    from benchmarks.gpu.__main__ import child_env
+
+    monkeypatch.setenv("PYALLOC_BRIDGE", "0")  # would turn "pyalloc" into the hooks route
+    assert "PYALLOC_BRIDGE" not in child_env("pyalloc")
+    assert "PYALLOC_BRIDGE" not in child_env("pyalloc_hooks")
+
+
+def _harness(tmp_path, *argv, device_type="cuda"):
+    from benchmarks.gpu.__main__ import Harness
+
+    args = _parser().parse_args(["--out-dir", str(tmp_path), *argv])
+    args.argv = list(argv)
+    return Harness(args, {"device_type": device_type, "name": "NVIDIA H100", "total_memory": 80 * GiB})
+
+
+def test_alloc_speed_compares_native_the_bridge_and_the_hooks(tmp_path):
+    h = _harness(tmp_path)
+    assert h.allocators_for(workloads.SPECS["alloc_speed"]) == ["native", "pyalloc", "pyalloc_hooks"]
+    assert h.allocators_for(workloads.SPECS["llm_train"]) == ["native", "pyalloc"]
+    chosen = _harness(tmp_path, "--allocators", "native,pyalloc")
+    assert chosen.allocators_for(workloads.SPECS["alloc_speed"]) == ["native", "pyalloc"]
+    cpu = _harness(tmp_path, "--device", "cpu", device_type="cpu")
+    assert cpu.allocators_for(workloads.SPECS["alloc_speed"]) == ["native"]
+    assert _parser().parse_args(["--allocators", "pyalloc_hooks"]).allocators == "pyalloc_hooks"
+
+
+def test_results_say_which_route_each_pyalloc_run_took():
+    results = fake_results()
+    speed = results["workloads"]["alloc_speed"]["runs"]
+    speed["pyalloc"]["pyalloc_route"] = "bridge"
+    speed["pyalloc_hooks"] = {"status": "ok", "pyalloc_route": "hooks",
+                              "cases": [{"name": "one size (4 KiB)", "ns_per_pair": 2600.0},
+                                        {"name": "mixed", "ns_per_pair": 1500.0}]}
+    assert report.pyalloc_routes(results) == {"pyalloc": ["bridge"], "pyalloc_hooks": ["hooks"]}
+    assert report.allocators(results) == ["native", "pyalloc", "pyalloc_hooks"]
+    text = report.markdown(results)
+    assert "| pyalloc route in use | pyalloc: bridge; pyalloc_hooks: hooks |" in text
+    assert "| case | native | pyalloc | pyalloc_hooks | pyalloc / native | pyalloc_hooks / native " \
+           "| pyalloc / pyalloc_hooks |" in text
+    assert "| one size (4 KiB) | 1000 | 1300 | 2600 | 1.30 | 2.60 | 0.50 |" in text
+    assert "pyalloc_hooks, allocation speed, one size (4 KiB): 2.60x" in "\n".join(report.losses(results))
+    # A "pyalloc" run that fell back to the hooks says so.
+    speed["pyalloc"]["pyalloc_route"] = "hooks"
+    assert "| pyalloc route in use | pyalloc: hooks; pyalloc_hooks: hooks |" in report.markdown(results)
+
+
+# ---------------------------------------------------------------------------
 # The whole pipeline on a CPU
 # ---------------------------------------------------------------------------
 
@@ -493,6 +557,9 @@ def test_both_allocators_on_gpu(tmp_path):
     for allocator in ("native", "pyalloc"):
         assert runs[allocator]["status"] == "ok"
         assert 0 < runs[allocator]["peak_allocated"] <= runs[allocator]["peak_reserved"]
+    speed = results["workloads"]["alloc_speed"]["runs"]
+    assert sorted(speed) == ["native", "pyalloc", "pyalloc_hooks"]
+    assert speed["pyalloc"]["pyalloc_route"] == "bridge" and speed["pyalloc_hooks"]["pyalloc_route"] == "hooks"
     assert results["workloads"]["control_transformer"]["search"]["budget"] > 0
 
 

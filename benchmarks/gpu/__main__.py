@@ -42,9 +42,12 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
 TRACES_DIR = os.path.join(REPO, "benchmarks", "traces")
 README = os.path.join(HERE, "README.md")
+#: Every workload runs under these unless --allocators says otherwise; a workload may add
+#: its own (alloc_speed adds pyalloc_hooks: pyalloc through the C hooks beside the bridge).
 DEFAULT_ALLOCATORS = ("native", "pyalloc")
-# Allocator settings the harness owns: inherited values would change what "native" means.
-OWNED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYALLOC_CONF")
+# Settings the harness owns: inherited values would change what "native" means, or which
+# route "pyalloc" takes (its default one; "pyalloc_hooks" asks for the C hooks itself).
+OWNED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYALLOC_CONF", "PYALLOC_BRIDGE")
 
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
@@ -123,7 +126,7 @@ class Harness:
         self.args = args
         self.device = device
         self.failures = 0
-        self.allocators = self._allocators()
+        self.allocators = self._allocators(args.allocators or ",".join(DEFAULT_ALLOCATORS))
         self.budget = parse_budget(args.budget, device.get("total_memory"))
         date = args.date or datetime.datetime.now(datetime.timezone.utc).date().isoformat()
         stem = args.name or report.results_stem(device, date)
@@ -139,14 +142,21 @@ class Harness:
         self.results["invocations"].append(self.invocation)
         self.trace_dir = args.trace_dir
 
-    def _allocators(self) -> List[str]:
-        allocators = [a.strip() for a in self.args.allocators.split(",") if a.strip()]
+    def _allocators(self, text: str) -> List[str]:
+        allocators = [a.strip() for a in text.split(",") if a.strip()]
         if self.args.device == "cpu":
             dropped = [a for a in allocators if a != "native"]
             if dropped:
                 print(f"on a CPU only the native allocator runs; not running {', '.join(dropped)}")
             allocators = ["native"]
         return allocators
+
+    def allocators_for(self, spec: Spec) -> List[str]:
+        """The allocators a workload runs under: --allocators, else the defaults and the
+        workload's own additions."""
+        if self.args.allocators or self.args.device == "cpu":
+            return self.allocators
+        return self.allocators + [a for a in spec.extra_allocators if a not in self.allocators]
 
     def _start_results(self, env: Dict[str, Any]) -> Dict[str, Any]:
         base = self.args.extend or self.json_path
@@ -187,7 +197,7 @@ class Harness:
         else:
             extra = []
         entry = report.workload_entry(self.results, spec.name, spec.title, spec.kind, spec.size_name)
-        for allocator in self.allocators:
+        for allocator in self.allocators_for(spec):
             print(f"== {spec.name} / {allocator}", flush=True)
             result = spawn(self._common(spec) + extra, allocator, a.worker_timeout)
             result["invocation"] = self.command
@@ -203,7 +213,7 @@ class Harness:
         entry = report.workload_entry(self.results, spec.name, spec.title, spec.kind, spec.size_name)
         searches = entry.setdefault("search", {})
         searches["budget"] = self.budget
-        for allocator in self.allocators:
+        for allocator in self.allocators_for(spec):
             cap = f"a {self.budget / 2**30:.1f} GiB budget" if self.budget else "no memory cap"
             print(f"== {spec.name} / {allocator}: searching the {spec.size_name} under {cap}", flush=True)
 
@@ -296,8 +306,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer steps, to fit a 10-minute command")
     p.add_argument("--steps", type=int, default=0, help="timed steps per run (default: the workload's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--allocators", default=",".join(DEFAULT_ALLOCATORS),
-                   help="comma-separated: native, pyalloc, native_expandable (default: native,pyalloc)")
+    p.add_argument("--allocators", default=None,
+                   help="comma-separated: native, pyalloc (its default route: the bridge where it builds), "
+                        "pyalloc_hooks (through the C hooks), native_expandable (default: native,pyalloc, "
+                        "and pyalloc_hooks too for alloc_speed)")
     p.add_argument("--pyalloc-conf", default="", help="extra pyalloc.install() config, 'key:value,...'")
     p.add_argument("--no-timing", action="store_true", help="skip the timed runs (with --budget-search/--traces)")
     p.add_argument("--budget-search", action="store_true", help="find the largest batch under --budget")
@@ -374,7 +386,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         names = select([w for word in args.only or [] for w in word.split(",") if w])
         parse_budget(args.budget, 1)
-        unknown = [a for a in args.allocators.split(",") if a.strip() not in ALLOCATORS]
+        unknown = [a for a in (args.allocators or "").split(",") if a.strip() and a.strip() not in ALLOCATORS]
         if unknown:
             raise ValueError(f"unknown allocator '{unknown[0]}'; allocators: {', '.join(ALLOCATORS)}")
         if args.no_timing and not (args.budget_search or args.traces):
@@ -392,7 +404,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = {k: v for k, v in info.items() if k not in ("status", "wall_s", "workload", "allocator", "seed",
                                                         "budget", "probe", "smoke", "quick", "device")}
     if args.device_check:
-        harness_allocators = ["native"] if args.device == "cpu" else args.allocators.split(",")
+        harness_allocators = ["native"] if args.device == "cpu" else \
+            (args.allocators or ",".join(DEFAULT_ALLOCATORS + ("pyalloc_hooks",))).split(",")
         return _device_check(args, device, harness_allocators)
     if args.out_dir is None:
         args.out_dir = tempfile.mkdtemp(prefix="pyalloc-gpu-smoke-") if args.smoke else RESULTS_DIR

@@ -23,7 +23,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 SCHEMA = 1
 BASELINE = "native"
-ALLOCATOR_ORDER = ("native", "pyalloc", "native_expandable")
+ALLOCATOR_ORDER = ("native", "pyalloc", "pyalloc_hooks", "native_expandable")
+#: The allocators that are pyalloc: by its default route (the bridge where it builds),
+#: and through CUDAPluggableAllocator's C hooks.
+PYALLOC_ALLOCATORS = ("pyalloc", "pyalloc_hooks")
 #: Step times within this fraction of native count as a tie (run-to-run noise on a GPU).
 TIME_TOLERANCE = 0.02
 #: Memory figures within this fraction of native count as a tie.
@@ -87,11 +90,24 @@ def pyalloc_strategies(results: Dict[str, Any]) -> List[str]:
     """The strategies pyalloc's pools really used in the runs (worker's pyalloc_settings)."""
     seen = set()
     for entry in results.get("workloads", {}).values():
-        run = entry.get("runs", {}).get("pyalloc") or {}
-        settings = run.get("pyalloc_settings") or {}
-        if settings.get("strategy"):
-            seen.add(settings["strategy"])
+        for name in PYALLOC_ALLOCATORS:
+            run = entry.get("runs", {}).get(name) or {}
+            settings = run.get("pyalloc_settings") or {}
+            if settings.get("strategy"):
+                seen.add(settings["strategy"])
     return sorted(seen)
+
+
+def pyalloc_routes(results: Dict[str, Any]) -> Dict[str, List[str]]:
+    """{allocator: the routes its runs really took ("bridge", "hooks")} for pyalloc's
+    allocators (worker's pyalloc_route): "pyalloc" takes the bridge only where it builds."""
+    seen: Dict[str, set] = {}
+    for entry in results.get("workloads", {}).values():
+        for name in PYALLOC_ALLOCATORS:
+            route = (entry.get("runs", {}).get(name) or {}).get("pyalloc_route")
+            if route:
+                seen.setdefault(name, set()).add(route)
+    return {name: sorted(seen[name]) for name in PYALLOC_ALLOCATORS if name in seen}
 
 
 def allocators(results: Dict[str, Any]) -> List[str]:
@@ -284,6 +300,8 @@ def markdown(results: Dict[str, Any], images: Sequence[str] = (), level: int = 1
         ["allocators", ", ".join(allocs)],
     ] + ([["pyalloc strategy in use", ", ".join(pyalloc_strategies(results))]]
          if pyalloc_strategies(results) else [])
+      + ([["pyalloc route in use", "; ".join(f"{a}: {', '.join(r)}" for a, r in pyalloc_routes(results).items())]]
+         if pyalloc_routes(results) else [])
       + ([["results", f"`{source}`"]] if source else []), right_from=2)
     lines += ["", "Commands:", ""] + [f"    {inv['command']}" for inv in invocations] + [""]
     lines += [
@@ -295,9 +313,13 @@ def markdown(results: Dict[str, Any], images: Sequence[str] = (), level: int = 1
     cases = speed_cases(results)
     if cases:
         lines += [f"{h}# Allocation speed: torch.empty + release, ns per pair (per thread)", ""]
+        # pyalloc by its default route (the bridge) against pyalloc through the C hooks.
+        routes = [("pyalloc", "pyalloc_hooks")] if {"pyalloc", "pyalloc_hooks"} <= set(allocs) else []
         rows = [[case] + [_num(ns.get(a), ".0f") for a in allocs]
-                + [_num(_ratio(ns.get(o), ns.get(BASELINE)), ".2f") for o in others] for case, ns in cases]
-        lines += _table(["case"] + allocs + [f"{o} / native" for o in others], rows) + [""]
+                + [_num(_ratio(ns.get(o), ns.get(BASELINE)), ".2f") for o in others]
+                + [_num(_ratio(ns.get(a), ns.get(b)), ".2f") for a, b in routes] for case, ns in cases]
+        lines += _table(["case"] + allocs + [f"{o} / native" for o in others]
+                        + [f"{a} / {b}" for a, b in routes], rows) + [""]
 
     steps = step_workloads(results)
     if steps:
@@ -372,7 +394,7 @@ def _plot_title(path: str) -> str:
 # Plots
 # ---------------------------------------------------------------------------
 
-COLORS = {"native": "#4c72b0", "pyalloc": "#dd8452", "native_expandable": "#55a868"}
+COLORS = {"native": "#4c72b0", "pyalloc": "#dd8452", "pyalloc_hooks": "#c44e52", "native_expandable": "#55a868"}
 
 
 def _pyplot():

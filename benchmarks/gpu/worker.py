@@ -1,6 +1,6 @@
 """One workload under one allocator, in a process of its own.
 
-    python -m benchmarks.gpu.worker --workload NAME --allocator native|pyalloc|native_expandable
+    python -m benchmarks.gpu.worker --workload NAME --allocator native|pyalloc|pyalloc_hooks|native_expandable
         --device cuda|cpu --result OUT.json [--size N] [--steps N] [--warmup N] [--seed N]
         [--budget BYTES] [--probe --probe-steps N] [--trace FILE] [--smoke] [--quick]
     python -m benchmarks.gpu.worker --info  --device cuda --result OUT.json
@@ -8,9 +8,12 @@
 
 The allocator is chosen first, before anything touches the GPU, because torch
 lets a process swap its CUDA allocator only before the first allocation:
-pyalloc via ``pyalloc.install()``; ``native_expandable`` is the native allocator
-with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which the parent sets
-in this process's environment. A budget caps the native allocator with
+``pyalloc`` via ``pyalloc.install()``, by its default route (the bridge where it
+builds, else the C hooks), ``pyalloc_hooks`` via ``install(bridge=False)``
+(CUDAPluggableAllocator's C hooks); the result records the route really used
+(``pyalloc_route``). ``native_expandable`` is the native allocator with
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which the parent sets in
+this process's environment. A budget caps the native allocator with
 ``torch.cuda.set_per_process_memory_fraction(budget / total)`` and pyalloc with
 ``install(max_pool_size=budget)``.
 
@@ -39,7 +42,9 @@ import torch
 
 from .._env import cpu_model
 
-ALLOCATORS = ("native", "pyalloc", "native_expandable")
+ALLOCATORS = ("native", "pyalloc", "pyalloc_hooks", "native_expandable")
+#: pyalloc by its default route, and pyalloc through the C hooks.
+PYALLOC_ALLOCATORS = ("pyalloc", "pyalloc_hooks")
 
 # memory_stats() keys worth keeping beside the peaks (same keys under both allocators).
 STAT_KEYS = (
@@ -65,6 +70,16 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, (RuntimeError, MemoryError)) and any(m in text for m in OOM_MARKERS)
 
 
+def pyalloc_route() -> Optional[str]:
+    """How PyTorch reaches pyalloc in this process ("bridge" or "hooks"), None if it does not."""
+    try:
+        import pyalloc
+
+        return pyalloc.is_installed()
+    except Exception:  # noqa: BLE001 - a label must not fail the run
+        return None
+
+
 def pyalloc_settings() -> Optional[Dict[str, Any]]:
     """pyalloc's settings as its pools use them (strategy bestfit where vmm could not
     work), or None where it was not installed."""
@@ -78,7 +93,7 @@ def pyalloc_settings() -> Optional[Dict[str, Any]]:
 
 def install_allocator(allocator: str, budget: int, conf: Dict[str, str]) -> None:
     """Makes `allocator` torch's CUDA allocator for this process; call before any CUDA work."""
-    if allocator == "pyalloc":
+    if allocator in PYALLOC_ALLOCATORS:
         import pyalloc
 
         if not hasattr(pyalloc, "install"):
@@ -86,6 +101,8 @@ def install_allocator(allocator: str, budget: int, conf: Dict[str, str]) -> None
         config: Dict[str, Any] = dict(conf)
         if budget:
             config["max_pool_size"] = budget
+        if allocator == "pyalloc_hooks":
+            config["bridge"] = False
         pyalloc.install(**config)
     elif allocator == "native_expandable":
         if "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
@@ -101,7 +118,7 @@ class Memory:
     def __init__(self, allocator: str, device):
         if device.type != "cuda":
             self.api = None
-        elif allocator == "pyalloc":
+        elif allocator in PYALLOC_ALLOCATORS:
             import pyalloc
 
             self.api = pyalloc
@@ -181,11 +198,14 @@ def check(allocator: str, device) -> Dict[str, Any]:
     (y @ y).sum().item()
     out: Dict[str, Any] = {"allocated_with_64MiB_live": mem.allocated(), "reserved": mem.reserved()}
     if device.type == "cuda":
-        # Under pyalloc torch.cuda's functions are patched to answer from pyalloc: they must agree.
+        # Under pyalloc torch.cuda's functions answer from pyalloc (torch's own through the
+        # bridge, pyalloc's in their place through the C hooks): they must agree.
         out["torch_cuda_memory_allocated"] = torch.cuda.memory_allocated(device)
         out["figures_agree"] = out["torch_cuda_memory_allocated"] == out["allocated_with_64MiB_live"]
         out["allocator_backend"] = torch.cuda.get_allocator_backend()
-        if allocator != "pyalloc":
+        if allocator in PYALLOC_ALLOCATORS:
+            out["pyalloc_route"] = pyalloc_route()
+        else:
             torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
                                                      max_entries=1000)
             torch.empty(1 << 20, device=device)  # one alloc and one free for the history
@@ -255,7 +275,7 @@ def run(args, result: Dict[str, Any]) -> None:
     if args.info:
         result.update(device_info(device))
         return
-    if device.type == "cuda" and args.budget and args.allocator != "pyalloc":
+    if device.type == "cuda" and args.budget and args.allocator not in PYALLOC_ALLOCATORS:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget / total), device)
     torch.set_float32_matmul_precision("high")  # TF32 matmuls, as most GPU training runs
@@ -267,7 +287,7 @@ def run(args, result: Dict[str, Any]) -> None:
         return
     spec = SPECS[args.workload]
     if args.trace:
-        if device.type != "cuda" or args.allocator == "pyalloc":
+        if device.type != "cuda" or args.allocator in PYALLOC_ALLOCATORS:
             raise RuntimeError("memory history is recorded only on CUDA with a native allocator")
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
                                                  max_entries=args.trace_max_entries)
@@ -362,8 +382,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             result["traceback"] = traceback.format_exc()[-4000:]
         result.update(_after_failure(args))
         print(f"    {result['status']}: {result['error']}", flush=True)
-    if args.device == "cuda" and args.allocator == "pyalloc":
+    if args.device == "cuda" and args.allocator in PYALLOC_ALLOCATORS:
         result["pyalloc_settings"] = pyalloc_settings()
+        result["pyalloc_route"] = pyalloc_route()
     result["wall_s"] = time.perf_counter() - started
     _write_json(args.result, result)
     return 0 if result["status"] in ("ok", "oom") else 1

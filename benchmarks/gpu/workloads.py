@@ -64,6 +64,8 @@ class Spec:
     probe_steps: int = 6  # drawn steps in each batch-search probe, before the worst shape twice
     build: Optional[Callable[[torch.device, int, bool], Runner]] = None
     smoke_size: int = 2
+    # Allocators it runs under besides the default ones when --allocators is not given.
+    extra_allocators: Tuple[str, ...] = ()
 
 
 def _params(model: torch.nn.Module) -> int:
@@ -400,7 +402,8 @@ HF = ("transformers",)
 
 SPECS: Dict[str, Spec] = {s.name: s for s in [
     Spec("alloc_speed", "torch.empty + release, ns per pair", "micro", (),
-         size=0, size_name="", search_start=0, search_hi=0, steps=0, quick_steps=0, warmup=0, trace=False),
+         size=0, size_name="", search_start=0, search_hi=0, steps=0, quick_steps=0, warmup=0, trace=False,
+         extra_allocators=("pyalloc_hooks",)),  # the bridge against the C hooks, per call
     Spec("llm_train", "GPT-2 medium training, fp32, length 128-2048 per step", "steps", HF,
          size=4, size_name="batch", search_start=4, search_hi=256,
          steps=60, quick_steps=20, warmup=3, trace=True, trace_steps=6, build=build_llm_train),

@@ -8,13 +8,14 @@ import gc
 import torch
 
 import pyalloc
+from gpu_common import graph_pools_reach_pyalloc
 
 MiB = 1 << 20
 
 
 def main():
-    pyalloc.install()  # no pool_size
-    pool_hooks = "set_begin_allocate_to_pool" in pyalloc.cuda._state.hooks
+    pyalloc.install()  # no pool_size; the route PYALLOC_BRIDGE selects
+    pool_hooks = graph_pools_reach_pyalloc()
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)

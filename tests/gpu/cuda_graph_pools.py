@@ -5,6 +5,7 @@ import gc
 import torch
 
 import pyalloc
+from gpu_common import graph_pools_reach_pyalloc
 
 MiB = 1 << 20
 
@@ -15,7 +16,7 @@ def pools():
 
 def main():
     pyalloc.install()
-    if "set_begin_allocate_to_pool" not in pyalloc.cuda._state.hooks:
+    if not graph_pools_reach_pyalloc():
         print(f"OK (torch {torch.__version__} has no graph-pool hooks: nothing to check)")
         return
     side = torch.cuda.Stream()

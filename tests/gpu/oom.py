@@ -7,7 +7,8 @@ MiB = 1 << 20
 
 
 def is_oom(e):
-    # What accelerate's find_executable_batch_size and Lightning's scaler test.
+    # What accelerate's find_executable_batch_size and Lightning's scaler test. The
+    # bridge's torch.cuda.OutOfMemoryError is a RuntimeError and must pass it too.
     return isinstance(e, RuntimeError) and len(e.args) == 1 and "CUDA out of memory." in e.args[0]
 
 
@@ -20,6 +21,10 @@ def main():
         raise AssertionError("allocating twice the device's memory succeeded")
     except RuntimeError as e:
         assert is_oom(e), e
+        # The bridge throws c10::OutOfMemoryError, which Python sees as
+        # torch.cuda.OutOfMemoryError; through the C hooks it is a plain RuntimeError.
+        bridge = pyalloc.is_installed() == "bridge"
+        assert isinstance(e, torch.cuda.OutOfMemoryError) == bridge, (type(e), pyalloc.is_installed())
         message = str(e)
         assert message.startswith("CUDA out of memory. Tried to allocate"), message
         for words in ("allocated", "reserved", "is free", "largest free block"):
