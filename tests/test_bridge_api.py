@@ -205,12 +205,21 @@ def test_graph_pools_route_by_the_filter(api, fake):
     assert api.pool_use_count(0, 0, 3, ctypes.byref(count)) == OK and count.value == 2
 
 
-def test_the_same_pool_twice_is_refused(api, fake):
-    filt = FILTER_FN(lambda _u, _s: 1)
-    assert api.begin_allocate_to_pool(0, 2, 0, filt, None) == OK
-    assert api.begin_allocate_to_pool(0, 2, 0, filt, None) == INVALID
-    assert "already go to graph pool" in api.error()
-    api.end_allocate_to_pool(0, 2, 0)
+def test_a_pool_may_be_routed_to_twice_and_each_end_stops_the_first(api, fake):
+    # use_mem_pool on two threads: two filters for one pool, as PyTorch allows.
+    first = FILTER_FN(lambda _u, s: int((s or 0) == 1))
+    second = FILTER_FN(lambda _u, s: int((s or 0) == 2))
+    assert api.begin_allocate_to_pool(0, 2, 0, first, None) == OK
+    assert api.begin_allocate_to_pool(0, 2, 0, second, None) == OK
+    _, a, _ = api.malloc(MiB, stream=2)
+    assert api.values("pool_live_blocks", 0, 2, 0) == [a]
+    assert api.end_allocate_to_pool(0, 2, 0) == OK  # the first route (stream 1) stops
+    _, b, _ = api.malloc(MiB, stream=2)
+    _, c, _ = api.malloc(MiB, stream=1)
+    assert sorted(api.values("pool_live_blocks", 0, 2, 0)) == sorted([a, b])
+    assert api.end_allocate_to_pool(0, 2, 0) == OK
+    for p in (a, b, c):
+        api.free(p, 0)
 
 
 def test_cache_info_fraction_and_resets(api, fake):

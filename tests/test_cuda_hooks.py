@@ -493,13 +493,18 @@ def test_pool_released_during_a_capture_is_reclaimed_after_it(fake, lib):
 
 def test_pool_calls_errors(fake, lib):
     hook("begin_allocate_to_pool", (0, 4), [CAPTURE_STREAM])
-    with pytest.raises(ValueError, match=r"already go to graph pool \(0, 4\)"):
-        hook("begin_allocate_to_pool", (0, 4), [CAPTURE_STREAM])
-    assert _C._testing_pool("use_count", 0, (0, 4)) == 1
+    # A pool routed to twice at once (use_mem_pool on two threads), as PyTorch allows.
+    hook("begin_allocate_to_pool", (0, 4), [CAPTURE_STREAM + 1])
+    assert _C._testing_pool("use_count", 0, (0, 4)) == 2
+    p = lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM + 1)
+    assert _C.cuda_pool_live_blocks(0, (0, 4)) == [p]
     hook("end_allocate_to_pool", (0, 4))
-    hook("end_allocate_to_pool", (0, 4))  # twice: nothing more to do
+    hook("end_allocate_to_pool", (0, 4))
+    hook("end_allocate_to_pool", (0, 4))  # once more: nothing more to do
     hook("end_allocate_to_pool", (9, 9))  # unknown pools are ignored by end and release
     hook("release_pool", (9, 9))
+    hook("release_pool", (0, 4))
+    lib.pyalloc_free(p, 0, 0, None)
     hook("release_pool", (0, 4))
     hook("release_pool", (0, 4))
     assert pools() == {}

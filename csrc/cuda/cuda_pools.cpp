@@ -342,11 +342,8 @@ size_t DevicePools::reclaim_pools() {
 
 void DevicePools::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
   std::lock_guard<std::mutex> g(pools_mu_);
-  for (const auto& route : routes_)
-    if (route.first == id)
-      throw std::invalid_argument("allocations already go to graph pool (" +
-                                  std::to_string(id.first) + ", " + std::to_string(id.second) +
-                                  ") on device " + std::to_string(index()));
+  // The same pool may be routed to more than once at a time, as PyTorch's
+  // allocator allows (use_mem_pool on several threads): each is a use.
   told_of_captures_.store(true, std::memory_order_release);
   pool_incref_locked(id);
   routes_.emplace_back(id, std::move(filter));

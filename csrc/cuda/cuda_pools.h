@@ -102,11 +102,12 @@ class DevicePools {
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
 
   /// From now on, allocations on streams the filter accepts come from pool
-  /// `id` (created if new); a use of the pool. Throws std::invalid_argument
-  /// if allocations already go to `id`. The filter is called with no lock of
-  /// PyTorch's held, and must not allocate.
+  /// `id` (created if new); a use of the pool. A pool may have several
+  /// routes at once. The filter is called with no lock of PyTorch's held, and
+  /// must not allocate.
   void begin_allocate_to_pool(PoolId id, StreamFilter filter);
-  /// Stops routing allocations to pool `id`; the pool and its blocks stay.
+  /// Stops the first route to pool `id` (as PyTorch's allocator does); the
+  /// pool and its blocks stay.
   void end_allocate_to_pool(PoolId id);
   /// A graph or MemPool using pool `id` is gone: one use less. Once no use
   /// is left and nothing in it is live, its memory returns to the device.

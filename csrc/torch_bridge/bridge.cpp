@@ -216,8 +216,10 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   void raw_delete(void* ptr) override { free_block(ptr, true); }
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
-    // Tensors whose memory pyalloc did not give (from_blob, DLPack) are not its to track.
-    if (ptr.get() == nullptr || ptr.get_deleter() != &delete_block) return;
+    // Not only blocks from allocate(): reserve_buffer()'s tensors come through
+    // DLPack with a deleter of their own. Pointers that are none of pyalloc's
+    // (from_blob) are ignored by pyalloc.
+    if (ptr.get() == nullptr) return;
     check(api->record_stream(ptr.get(), stream.stream()));
   }
 
@@ -372,26 +374,34 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   void beginAllocateToPool(DeviceIndex device, MempoolId id,
                            std::function<bool(cudaStream_t)> filter) override {
     auto kept = std::make_unique<std::function<bool(cudaStream_t)>>(std::move(filter));
+    std::lock_guard<std::mutex> g(filters_mu_);
     check(api->begin_allocate_to_pool(
         device, id.first, id.second,
         [](void* user, void* stream) {
-          return (*static_cast<std::function<bool(cudaStream_t)>*>(user))(
-                     static_cast<cudaStream_t>(stream))
-                     ? 1
-                     : 0;
+          // PyTorch's filters may throw (a CUDA error asking about a capture);
+          // nothing may unwind into pyalloc: the stream is then not routed.
+          try {
+            return (*static_cast<std::function<bool(cudaStream_t)>*>(user))(
+                       static_cast<cudaStream_t>(stream))
+                       ? 1
+                       : 0;
+          } catch (const std::exception& e) {
+            std::fprintf(stderr, "pyalloc: a private pool's stream filter failed: %s\n", e.what());
+            return 0;
+          }
         },
         kept.get()));
-    std::lock_guard<std::mutex> g(filters_mu_);
-    filters_[{device, id.first, id.second}] = std::move(kept);
+    // In begin order, as pyalloc keeps the routes: the same pool may be begun
+    // more than once (use_mem_pool from several threads), and each end stops
+    // the first.
+    filters_.emplace(std::make_tuple(int(device), id.first, id.second), std::move(kept));
   }
 
   void endAllocateToPool(DeviceIndex device, MempoolId id) override {
-    int status = api->end_allocate_to_pool(device, id.first, id.second);
-    {
-      std::lock_guard<std::mutex> g(filters_mu_);
-      filters_.erase({device, id.first, id.second});  // pyalloc no longer calls it
-    }
-    check(status);
+    std::lock_guard<std::mutex> g(filters_mu_);
+    check(api->end_allocate_to_pool(device, id.first, id.second));
+    auto it = filters_.find(std::make_tuple(int(device), id.first, id.second));
+    if (it != filters_.end()) filters_.erase(it);  // pyalloc calls it no more
   }
 
   void releasePool(DeviceIndex device, MempoolId id) override {
@@ -415,6 +425,29 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
       unsupported("a torch.cuda.MemPool with an allocator of its own",
                   "Create the MemPool without an allocator: its memory then comes from pyalloc.");
     check(api->create_or_incref_pool(device, id.first, id.second));
+  }
+
+#if PYALLOC_TORCH_AT_LEAST(2, 11)
+  // MemPool's destructor calls it with false: nothing to undo.
+  void setUseOnOOM(DeviceIndex, MempoolId, bool use_on_oom) override {
+    if (use_on_oom) unsupported_use_on_oom();
+  }
+#else
+  void setUseOnOOM(DeviceIndex, MempoolId) override { unsupported_use_on_oom(); }
+#endif
+
+#if PYALLOC_TORCH_AT_LEAST(2, 10)
+  void setNoSplit(DeviceIndex, MempoolId) override {
+    unsupported("a torch.cuda.MemPool whose blocks are never split (no_split=True)",
+                "Create the MemPool without no_split.");
+  }
+#endif
+
+  [[noreturn]] void unsupported_use_on_oom() {
+    unsupported("a torch.cuda.MemPool used when the rest of the device is out of memory "
+                "(use_on_oom=True)",
+                "Create the MemPool without use_on_oom; pyalloc's vmm strategy already moves "
+                "free pages to where a request needs them.");
   }
 
   int getPoolUseCount(DeviceIndex device, MempoolId id) override {
@@ -649,7 +682,7 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
 
   std::mutex filters_mu_;
-  std::map<std::tuple<int, uint64_t, uint64_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>>
+  std::multimap<std::tuple<int, uint64_t, uint64_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>>
       filters_;
 };
 
