@@ -100,3 +100,18 @@ def test_restoring_a_checkpoint_after_random_traffic(backend):
             live[ptr] = size
         a.check_invariants()
     assert a.stats()["requested_bytes.all.current"] == sum(checkpoint.values())
+
+
+def test_without_a_small_pool_small_blocks_come_back_too(backend, strategy):
+    # small_size:0 (graph pools): every request from the large pool, so a range
+    # freed by a large block and reused by small ones can be restored.
+    a = core(backend, strategy, small_size=0)
+    big = a.malloc(MiB)
+    a.free(big)
+    smalls = [a.malloc(4 * KiB) for _ in range(4)]
+    assert a.stats()["allocation.small_pool.current"] == 0
+    for p in smalls:
+        a.free(p)
+    assert a.allocate_at(big, MiB) == big
+    a.check_invariants()
+    a.free(big)

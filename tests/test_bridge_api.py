@@ -306,3 +306,43 @@ def test_the_library_exports_only_its_entry_points():
     names = [line.split()[-1] for line in out.splitlines() if line.strip()]
     assert "PyInit__C" in names and "pyalloc_bridge_api_get" in names and "pyalloc_malloc" in names
     assert [n for n in names if n != "PyInit__C" and not n.startswith("pyalloc_")] == []
+
+
+def test_a_failed_restore_changes_nothing(api, fake):
+    filt = FILTER_FN(lambda _u, _s: 1)
+    assert api.begin_allocate_to_pool(0, 6, 0, filt, None) == OK
+    _, a, _ = api.malloc(2 * MiB)
+    _, b, _ = api.malloc(3 * MiB)
+    assert api.end_allocate_to_pool(0, 6, 0) == OK
+    before = sorted(checkpoint(api, 0, (6, 0)))
+    # A checkpoint that keeps a, drops b, and wants a block inside a's range:
+    # impossible, so the pool must be left exactly as it was (b still live).
+    bad = [(a, 2 * MiB, 0), (a + MiB, 4096, 0)]
+    status, freed, allocated = restore(api, 0, (6, 0), bad)
+    assert status == INVALID and "not free" in api.error()
+    assert (freed, allocated) == ([], [])
+    assert sorted(checkpoint(api, 0, (6, 0))) == before
+    _C.cuda_check_invariants(0)
+    api.free(a, 0)
+    api.free(b, 0)
+
+
+def test_restore_after_small_blocks_took_a_freed_range(api, fake):
+    # A freed 1 MiB block's range is reused by small allocations; the
+    # checkpoint still gets the 1 MiB block back at its address.
+    filt = FILTER_FN(lambda _u, _s: 1)
+    assert api.begin_allocate_to_pool(0, 7, 0, filt, None) == OK
+    _, big, _ = api.malloc(MiB)
+    _, keep, _ = api.malloc(4096)
+    saved = checkpoint(api, 0, (7, 0))
+    api.free(big, 0)
+    smalls = [api.malloc(4096)[1] for _ in range(8)]
+    assert any(big <= p < big + MiB for p in smalls), "the small blocks were meant to reuse the range"
+    assert api.end_allocate_to_pool(0, 7, 0) == OK
+    status, freed, allocated = restore(api, 0, (7, 0), saved)
+    assert status == OK, api.error()
+    assert sorted(freed) == sorted(smalls) and allocated == [big]
+    assert sorted(api.values("pool_live_blocks", 0, 7, 0)) == sorted([big, keep])
+    _C.cuda_check_invariants(0)
+    api.free(big, 0)
+    api.free(keep, 0)

@@ -130,8 +130,8 @@ void Config::validate() const {
          format_bytes(max_pool_size) + ")");
   if (small_chunk_size < kGranularity || small_chunk_size % kGranularity != 0)
     fail("small_chunk_size must be a positive multiple of 512 bytes");
-  if (small_size < kGranularity || small_size % kGranularity != 0)
-    fail("small_size must be a positive multiple of 512 bytes");
+  if (small_size % kGranularity != 0)
+    fail("small_size must be a multiple of 512 bytes (0: no small pool)");
   if (small_size > small_chunk_size)
     fail("small_size (" + format_bytes(small_size) + ") must not exceed small_chunk_size (" +
          format_bytes(small_chunk_size) + ")");

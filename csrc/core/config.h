@@ -25,7 +25,8 @@ struct Config {
   size_t max_pool_size = 0;
   /// The pool grows by at least this much at a time.
   size_t segment_size = size_t(20) << 20;
-  /// Requests of at most this many bytes (rounded) use the small pool.
+  /// Requests of at most this many bytes (rounded) use the small pool (0:
+  /// no small pool; every request is served from the large pool).
   /// (Replay of the benchmark traces, against PyTorch's 1 MiB in 2 MiB chunks:
   /// 256 KiB in 512 KiB chunks needs a smaller or equal budget on every trace
   /// but one (+0.02%) under both strategies, and reserves less on all but one.)

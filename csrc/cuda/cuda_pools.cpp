@@ -31,6 +31,10 @@ Config graph_pool_config(const Config& general) {
   Config g = general;
   g.strategy = Strategy::kBestFit;
   g.pool_size = 0;
+  // One size pool: memory never moves between the small and large pools, so
+  // a block freed in a graph pool can always be given back at its address
+  // (restore_pool, for torch.compile's CUDA-graph trees).
+  g.small_size = 0;
   return g;
 }
 
@@ -182,7 +186,9 @@ uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) {
 void DevicePools::free_buffer(uintptr_t ptr) { buffers_->free(ptr); }
 
 size_t DevicePools::empty_cache() {
-  if (device_->captures().underway()) return 0;
+  // A capture may be underway from begin_allocate_to_pool on, before any of
+  // its allocations has shown its stream: release nothing while a route is open.
+  if (routing_.load(std::memory_order_acquire) || device_->captures().underway()) return 0;
   size_t released = general_->empty_cache() + buffers_->empty_cache();
   if (pools_exist_.load(std::memory_order_acquire)) released += reclaim_pools();
   // pool_size is a floor: torch.cuda.graph() empties the cache right before
@@ -405,6 +411,8 @@ std::vector<DevicePools::LiveBlock> DevicePools::pool_checkpoint(PoolId id) cons
 
 void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
                                std::vector<uintptr_t>* freed, std::vector<uintptr_t>* allocated) {
+  // pools_mu_ is held throughout: no other allocation or free reaches a graph
+  // pool meanwhile, so a failure can be undone exactly.
   std::lock_guard<std::mutex> g(pools_mu_);
   auto it = pools_.find(id);
   if (it == pools_.end())
@@ -414,34 +422,53 @@ void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
   std::unordered_map<uintptr_t, const LiveBlock*> wanted;
   for (const LiveBlock& b : blocks) wanted.emplace(b.ptr, &b);
   // First free what the checkpoint did not hold, so that its blocks' memory is free again.
-  std::vector<uintptr_t> drop;
+  std::vector<LiveBlock> dropped;
   for (const auto& [ptr, owner] : pool_blocks_) {
     if (owner != &pool) continue;
-    size_t size = 0;
-    Stream stream = 0;
+    LiveBlock now{ptr, 0, 0};
+    pool.alloc->live_block(ptr, &now.size, &now.stream);
     auto w = wanted.find(ptr);
-    if (w == wanted.end() || !pool.alloc->live_block(ptr, &size, &stream) || size != w->second->size)
-      drop.push_back(ptr);
+    if (w == wanted.end() || now.size != w->second->size) dropped.push_back(now);
   }
-  for (uintptr_t ptr : drop) {
-    pool.alloc->free(ptr);
-    pool_blocks_.erase(ptr);
+  for (const LiveBlock& b : dropped) {
+    pool.alloc->free(b.ptr);
+    pool_blocks_.erase(b.ptr);
     pool.live--;
-    freed->push_back(ptr);
   }
-  for (const LiveBlock& b : blocks) {
-    if (pool_blocks_.count(b.ptr) != 0) continue;  // live then and now
-    pool.alloc->allocate_at(b.ptr, b.size, b.stream);
-    pool_blocks_.emplace(b.ptr, &pool);
-    pool.live++;
-    allocated->push_back(b.ptr);
+  std::vector<uintptr_t> made;
+  try {
+    for (const LiveBlock& b : blocks) {
+      if (pool_blocks_.count(b.ptr) != 0) continue;  // live then and now
+      pool.alloc->allocate_at(b.ptr, b.size, b.stream);
+      pool_blocks_.emplace(b.ptr, &pool);
+      pool.live++;
+      made.push_back(b.ptr);
+    }
+  } catch (...) {
+    // Back to the state before the call: PyTorch keeps its storages as they were.
+    for (uintptr_t ptr : made) {
+      pool.alloc->free(ptr);
+      pool_blocks_.erase(ptr);
+      pool.live--;
+    }
+    for (const LiveBlock& b : dropped) {
+      pool.alloc->allocate_at(b.ptr, b.size, b.stream);
+      pool_blocks_.emplace(b.ptr, &pool);
+      pool.live++;
+    }
+    throw;
   }
+  for (const LiveBlock& b : dropped) freed->push_back(b.ptr);
+  *allocated = std::move(made);
 }
 
-std::vector<std::pair<DevicePools::PoolId, Allocator*>> DevicePools::graph_pools() const {
+std::vector<DevicePools::GraphPoolInfo> DevicePools::graph_pools() const {
   std::lock_guard<std::mutex> g(pools_mu_);
-  std::vector<std::pair<PoolId, Allocator*>> out;
-  for (const auto& [id, pool] : pools_) out.emplace_back(id, pool->alloc.get());
+  std::vector<GraphPoolInfo> out;
+  for (const auto& [id, pool] : pools_) {
+    Stats st = pool->alloc->stats();
+    out.push_back({id, pool->uses, st.allocated_bytes.all.current, st.reserved_bytes.all.current});
+  }
   return out;
 }
 
@@ -522,10 +549,9 @@ size_t DevicePools::release_graph_memory() {
 
 Stats DevicePools::stats() const {
   std::vector<Stats> pools{general_->stats(), buffers_->stats()};
-  {
-    std::lock_guard<std::mutex> g(pools_mu_);
-    for (const auto& [id, pool] : pools_) pools.push_back(pool->alloc->stats());
-  }
+  // Read while no graph pool can be retired (its sums would count twice).
+  std::lock_guard<std::mutex> g(pools_mu_);
+  for (const auto& [id, pool] : pools_) pools.push_back(pool->alloc->stats());
   Stats s = device_stats_.read(pools);
   s.max_split_size = max_split_size_;
   return s;

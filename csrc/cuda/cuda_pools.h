@@ -132,9 +132,15 @@ class DevicePools {
   /// pool is gone or a block's memory is no longer free.
   void restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
                     std::vector<uintptr_t>* freed, std::vector<uintptr_t>* allocated);
-  /// The graph pools that exist (for stats and tests); their allocators
-  /// stay valid only while no pool is released.
-  std::vector<std::pair<PoolId, Allocator*>> graph_pools() const;
+  struct GraphPoolInfo {
+    PoolId id;
+    int uses;
+    int64_t allocated_bytes;
+    int64_t reserved_bytes;
+  };
+  /// The graph pools that exist, read under their lock (a pool may be
+  /// released by another thread at any time).
+  std::vector<GraphPoolInfo> graph_pools() const;
 
   /// Every pool of the device together (general, buffers, graph pools), as
   /// torch.cuda.memory_stats() counts a device: each peak the peak of the

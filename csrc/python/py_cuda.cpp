@@ -364,13 +364,12 @@ void bind_cuda(py::module_& m) {
         std::vector<py::dict> out;
         DevicePools* p = registry().find(device);
         if (p == nullptr) return out;
-        for (auto& [id, alloc] : p->graph_pools()) {
-          Stats st = alloc->stats();
+        for (const DevicePools::GraphPoolInfo& info : p->graph_pools()) {
           py::dict d;
-          d["id"] = py::make_tuple(id.first, id.second);
-          d["use_count"] = p->pool_use_count(id);
-          d["allocated_bytes"] = st.allocated_bytes.all.current;
-          d["reserved_bytes"] = st.reserved_bytes.all.current;
+          d["id"] = py::make_tuple(info.id.first, info.id.second);
+          d["use_count"] = info.uses;
+          d["allocated_bytes"] = info.allocated_bytes;
+          d["reserved_bytes"] = info.reserved_bytes;
           out.push_back(d);
         }
         return out;

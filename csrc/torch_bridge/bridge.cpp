@@ -216,10 +216,12 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   void raw_delete(void* ptr) override { free_block(ptr, true); }
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
-    // Not only blocks from allocate(): reserve_buffer()'s tensors come through
-    // DLPack with a deleter of their own. Pointers that are none of pyalloc's
-    // (from_blob) are ignored by pyalloc.
-    if (ptr.get() == nullptr) return;
+    // As PyTorch's allocator, storages that own no memory (no deleter: the
+    // outputs torch.compile's CUDA-graph trees make over their pool) are left
+    // alone. Not only blocks from allocate() count: reserve_buffer()'s tensors
+    // come through DLPack with a deleter of their own. Pointers that are none
+    // of pyalloc's (from_blob) are ignored by pyalloc.
+    if (ptr.get() == nullptr || ptr.get_deleter() == nullptr) return;
     check(api->record_stream(ptr.get(), stream.stream()));
   }
 
