@@ -3,6 +3,7 @@ needs no GPU; tests marked ``gpu`` run only where PyTorch sees a CUDA GPU."""
 from __future__ import annotations
 
 import functools
+import gc
 
 import pytest
 
@@ -41,6 +42,20 @@ def host():
 
     return factory
 
+
+
+@pytest.fixture
+def fake():
+    """pyalloc's CUDA pools on fake devices of 64 MiB of host memory each (no GPU),
+    dropped after the test."""
+    from pyalloc import _C
+
+    _C._testing_use_fake_devices(64 << 20)
+    try:
+        yield
+    finally:
+        gc.collect()  # tensors over fake memory must die before it is unmapped
+        _C._testing_reset()
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,6 @@ mirror (tests/bridge_api.py) agree byte for byte.
 from __future__ import annotations
 
 import ctypes
-import gc
 import os
 import shutil
 import subprocess
@@ -31,16 +30,6 @@ HEADER_DIR = os.path.join(os.path.dirname(__file__), "..", "csrc")
 @pytest.fixture(scope="module")
 def api():
     return BridgeApi()
-
-
-@pytest.fixture
-def fake():
-    _C._testing_use_fake_devices(CAPACITY)
-    try:
-        yield
-    finally:
-        gc.collect()
-        _C._testing_reset()
 
 
 def test_the_table_is_versioned(api):

@@ -17,16 +17,6 @@ from pyalloc import _C
 MiB = 1 << 20
 
 
-@pytest.fixture
-def fake():
-    _C._testing_use_fake_devices(64 * MiB)
-    try:
-        yield
-    finally:
-        gc.collect()
-        _C._testing_reset()
-
-
 def hook_malloc(size: int, device: int = 0, stream: int = 0) -> int:
     return _C._testing_hook_malloc(size, device, stream)
 

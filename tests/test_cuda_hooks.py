@@ -59,17 +59,6 @@ def lib():
     return lib
 
 
-@pytest.fixture
-def fake():
-    """Pools on fake devices of 64 MiB each, dropped after the test."""
-    _C._testing_use_fake_devices(CAPACITY)
-    try:
-        yield
-    finally:
-        gc.collect()  # tensors over fake memory must die before it is unmapped
-        _C._testing_reset()
-
-
 def allocated(device: int = 0) -> int:
     return _C.cuda_stats(device)["allocated_bytes.all.current"]
 

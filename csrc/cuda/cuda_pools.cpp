@@ -582,24 +582,6 @@ void DevicePools::record_history(bool enabled, size_t max_entries) {
   for (const auto& [id, pool] : pools_) pool->alloc->record_history(history_, history_max_);
 }
 
-std::vector<std::pair<DevicePools::PoolId, std::vector<SnapshotSegment>>>
-DevicePools::graph_pool_segments() const {
-  std::lock_guard<std::mutex> g(pools_mu_);
-  std::vector<std::pair<PoolId, std::vector<SnapshotSegment>>> out;
-  for (const auto& [id, pool] : pools_) out.emplace_back(id, pool->alloc->snapshot());
-  return out;
-}
-
-std::vector<TraceEntry> DevicePools::graph_pool_history() const {
-  std::lock_guard<std::mutex> g(pools_mu_);
-  std::vector<TraceEntry> out;
-  for (const auto& [id, pool] : pools_) {
-    std::vector<TraceEntry> h = pool->alloc->history();
-    out.insert(out.end(), h.begin(), h.end());
-  }
-  return out;
-}
-
 // ---------------------------------------------------------------------------
 // Errors
 

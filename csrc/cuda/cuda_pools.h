@@ -156,9 +156,6 @@ class DevicePools {
   /// Keeps the last max_entries events of each pool of the device, graph
   /// pools created later included (0: stop and forget).
   void record_history(bool enabled, size_t max_entries);
-  /// The graph pools' segments, by pool id, and their recorded events.
-  std::vector<std::pair<PoolId, std::vector<SnapshotSegment>>> graph_pool_segments() const;
-  std::vector<TraceEntry> graph_pool_history() const;
 
   /// A buffer-pool block (same errors as malloc).
   uintptr_t malloc_buffer(size_t size, Stream stream);

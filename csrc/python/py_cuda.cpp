@@ -282,7 +282,11 @@ void bind_cuda(py::module_& m) {
           py::list out;
           DevicePools* p = registry().find(device);
           if (p == nullptr) return out;
-          for (const auto& [id, segs] : p->graph_pool_segments()) {
+          std::vector<std::pair<DevicePools::PoolId, std::vector<SnapshotSegment>>> pools;
+          p->for_each_pool([&](DevicePools::PoolId id, Allocator& a) {
+            if (&a != &p->general() && &a != &p->buffers()) pools.emplace_back(id, a.snapshot());
+          });
+          for (const auto& [id, segs] : pools) {
             for (py::handle seg : snapshot_list(segs, device)) {
               seg["segment_pool_id"] = py::make_tuple(id.first, id.second);
               out.append(seg);
@@ -301,7 +305,14 @@ void bind_cuda(py::module_& m) {
       [](int device, const std::string& pool) {
         if (pool == "graph") {
           DevicePools* p = registry().find(device);
-          return p != nullptr ? history_list(p->graph_pool_history()) : py::list();
+          std::vector<TraceEntry> events;
+          if (p != nullptr)
+            p->for_each_pool([&](DevicePools::PoolId, Allocator& a) {
+              if (&a == &p->general() || &a == &p->buffers()) return;
+              std::vector<TraceEntry> h = a.history();
+              events.insert(events.end(), h.begin(), h.end());
+            });
+          return history_list(events);
         }
         Allocator* a = pool_of(device, pool);
         return a != nullptr ? history_list(a->history()) : py::list();
