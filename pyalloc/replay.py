@@ -18,6 +18,12 @@ have held this run, and in how much memory?" for PyTorch memory snapshots:
    call, without the GIL.
 4. The same replay, bounded by a capacity, finds by bisection the smallest
    budget under which pyalloc serves the whole trace, to within 1%.
+5. Each out-of-memory error the snapshot recorded is replayed as the request it
+   was (replay_oom): fragmentation or not, and which allocator would have
+   served it.
+
+Each device of a snapshot is its own trace and its own result
+(``replay_devices``; ``replay`` takes one).
 
 Beside pyalloc's figures stands the trace's own: the peak of live (requested)
 bytes, the least any allocator must hold, and, when the snapshot has segments,
@@ -37,7 +43,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _C
 from ._config import as_size, conf_string
-from .replay_report import format_table, plot_results
+from .replay_oom import diagnose_ooms
+from .replay_report import format_ooms, format_table, plot_results
 from .replay_result import ReplayResult
 from .snapshot_io import (
     ALLOC,
@@ -50,11 +57,14 @@ from .snapshot_io import (
     SEGMENT_UNMAP,
     Trace,
     TraceError,
+    check_snapshot,
+    devices_of,
     load_snapshot,
     read_trace,
 )
 
-__all__ = ["ReplayPlan", "ReplayResult", "TraceError", "add_arguments", "main", "plan_trace", "replay"]
+__all__ = ["ReplayPlan", "ReplayResult", "TraceError", "add_arguments", "main", "plan_trace", "replay",
+           "replay_devices"]
 
 _KIND_ALLOC, _KIND_FREE, _KIND_NONE = 1, 2, 0
 
@@ -271,6 +281,31 @@ def replay(
 
     Raises TraceError for a malformed trace, ValueError for a bad config or budget.
     """
+    return _replay_source(source, config, budget, [device], search, timeline_points, name, progress)[0]
+
+
+def replay_devices(
+    source: Union[str, "os.PathLike[str]", Dict[str, Any], Trace],
+    config: Optional[str] = None,
+    budget: Union[int, str, None] = None,
+    *,
+    device: Optional[int] = None,
+    search: bool = True,
+    timeline_points: int = 2000,
+    name: Optional[str] = None,
+    progress: Optional[bool] = None,
+) -> List[ReplayResult]:
+    """Replays every device of a snapshot that recorded anything (events or
+    segments), a result each in device order; ``device`` picks one. The other
+    arguments, and the errors, are those of ``replay``."""
+    return _replay_source(source, config, budget, None if device is None else [device], search,
+                          timeline_points, name, progress)
+
+
+def _replay_source(source: Any, config: Optional[str], budget: Union[int, str, None],
+                   devices: Optional[List[Optional[int]]], search: bool, timeline_points: int,
+                   name: Optional[str], progress: Optional[bool]) -> List[ReplayResult]:
+    """`devices`: those to replay (None in it: the one with most events); None: every one."""
     conf = conf_string(config)
     budget_bytes = None if budget is None else as_size(budget, "budget")
     if budget_bytes == 0:
@@ -278,16 +313,24 @@ def replay(
     bars = _Bars(progress, name or (os.fspath(source) if isinstance(source, (str, os.PathLike)) else "trace"))
     try:
         if isinstance(source, Trace):
-            trace = source
-        elif isinstance(source, dict):
-            trace = read_trace(source, device, name=name)
+            bars.close()
+            return [_replay_trace(source, conf, budget_bytes, search, timeline_points, bars)]
+        if isinstance(source, dict):
+            snapshot, label = source, name
+            check_snapshot(snapshot, name or "<snapshot>")
         else:
-            path = os.fspath(source)
-            snapshot = load_snapshot(path, progress=bars.bytes(_file_size(path)))
+            label = os.fspath(source)
+            snapshot = load_snapshot(label, progress=bars.bytes(_file_size(label)))
+            label = name or label
+        results = []
+        for device in devices_of(snapshot) if devices is None else devices:
             events = bars.events(_event_count(snapshot, device))
-            trace = read_trace(snapshot, device, name=name or path, progress=events)
-        bars.close()
-        return _replay_trace(trace, conf, budget_bytes, search, timeline_points, bars)
+            trace = read_trace(snapshot, device, name=label, progress=events)
+            bars.close()
+            results.append(_replay_trace(trace, conf, budget_bytes, search, timeline_points, bars))
+        for r in results:
+            r.devices = len(results)
+        return results
     finally:
         bars.close()
 
@@ -358,6 +401,9 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
         calls_per_second=len(plan) / main.seconds if main.seconds > 0 else None,
         search_replays=replays,
         ignored_actions=dict(trace.ignored_actions),
+        recorded_ooms=diagnose_ooms(trace, plan, conf),
+        skipped_ooms=trace.skipped_ooms,
+        skipped_oom_problems=list(trace.oom_problems),
         timeline=_timeline(main, plan),
         native_timeline=_native_timeline(plan, len(trace)),
     )
@@ -507,7 +553,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, metavar="OUT.png",
                         help="plot reserved and live bytes over each trace (matplotlib)")
     parser.add_argument("--device", type=int, default=None,
-                        help="which device's trace (default: the one with most events)")
+                        help="replay only this device's trace (default: every device that recorded "
+                             "anything, a row each)")
     parser.add_argument("--no-search", action="store_true",
                         help="skip the search for the smallest budget")
 
@@ -526,12 +573,23 @@ def main(args: argparse.Namespace) -> int:
     failed = 0
     for path in args.files:
         try:
-            results.append(replay(path, args.config, budget, device=args.device, search=not args.no_search))
+            rows = replay_devices(path, args.config, budget, device=args.device, search=not args.no_search)
         except TraceError as e:
             print(f"pyalloc replay: error: {e}", file=sys.stderr)
             failed += 1
+            continue
+        results.extend(rows)
+        for r in rows:
+            if r.skipped_ooms:
+                # Each problem names the file, the device and the event.
+                print(f"pyalloc replay: warning: {r.skipped_ooms} oom event(s) could not be read "
+                      "and are not diagnosed: " + "; ".join(r.skipped_oom_problems), file=sys.stderr)
     if results:
         print(format_table(results))
+        ooms = format_ooms(results)
+        if ooms:
+            print()
+            print(ooms)
     try:
         if args.json is not None:
             with open(args.json, "w") as f:

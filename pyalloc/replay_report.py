@@ -1,16 +1,18 @@
-"""Showing replay results: the table (plain text or markdown) and the plot.
+"""Showing replay results: the table (plain text or markdown), the sentences on
+recorded out-of-memory errors, and the plot.
 
 Kept apart from replay.py so that the replay itself never imports matplotlib.
 """
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from ._C import format_bytes
 from .replay_result import ReplayResult
 
-__all__ = ["COLUMNS", "LEGEND", "figure", "format_table", "plot_results"]
+__all__ = ["ALLOCATOR_NAMES", "COLUMNS", "LEGEND", "figure", "format_ooms", "format_table", "oom_sentence",
+           "plot_results"]
 
 COLUMNS = [
     "trace",
@@ -47,10 +49,16 @@ def _ratio(r: Optional[float]) -> str:
     return "-" if r is None else f"{r:.3f}"
 
 
+def _label(r: ReplayResult) -> str:
+    """The trace's file name, and its device where the snapshot had several."""
+    name = os.path.basename(r.trace)
+    return f"{name} [device {r.device}]" if r.devices > 1 else name
+
+
 def _row(r: ReplayResult, with_budget: bool) -> List[str]:
     frag = r.fragmentation_at_peak.get("external_fragmentation")
     row = [
-        os.path.basename(r.trace),
+        _label(r),
         str(r.events),
         str(r.allocs),
         _bytes(r.peak_live_bytes),
@@ -91,6 +99,60 @@ def format_table(results: Sequence[ReplayResult], markdown: bool = False) -> str
     return "\n".join([fmt(header), rule] + [fmt(row) for row in rows])
 
 
+#: How the sentences name each allocator of replay_allocators.ALLOCATORS.
+ALLOCATOR_NAMES = {
+    "pyalloc": "pyalloc",
+    "native": "PyTorch",
+    "native_expandable": "PyTorch with expandable segments",
+}
+
+
+def _names(keys: List[str]) -> str:
+    names = [ALLOCATOR_NAMES.get(k, k) for k in keys]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def oom_sentence(oom: Dict[str, Any]) -> str:
+    """What a recorded out-of-memory error was, in words a person can act on:
+    "not fragmentation: 83.20 GiB needed on 78.50 GiB (4.70 GiB short); reduce memory",
+    or "fragmentation: 80.00 MiB needed on 110.00 MiB; pyalloc would have served it,
+    PyTorch would not". Allocators whose answer is unknown (None) are left out."""
+    size, live, capacity = oom["size_bytes"], oom["live_bytes"], oom["capacity_bytes"]
+    needed = live + size
+    head = f"a {format_bytes(size)} request with {format_bytes(live)} live"
+    if capacity is None:
+        return (f"{head}: {format_bytes(needed)} needed; the snapshot does not say how much the "
+                "device held, so no verdict")
+    served = oom["served_by"]
+    yes = [a for a, v in served.items() if v is True]
+    no = [a for a, v in served.items() if v is False]
+    if oom["fragmentation"]:
+        text = f"fragmentation: {format_bytes(needed)} needed on {format_bytes(capacity)}"
+    else:
+        text = (f"not fragmentation: {format_bytes(needed)} needed on {format_bytes(capacity)} "
+                f"({format_bytes(needed - capacity)} short)")
+    if yes and no:
+        text += f"; {_names(yes)} would have served it, {_names(no)} would not"
+    elif yes:
+        text += f"; {_names(yes)} would have served it"
+    elif len(no) > 1:
+        text += f"; none of {', '.join(ALLOCATOR_NAMES.get(a, a) for a in no)} would have served it"
+    elif no:
+        text += f"; {_names(no)} would not have served it"
+    if not oom["fragmentation"]:
+        text += "; reduce memory"
+    return f"{head}: {text}"
+
+
+def format_ooms(results: Sequence[ReplayResult]) -> str:
+    """One line per out-of-memory error the traces recorded ("" if none)."""
+    lines = []
+    for r in results:
+        for oom in r.recorded_ooms:
+            lines.append(f"{_label(r)}, event {oom['event']}: {oom_sentence(oom)}")
+    return "\n".join(lines)
+
+
 def plot_results(results: Sequence[ReplayResult], path: str) -> None:
     """Reserved and live bytes over each trace, one panel per trace, to an image file."""
     figure(results).savefig(path, dpi=110)
@@ -127,7 +189,7 @@ def figure(results: Sequence[ReplayResult]):
         if r.budget_bytes is not None:
             ax.axhline(r.budget_bytes / scale, color="tab:red", linestyle="--", linewidth=1,
                        label=f"budget {format_bytes(r.budget_bytes)}")
-        ax.set_title(f"{os.path.basename(r.trace)}: {_setup(r.config)}\n{_verdict(r)}", fontsize=10)
+        ax.set_title(f"{_label(r)}: {_setup(r.config)}\n{_verdict(r)}", fontsize=10)
         ax.set_xlabel("trace event")
         ax.set_ylabel(unit)
         ax.set_ylim(bottom=0, top=top / scale * 1.05 if top else None)

@@ -45,6 +45,16 @@ class ReplayResult:
     calls_per_second: Optional[float] = None
     search_replays: int = 0
     ignored_actions: Dict[str, int] = field(default_factory=dict)
+    #: How many devices of its snapshot were replayed, a result each (this one is `device`).
+    devices: int = 1
+    #: The out-of-memory errors the snapshot recorded on this device, each replayed as the
+    #: request it was (pyalloc.replay_oom): {event, size_bytes, live_bytes, capacity_bytes,
+    #: fragmentation, served_by: {allocator: bool, or None where unknown}}.
+    recorded_ooms: List[Dict[str, Any]] = field(default_factory=list)
+    #: oom events that could not be read (no size, no device_free...), left out of
+    #: recorded_ooms; what was wrong with the first few.
+    skipped_ooms: int = 0
+    skipped_oom_problems: List[str] = field(default_factory=list)
     timeline: Dict[str, List[int]] = field(default_factory=dict, repr=False)
     native_timeline: Dict[str, List[int]] = field(default_factory=dict, repr=False)
 

@@ -11,8 +11,10 @@ replay uses is checked, so a bad file ends in one ``TraceError`` naming the file
 and the problem.
 
 ``read_trace`` reduces a snapshot to what a replay needs: the events of one
-device as flat integer arrays, and the blocks that are live in its final
-segments.
+device as flat integer arrays, the blocks that are live in its final
+segments, and the out-of-memory errors the device recorded. An ``oom`` event
+that cannot be read (no size, a negative one, no ``device_free``...) is left
+out of those and counted, rather than failing the whole replay over it.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ __all__ = [
     "Trace",
     "TraceError",
     "check_snapshot",
+    "devices_of",
     "load_snapshot",
     "read_trace",
     "write_snapshot",
@@ -62,6 +65,8 @@ ACTIONS: Dict[str, int] = {
 _U64 = 1 << 64
 _MAX_SIZE = 1 << 63
 _ACTIVE_STATES = ("active_allocated", "active_pending_free")
+#: Unreadable oom events whose problem a Trace keeps (all are counted).
+_OOM_PROBLEMS_KEPT = 10
 _GZIP_MAGIC = b"\x1f\x8b"
 
 _short = reprlib.Repr()
@@ -262,6 +267,9 @@ class Trace:
     ignores); ``addrs``, ``sizes`` (bytes; the requested size for alloc/free)
     and ``streams`` are 0 where an action has none. ``live_blocks`` are the
     final segments' active blocks as (address, requested bytes, stream).
+    ``ooms`` are the device's ``oom`` events as (event index, requested bytes,
+    device_free bytes, stream); ``skipped_ooms`` counts those that could not be
+    read, and ``oom_problems`` says why for the first few.
     """
 
     name: str
@@ -275,6 +283,9 @@ class Trace:
     segments_bytes: int = 0
     ignored_actions: Dict[str, int] = field(default_factory=dict)
     metadata: Dict[str, Any] = field(default_factory=dict)
+    ooms: List[Tuple[int, int, int, int]] = field(default_factory=list)
+    skipped_ooms: int = 0
+    oom_problems: List[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.actions)
@@ -330,7 +341,9 @@ def _read_events(trace: Trace, entries: List[Any], progress: Optional[Callable[[
                 raise TraceError(f"{where}[{i}]: 'action' must be a string, got {_short.repr(action)}")
             code = OTHER
             ignored[action] += 1
-        elif code != OOM:
+        elif code == OOM:
+            _read_oom(trace, i, e, where)
+        else:
             addr, size, stream = e.get("addr"), e.get("size"), e.get("stream", 0)
             if type(addr) is not int or not 0 <= addr < _U64:
                 raise TraceError(f"{where}[{i}] ({action}): 'addr' must be an address, got {_short.repr(addr)}")
@@ -348,6 +361,40 @@ def _read_events(trace: Trace, entries: List[Any], progress: Optional[Callable[[
     if progress is not None:
         progress(len(entries) % step)
     trace.ignored_actions = dict(ignored)
+
+
+def _read_oom(trace: Trace, i: int, e: Dict[str, Any], where: str) -> None:
+    """Keeps a readable oom event; counts (and says why) one that is not."""
+    size, free, stream = e.get("size"), e.get("device_free"), e.get("stream", 0)
+    problem = None
+    for key, v in (("size", size), ("device_free", free)):
+        if key not in e:
+            problem = f"no '{key}'"
+        elif type(v) is not int or not 0 <= v < _MAX_SIZE:
+            problem = f"'{key}' must be a byte count, got {_short.repr(v)}"
+        if problem:
+            break
+    if problem is None and (type(stream) is not int or not -_MAX_SIZE <= stream < _U64):
+        problem = f"'stream' must be an integer handle, got {_short.repr(stream)}"
+    if problem is not None:
+        trace.skipped_ooms += 1
+        if len(trace.oom_problems) < _OOM_PROBLEMS_KEPT:
+            trace.oom_problems.append(f"{where}[{i}] (oom): {problem}")
+        return
+    trace.ooms.append((i, size, free, stream % _U64))
+
+
+def devices_of(snapshot: Dict[str, Any]) -> List[int]:
+    """The devices of a (checked) snapshot that recorded anything: events in
+    ``device_traces`` or segments in ``segments``. [0] when none did, so that an
+    empty snapshot still reads as one empty device."""
+    traces = snapshot["device_traces"]
+    with_segments = {
+        seg.get("device", 0) for seg in snapshot.get("segments", [])
+        if type(seg) is dict and type(seg.get("device", 0)) is int
+    }
+    found = [d for d in range(len(traces)) if traces[d] or d in with_segments]
+    return found or [0]
 
 
 def _read_segments(trace: Trace, segments: List[Any], device: int) -> None:

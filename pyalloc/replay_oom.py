@@ -1,0 +1,140 @@
+"""Out-of-memory diagnosis: was a recorded OOM fragmentation, and which
+allocator would have served the request?
+
+PyTorch records an ``oom`` event when its allocator gives up on a request, with
+the request's size and the device's free bytes (``device_free``) at that moment,
+after its own out-of-memory path has released what it could. Each such event is
+replayed as the request it was:
+
+- the capacity then: the recording allocator's reserved bytes at that event
+  (followed from the final segments, as for the native figure) plus
+  ``device_free``: all the memory the run could have had;
+- the bytes live then (requested, not yet freed, blocks live before the trace
+  included);
+- the verdict: fragmentation when live + request fit that capacity (an allocator
+  that wasted less would have served it), otherwise not, short by
+  live + request - capacity (no allocator could have: the run needs less memory);
+- for each allocator of ``replay_allocators.ALLOCATORS``, whether it would have
+  served the request: the trace's calls up to the event, then the request (freed
+  right after), replayed from the start on a device of that capacity. Served
+  means every allocation up to and including the request was served; an
+  allocator that fails earlier would not have reached the request. An allocator
+  that this build cannot run is reported as None.
+"""
+from __future__ import annotations
+
+import dataclasses
+from array import array
+from bisect import bisect_left
+from typing import Any, Dict, List, Optional
+
+from . import _C
+from .replay_allocators import ALLOCATORS, run_allocator
+from .snapshot_io import SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace
+
+__all__ = ["MAX_OOM_REPLAYS", "diagnose_ooms", "recorded_reserved_at"]
+
+#: Recorded OOMs per device whose request is replayed through the allocators; the
+#: verdict of later ones stands, their served_by is None (each replay runs the
+#: trace from the start, so a file of many oom events must not cost that many).
+MAX_OOM_REPLAYS = 16
+
+_GROW = (SEGMENT_ALLOC, SEGMENT_MAP)
+_SHRINK = (SEGMENT_FREE, SEGMENT_UNMAP)
+
+
+def recorded_reserved_at(trace: Trace, start: Optional[int], events: List[int]) -> List[Optional[int]]:
+    """The recording allocator's reserved bytes just before each of `events`
+    (sorted trace indices), from its reserved bytes at the start of the trace
+    (``ReplayPlan.native_start_bytes``; None: unknown, and so is every answer)."""
+    if start is None:
+        return [None] * len(events)
+    out: List[Optional[int]] = []
+    reserved, i = start, 0
+    for event in events:
+        while i < event:
+            code = trace.actions[i]
+            if code in _GROW:
+                reserved += trace.sizes[i]
+            elif code in _SHRINK:
+                reserved -= trace.sizes[i]
+            i += 1
+        out.append(reserved)
+    return out
+
+
+def diagnose_ooms(trace: Trace, plan: Any, conf: str) -> List[Dict[str, Any]]:
+    """One dict per readable oom event of `trace` (see the module docstring):
+    ``{event, size_bytes, live_bytes, capacity_bytes, fragmentation, served_by}``,
+    ``served_by`` by allocator name. Where the recording allocator's reserved bytes
+    are unknown (no segments), capacity, verdict and served_by are None."""
+    ooms = sorted(trace.ooms)
+    if not ooms:
+        return []
+    events = [event for event, _, _, _ in ooms]
+    reserved = recorded_reserved_at(trace, plan.native_start_bytes, events)
+    # The failed request goes in before the first call of a later event.
+    points = [bisect_left(plan.events, event) for event in events]
+    lives = _live_before(plan, points)
+    out = []
+    for n, ((event, size, free, stream), held, k, live) in enumerate(zip(ooms, reserved, points, lives)):
+        capacity = None if held is None else held + free
+        served_by: Dict[str, Optional[bool]] = {a: None for a in ALLOCATORS}
+        if capacity is not None and n < MAX_OOM_REPLAYS:
+            served_by = _served_by(plan, k, event, size, stream, capacity, conf)
+        out.append({
+            "event": event,
+            "size_bytes": size,
+            "live_bytes": live,
+            "capacity_bytes": capacity,
+            "fragmentation": None if capacity is None else live + size <= capacity,
+            "served_by": served_by,
+        })
+    return out
+
+
+def _live_before(plan: Any, points: List[int]) -> List[int]:
+    """Requested bytes live before op k, for each k of `points` (ascending)."""
+    out = []
+    live = op = 0
+    for k in points:
+        while op < k:
+            live += plan.sizes[op] if plan.kinds[op] == 1 else -plan.sizes[op]
+            op += 1
+        out.append(live)
+    return out
+
+
+def _served_by(plan: Any, k: int, event: int, size: int, stream: int, capacity: int,
+               conf: str) -> Dict[str, Optional[bool]]:
+    sub = _with_request(plan, k, event, size, stream)
+    calls = _C.ReplayTrace(sub.kinds, sub.ids, sub.sizes, sub.streams)
+    served: Dict[str, Optional[bool]] = {}
+    for name in ALLOCATORS:
+        try:
+            run = run_allocator(calls, name, capacity=max(capacity, 1), stop_on_oom=True,
+                                conf=conf, plan=sub)
+        except NotImplementedError:
+            served[name] = None
+            continue
+        served[name] = run.completed
+    return served
+
+
+def _with_request(plan: Any, k: int, event: int, size: int, stream: int) -> Any:
+    """The plan's first k calls, then an alloc of `size` bytes on `stream` standing
+    for trace event `event` and its free. Ids are renumbered densely (a
+    ReplayTrace wants them below its number of calls)."""
+    slot: Dict[int, int] = {}
+    ids = array("I", (slot.setdefault(i, len(slot)) for i in plan.ids[:k]))
+    request = len(slot)
+    ids.extend((request, request))
+    kinds = plan.kinds[:k]
+    kinds.extend((1, 2))
+    sizes = plan.sizes[:k]
+    sizes.extend((size, size))
+    streams = plan.streams[:k]
+    streams.extend((stream, stream))
+    events = plan.events[:k]
+    events.extend((event, event))
+    return dataclasses.replace(plan, kinds=kinds, ids=ids, sizes=sizes, streams=streams, events=events)

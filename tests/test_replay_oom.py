@@ -1,0 +1,528 @@
+"""Replay of recorded out-of-memory errors (fragmentation or not, who would have
+served the request), every device of a snapshot a row, and the peak live of the
+snapshots users hand in (Windows, a wrapped ring buffer, several devices),
+checked against figures computed here, independently of pyalloc.replay."""
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyalloc._C import format_bytes
+from pyalloc.replay import replay, replay_devices
+from pyalloc.replay_allocators import ALLOCATORS, AllocatorRun, run_allocator
+from pyalloc.replay_oom import MAX_OOM_REPLAYS
+from pyalloc.replay_report import oom_sentence
+from pyalloc.snapshot_io import load_snapshot
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU = ROOT.parent / "shared" / "traces" / "gpu"
+CONSTRUCTOR_SUN = GPU / "constructor-sun-code_location-qwen3emb-gnn-3gpu-expandable-oom.pickle"
+WINDOWS = GPU / "zidongliu-decomfl-opt125m-zo-fedlearn-windows.pickle"
+WRAPPED = GPU / "wedsonlin-cs336-a2-medium-ctx1024-trainstep-bf16.pickle"
+MiB, GiB = 1 << 20, 1 << 30
+
+needs_gpu_traces = pytest.mark.skipif(not CONSTRUCTOR_SUN.exists(), reason="no shared GPU traces here")
+
+
+def _model_missing(name):
+    from array import array
+
+    from pyalloc import _C
+
+    calls = _C.ReplayTrace(array("B", [1, 2]), array("I", [0, 0]), array("Q", [512, 0]), array("Q", [0, 0]))
+    try:
+        run_allocator(calls, name)
+    except NotImplementedError:
+        return True
+    return False
+
+
+NATIVES_MISSING = any(_model_missing(a) for a in ("native", "native_expandable"))
+needs_native_models = pytest.mark.skipif(NATIVES_MISSING, reason="no model of PyTorch's allocator in this build")
+
+
+def ev(action, addr, size, stream=0):
+    return {"action": action, "addr": addr, "size": size, "stream": stream, "time_us": 0, "frames": []}
+
+
+def oom_event(size, device_free, stream=0):
+    return {"action": "oom", "size": size, "device_free": device_free, "stream": stream, "time_us": 0,
+            "frames": []}
+
+
+def free(addr, size):
+    return [ev("free_requested", addr, size), ev("free_completed", addr, size)]
+
+
+def cli(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "pyalloc", "replay", *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+# -- figures computed independently of pyalloc.replay --------------------------
+
+
+def backward_live(snapshot, device):
+    """(peak live, live at the start) of one device, walking its trace backwards
+    from the live blocks of the final segments, as PyTorch's memory viewer undoes
+    history: undoing an alloc takes its bytes away, undoing a free gives them back."""
+    live = sum(b.get("requested_size", b["size"])
+               for seg in snapshot["segments"] if seg.get("device", 0) == device
+               for b in seg["blocks"] if b["state"] in ("active_allocated", "active_pending_free"))
+    trace = snapshot["device_traces"][device]
+    freed_at = "free_completed" if any(e["action"] == "free_completed" for e in trace) else "free_requested"
+    peak = live
+    for e in reversed(trace):
+        if e["action"] == "alloc":
+            live -= e["size"]
+        elif e["action"] == freed_at:
+            live += e["size"]
+        peak = max(peak, live)
+    return peak, live
+
+
+def backward_reserved(snapshot, device, event):
+    """The recording allocator's reserved bytes just before trace event `event`:
+    the final segments' total, with the segment events from `event` on undone."""
+    reserved = sum(seg["total_size"] for seg in snapshot["segments"] if seg.get("device", 0) == device)
+    for e in snapshot["device_traces"][device][event:]:
+        if e["action"] in ("segment_alloc", "segment_map"):
+            reserved -= e["size"]
+        elif e["action"] in ("segment_free", "segment_unmap"):
+            reserved += e["size"]
+    return reserved
+
+
+# -- snapshots built for the diagnosis ---------------------------------------
+
+
+BASE = 0x7F0000000000
+
+
+def fragmented(oom_after_frees=True, request=30 * MiB, device_free=10 * MiB):
+    """What the recording (non-expandable) allocator leaves after 50 allocations of
+    2 MiB in five 20 MiB segments, every other one freed: 50 MiB live, 50 MiB free
+    in 2 MiB holes, none of which holds a 30 MiB request. With 10 MiB free on the
+    device it fails, though 50 + 30 MiB fit the 110 MiB the run had."""
+    events, segments, seg = [], [], 20 * MiB
+    for s in range(5):
+        events.append(ev("segment_alloc", BASE + s * seg, seg))
+        events += [ev("alloc", BASE + s * seg + b * 2 * MiB, 2 * MiB) for b in range(10)]
+    frees = [e for s in range(5) for b in range(0, 10, 2) for e in free(BASE + s * seg + b * 2 * MiB, 2 * MiB)]
+    at = oom_event(request, device_free)
+    events += frees + [at] if oom_after_frees else [at] + frees
+    for s in range(5):
+        blocks = [{"address": BASE + s * seg + b * 2 * MiB, "size": 2 * MiB, "requested_size": 2 * MiB,
+                   "state": "active_allocated" if b % 2 else "inactive", "frames": []} for b in range(10)]
+        segments.append({"device": 0, "address": BASE + s * seg, "total_size": seg, "stream": 0,
+                         "segment_type": "large", "blocks": blocks})
+    return {"segments": segments, "device_traces": [events]}
+
+
+def expandable_recorded():
+    """Recorded with expandable segments (20 MiB pages for the large pool): six
+    30 MiB blocks over nine pages, every other one freed. The free blocks hold
+    only three whole pages, which the out-of-memory path unmaps (120 MiB still
+    mapped); a 70 MiB request needs four more pages at the tail, with 70 MiB
+    free: it fails, though 90 MiB live + 70 MiB fit the 190 MiB the run had."""
+    events = [ev("segment_map", BASE + p * 20 * MiB, 20 * MiB) for p in range(9)]
+    events += [ev("alloc", BASE + b * 30 * MiB, 30 * MiB) for b in range(6)]
+    events += [e for b in (0, 2, 4) for e in free(BASE + b * 30 * MiB, 30 * MiB)]
+    events += [ev("segment_unmap", BASE + p * 20 * MiB, 20 * MiB) for p in (0, 3, 6)]
+    events.append(oom_event(70 * MiB, 70 * MiB))
+    segments = [{"device": 0, "address": BASE + start * MiB, "total_size": 40 * MiB, "stream": 0,
+                 "segment_type": "large", "is_expandable": True,
+                 "blocks": [{"address": BASE + start * MiB, "size": 10 * MiB, "requested_size": 10 * MiB,
+                             "state": "inactive"},
+                            {"address": BASE + (start + 10) * MiB, "size": 30 * MiB, "requested_size": 30 * MiB,
+                             "state": "active_allocated"}]}
+                for start in (20, 80, 140)]
+    return {"segments": segments, "device_traces": [events]}
+
+
+def with_oom(oom, segments=True):
+    """A 4 MiB block live in a 20 MiB segment, then `oom` (an event dict), then its free."""
+    events = [ev("segment_alloc", BASE, 20 * MiB), ev("alloc", BASE, 4 * MiB), oom] + free(BASE, 4 * MiB)
+    segs = [{"device": 0, "address": BASE, "total_size": 20 * MiB, "stream": 0, "segment_type": "large",
+             "blocks": [{"address": BASE, "size": 20 * MiB, "state": "inactive"}]}] if segments else []
+    if not segments:
+        events = events[1:]
+    return {"segments": segs, "device_traces": [events]}
+
+
+# -- the verdict ---------------------------------------------------------------
+
+
+@needs_gpu_traces
+def test_constructor_sun_device_1_is_not_fragmentation_and_pyalloc_does_not_serve_it():
+    snapshot = load_snapshot(CONSTRUCTOR_SUN)
+    trace = snapshot["device_traces"][1]
+    [event] = [i for i, e in enumerate(trace) if e["action"] == "oom"]
+    r = replay(snapshot, device=1, search=False)
+    [oom] = r.recorded_ooms
+    live = sum(e["size"] for e in trace[:event] if e["action"] == "alloc") - \
+        sum(e["size"] for e in trace[:event] if e["action"] == "free_completed")  # nothing live before
+    assert backward_live(snapshot, 1)[1] == 0
+    capacity = backward_reserved(snapshot, 1, event) + trace[event]["device_free"]
+    assert oom == {"event": event, "size_bytes": trace[event]["size"], "live_bytes": live,
+                   "capacity_bytes": capacity, "fragmentation": False, "served_by": oom["served_by"]}
+    assert (round(live / GiB, 1), round(capacity / GiB, 1)) == (78.3, 78.5)
+    short = live + oom["size_bytes"] - capacity
+    assert round(short / GiB, 1) == 4.7
+    assert oom["served_by"]["pyalloc"] is False
+    sentence = oom_sentence(oom)
+    assert sentence.endswith("reduce memory")
+    assert f"not fragmentation: {format_bytes(live + oom['size_bytes'])} needed on {format_bytes(capacity)}" in sentence
+    assert f"({format_bytes(short)} short)" in sentence
+    assert "pyalloc would not" in sentence or "none of pyalloc" in sentence
+
+
+@needs_gpu_traces
+@needs_native_models
+def test_constructor_sun_device_1_no_model_of_pytorch_serves_it_either():
+    [oom] = replay(CONSTRUCTOR_SUN, device=1, search=False).recorded_ooms
+    assert oom["served_by"] == {"pyalloc": False, "native": False, "native_expandable": False}
+    assert "none of pyalloc, PyTorch, PyTorch with expandable segments would have served it" in oom_sentence(oom)
+
+
+def test_fragmentation_that_pyalloc_would_have_served():
+    r = replay(fragmented(), search=False)
+    assert r.native_peak_reserved_bytes == 100 * MiB
+    [oom] = r.recorded_ooms
+    assert oom["event"] == len(fragmented()["device_traces"][0]) - 1
+    assert (oom["size_bytes"], oom["live_bytes"], oom["capacity_bytes"]) == (30 * MiB, 50 * MiB, 110 * MiB)
+    assert oom["fragmentation"] is True
+    assert oom["served_by"]["pyalloc"] is True
+    sentence = oom_sentence(oom)
+    assert "fragmentation: 80.00 MiB needed on 110.00 MiB; pyalloc would have served it" in sentence
+    assert "not fragmentation" not in sentence and "reduce memory" not in sentence
+    # The answer comes from a replay, not from the verdict: pyalloc's bestfit
+    # strategy, which cannot remap pages, leaves the same holes and fails.
+    [oom] = replay(fragmented(), "strategy:bestfit", search=False).recorded_ooms
+    assert (oom["fragmentation"], oom["served_by"]["pyalloc"]) == (True, False)
+
+
+@needs_native_models
+def test_fragmentation_neither_pytorch_would_serve():
+    # PyTorch puts the 2 MiB requests ten to a 20 MiB segment (or, expandable, a
+    # 20 MiB page) and its out-of-memory path frees only wholly free segments
+    # (pages): every one holds live blocks, so the 30 MiB request needs 30 MiB
+    # (two pages: 40 MiB) more than the 100 MiB held, on a 110 MiB device.
+    [oom] = replay(fragmented(), search=False).recorded_ooms
+    assert oom["served_by"] == {"pyalloc": True, "native": False, "native_expandable": False}
+    assert oom_sentence(oom).endswith(
+        "pyalloc would have served it, PyTorch and PyTorch with expandable segments would not")
+
+
+def test_fragmentation_under_expandable_segments_that_pyalloc_would_have_served():
+    r = replay(expandable_recorded(), search=False)
+    assert r.native_peak_reserved_bytes == 180 * MiB
+    [oom] = r.recorded_ooms
+    assert (oom["size_bytes"], oom["live_bytes"], oom["capacity_bytes"]) == (70 * MiB, 90 * MiB, 190 * MiB)
+    assert oom["fragmentation"] is True and oom["served_by"]["pyalloc"] is True
+
+
+@needs_native_models
+def test_fragmentation_under_expandable_segments_pytorch_by_default_would_have_served():
+    # Without expandable segments each 30 MiB block is a segment of its own: the
+    # out-of-memory path frees the three free ones (90 MiB held) and 70 MiB more
+    # fit 190. With them, the recording allocator's own failure is reproduced.
+    [oom] = replay(expandable_recorded(), search=False).recorded_ooms
+    assert oom["served_by"] == {"pyalloc": True, "native": True, "native_expandable": False}
+    assert oom_sentence(oom).endswith(
+        "pyalloc and PyTorch would have served it, PyTorch with expandable segments would not")
+
+
+def test_the_request_is_replayed_where_it_failed():
+    # The same request before the frees: 100 MiB live, 130 MiB needed on 110.
+    [oom] = replay(fragmented(oom_after_frees=False), search=False).recorded_ooms
+    assert (oom["live_bytes"], oom["capacity_bytes"], oom["fragmentation"]) == (100 * MiB, 110 * MiB, False)
+    assert oom["served_by"]["pyalloc"] is False
+    assert "(20.00 MiB short)" in oom_sentence(oom)
+
+
+def test_a_request_that_fits_only_without_the_cap_is_not_served():
+    # 4 MiB live, a 17 MiB request, 1 MiB free beside the 20 MiB segment: it fits
+    # 21 MiB; a 18 MiB one does not.
+    [fits] = replay(with_oom(oom_event(17 * MiB, MiB)), search=False).recorded_ooms
+    [short] = replay(with_oom(oom_event(18 * MiB, MiB)), search=False).recorded_ooms
+    assert (fits["capacity_bytes"], fits["fragmentation"]) == (21 * MiB, True)
+    assert (short["capacity_bytes"], short["fragmentation"]) == (21 * MiB, False)
+    assert short["served_by"]["pyalloc"] is False
+
+
+def test_unknown_models_are_none_and_left_out_of_the_sentence():
+    oom = {"event": 3, "size_bytes": 30 * MiB, "live_bytes": 50 * MiB, "capacity_bytes": 110 * MiB,
+           "fragmentation": True, "served_by": {"pyalloc": True, "native": None, "native_expandable": False}}
+    assert oom_sentence(oom).endswith(
+        "fragmentation: 80.00 MiB needed on 110.00 MiB; pyalloc would have served it, "
+        "PyTorch with expandable segments would not")
+    if NATIVES_MISSING:
+        [oom] = replay(fragmented(), search=False).recorded_ooms
+        assert oom["served_by"]["native"] is None and oom["served_by"]["native_expandable"] is None
+        assert "PyTorch" not in oom_sentence(oom)
+
+
+def test_run_allocator_pyalloc_and_unknown_names():
+    from array import array
+
+    from pyalloc import _C
+
+    calls = _C.ReplayTrace(array("B", [1, 1, 2, 2]), array("I", [0, 1, 0, 1]),
+                           array("Q", [4 * MiB, 4 * MiB, 0, 0]), array("Q", [0, 0, 0, 0]))
+    run = run_allocator(calls, "pyalloc")
+    assert isinstance(run, AllocatorRun)
+    assert (run.completed, run.ooms, run.first_oom_op) == (True, 0, -1)
+    assert run.peak_reserved_bytes >= 8 * MiB and run.device_calls >= 1
+    cramped = run_allocator(calls, "pyalloc", capacity=6 * MiB, stop_on_oom=True)
+    assert (cramped.completed, cramped.first_oom_op) == (False, 1)
+    assert run_allocator(calls, "pyalloc", capacity=1, stop_on_oom=True).completed is False
+    with pytest.raises(ValueError, match="native_expandable"):
+        run_allocator(calls, "jemalloc")
+    assert ALLOCATORS == ("pyalloc", "native", "native_expandable")
+
+
+# -- the JSON row and the command line ---------------------------------------
+
+
+def test_json_rows_carry_recorded_ooms_with_the_documented_keys(tmp_path):
+    from pyalloc.snapshot_io import write_snapshot
+
+    path, out = tmp_path / "frag.pickle", tmp_path / "r.json"
+    write_snapshot(fragmented(), path)
+    p = cli(path, "--no-search", "--json", out)
+    assert p.returncode == 0, p.stderr
+    [row] = json.loads(out.read_text())
+    [oom] = row["recorded_ooms"]
+    assert set(oom) == {"event", "size_bytes", "live_bytes", "capacity_bytes", "fragmentation", "served_by"}
+    assert set(oom["served_by"]) == set(ALLOCATORS)
+    assert all(v is None or isinstance(v, bool) for v in oom["served_by"].values())
+    assert isinstance(oom["fragmentation"], bool)
+    assert all(isinstance(oom[k], int) for k in ("event", "size_bytes", "live_bytes", "capacity_bytes"))
+    assert row["skipped_ooms"] == 0 and row["devices"] == 1
+    # The table, then one sentence per recorded OOM.
+    assert "frag.pickle, event 105: a 30.00 MiB request with 50.00 MiB live: fragmentation: " \
+           "80.00 MiB needed on 110.00 MiB; pyalloc would have served it" in p.stdout
+    # A trace without OOMs has an empty list, and prints no sentence.
+    clean = tmp_path / "clean.pickle"
+    write_snapshot({"segments": [], "device_traces": [[ev("alloc", 1, 10)] + free(1, 10)]}, clean)
+    p = cli(clean, "--no-search", "--json", out)
+    assert json.loads(out.read_text())[0]["recorded_ooms"] == [] and ", event " not in p.stdout
+
+
+@needs_gpu_traces
+def test_cli_says_what_constructor_sun_device_1_needed():
+    p = cli(CONSTRUCTOR_SUN, "--no-search", "--device", "1")
+    assert p.returncode == 0, p.stderr
+    [line] = [ln for ln in p.stdout.splitlines() if ", event 421: " in ln]
+    assert "not fragmentation: 83.23 GiB needed on 78.51 GiB (4.73 GiB short)" in line
+    assert line.endswith("; reduce memory")
+
+
+# -- hostile and malformed oom events ----------------------------------------
+
+
+def oom_with(**fields):
+    e = {"action": "oom", "size": 8 * MiB, "device_free": MiB, "stream": 0, "time_us": 0, "frames": []}
+    e.update(fields)
+    return {k: v for k, v in e.items() if v is not DROP}
+
+
+DROP = object()
+
+MALFORMED = {
+    "no size": oom_with(size=DROP),
+    "negative size": oom_with(size=-1),
+    "size past 2**63": oom_with(size=1 << 64),
+    "size a string": oom_with(size="8 MiB"),
+    "size a float": oom_with(size=8.0 * MiB),
+    "size a bool": oom_with(size=True),
+    "size None": oom_with(size=None),
+    "no device_free": oom_with(device_free=DROP),
+    "negative device_free": oom_with(device_free=-MiB),
+    "device_free a list": oom_with(device_free=[1]),
+    "stream a string": oom_with(stream="s"),
+}
+
+
+@pytest.mark.parametrize("oom", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_malformed_oom_event_is_skipped_and_counted(oom):
+    r = replay(with_oom(oom), search=False)
+    assert r.recorded_ooms == []
+    assert r.skipped_ooms == 1 and len(r.skipped_oom_problems) == 1
+    assert r.skipped_oom_problems[0].startswith("<snapshot>: device_traces[0][2] (oom): ")
+    assert r.native_ooms == 1 and r.allocs == 1 and r.peak_live_bytes == 4 * MiB  # the rest is replayed
+
+
+def test_cli_warns_of_skipped_oom_events_and_still_reports(tmp_path):
+    from pyalloc.snapshot_io import write_snapshot
+
+    snapshot = with_oom(oom_with(device_free=DROP))
+    snapshot["device_traces"][0] += [oom_with(size=-5), oom_event(MiB, MiB)]
+    path = tmp_path / "bad-oom.pickle"
+    write_snapshot(snapshot, path)
+    p = cli(path, "--no-search")
+    assert p.returncode == 0 and "Traceback" not in p.stderr
+    [warning] = p.stderr.strip().splitlines()
+    assert warning.startswith("pyalloc replay: warning: 2 oom event(s) could not be read")
+    assert "[2] (oom): no 'device_free'" in warning and "[5] (oom): 'size' must be a byte count, got -5" in warning
+    assert "bad-oom.pickle, event 6: " in p.stdout
+
+
+def test_huge_but_readable_sizes_get_a_verdict_not_a_crash():
+    [oom] = replay(with_oom(oom_event((1 << 63) - 1, MiB)), search=False).recorded_ooms
+    assert oom["fragmentation"] is False and oom["served_by"]["pyalloc"] is False
+    # A device said to have 2**62 bytes free: the request fits, and pyalloc serves it.
+    [oom] = replay(with_oom(oom_event(8 * MiB, 1 << 62)), search=False).recorded_ooms
+    assert oom["capacity_bytes"] == 20 * MiB + (1 << 62)
+    assert oom["fragmentation"] is True and oom["served_by"]["pyalloc"] is True
+    # Both at once: capacity near 2**63, request near 2**63.
+    # It fits that capacity, but is past the largest request pyalloc takes.
+    [oom] = replay(with_oom(oom_event((1 << 63) - 1, (1 << 63) - 1)), search=False).recorded_ooms
+    assert oom["capacity_bytes"] == 20 * MiB + (1 << 63) - 1
+    assert oom["fragmentation"] is True and oom["served_by"]["pyalloc"] is False
+    assert "pyalloc would not have served it" in oom_sentence(oom)
+
+
+def test_no_device_free_at_all_and_nothing_reserved():
+    # 0 free and 0 reserved: a device of no bytes serves nothing, even 1 byte.
+    snapshot = {"segments": [], "device_traces": [[ev("segment_alloc", BASE, 0), oom_event(1, 0)]]}
+    [oom] = replay(snapshot, search=False).recorded_ooms
+    assert (oom["capacity_bytes"], oom["live_bytes"], oom["fragmentation"]) == (0, 0, False)
+    assert oom["served_by"]["pyalloc"] is False
+
+
+def test_an_oom_without_segments_has_no_capacity_and_no_verdict():
+    [oom] = replay(with_oom(oom_event(8 * MiB, MiB), segments=False), search=False).recorded_ooms
+    assert (oom["live_bytes"], oom["capacity_bytes"], oom["fragmentation"]) == (4 * MiB, None, None)
+    assert set(oom["served_by"].values()) == {None}
+    assert "no verdict" in oom_sentence(oom)
+
+
+def test_an_oom_first_and_many_ooms():
+    # As the first event: nothing live, the request replayed on its own.
+    snapshot = with_oom(oom_event(8 * MiB, MiB))
+    events = snapshot["device_traces"][0]
+    events.insert(0, oom_event(64 * MiB, 0))
+    [first, second] = replay(snapshot, search=False).recorded_ooms
+    assert (first["event"], first["live_bytes"], first["capacity_bytes"]) == (0, 0, 0)
+    assert (second["event"], second["live_bytes"], second["fragmentation"]) == (3, 4 * MiB, True)
+    # Many: each gets a verdict, the first MAX_OOM_REPLAYS a replay.
+    events[3:3] = [oom_event(8 * MiB, MiB) for _ in range(MAX_OOM_REPLAYS + 4)]
+    ooms = replay(snapshot, search=False).recorded_ooms
+    assert len(ooms) == MAX_OOM_REPLAYS + 6
+    assert all(o["fragmentation"] is not None for o in ooms)
+    assert [o["served_by"]["pyalloc"] is None for o in ooms] == [False] * MAX_OOM_REPLAYS + [True] * 6
+
+
+# -- every device a row --------------------------------------------------------
+
+
+def two_devices():
+    """Device 0 and device 2 recorded events; device 1 nothing; device 3 only a segment."""
+    seg3 = {"device": 3, "address": BASE, "total_size": 2 * MiB, "stream": 0, "segment_type": "large",
+            "blocks": [{"address": BASE, "size": 2 * MiB, "requested_size": 1000, "state": "active_allocated"}]}
+    d0 = [ev("alloc", 1, 100), ev("alloc", 2, 200)] + free(1, 100) + free(2, 200)
+    d2 = [ev("alloc", 1, 5000)] + free(1, 5000) + [ev("alloc", 1, 7000)] + free(1, 7000)
+    return {"segments": [seg3], "device_traces": [d0, [], d2, []]}
+
+
+def test_every_device_that_recorded_anything_is_a_row():
+    rows = replay_devices(two_devices(), search=False)
+    assert [(r.device, r.peak_live_bytes, r.devices) for r in rows] == [(0, 300, 3), (2, 7000, 3), (3, 1000, 3)]
+    [one] = replay_devices(two_devices(), device=2, search=False)
+    assert (one.device, one.peak_live_bytes, one.devices) == (2, 7000, 1)
+    # replay() still answers for one device: the one with most events.
+    assert replay(two_devices(), search=False).device == 0
+    # An empty snapshot is one empty device.
+    [empty] = replay_devices({"segments": [], "device_traces": []}, search=False)
+    assert (empty.device, empty.events) == (0, 0)
+
+
+@needs_gpu_traces
+def test_cli_rows_for_every_device(tmp_path):
+    out = tmp_path / "r.json"
+    p = cli(CONSTRUCTOR_SUN, "--no-search", "--json", out)
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(out.read_text())
+    assert [r["device"] for r in rows] == [0, 1, 2]  # device 3 recorded nothing
+    table = p.stdout.splitlines()
+    for d in range(3):
+        assert sum(1 for ln in table if ln.startswith(f"{CONSTRUCTOR_SUN.name} [device {d}] ")) == 1
+    assert [len(r["recorded_ooms"]) for r in rows] == [0, 1, 0]
+    p = cli(CONSTRUCTOR_SUN, "--no-search", "--device", "2", "--json", out)
+    assert [r["device"] for r in json.loads(out.read_text())] == [2]
+    assert "[device" not in p.stdout  # one row: no need to say which
+    p = cli(CONSTRUCTOR_SUN, "--no-search", "--device", "7")
+    assert p.returncode == 1 and "no device 7" in p.stderr and "Traceback" not in p.stderr
+
+
+# -- peak live of the snapshots users hand in --------------------------------
+
+
+@needs_gpu_traces
+@pytest.mark.parametrize("path", [WINDOWS, WRAPPED, CONSTRUCTOR_SUN], ids=["windows", "wrapped", "3-devices"])
+def test_peak_live_per_device_matches_a_backward_walk(path):
+    snapshot = load_snapshot(path)
+    rows = replay_devices(snapshot, search=False)
+    expected = [(d, backward_live(snapshot, d)[0]) for d in range(len(snapshot["device_traces"]))
+                if snapshot["device_traces"][d]]
+    assert [(r.device, r.peak_live_bytes) for r in rows] == expected
+    if path == WRAPPED:  # the ring buffer wrapped: blocks were live before its first event
+        assert backward_live(snapshot, 0)[1] > 0 and rows[0].preexisting_blocks > 0
+    if path == WINDOWS:
+        assert min(e["addr"] for e in snapshot["device_traces"][0] if "addr" in e) < 1 << 36
+
+
+def random_history(seed, events=3000):
+    """A workload on a few reused addresses, with its frees requested then completed
+    (sometimes later), and the final segments' live blocks."""
+    rng = random.Random(seed)
+    live, pending, out = {}, [], []
+    for _ in range(events):
+        r = rng.random()
+        if r < 0.45 or not live:
+            addr = rng.choice([a for a in range(1, 64) if a * 4096 not in live and a * 4096 not in pending] or [0])
+            if addr == 0:
+                continue
+            size = rng.choice([512, 4096, 1 << 20, 3 << 20, 25 << 20]) + rng.randrange(512)
+            live[addr * 4096] = size
+            out.append(ev("alloc", addr * 4096, size))
+        elif r < 0.8 and set(live) - set(pending):
+            addr = rng.choice(sorted(set(live) - set(pending)))
+            out.append(ev("free_requested", addr, live[addr]))
+            pending.append(addr)
+            if rng.random() < 0.7:
+                out += [ev("free_completed", addr, live.pop(addr))]
+                pending.remove(addr)
+        elif pending:
+            addr = pending.pop(0)
+            out.append(ev("free_completed", addr, live.pop(addr)))
+    blocks = [{"address": a, "size": s + 511 & ~511, "requested_size": s,
+               "state": "active_pending_free" if a in pending else "active_allocated"} for a, s in live.items()]
+    segments = [{"device": 0, "address": 0, "total_size": 1 << 40, "stream": 0, "blocks": blocks}]
+    return out, segments
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_peak_live_after_the_ring_buffer_wrapped(seed):
+    """The history cut at any point (what a wrapped ring buffer keeps) gives the
+    most bytes live from that point on in the whole history, walked forwards."""
+    events, segments = random_history(seed)
+    live_after = []  # live bytes after each event of the whole history
+    live, sizes = 0, {}
+    for e in events:
+        if e["action"] == "alloc":
+            live += e["size"]
+        elif e["action"] == "free_completed":
+            live -= e["size"]
+        live_after.append(live)
+    for cut in (1, len(events) // 3, len(events) // 2, len(events) - 10):
+        kept = {"segments": segments, "device_traces": [events[cut:]]}
+        [r] = replay_devices(kept, search=False)
+        assert r.peak_live_bytes == max(live_after[cut - 1:]), cut
