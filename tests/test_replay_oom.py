@@ -268,6 +268,30 @@ def test_unknown_models_are_none_and_left_out_of_the_sentence():
         assert "PyTorch" not in oom_sentence(oom)
 
 
+def test_each_allocator_is_asked_through_run_allocator(monkeypatch):
+    """How the diagnosis uses the seam: every allocator of ALLOCATORS, on the
+    capacity, stopping at the first refusal, with the plan its calls came from:
+    the trace's calls up to the event, then the request and its free."""
+    import pyalloc.replay_oom as replay_oom
+
+    asked = []
+
+    def fake(calls, allocator, *, capacity=None, stop_on_oom=False, conf="", plan=None):
+        asked.append((allocator, capacity, stop_on_oom, len(calls), len(plan), list(plan.sizes[-2:]),
+                      list(plan.events[-2:]), plan.kinds[-2:].tolist()))
+        if allocator == "pyalloc":
+            return run_allocator(calls, allocator, capacity=capacity, stop_on_oom=stop_on_oom, conf=conf,
+                                 plan=plan)
+        return AllocatorRun(allocator == "native", 0, -1, 0, 0, None, None, 0)
+
+    monkeypatch.setattr(replay_oom, "run_allocator", fake)
+    [oom] = replay(fragmented(), search=False).recorded_ooms
+    assert oom["served_by"] == {"pyalloc": True, "native": True, "native_expandable": False}
+    calls = 50 + 25 + 2  # 50 allocs, 25 frees, the request and its free
+    assert asked == [(a, 110 * MiB, True, calls, calls, [30 * MiB] * 2, [oom["event"]] * 2, [1, 2])
+                     for a in ALLOCATORS]
+
+
 def test_run_allocator_pyalloc_and_unknown_names():
     from array import array
 
