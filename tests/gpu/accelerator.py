@@ -28,9 +28,9 @@ def main():
     # The same figures as torch.cuda's (which the bridge answers) and pyalloc's own.
     assert torch._C._accelerator_isAllocatorInitialized(), "torch.accelerator sees no initialised allocator"
     theirs = torch.accelerator.memory_stats(0)
-    for key in ("allocated_bytes.all.current", "reserved_bytes.all.current", "allocation.all.current",
-                "segment.all.current", "num_device_alloc"):
-        assert theirs[key] == ours[key], (key, theirs[key], ours[key])
+    assert "allocated_bytes.all.current" in theirs and "reserved_bytes.all.current" in theirs, list(theirs)
+    unequal = {k: (v, ours[k]) for k, v in theirs.items() if k in ours and v != ours[k]}
+    assert not unequal, f"torch.accelerator / pyalloc differ: {unequal}"
     assert torch.accelerator.memory_allocated(0) == torch.cuda.memory_allocated(0) == \
         ours["allocated_bytes.all.current"]
     assert torch.accelerator.memory_reserved(0) == torch.cuda.memory_reserved(0)
