@@ -18,8 +18,9 @@
 // torch itself (torch.cuda's and torch.accelerator's), snapshots, memory
 // history and allocation tracebacks with PyTorch's recorded stack traces,
 // private pools for CUDA graphs, MemPool and torch.compile's CUDA-graph
-// trees, and cross-device copies with cudaMemcpyPeerAsync. The allocation path calls
-// pyalloc directly: no std::function, mutex or pointer map of its own.
+// trees, and cross-device copies with cudaMemcpyPeerAsync. The allocation
+// path calls pyalloc directly: no std::function, mutex or pointer map of its
+// own.
 //
 // PyTorch releases differ in this interface; the differences are handled
 // with torch's version macros below. Checked against the headers of torch
