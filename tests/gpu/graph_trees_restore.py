@@ -46,9 +46,10 @@ def main():
             torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
             if step >= REPLAYS_FROM:
                 # Work on another stream reads a replayed output, and says so.
+                main = torch.cuda.current_stream()
                 torch.cuda._sleep(1_000_000)  # keeps the side stream's work queued a while
+                side.wait_stream(main)
                 with torch.cuda.stream(side):
-                    side.wait_stream(torch.cuda.current_stream())
                     _ = out.sum()
                 out.record_stream(side)
             # Kept (never read again: a later replay may reuse its memory, as
