@@ -10,6 +10,8 @@ import ctypes as c
 from pyalloc import _C
 
 OK, OUT_OF_MEMORY, INVALID, ERROR = 0, 1, 2, 3
+OWNER_POOLS, OWNER_NONE, OWNER_OTHER = 0, 1, 2
+VERSION = 2
 ACTIONS = (
     "alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
     "segment_map", "segment_unmap", "oom",
@@ -17,7 +19,8 @@ ACTIONS = (
 
 
 class OomInfo(c.Structure):
-    _fields_ = [(n, c.c_uint64) for n in ("requested", "allocated", "reserved", "device_free", "device_total")]
+    _fields_ = ([(n, c.c_uint64) for n in ("requested", "allocated", "reserved", "device_free", "device_total")]
+                + [("rejected", c.c_int)])
 
 
 class Stat(c.Structure):
@@ -133,21 +136,24 @@ class Api(c.Structure):
         ("init", c.CFUNCTYPE(i32, i32)),
         ("set_route", c.CFUNCTYPE(i32, i32)),
         ("settings", c.CFUNCTYPE(i32, c.c_char_p, u64)),
+        # version 2
+        ("record_stream_owned", c.CFUNCTYPE(i32, c.c_void_p, c.c_void_p, i32)),
+        ("block_context", c.CFUNCTYPE(i32, c.c_void_p, c.POINTER(u64))),
     ]
 
 
 class BridgeApi:
-    """The table of version 1, with Python-friendly wrappers for the tests."""
+    """The table of `version`, with Python-friendly wrappers for the tests."""
 
-    def __init__(self) -> None:
+    def __init__(self, version: int = VERSION) -> None:
         lib = c.CDLL(_C.library_path())
         get = lib.pyalloc_bridge_api_get
         get.restype = c.POINTER(Api)
         get.argtypes = [c.c_uint32]
         self.get = get
-        ptr = get(1)
+        ptr = get(version)
         if not ptr:
-            raise RuntimeError("pyalloc offers no bridge API of version 1")
+            raise RuntimeError(f"pyalloc offers no bridge API of version {version}")
         self.table = ptr.contents
 
     def __getattr__(self, name):
@@ -162,6 +168,11 @@ class BridgeApi:
         oom = OomInfo()
         status = self.table.malloc(device, size, stream, context, c.byref(out), c.byref(oom))
         return status, out.value or 0, oom
+
+    def block_context(self, ptr: int) -> int:
+        out = u64()
+        assert self.table.block_context(ptr, c.byref(out)) == OK, self.error()
+        return out.value
 
     def stats(self, device: int = 0) -> dict:
         s = DeviceStats()

@@ -9,6 +9,7 @@ mirror (tests/bridge_api.py) agree byte for byte.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ from pyalloc import _C
 
 from bridge_api import INVALID, OK, OUT_OF_MEMORY, Api, BlockInfo, BridgeApi, DeviceStats
 from bridge_api import FILTER_FN, LiveBlock, OomInfo, SegmentInfo, TraceEntry, checkpoint, restore
+from bridge_api import OWNER_NONE, OWNER_OTHER, OWNER_POOLS, VERSION
 
 MiB = 1 << 20
 CAPACITY = 64 * MiB
@@ -33,11 +35,29 @@ def api():
 
 
 def test_the_table_is_versioned(api):
-    assert api.version == 1
+    assert api.version == VERSION == 2
     assert api.size == ctypes.sizeof(Api)
     assert api.pyalloc_version.decode() == pyalloc.__version__
-    assert not api.get(2), "a version this pyalloc does not offer must give NULL"
+    assert not api.get(3), "a version this pyalloc does not offer must give NULL"
     assert not api.get(0)
+    # Version 1 is still offered: the members before version 2's.
+    v1 = api.get(1).contents
+    assert v1.version == 1 and v1.size == Api.record_stream_owned.offset
+    assert ctypes.cast(v1.free, ctypes.c_void_p).value == ctypes.cast(api.free, ctypes.c_void_p).value
+
+
+def test_a_version_1_bridge_gets_version_1s_oom_info(fake):
+    # A bridge of version 1 passes room for version 1's pyalloc_oom_info only:
+    # nothing may be written past it.
+    v1 = BridgeApi(1)
+    room = OomInfo.rejected.offset
+    buf = (ctypes.c_ubyte * (room + 16))(*([0xEE] * (room + 16)))
+    out = ctypes.c_void_p()
+    status = v1.table.malloc(0, 10 * CAPACITY, None, 0, ctypes.byref(out),
+                             ctypes.cast(buf, ctypes.POINTER(OomInfo)))
+    assert status == OUT_OF_MEMORY
+    assert int.from_bytes(bytes(buf[:8]), "little") == 10 * CAPACITY  # requested
+    assert bytes(buf[room:]) == b"\xee" * 16
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to read the header")
@@ -276,7 +296,10 @@ def test_a_pool_checkpoint_is_restored_at_the_same_addresses(api, fake):
 
     status, freed, allocated = restore(api, 0, (4, 0), saved)
     assert status == OK, api.error()
-    assert freed == [extra] and allocated == [ptrs[2]]
+    # As PyTorch's allocator reports it: every block live before is freed,
+    # every checkpointed one allocated (ptrs[0] and ptrs[3] are in both).
+    assert sorted(freed) == sorted([extra, ptrs[0], ptrs[3]])
+    assert sorted(allocated) == sorted([ptrs[2], ptrs[0], ptrs[3]])
     assert sorted(api.values("pool_live_blocks", 0, 4, 0)) == sorted(p for p, _, _ in saved)
     _C.cuda_check_invariants(0)
     # Restoring blocks whose memory is taken is an error, not a corruption.
@@ -330,8 +353,186 @@ def test_restore_after_small_blocks_took_a_freed_range(api, fake):
     assert api.end_allocate_to_pool(0, 7, 0) == OK
     status, freed, allocated = restore(api, 0, (7, 0), saved)
     assert status == OK, api.error()
-    assert sorted(freed) == sorted(smalls) and allocated == [big]
+    assert sorted(freed) == sorted(smalls + [keep]) and sorted(allocated) == sorted([big, keep])
     assert sorted(api.values("pool_live_blocks", 0, 7, 0)) == sorted([big, keep])
     _C.cuda_check_invariants(0)
     api.free(big, 0)
     api.free(keep, 0)
+
+
+def test_restore_lists_a_block_live_before_and_after_in_both_lists(api, fake):
+    # torch.compile's CUDA-graph trees (addStorageDeleterFns) give a live
+    # storage its deleter back only if its pointer is among those allocated,
+    # and count as definitely freed only pointers not allocated again: a block
+    # live across a restore must be in both lists, as PyTorch's allocator puts it.
+    filt = FILTER_FN(lambda _u, _s: 1)
+    assert api.begin_allocate_to_pool(0, 8, 0, filt, None) == OK
+    _, out, _ = api.malloc(2 * MiB)
+    _, tmp, _ = api.malloc(MiB)
+    assert api.end_allocate_to_pool(0, 8, 0) == OK
+    saved = checkpoint(api, 0, (8, 0))
+    status, freed, allocated = restore(api, 0, (8, 0), saved)
+    assert status == OK, api.error()
+    assert sorted(freed) == sorted([out, tmp]) and sorted(allocated) == sorted([out, tmp])
+    # Live once, still: one free each.
+    assert sorted(api.values("pool_live_blocks", 0, 8, 0)) == sorted([out, tmp])
+    assert api.stats(0)["allocation.all.current"] == 2
+    # A checkpoint that keeps one and drops the other.
+    status, freed, allocated = restore(api, 0, (8, 0), [b for b in saved if b[0] == out])
+    assert status == OK, api.error()
+    assert sorted(freed) == sorted([out, tmp]) and allocated == [out]
+    assert api.values("pool_live_blocks", 0, 8, 0) == [out]
+    _C.cuda_check_invariants(0)
+    assert api.free(out, 0) == OK
+    assert api.free(tmp, 0) == INVALID  # freed by the restore
+
+
+def test_a_block_on_another_stream_is_made_again_on_the_checkpoints_stream(api, fake):
+    filt = FILTER_FN(lambda _u, _s: 1)
+    assert api.begin_allocate_to_pool(0, 10, 0, filt, None) == OK
+    _, p, _ = api.malloc(MiB, stream=0)
+    assert api.end_allocate_to_pool(0, 10, 0) == OK
+    status, freed, allocated = restore(api, 0, (10, 0), [(p, MiB, 5)])
+    assert status == OK, api.error()
+    assert (freed, allocated) == ([p], [p])
+    assert checkpoint(api, 0, (10, 0)) == [(p, MiB, 5)]
+    api.free(p, 0)
+
+
+def graph_output(api, pool):
+    """A block of a private pool, as CUDA-graph trees keep their outputs, and
+    an empty checkpoint of the pool from before it."""
+    filt = FILTER_FN(lambda _u, _s: 1)
+    assert api.begin_allocate_to_pool(0, *pool, filt, None) == OK
+    empty = checkpoint(api, 0, pool)
+    _, p, _ = api.malloc(2 * MiB, stream=0)
+    assert api.end_allocate_to_pool(0, *pool) == OK
+    return p, empty, checkpoint(api, 0, pool)
+
+
+def test_record_stream_of_a_storage_that_owns_nothing_leaves_graph_pools_alone(api, fake):
+    # A CUDA-graph tree's output is a storage with c10::detail::deleteNothing
+    # over a live block of the tree's pool. record_stream on it must not pin
+    # the block: the next restore frees it and a later one allocates it again.
+    p, empty, full = graph_output(api, (11, 0))
+    _C._testing_stream(0, 3, True)  # work queued on stream 3 that has not run
+    try:
+        assert api.record_stream_owned(p, 3, OWNER_NONE) == OK
+        assert restore(api, 0, (11, 0), empty)[0] == OK
+        status, _, allocated = restore(api, 0, (11, 0), full)
+        assert status == OK, api.error()
+        assert allocated == [p]
+    finally:
+        _C._testing_stream(0, 3, False)
+    api.free(p, 0)
+
+
+def test_record_stream_of_a_block_pyalloc_handed_out_pins_it(api, fake):
+    # The same block, its storage with the bridge's deleter: the event keeps
+    # it from being taken while stream 3's work is queued (and so the
+    # restore that wants it back fails cleanly, as with PyTorch's allocator).
+    p, empty, full = graph_output(api, (12, 0))
+    _C._testing_stream(0, 3, True)
+    try:
+        assert api.record_stream_owned(p, 3, OWNER_POOLS) == OK
+        assert restore(api, 0, (12, 0), empty)[0] == OK
+        status, freed, allocated = restore(api, 0, (12, 0), full)
+        assert status == INVALID and "not free" in api.error()
+        assert (freed, allocated) == ([], [])
+    finally:
+        _C._testing_stream(0, 3, False)
+    _C.cuda_check_invariants(0)
+
+
+def test_record_stream_with_another_deleter_acts_only_on_buffers(api, fake):
+    # Another deleter: DLPack, which reserve_buffer()'s tensors have, or
+    # another library's memory. A graph-pool block is not pinned by it.
+    p, empty, full = graph_output(api, (13, 0))
+    _C._testing_stream(0, 3, True)
+    try:
+        assert api.record_stream_owned(p, 3, OWNER_OTHER) == OK
+        assert restore(api, 0, (13, 0), empty)[0] == OK
+        assert restore(api, 0, (13, 0), full)[0] == OK, api.error()
+        assert api.record_stream_owned(0xDEAD0000, 3, OWNER_OTHER) == OK  # not pyalloc's: ignored
+        # A reserve_buffer() block is pyalloc's: pinned, so once its tensor
+        # dies it waits for stream 3 before it is free.
+        cap = _C.cuda_buffer(0, MiB, 0)
+        buf = _C.cuda_snapshot_segments(0, "buffers")[0]["blocks"][0]["address"]
+        assert api.record_stream_owned(buf + 4096, 3, OWNER_OTHER) == OK  # inside it: not a block
+        assert api.record_stream_owned(buf, 3, OWNER_OTHER) == OK
+        del cap
+        gc.collect()
+        states = [b["state"] for b in _C.cuda_snapshot_segments(0, "buffers")[0]["blocks"]]
+        assert states[0] == "active_pending_free", states
+    finally:
+        _C._testing_stream(0, 3, False)
+    api.free(p, 0)
+    assert api.record_stream_owned(None, 3, OWNER_POOLS) == OK
+    assert api.record_stream_owned(0xDEAD0000, 3, OWNER_POOLS) == INVALID
+    assert "pyalloc's deleter" in api.error()
+    assert api.record_stream_owned(p, 3, 9) == INVALID
+
+
+@pytest.mark.parametrize("size", [(1 << 56) + 1, 1 << 60, (1 << 64) - 1])
+def test_a_request_no_device_could_hold_is_out_of_memory(api, fake, size):
+    # PyTorch's allocator answers it with torch.cuda.OutOfMemoryError (its
+    # cudaMalloc fails); the bridge raises that for PYALLOC_OUT_OF_MEMORY.
+    before = api.stats(0)
+    status, p, oom = api.malloc(size)
+    assert (status, p) == (OUT_OF_MEMORY, 0)
+    assert api.error().startswith("CUDA out of memory.") and "larger than any device" in api.error()
+    assert oom.requested == size and oom.rejected == 1
+    after = api.stats(0)
+    assert after["num_ooms"] == before["num_ooms"] + 1
+    assert after["num_oom_rejections"] == before["num_oom_rejections"] + 1
+    _C.cuda_check_invariants(0)
+
+
+def test_requests_refused_at_once_are_oom_rejections(api, fake):
+    # Refused from figures already known, before anything is released or
+    # reserved: by the memory fraction's cap, as PyTorch's
+    # throw_on_cudamalloc_oom refuses, and by the device's free memory.
+    _, live, _ = api.malloc(8 * MiB)
+    assert api.set_memory_fraction(0, 0.5) == OK
+    status, _, oom = api.malloc(30 * MiB)
+    assert status == OUT_OF_MEMORY and oom.rejected == 1
+    assert api.stats(0)["num_oom_rejections"] == 1
+    assert api.set_memory_fraction(0, 1.0) == OK
+    status, _, oom = api.malloc(2 * CAPACITY)
+    assert status == OUT_OF_MEMORY and oom.rejected == 1
+    s = api.stats(0)
+    assert (s["num_oom_rejections"], s["num_ooms"], s["num_alloc_retries"]) == (2, 2, 0)
+    api.free(live, 0)
+
+
+def test_an_oom_after_trying_is_no_rejection(api, fake):
+    # Fragmented: the device and the cache together have room, but no block
+    # is large enough and the segments holding live blocks cannot go back.
+    ps = [api.malloc(6 * MiB)[1] for _ in range(8)]
+    for p in ps[::2]:
+        assert api.free(p, 0) == OK
+    status, _, oom = api.malloc(20 * MiB)
+    assert status == OUT_OF_MEMORY and oom.rejected == 0
+    s = api.stats(0)
+    assert (s["num_ooms"], s["num_oom_rejections"]) == (1, 0)
+    for p in ps[1::2]:
+        api.free(p, 0)
+
+
+def test_block_context_is_the_tag_malloc_was_given(api, fake):
+    # PyTorch's getContextForPointer (torch.cuda.memory._allocation_traceback):
+    # the bridge maps the tag to the recorded stack trace.
+    _, p, _ = api.malloc(3 * MiB, context=42)
+    _, q, _ = api.malloc(4096)
+    assert api.block_context(p) == 42
+    assert api.block_context(q) == 0  # allocated without a context
+    assert api.block_context(p + 4096) == 0  # not an allocation's start
+    assert api.block_context(0xDEAD0000) == 0 and api.block_context(0) == 0
+    filt = FILTER_FN(lambda _u, _s: 1)
+    assert api.begin_allocate_to_pool(0, 14, 0, filt, None) == OK
+    _, g, _ = api.malloc(MiB, context=43)
+    assert api.end_allocate_to_pool(0, 14, 0) == OK
+    assert api.block_context(g) == 43  # a private pool's block
+    for ptr in (p, q, g):
+        assert api.free(ptr, 0) == OK
+    assert api.block_context(p) == 0  # freed

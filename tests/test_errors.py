@@ -71,11 +71,23 @@ def test_negative_sizes(make, size):
         make().malloc(size)
 
 
-@pytest.mark.parametrize("size", [1 << 57, (1 << 64) - 1, 1 << 64, 1 << 100])
-def test_impossible_sizes(make, size):
+@pytest.mark.parametrize("size", [1 << 64, 1 << 100])
+def test_sizes_beyond_64_bits(make, size):
     a = make()
     with pytest.raises(ValueError, match="large"):
         a.malloc(size)
+    a.check_invariants()
+
+
+@pytest.mark.parametrize("size", [(1 << 56) + 1, 1 << 57, (1 << 64) - 1])
+def test_sizes_no_device_could_hold_are_out_of_memory_at_once(make, size):
+    # As PyTorch answers them (torch.cuda.OutOfMemoryError): refused before
+    # anything is tried, so counted as a rejection too.
+    a = make()
+    with pytest.raises(pyalloc.OutOfMemoryError, match="larger than any device could hold"):
+        a.malloc(size)
+    s = a.stats()
+    assert (s["num_ooms"], s["num_oom_rejections"], s["num_alloc_retries"]) == (1, 1, 0)
     a.check_invariants()
 
 
@@ -167,7 +179,8 @@ def test_impossible_requests_fail_at_once_and_keep_the_cache(make):
         for key in ("num_device_alloc", "num_device_free", "num_alloc_retries", "reserved_bytes.all.current"):
             assert s[key] == was[key], key
         pool.check_invariants()
-    assert capped.stats()["num_oom_rejections"] == 2 and uncapped.stats()["num_oom_rejections"] == 0
+    # Each was refused before anything was tried: what PyTorch counts as a rejection.
+    assert capped.stats()["num_oom_rejections"] == 2 and uncapped.stats()["num_oom_rejections"] == 1
     # What fits once the cache is given back is served, with at most one retry.
     p = uncapped.malloc(56 * MiB)
     assert uncapped.stats()["num_alloc_retries"] <= 1

@@ -231,3 +231,23 @@ def test_mempool_keeps_its_allocations_and_returns_its_memory():
 @bridge_only
 def test_torch_compile_reduce_overhead_matches_eager():
     check("compile_reduce_overhead.py", timeout=900)
+
+
+@bridge_only
+def test_graph_trees_keep_outputs_across_restores_and_take_record_stream():
+    check("graph_trees_restore.py", timeout=900)
+
+
+@bridge_only
+def test_torch_accelerator_memory_functions_reach_pyalloc():
+    check("accelerator.py")
+
+
+@bridge_only
+def test_requests_no_device_holds_and_oom_rejections_are_torchs_oom():
+    check("oom_rejection.py", timeout=900)
+
+
+@bridge_only
+def test_allocation_traceback_names_the_allocating_function():
+    check("allocation_traceback.py")

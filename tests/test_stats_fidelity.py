@@ -159,18 +159,32 @@ def test_oom_message_gives_the_size_asked_for(make):
     with pytest.raises(pyalloc.OutOfMemoryError) as e:
         a.malloc(1000)
     assert "tried to allocate 1000 B" in str(e.value)
-    assert a.stats()["num_oom_rejections"] == 1  # refused by the cap, not the device
+    assert a.stats()["num_oom_rejections"] == 1  # refused by the cap before trying
     with pytest.raises(pyalloc.OutOfMemoryError) as e:
         a.malloc(5 * MiB + 1)
     assert f"tried to allocate {pyalloc._C.format_bytes(5 * MiB + 1)}" in str(e.value)
 
 
-def test_oom_from_a_full_device_is_no_rejection():
+def test_oom_refused_at_once_by_the_device_is_a_rejection():
+    # The device's known free memory cannot hold it: refused before trying.
     a = pyalloc.Allocator("virtual", capacity=8 * MiB, strategy="bestfit", segment_size=2 * MiB)
     with pytest.raises(pyalloc.OutOfMemoryError):
         a.malloc(16 * MiB)
     s = a.stats()
-    assert s["num_ooms"] == 1 and s["num_oom_rejections"] == 0
+    assert s["num_ooms"] == 1 and s["num_oom_rejections"] == 1
+
+
+def test_oom_after_trying_is_no_rejection():
+    # Room in the device and the cache together, but fragmented: found only
+    # by trying (a retry after giving the cache back), so no rejection.
+    a = pyalloc.Allocator("virtual", capacity=64 * MiB, strategy="bestfit", segment_size=20 * MiB)
+    ps = [a.malloc(6 * MiB) for _ in range(8)]
+    for p in ps[::2]:
+        a.free(p)
+    with pytest.raises(pyalloc.OutOfMemoryError, match="fragmented"):
+        a.malloc(20 * MiB)
+    s = a.stats()
+    assert (s["num_ooms"], s["num_oom_rejections"], s["num_alloc_retries"]) == (1, 0, 1)
 
 
 # -- a CUDA device: every pool counted together, as PyTorch counts a device ---------------

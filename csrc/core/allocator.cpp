@@ -118,13 +118,14 @@ void Allocator::drop_block(Block* b) {
 
 uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
   if (size == 0) return 0;
-  if (size > kMaxRequest)
-    throw std::invalid_argument("cannot allocate " + std::to_string(size) +
-                                " bytes: larger than any device could hold (limit " +
-                                format_bytes(kMaxRequest) + ")");
-  size_t rounded = round_up(size, kGranularity);
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
+  // As PyTorch answers such a request (its cudaMalloc fails): out of memory,
+  // here at once, since no device could hold it.
+  if (size > kMaxRequest)
+    throw_oom(size, size, s, "larger than any device could hold (limit " + format_bytes(kMaxRequest) + ")",
+              true);
+  size_t rounded = round_up(size, kGranularity);
   if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
   // Segment events this request causes carry its tag (until it returns or throws).
   ContextScope scope(&trace_context_, context);
@@ -322,7 +323,7 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
   // page is mapped or any cached memory is thrown away for nothing.
   std::string why;
   size_t room = kUnknownRoom;
-  if (!may_grow(size, &room, &why)) throw_oom(request, size, s, why);
+  if (!may_grow(size, &room, &why)) throw_oom(request, size, s, why, true);
   b = vmm_ ? map_for(size, s, &why, room) : grow(size, s, &why, room);
   if (b == nullptr && !backend_->is_capturing(s) && !backend_->capture_underway()) {
     // Give back everything cached and try once more, as PyTorch does.
@@ -867,11 +868,12 @@ Config Allocator::config() const {
 // ---------------------------------------------------------------------------
 // Errors
 
-void Allocator::throw_oom(size_t request, size_t size, Stream s, const std::string& why) {
+void Allocator::throw_oom(size_t request, size_t size, Stream s, const std::string& why,
+                          bool rejected) {
   stats_.num_ooms++;
-  // Refused because the pool reached its cap (set_per_process_memory_fraction
-  // sets it), not because the device was full: PyTorch counts these apart.
-  if (why.compare(0, 13, "max_pool_size") == 0) stats_.num_oom_rejections++;
+  // Refused before trying, as PyTorch's throw_on_cudamalloc_oom refuses what
+  // its memory fraction cannot hold: PyTorch counts these apart.
+  if (rejected) stats_.num_oom_rejections++;
   size_t dev_free = 0, dev_total = 0;
   backend_->mem_info(&dev_free, &dev_total);
   if (history_on_) trace(TraceEntry::kOom, dev_free, request, s);
@@ -882,7 +884,7 @@ void Allocator::throw_oom(size_t request, size_t size, Stream s, const std::stri
   size_t largest = std::max(largest_free_locked(kLargePool), largest_free_locked(kSmallPool));
   std::ostringstream m;
   m << "out of memory: tried to allocate " << format_bytes(request);
-  if (size != round_up(request, kGranularity)) m << " (as a " << format_bytes(size) << " small-pool chunk)";
+  if (request <= kMaxRequest && size != round_up(request, kGranularity)) m << " (as a " << format_bytes(size) << " small-pool chunk)";
   m << " on stream " << s << ": " << why << ". The pool has " << format_bytes(allocated)
     << " allocated and " << format_bytes(reserved) << " reserved";
   if (cfg_.max_pool_size != 0) m << " (max_pool_size " << format_bytes(cfg_.max_pool_size) << ")";
@@ -892,7 +894,7 @@ void Allocator::throw_oom(size_t request, size_t size, Stream s, const std::stri
     m << " The device has " << format_bytes(dev_free) << " free of " << format_bytes(dev_total) << ".";
   if (free_bytes >= size && largest < size)
     m << " The free memory is fragmented: no free block is large enough.";
-  throw OutOfMemoryError(m.str());
+  throw OutOfMemoryError(m.str(), rejected);
 }
 
 std::string Allocator::describe_bad_pointer(uintptr_t ptr, const char* op) const {

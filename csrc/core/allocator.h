@@ -173,8 +173,10 @@ class Allocator {
   /// Throws InvariantError describing the first inconsistency found.
   void check_invariants() const;
 
-  /// A live allocation's requested size and stream: false if ptr is none.
-  bool live_block(uintptr_t ptr, size_t* requested, Stream* stream) const;
+  /// A live allocation's requested size and stream, and (context not null)
+  /// the tag malloc was given: false if ptr is none.
+  bool live_block(uintptr_t ptr, size_t* requested, Stream* stream,
+                  uint64_t* context = nullptr) const;
   /// The backend segment holding ptr: false if none does.
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
 
@@ -299,7 +301,10 @@ class Allocator {
   // History: the run of b loses [lo, hi), told as its pieces allocated
   // and the run freed (see lend_chunk_stats).
   void trace_split(const Block* b, uintptr_t lo, uintptr_t hi);
-  [[noreturn]] void throw_oom(size_t request, size_t size, Stream s, const std::string& why);
+  /// rejected: refused at once, before anything was mapped, reserved or
+  /// released (counted in num_oom_rejections, OutOfMemoryError::rejected()).
+  [[noreturn]] void throw_oom(size_t request, size_t size, Stream s, const std::string& why,
+                              bool rejected = false);
   std::string describe_bad_pointer(uintptr_t ptr, const char* op) const;
   void trace(TraceEntry::Action a, uintptr_t addr, size_t size, Stream s);
   size_t largest_free_locked(Pool pool) const;

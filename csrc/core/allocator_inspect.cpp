@@ -29,12 +29,14 @@ size_t Allocator::largest_free_block() const {
   return std::max(largest_free_locked(kSmallPool), largest_free_locked(kLargePool));
 }
 
-bool Allocator::live_block(uintptr_t ptr, size_t* requested, Stream* stream) const {
+bool Allocator::live_block(uintptr_t ptr, size_t* requested, Stream* stream,
+                           uint64_t* context) const {
   std::lock_guard<Lock> guard(mu_);
   const Block* b = live_.find(ptr);
   if (b == nullptr || b->state != BlockState::kAllocated) return false;
   *requested = b->requested;
   *stream = b->stream;
+  if (context != nullptr) *context = b->context;
   return true;
 }
 

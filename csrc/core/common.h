@@ -24,9 +24,18 @@ constexpr size_t kMaxRequest = size_t(1) << 56;
 inline size_t round_up(size_t n, size_t unit) { return (n + unit - 1) / unit * unit; }
 
 /// The pool could not serve a request. Live allocations are untouched.
+/// rejected(): refused at once, from figures already known (the cap, the
+/// device's free memory, a size no device holds), before anything was tried:
+/// what PyTorch calls an OOM rejection (num_oom_rejections, its rejection
+/// observers).
 class OutOfMemoryError : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit OutOfMemoryError(const std::string& what, bool rejected = false)
+      : std::runtime_error(what), rejected_(rejected) {}
+  bool rejected() const { return rejected_; }
+
+ private:
+  bool rejected_;
 };
 
 /// free() / record_stream() got a pointer that is not a live allocation.

@@ -23,7 +23,8 @@
 //                                  them: one per backend segment, or per
 //                                  mapped run of the vmm range, split by the
 //                                  chunks in it); small pool: those chunks
-//   num_oom_rejections             OOMs because max_pool_size was reached
+//   num_oom_rejections             OOMs refused at once, before anything was tried (the cap, the
+//                                  device's known free memory, a size no device holds)
 //   inactive_split(_bytes)         free blocks in segments that are split
 //   requested_bytes                sizes as requested, before rounding
 //   oversize_*                     blocks / segments of max_split_size or more
@@ -96,7 +97,7 @@ struct Stats {
   int64_t num_sync_all_streams = 0;
   int64_t num_device_alloc = 0;
   int64_t num_device_free = 0;
-  int64_t num_oom_rejections = 0;  // OOMs because max_pool_size (the memory fraction) was reached
+  int64_t num_oom_rejections = 0;  // OOMs refused at once (OutOfMemoryError::rejected())
   int64_t max_split_size = 0;
 
   /// Every peak catches up with its current value: the end of an operation.

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -86,9 +87,9 @@ int api_malloc(int device, uint64_t size, void* stream, uint64_t context, void**
   return guarded([&] {
     try {
       *out = reinterpret_cast<void*>(hooks::malloc(size, device, stream_of(stream), context));
-    } catch (const OutOfMemoryError&) {
+    } catch (const OutOfMemoryError& e) {
       if (oom != nullptr) {
-        *oom = pyalloc_oom_info{size, 0, 0, 0, 0};
+        *oom = pyalloc_oom_info{size, 0, 0, 0, 0, e.rejected() ? 1 : 0};
         if (DevicePools* p = registry().find(device)) {
           Stats st = p->stats();
           oom->allocated = static_cast<uint64_t>(st.allocated_bytes.all.current);
@@ -104,6 +105,17 @@ int api_malloc(int device, uint64_t size, void* stream, uint64_t context, void**
   });
 }
 
+// Version 1's pyalloc_oom_info ends before `rejected`: a bridge of version 1
+// gives room for no more.
+int api_malloc_v1(int device, uint64_t size, void* stream, uint64_t context, void** out,
+                  pyalloc_oom_info* oom) {
+  pyalloc_oom_info full{};
+  int status = api_malloc(device, size, stream, context, out, oom != nullptr ? &full : nullptr);
+  if (oom != nullptr && status == PYALLOC_OUT_OF_MEMORY)
+    std::memcpy(oom, &full, offsetof(pyalloc_oom_info, rejected));
+  return status;
+}
+
 int api_free(void* ptr, uint64_t context) {
   return guarded([&] {
     std::string why;
@@ -113,6 +125,49 @@ int api_free(void* ptr, uint64_t context) {
 
 int api_record_stream(void* ptr, void* stream) {
   return guarded([&] { hooks::record_stream(addr(ptr), stream_of(stream)); });
+}
+
+int api_record_stream_owned(void* ptr, void* stream, int owner) {
+  return guarded([&] {
+    if (ptr == nullptr || owner == PYALLOC_OWNER_NONE) return;
+    if (owner == PYALLOC_OWNER_POOLS) {
+      for (DevicePools* p : registry().all())
+        if (p->record_stream(addr(ptr), stream_of(stream))) return;
+      throw std::invalid_argument("record_stream(" + format_ptr(addr(ptr)) +
+                                  "): no live allocation of pyalloc's is there, though the storage "
+                                  "has pyalloc's deleter");
+    }
+    if (owner != PYALLOC_OWNER_OTHER)
+      throw std::invalid_argument("record_stream: unknown owner " + std::to_string(owner));
+    // Of memory with another deleter, only reserve_buffer()'s tensors (DLPack)
+    // are pyalloc's; the rest (other libraries', from_blob) is left alone.
+    uintptr_t base;
+    size_t size;
+    for (DevicePools* p : registry().all()) {
+      Allocator& buffers = p->buffers();
+      if (!buffers.segment_of(addr(ptr), &base, &size)) continue;
+      size_t requested;
+      Stream s;
+      if (buffers.live_block(addr(ptr), &requested, &s)) buffers.record_stream(addr(ptr), stream_of(stream));
+      return;
+    }
+  });
+}
+
+int api_block_context(void* ptr, uint64_t* context) {
+  return guarded([&] {
+    *context = 0;
+    if (ptr == nullptr) return;
+    size_t requested;
+    Stream s;
+    for (DevicePools* p : registry().all()) {
+      bool found = false;
+      p->for_each_pool([&](DevicePools::PoolId, Allocator& a) {
+        if (!found) found = a.live_block(addr(ptr), &requested, &s, context);
+      });
+      if (found) return;
+    }
+  });
 }
 
 void* api_base_alloc(void* ptr, uint64_t* size) {
@@ -349,7 +404,7 @@ int api_settings(char* buf, uint64_t len) {
   });
 }
 
-const pyalloc_bridge_api kApiV1 = {
+const pyalloc_bridge_api kApi = {
     PYALLOC_BRIDGE_API_VERSION,
     sizeof(pyalloc_bridge_api),
 #ifdef PYALLOC_VERSION
@@ -385,11 +440,28 @@ const pyalloc_bridge_api kApiV1 = {
     &api_init,
     &api_set_route,
     &api_settings,
+    &api_record_stream_owned,
+    &api_block_context,
 };
+
+// Version 1: the members before record_stream_owned, and a malloc that fills
+// version 1's pyalloc_oom_info.
+pyalloc_bridge_api make_v1() {
+  pyalloc_bridge_api t = kApi;
+  t.version = 1;
+  t.size = offsetof(pyalloc_bridge_api, record_stream_owned);
+  t.malloc = &api_malloc_v1;
+  t.record_stream_owned = nullptr;
+  t.block_context = nullptr;
+  return t;
+}
+
+const pyalloc_bridge_api kApiV1 = make_v1();
 
 }  // namespace
 }  // namespace pyalloc
 
 PYALLOC_EXPORT const pyalloc_bridge_api* pyalloc_bridge_api_get(uint32_t version) {
-  return version == 1 ? &pyalloc::kApiV1 : nullptr;
+  if (version == 1) return &pyalloc::kApiV1;
+  return version == PYALLOC_BRIDGE_API_VERSION ? &pyalloc::kApi : nullptr;
 }

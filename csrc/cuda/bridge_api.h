@@ -10,8 +10,10 @@
  *
  * Versioning: pyalloc_bridge_api(version) returns the table of that version
  * or NULL if this library does not offer it. A table starts with its version
- * and size; later versions only append members, so a bridge built for an
- * older version keeps working with a newer pyalloc.
+ * and size; later versions only append members (to the table and to the
+ * structs pyalloc fills), so a bridge built for an older version keeps
+ * working with a newer pyalloc. Version 2 appended record_stream_owned,
+ * block_context and pyalloc_oom_info.rejected.
  *
  * Errors: every function returning int returns PYALLOC_OK or an error code;
  * last_error() then gives the message, per thread, until the next call on
@@ -33,7 +35,7 @@
 extern "C" {
 #endif
 
-#define PYALLOC_BRIDGE_API_VERSION 1
+#define PYALLOC_BRIDGE_API_VERSION 2
 
 enum pyalloc_status {
   PYALLOC_OK = 0,
@@ -49,7 +51,21 @@ typedef struct pyalloc_oom_info {
   uint64_t reserved;     /* bytes reserved on the device by pyalloc */
   uint64_t device_free;  /* the driver's free bytes (0 when unknown) */
   uint64_t device_total; /* the device's memory (0 when unknown) */
+  /* Version 2: refused at once, before anything was tried, from figures
+   * already known (the memory fraction's cap, the device's free memory, a
+   * size no device holds): what PyTorch calls an OOM rejection, counted in
+   * num_oom_rejections. */
+  int rejected;
 } pyalloc_oom_info;
+
+/* What a PyTorch storage's deleter says of its memory (record_stream_owned). */
+enum pyalloc_owner {
+  PYALLOC_OWNER_POOLS = 0, /* the bridge's deleter: a block pyalloc handed out */
+  PYALLOC_OWNER_NONE = 1,  /* it owns nothing (c10::detail::deleteNothing: the
+                              outputs of CUDA-graph trees, from_blob) */
+  PYALLOC_OWNER_OTHER = 2  /* another deleter (DLPack: pyalloc.reserve_buffer's
+                              tensors, other libraries' memory) */
+};
 
 typedef struct pyalloc_stat {
   int64_t current, peak, allocated, freed;
@@ -137,8 +153,9 @@ typedef struct pyalloc_bridge_api {
   const char* (*last_error)(void);
 
   /* Allocation. malloc of size 0 gives NULL. On PYALLOC_OUT_OF_MEMORY,
-   * *oom (if not NULL) is filled and the pools are as they were. free finds
-   * the device from the pointer. */
+   * *oom (if not NULL) is filled and the pools are as they were; a request
+   * no device could hold (above 2^56 bytes) is out of memory too, as it is
+   * for PyTorch's allocator. free finds the device from the pointer. */
   int (*malloc)(int device, uint64_t size, void* stream, uint64_t context, void** out,
                 pyalloc_oom_info* oom);
   int (*free)(void* ptr, uint64_t context);
@@ -187,8 +204,11 @@ typedef struct pyalloc_bridge_api {
                           void* user);
   /* Checkpoints (torch.compile's CUDA-graph trees): fn for each live
    * allocation of the pool; and making exactly `blocks` live again, the
-   * others freed (freed_fn each) and the missing ones allocated at their
-   * addresses (allocated_fn each). */
+   * others freed and the missing ones allocated at their addresses. As
+   * PyTorch's allocator reports it, freed_fn is called for every allocation
+   * live before and allocated_fn for every one of `blocks`: a block live
+   * both before and after is in both (PyTorch then gives its storage a
+   * deleter again). */
   int (*pool_checkpoint)(int device, uint64_t id0, uint64_t id1, pyalloc_live_block_fn fn,
                          void* user);
   int (*pool_restore)(int device, uint64_t id0, uint64_t id1, const pyalloc_live_block* blocks,
@@ -201,6 +221,21 @@ typedef struct pyalloc_bridge_api {
   int (*set_route)(int route);
   /* The effective settings ("key:value,...", strategy as in use) into buf. */
   int (*settings)(char* buf, uint64_t len);
+
+  /* ---- version 2 ---- */
+
+  /* PyTorch's recordStream, acting only on memory pyalloc handed out, as
+   * `owner` (enum pyalloc_owner) tells: POOLS, the live allocation at ptr
+   * (PYALLOC_INVALID if there is none); NONE, nothing; OTHER, a live
+   * allocation of the buffer pool at ptr, else nothing. A storage that owns
+   * nothing may point at a live block of a CUDA graph's pool: an event
+   * recorded for it would keep the block from being freed and re-allocated
+   * when CUDA-graph trees restore a checkpoint. */
+  int (*record_stream_owned)(void* ptr, void* stream, int owner);
+  /* The context tag malloc was given for the live allocation at ptr (an
+   * allocation's start, as PyTorch's getContextForPointer takes it); 0 if
+   * there is none or it had no tag. */
+  int (*block_context)(void* ptr, uint64_t* context);
 } pyalloc_bridge_api;
 
 /* The table of `version`, or NULL if this pyalloc does not offer it. */

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <sstream>
 
 namespace pyalloc {
@@ -428,17 +429,21 @@ void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
     LiveBlock now{ptr, 0, 0};
     pool.alloc->live_block(ptr, &now.size, &now.stream);
     auto w = wanted.find(ptr);
-    if (w == wanted.end() || now.size != w->second->size) dropped.push_back(now);
+    if (w == wanted.end() || now.size != w->second->size || now.stream != w->second->stream)
+      dropped.push_back(now);
   }
   for (const LiveBlock& b : dropped) {
     pool.alloc->free(b.ptr);
     pool_blocks_.erase(b.ptr);
     pool.live--;
   }
-  std::vector<uintptr_t> made;
+  std::vector<uintptr_t> made, kept;
   try {
     for (const LiveBlock& b : blocks) {
-      if (pool_blocks_.count(b.ptr) != 0) continue;  // live then and now
+      if (pool_blocks_.count(b.ptr) != 0) {  // live then and now
+        kept.push_back(b.ptr);
+        continue;
+      }
       pool.alloc->allocate_at(b.ptr, b.size, b.stream);
       pool_blocks_.emplace(b.ptr, &pool);
       pool.live++;
@@ -458,8 +463,14 @@ void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
     }
     throw;
   }
+  // A block live before and after is in both lists, as PyTorch's allocator
+  // gives it (it frees every block and allocates every checkpointed one):
+  // CUDA-graph trees give a live storage its deleter back only if its
+  // pointer is among those allocated.
   for (const LiveBlock& b : dropped) freed->push_back(b.ptr);
+  freed->insert(freed->end(), kept.begin(), kept.end());
   *allocated = std::move(made);
+  allocated->insert(allocated->end(), kept.begin(), kept.end());
 }
 
 std::vector<DevicePools::GraphPoolInfo> DevicePools::graph_pools() const {
@@ -585,6 +596,24 @@ void DevicePools::record_history(bool enabled, size_t max_entries) {
 // ---------------------------------------------------------------------------
 // Errors
 
+namespace {
+
+// Called where the pool's OutOfMemoryError is being handled: whether the pool
+// refused the request at once (kept through the message rewritten above it).
+bool pool_oom_rejected() {
+  std::exception_ptr cause = std::current_exception();
+  if (!cause) return false;
+  try {
+    std::rethrow_exception(cause);
+  } catch (const OutOfMemoryError& e) {
+    return e.rejected();
+  } catch (...) {
+    return false;
+  }
+}
+
+}  // namespace
+
 void DevicePools::throw_oom(Allocator& pool, const char* which, size_t size,
                             const std::string& why, bool capturing) {
   Stats st = pool.stats();
@@ -612,7 +641,7 @@ void DevicePools::throw_oom(Allocator& pool, const char* which, size_t size,
   else if (capturing)
     m << "A CUDA graph capture is underway: nothing cached can be released to make room. ";
   m << "Details: " << why;
-  throw OutOfMemoryError(m.str());
+  throw OutOfMemoryError(m.str(), pool_oom_rejected());
 }
 
 // ---------------------------------------------------------------------------

@@ -127,8 +127,10 @@ class DevicePools {
   /// checkpoint of it (PyTorch's getCheckpointState, for CUDA-graph trees).
   std::vector<LiveBlock> pool_checkpoint(PoolId id) const;
   /// Makes exactly `blocks` the live allocations of pool `id`: frees the
-  /// others and allocates the missing ones at their addresses, listing both
-  /// (PyTorch's setCheckpointPoolState). Throws std::invalid_argument if the
+  /// others and allocates the missing ones at their addresses (PyTorch's
+  /// setCheckpointPoolState). As PyTorch's allocator reports it, *freed lists
+  /// every block live before and *allocated every block of `blocks`: one live
+  /// both before and after is in both. Throws std::invalid_argument if the
   /// pool is gone or a block's memory is no longer free.
   void restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
                     std::vector<uintptr_t>* freed, std::vector<uintptr_t>* allocated);

@@ -14,11 +14,13 @@
 // What the plain pluggable route (C hooks) cannot give and this does:
 // cacheInfo (cuDNN benchmark mode), c10::OutOfMemoryError (which Python
 // sees as torch.cuda.OutOfMemoryError and cuDNN's algorithm fallbacks
-// catch), out-of-memory observers, device stats read by torch itself,
-// snapshots and memory history with PyTorch's recorded stack traces, private
-// pools for CUDA graphs, MemPool and torch.compile's CUDA-graph trees, and
-// cross-device copies with cudaMemcpyPeerAsync. The allocation path calls
-// pyalloc directly: no std::function, mutex or pointer map of its own.
+// catch), out-of-memory and OOM rejection observers, device stats read by
+// torch itself (torch.cuda's and torch.accelerator's), snapshots, memory
+// history and allocation tracebacks with PyTorch's recorded stack traces,
+// private pools for CUDA graphs, MemPool and torch.compile's CUDA-graph
+// trees, and cross-device copies with cudaMemcpyPeerAsync. The allocation
+// path calls pyalloc directly: no std::function, mutex or pointer map of its
+// own.
 //
 // PyTorch releases differ in this interface; the differences are handled
 // with torch's version macros below. Checked against the headers of torch
@@ -40,11 +42,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
+#include <c10/util/UniqueVoidPtr.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/extension.h>
 #include <torch/version.h>
@@ -54,6 +58,14 @@
 #define PYALLOC_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||          \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+// getContextForPointer: a virtual of PyTorch's allocator interface from 2.12
+// on (perhaps 2.11); before, the bridge's method of that name overrides nothing.
+#if PYALLOC_TORCH_AT_LEAST(2, 12)
+#define PYALLOC_OVERRIDE_SINCE_2_12 override
+#else
+#define PYALLOC_OVERRIDE_SINCE_2_12
+#endif
 
 #if !PYALLOC_TORCH_AT_LEAST(2, 9)
 #error "pyalloc's bridge needs torch 2.9 or newer; install(bridge=False) uses the C hooks instead"
@@ -171,19 +183,34 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
     pyalloc_oom_info oom{};
     int status = api->malloc(device, size, stream, tag, &out, &oom);
     if (status == PYALLOC_OK) return out;
-    if (status == PYALLOC_OUT_OF_MEMORY) {
-      // As PyTorch's allocator does, before the error: the observers (the
-      // OOM dumps of torch.cuda.memory._record_memory_history among them)
-      // get (device, requested, device total, device free).
-      std::vector<cca::OutOfMemoryObserver> observers;
-      {
-        std::lock_guard<std::mutex> g(observers_mu_);
-        observers = oom_observers_;
-      }
-      for (const auto& observer : observers)
-        observer(device, oom.requested, oom.device_total, oom.device_free);
-    }
+    if (status == PYALLOC_OUT_OF_MEMORY) tell_observers(device, oom);
     raise(status);
+  }
+
+  // As PyTorch's allocator does, before the error. A request refused at once
+  // (pyalloc counted it in num_oom_rejections) is what PyTorch's
+  // throw_on_cudamalloc_oom refuses: its rejection observers get (device,
+  // requested, allocated, device total). Then every out-of-memory observer
+  // (the OOM dumps of torch.cuda.memory._record_memory_history among them)
+  // gets (device, requested, device total, device free).
+  void tell_observers(DeviceIndex device, const pyalloc_oom_info& oom) {
+    std::vector<cca::OutOfMemoryObserver> observers;
+#if PYALLOC_TORCH_AT_LEAST(2, 12)
+    std::vector<cca::OomRejectionObserver> rejection_observers;
+#endif
+    {
+      std::lock_guard<std::mutex> g(observers_mu_);
+      observers = oom_observers_;
+#if PYALLOC_TORCH_AT_LEAST(2, 12)
+      if (oom.rejected) rejection_observers = rejection_observers_;
+#endif
+    }
+#if PYALLOC_TORCH_AT_LEAST(2, 12)
+    for (const auto& observer : rejection_observers)
+      observer(device, oom.requested, oom.allocated, oom.device_total);
+#endif
+    for (const auto& observer : observers)
+      observer(device, oom.requested, oom.device_total, oom.device_free);
   }
 
   void free_block(void* ptr, bool strict) {
@@ -216,13 +243,20 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   void raw_delete(void* ptr) override { free_block(ptr, true); }
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
-    // As PyTorch's allocator, storages that own no memory (no deleter: the
-    // outputs torch.compile's CUDA-graph trees make over their pool) are left
-    // alone. Not only blocks from allocate() count: reserve_buffer()'s tensors
-    // come through DLPack with a deleter of their own. Pointers that are none
-    // of pyalloc's (from_blob) are ignored by pyalloc.
-    if (ptr.get() == nullptr || ptr.get_deleter() == nullptr) return;
-    check(api->record_stream(ptr.get(), stream.stream()));
+    // Only memory pyalloc handed out, as PyTorch's allocator acts only on
+    // its own deleter's. get_deleter() is never null: a storage that owns
+    // nothing has c10::detail::deleteNothing (the outputs torch.compile's
+    // CUDA-graph trees make over a live block of their pool, from_blob), and
+    // an event recorded for it would pin the pool's block. Another deleter
+    // may still be pyalloc's memory: reserve_buffer()'s tensors come through
+    // DLPack; pyalloc tells those from the rest.
+    if (ptr.get() == nullptr) return;
+    c10::DeleterFnPtr deleter = ptr.get_deleter();
+    int owner = deleter == &delete_block                                    ? PYALLOC_OWNER_POOLS
+                : deleter == nullptr || deleter == &c10::detail::deleteNothing ? PYALLOC_OWNER_NONE
+                                                                               : PYALLOC_OWNER_OTHER;
+    if (owner == PYALLOC_OWNER_NONE) return;
+    check(api->record_stream_owned(ptr.get(), stream.stream(), owner));
   }
 
   void* getBaseAllocation(void* ptr, size_t* size) override {
@@ -359,10 +393,24 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   }
 
 #if PYALLOC_TORCH_AT_LEAST(2, 12)
-  // Called by PyTorch's allocator when its throw_on_cudamalloc_oom policy
-  // rejects a request; pyalloc has no such policy, so these are never called.
-  void attachOomRejectionObserver(cca::OomRejectionObserver) override {}
+  // PyTorch calls these when its throw_on_cudamalloc_oom policy refuses a
+  // request before trying; pyalloc calls them for every request it refuses
+  // at once from figures already known (tell_observers).
+  void attachOomRejectionObserver(cca::OomRejectionObserver observer) override {
+    std::lock_guard<std::mutex> g(observers_mu_);
+    rejection_observers_.push_back(std::move(observer));
+  }
 #endif
+
+  // torch.cuda.memory._allocation_traceback: the context recorded when the
+  // allocation starting at ptr was made (history on with context "state" or
+  // more), or none. Declared without `override`: the hook came during 2.11's
+  // development, and on a torch without it this is a method of our own.
+  std::shared_ptr<GatheredContext> getContextForPointer(const void* ptr) PYALLOC_OVERRIDE_SINCE_2_12 {
+    uint64_t tag = 0;
+    if (api->block_context(const_cast<void*>(ptr), &tag) != PYALLOC_OK) return nullptr;
+    return contexts_.get(tag);
+  }
 
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker) override {
     unsupported("allocator trace trackers (ProcessGroupNCCL registers one when "
@@ -682,6 +730,9 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
 
   std::mutex observers_mu_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
+#if PYALLOC_TORCH_AT_LEAST(2, 12)
+  std::vector<cca::OomRejectionObserver> rejection_observers_;
+#endif
 
   std::mutex filters_mu_;
   std::multimap<std::tuple<int, uint64_t, uint64_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>>
@@ -713,6 +764,24 @@ const pyalloc_bridge_api* find_api(const std::string& pyalloc_library) {
   return table;
 }
 
+// changeCurrentAllocator swaps only the pointer torch.cuda's calls go
+// through. torch.accelerator's (memory_stats, memory_allocated, empty_cache)
+// and everything else that asks c10::GetAllocator(kCUDA) find the allocator
+// registered for the device type, which libc10_cuda's static initializer set
+// to its own with priority 0. The same priority replaces it (an equal one
+// wins) and leaves a later installer of torch's able to replace pyalloc, as
+// changeCurrentAllocator does. pyalloc is never uninstalled (PyTorch's
+// allocator cannot be swapped back once CUDA is in use), so nothing is put
+// back. An allocator registered with a higher priority keeps the place: then
+// torch.accelerator's calls do not reach pyalloc, and the user is told.
+void register_for_device_type(PyallocAllocator* allocator) {
+  c10::SetAllocator(c10::DeviceType::CUDA, allocator, /*priority=*/0);
+  if (c10::GetAllocator(c10::DeviceType::CUDA) != allocator)
+    TORCH_WARN("pyalloc: another CUDA allocator is registered for the device type with a higher "
+               "priority; torch.accelerator's memory functions will not reach pyalloc (torch.cuda's "
+               "do)");
+}
+
 void install(const std::string& pyalloc_library) {
   TORCH_CHECK(instance == nullptr, "pyalloc's bridge is installed already");
   api = find_api(pyalloc_library);
@@ -720,6 +789,7 @@ void install(const std::string& pyalloc_library) {
   // Throws "Can't swap an already initialized allocator" once CUDA is in use.
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
   instance = allocator.get();  // PyTorch keeps the shared_ptr for the process's life
+  register_for_device_type(instance);
   check(api->set_route(2));
 }
 

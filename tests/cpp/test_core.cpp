@@ -59,7 +59,14 @@ void test_basics(const char* backend) {
   CHECK(throws<InvalidPointerError>([&] { a->free(p); }));
   CHECK(throws<InvalidPointerError>([&] { a->free(q + 512); }));
   CHECK(throws<InvalidPointerError>([&] { a->free(0x1000); }));
-  CHECK(throws<std::invalid_argument>([&] { a->malloc(kMaxRequest + 1, 0); }));
+  // No device could hold it: out of memory at once (a rejection), as PyTorch answers it.
+  try {
+    a->malloc(kMaxRequest + 1, 0);
+    CHECK(false);
+  } catch (const OutOfMemoryError& e) {
+    CHECK(e.rejected());
+  }
+  CHECK(a->stats().num_oom_rejections == 1);
   a->free(q);
   a->check_invariants();
   CHECK(a->empty_cache() == 0);  // pool_size stays reserved
