@@ -99,13 +99,13 @@ def strategy_rows(files: List[Path], strategies: List[str], base: str) -> List[D
                 "at_peak_live": r.fragmentation_at_peak,
                 "peak_reserved_bytes": r.pyalloc_peak_reserved_bytes,
                 "device_calls": r.device_allocs + r.device_frees,
-                "second_half_device_calls": r.second_half_device_calls,
+                "second_half_device_calls": r.pyalloc_second_half_device_calls,
                 "min_budget_bytes": r.pyalloc_min_budget_bytes,
                 "reserved_ratio": r.pyalloc_peak_reserved_bytes / live if live else None,
                 "budget_ratio": r.pyalloc_min_budget_bytes / live if live and r.pyalloc_min_budget_bytes else None,
             }
-            row["native_ratio"] = (r.native_peak_reserved_bytes / live
-                                   if live and r.native_peak_reserved_bytes else None)
+            row["native_ratio"] = (r.recorded_peak_reserved_bytes / live
+                                   if live and r.recorded_peak_reserved_bytes else None)
         rows.append(row)
     return rows
 
