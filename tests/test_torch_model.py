@@ -20,6 +20,7 @@ SEG_ALLOC, SEG_FREE, SEG_MAP, SEG_UNMAP = 3, 4, 5, 6
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "traces"
+BUNDLED = ROOT / "benchmarks" / "traces"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"{SHARED} not present")
 
 
@@ -324,3 +325,20 @@ def test_cs336_at_equal_budgets():
     assert r.native_expandable_min_budget_bytes / live == pytest.approx(1.013, abs=0.003)
     assert r.native_budget_retries >= 1
     assert r.validation["matched_calls"] == r.validation["recorded_calls"] == 783
+
+
+@pytest.mark.parametrize("allocator", ALLOCATORS)
+def test_each_allocators_budget_is_the_smallest_it_completes_on(allocator):
+    from pyalloc.replay import BUDGET_PRECISION, _fits
+
+    r = replay(BUNDLED / "encoder-dynbatch-infer.pickle.gz")
+    budget = getattr(r, f"{allocator}_min_budget_bytes")
+    assert r.peak_live_bytes <= budget <= getattr(r, f"{allocator}_peak_reserved_bytes")
+    trace = read_trace(BUNDLED / "encoder-dynbatch-infer.pickle.gz")
+    plan = plan_trace(trace)
+    calls = _C.ReplayTrace(plan.kinds, plan.ids, plan.sizes, plan.streams)
+    assert _fits(calls, "", budget, allocator)
+    assert not _fits(calls, "", int(budget * (1 - 2 * BUDGET_PRECISION)), allocator)
+    # Retries at that budget: PyTorch frees its cache at least once to fit it.
+    if allocator != "pyalloc":
+        assert getattr(r, f"{allocator}_budget_retries") >= 1
