@@ -286,7 +286,7 @@ def markdown(results: List[ReplayResult], meta: Dict[str, Any], strategies: str 
         "Where a snapshot records PyTorch's device calls, the model of the allocator that recorded it, started "
         "from the segments present before the trace (the blocks then live at their addresses) and given the "
         "recording run's own releases (each recorded segment_free / segment_unmap is one: the model, uncapped, "
-        "never releases on its own) and the driver's cudaMalloc addresses, makes these of the recorded calls, "
+        "never releases on its own), placing every cudaMalloc itself, makes these of the recorded calls, "
         "in order, with the same sizes, for the same allocations (pyalloc/replay_validate.py).",
         "",
         validation_table(results),

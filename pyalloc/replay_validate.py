@@ -16,10 +16,13 @@ allocator's own decision:
   model runs uncapped, so it never releases on its own: every recorded
   segment_free / segment_unmap is such a release, and the model calls
   release_cached_blocks before the allocator call that followed it.
-- The addresses the driver returned for each cudaMalloc (when the sizes agree):
-  where the driver puts a segment is the driver's choice, and best fit breaks
-  ties between equal free blocks by address, so it decides which block is
-  reused. Expandable segments need none: the model lays pages out itself.
+
+Where the driver puts a segment is the driver's choice, and best fit breaks ties
+between equal free blocks by address, so it decides which block is reused. The
+model places each cudaMalloc itself, in the highest free range (the Linux driver
+hands out successive addresses mostly downwards); with ``driver_addresses=True``
+it takes the recorded address of each cudaMalloc instead (when the sizes agree).
+On the GPU snapshots of ../shared both give every call.
 
 A call matches when its action, size and the allocator call that made it
 (its op in the ReplayTrace) agree; ``matched_calls`` counts the longest run of
@@ -56,13 +59,13 @@ class Validation:
     seeded_segments: int = 0        # segments present before the trace, given to the model
     releases: int = 0               # the recording's release_cached_blocks calls, given to the model
     peak_reserved_bytes: int = 0    # the model's, from the seeded start
-    driver_addresses: bool = True   # the recorded cudaMalloc addresses were given to the model
+    driver_addresses: bool = False  # the recorded cudaMalloc addresses were given to the model
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
 
-def validate(trace: Trace, plan: Any, calls: Any, *, driver_addresses: bool = True) -> Optional[Validation]:
+def validate(trace: Trace, plan: Any, calls: Any, *, driver_addresses: bool = False) -> Optional[Validation]:
     """Replays the model of the allocator that recorded `trace` (its
     allocator_settings, or segment_map events, say which) and compares its device
     calls with the recorded ones. None when the trace records no device calls.

@@ -295,6 +295,8 @@ def test_cs336_cudamallocs_and_peak():
     v = validate(trace, plan, calls)
     assert v.by_action == {"segment_alloc": [783, 783]}
     assert v.peak_reserved_bytes == 58280 * MiB
+    # Given the recording driver's addresses instead of its own, the same.
+    assert validate(trace, plan, calls, driver_addresses=True).matched_calls == 783
 
 
 @needs_shared
