@@ -220,9 +220,9 @@ def prose(r: ReplayResult) -> str:
     parts = []
     for a in NAMES:
         retries = getattr(r, f"{a}_budget_retries")
-        extra = f", {retries} out-of-memory retr{'y' if retries == 1 else 'ies'} at that budget" if retries else ""
-        parts.append(f"{NAMES[a]} on {_x(budgets[a], live)}{extra}")
-    text = f"- {name}: the smallest device each completes on is, for " + "; ".join(parts) + ". "
+        extra = f" ({retries} out-of-memory retr{'y' if retries == 1 else 'ies'} there)" if retries else ""
+        parts.append(f"{_x(budgets[a], live)} peak live for {NAMES[a]}{extra}")
+    text = f"- {name}: the smallest device the trace completes on is " + "; ".join(parts) + ". "
     text += (f"Uncapped, pyalloc reserves {_x(r.pyalloc_peak_reserved_bytes, live)}, PyTorch "
              f"{_x(r.native_peak_reserved_bytes, live)}, with expandable segments "
              f"{_x(r.native_expandable_peak_reserved_bytes, live)}")

@@ -214,7 +214,7 @@ def budget_figure(results: Sequence[ReplayResult]):
     from matplotlib.figure import Figure
 
     rows = [r for r in results if r.peak_live_bytes > 0]
-    fig = Figure(figsize=(11, 0.42 * len(rows) * 3 + 1.6), layout="constrained")
+    fig = Figure(figsize=(10, 0.45 * len(rows) + 1.4), layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     height = 0.27
@@ -228,7 +228,7 @@ def budget_figure(results: Sequence[ReplayResult]):
                 xs.append(budget / r.peak_live_bytes)
         ax.barh(ys, xs, height=height, label=label, color=colour)
     ax.set_yticks(range(len(rows)), names, fontsize=8)
-    ax.invert_yaxis()
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # the first trace on top, no margin
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.set_xlim(left=0.95)
     ax.set_xlabel("smallest budget without an out-of-memory / peak live (lower is better)")

@@ -21,9 +21,9 @@ def test_main_job_replays_the_bundled_traces_without_a_gpu(tmp_path):
         assert name in out.stdout
     # The three allocators at equal budgets lead the table; the prose is in the markdown only.
     assert "budget / peak live" in out.stdout and "expand." in out.stdout
-    assert "the smallest device each completes on" not in out.stdout
+    assert "the smallest device the trace completes on" not in out.stdout
     md = (tmp_path / "fragmentation.md").read_text()
-    assert "the smallest device each completes on" in md
+    assert "the smallest device the trace completes on" in md
     assert (tmp_path / "fragmentation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = json.loads((tmp_path / "fragmentation.json").read_text())["traces"]
     for key in ("peak_live_bytes", "recorded_peak_reserved_bytes", "native_expandable_min_budget_bytes",

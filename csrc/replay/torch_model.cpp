@@ -24,7 +24,7 @@ constexpr size_t kRoundLarge = 2 << 20;
 // Where the model's device addresses live, and an expandable range when there
 // is no capacity to take 9/8 of.
 constexpr uintptr_t kAddressTop = uintptr_t(1) << 52;
-constexpr size_t kUnboundedRange = size_t(1) << 44;
+constexpr size_t kUnboundedRange = size_t(1) << 40;  // 1 TiB, more than any device has
 constexpr uintptr_t kAlignment = 2 << 20;  // of the model's cudaMalloc and reservation addresses
 
 size_t round_up(size_t n, size_t unit) { return (n + unit - 1) / unit * unit; }
