@@ -449,7 +449,7 @@ def _min_budget(calls: Any, conf: str, peak_live: int, peak_reserved: int,
     replays = 0
     bar = bars.search()
     while hi - lo > hi * BUDGET_PRECISION:
-        mid = (lo + hi) // 2
+        mid = max((lo + hi) // 2, 1)  # a device holds at least a byte
         replays += 1
         if _fits(calls, conf, mid, allocator):
             hi = mid
