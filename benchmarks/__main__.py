@@ -3,9 +3,12 @@
 On a machine with a CUDA GPU, compares pyalloc with PyTorch's native allocator
 live (``python -m benchmarks.gpu --quick``: every workload under both
 allocators, each in its own process). Without one, replays the recorded traces
-(the bundled ones, and ``../shared/traces`` when present) through pyalloc's core
-and prints where it stands against peak live memory and against PyTorch's
-allocator (``benchmarks/fragmentation.py``). Extra arguments go to whichever runs.
+(the bundled ones, and ``../shared/traces`` and ``../shared/traces/gpu`` when
+present) through pyalloc, PyTorch's caching allocator and PyTorch with
+expandable segments, prints the three at equal budgets, and writes the results
+with a plot and a paragraph per trace to benchmarks/results/
+(``benchmarks/fragmentation.py``; ``--no-write`` or ``--results DIR`` to keep
+them elsewhere). Extra arguments go to whichever runs.
 """
 from __future__ import annotations
 
@@ -32,9 +35,9 @@ def main(argv: list) -> int:
               flush=True)
         cmd = [sys.executable, "-m", "benchmarks.gpu", "--quick"] + argv
     else:
-        print("no CUDA GPU: replaying recorded traces through pyalloc (benchmarks/fragmentation.py)",
-              flush=True)
-        cmd = [sys.executable, os.path.join(HERE, "fragmentation.py"), "--no-write"] + argv
+        print("no CUDA GPU: replaying recorded traces through pyalloc and models of PyTorch's allocator "
+              "(benchmarks/fragmentation.py)", flush=True)
+        cmd = [sys.executable, os.path.join(HERE, "fragmentation.py")] + argv
     return subprocess.call(cmd, cwd=ROOT, env=child_env())
 
 

@@ -1,23 +1,24 @@
-"""Fragmentation benchmark: replays recorded traces through pyalloc and sets its
-peak reserved bytes against the least any allocator must hold (peak live) and
-against the allocator that recorded the trace (PyTorch's native one, for GPU
-snapshots).
+"""Fragmentation benchmark: replays recorded traces through three allocators,
+pyalloc, PyTorch's caching allocator and PyTorch with expandable segments (a
+model that makes the device calls real snapshots recorded), and compares them
+at equal budgets: the smallest device each completes the trace on, running its
+own out-of-memory path, over peak live (the least any allocator must hold).
 
-Replays every snapshot in ../shared/traces/ (beside the repository, where CI
-keeps the benchmark traces; skipped when absent) and in benchmarks/traces/ (the
-bundled ones), prints the table, and writes benchmarks/results/fragmentation.md
-and fragmentation.json with the raw numbers, including the C++ replay's
-throughput in events per second. Needs no GPU.
+Replays every device of every snapshot in benchmarks/traces/ (the bundled ones),
+../shared/traces/ and ../shared/traces/gpu/ (beside the repository, where CI
+keeps the benchmark traces; skipped when absent), prints the three-way table,
+and writes to benchmarks/results/: fragmentation.md (the table, the model's
+validation against each snapshot's own device calls, a paragraph per trace),
+fragmentation.json (the raw numbers, with the replays' throughput) and
+fragmentation.png (budget / peak live per trace, three allocators). Needs no GPU.
 
     python benchmarks/fragmentation.py [--config CONF] [--strategies bestfit,vmm] [--no-write]
-                                       [--previous OLD.json]
+                                       [--results DIR] [--previous OLD.json]
 
-Besides the main table (the default configuration, or --config), every trace
-is replayed once per strategy, and a second table sets each strategy against
-the targets: smallest budget within 2% of peak live, peak reserved within 5%,
-beside the device calls of the second half of each trace. With --previous (the
-fragmentation.json of an earlier run), a third table says per trace and
-strategy what changed since: which trace pays, and how much.
+The results markdown also sets pyalloc's strategies against its targets
+(smallest budget within 2% of peak live, peak reserved within 5%), and with
+--previous (the fragmentation.json of an earlier run) says per trace and
+strategy what changed since.
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ from pyalloc import _C
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _env import _git_commit, cpu_model  # noqa: E402
 from pyalloc.replay import plan_trace, replay
-from pyalloc.replay_report import LEGEND, format_table
-from pyalloc.snapshot_io import read_trace
+from pyalloc.replay_report import LEGEND, format_table, plot_budgets
+from pyalloc.replay_result import ReplayResult
+from pyalloc.snapshot_io import load_snapshot, read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "traces"
@@ -52,15 +54,28 @@ MIN_REPEATS, MIN_SECONDS = 5, 0.5
 
 def trace_files() -> List[Path]:
     files: List[Path] = []
-    for folder in (SHARED, BUNDLED):
+    for folder in (BUNDLED, SHARED, SHARED / "gpu"):
         if folder.is_dir():
             files += sorted(p for p in folder.iterdir() if p.name.endswith((".pickle", ".pickle.gz")))
     return files
 
 
-def throughput(path: Path, conf: str) -> Dict[str, float]:
-    """Replay speed of the C++ replayer alone (the trace already resolved), median of repeats."""
-    trace = read_trace(path)
+def label(path: Path) -> str:
+    """The trace's name in results: relative to the repository, or to its parent for ../shared."""
+    return os.path.relpath(path, ROOT.parent if path.is_relative_to(SHARED) else ROOT)
+
+
+def replay_devices(path: Path, conf: str) -> List[ReplayResult]:
+    """One replay per device of the snapshot that has events (every device a row)."""
+    snapshot = load_snapshot(path)
+    devices = [d for d, t in enumerate(snapshot["device_traces"]) if t] or [0]
+    return [replay(snapshot, conf, device=d, name=label(path)) for d in devices]
+
+
+def throughput(path: Path, conf: str, device: int) -> Dict[str, float]:
+    """Replay speed of the C++ replayers alone (the trace already resolved), median of
+    repeats: pyalloc's core, and the model of PyTorch's allocator."""
+    trace = read_trace(path, device)
     plan = plan_trace(trace)
     calls = _C.ReplayTrace(plan.kinds, plan.ids, plan.sizes, plan.streams)
     seconds: List[float] = []
@@ -68,11 +83,15 @@ def throughput(path: Path, conf: str) -> Dict[str, float]:
         run = _C.Replayer(_C.Allocator("virtual", conf, 0), calls)
         run.run()
         seconds.append(run.seconds)
+    model: List[float] = []
+    while len(model) < MIN_REPEATS:
+        model.append(_C.run_torch_model(calls)["seconds"])
     median = statistics.median(seconds)
     return {
         "replay_seconds": median,
         "events_per_second": len(trace) / median,
         "calls_per_second": len(plan) / median,
+        "model_seconds": statistics.median(model),
         "repeats": len(seconds),
     }
 
@@ -89,7 +108,7 @@ TARGET_BUDGET, TARGET_RESERVED = 1.02, 1.05
 def strategy_rows(files: List[Path], strategies: List[str], base: str) -> List[Dict[str, Any]]:
     rows = []
     for path in files:
-        row: Dict[str, Any] = {"trace": path.name}
+        row: Dict[str, Any] = {"trace": path.name}  # the device with most events
         for strategy in strategies:
             conf = ",".join(c for c in (base, f"strategy:{strategy}") if c)
             r = replay(path, conf)
@@ -99,13 +118,13 @@ def strategy_rows(files: List[Path], strategies: List[str], base: str) -> List[D
                 "at_peak_live": r.fragmentation_at_peak,
                 "peak_reserved_bytes": r.pyalloc_peak_reserved_bytes,
                 "device_calls": r.device_allocs + r.device_frees,
-                "second_half_device_calls": r.second_half_device_calls,
+                "second_half_device_calls": r.pyalloc_second_half_device_calls,
                 "min_budget_bytes": r.pyalloc_min_budget_bytes,
                 "reserved_ratio": r.pyalloc_peak_reserved_bytes / live if live else None,
                 "budget_ratio": r.pyalloc_min_budget_bytes / live if live and r.pyalloc_min_budget_bytes else None,
             }
-            row["native_ratio"] = (r.native_peak_reserved_bytes / live
-                                   if live and r.native_peak_reserved_bytes else None)
+            row["native_ratio"] = (r.recorded_peak_reserved_bytes / live
+                                   if live and r.recorded_peak_reserved_bytes else None)
         rows.append(row)
     return rows
 
@@ -183,8 +202,65 @@ def changes_table(rows: List[Dict[str, Any]], strategies: List[str], previous: D
     return "\n".join(lines)
 
 
-def markdown(results: List[Dict[str, Any]], meta: Dict[str, Any], table: str, strategies: str = "",
-             changes: str = "") -> str:
+NAMES = {"pyalloc": "pyalloc", "native": "PyTorch", "native_expandable": "PyTorch with expandable segments"}
+
+
+def _x(n: Any, live: int) -> str:
+    return "-" if n is None or not live else f"{n / live:.3f} x"
+
+
+def prose(r: ReplayResult) -> str:
+    """What the replay found on one trace, in a paragraph: who completes on what budget,
+    at what price, and where pyalloc does no better."""
+    live = r.peak_live_bytes
+    name = f"{r.trace} (device {r.device}, peak live {_C.format_bytes(live)})"
+    budgets = {a: getattr(r, f"{a}_min_budget_bytes") for a in NAMES}
+    if not live or any(v is None for v in budgets.values()):
+        return f"- {name}: no budget search (an empty trace, or an allocator that cannot serve it uncapped)."
+    parts = []
+    for a in NAMES:
+        retries = getattr(r, f"{a}_budget_retries")
+        extra = f" ({retries} out-of-memory retr{'y' if retries == 1 else 'ies'} there)" if retries else ""
+        parts.append(f"{_x(budgets[a], live)} peak live for {NAMES[a]}{extra}")
+    text = f"- {name}: the smallest device the trace completes on is " + "; ".join(parts) + ". "
+    text += (f"Uncapped, pyalloc reserves {_x(r.pyalloc_peak_reserved_bytes, live)}, PyTorch "
+             f"{_x(r.native_peak_reserved_bytes, live)}, with expandable segments "
+             f"{_x(r.native_expandable_peak_reserved_bytes, live)}")
+    if r.recorded_peak_reserved_bytes is not None:
+        text += f"; the recording run held {_x(r.recorded_peak_reserved_bytes, live)}"
+    text += ". "
+    best_torch = min(budgets["native"], budgets["native_expandable"])
+    if budgets["pyalloc"] > best_torch:
+        text += (f"pyalloc does no better here: it needs {(budgets['pyalloc'] - best_torch) / live:.1%} of peak "
+                 "live more than PyTorch's best. ")
+    elif budgets["pyalloc"] >= best_torch - 0.005 * best_torch:
+        text += "pyalloc does no better here: within the search's 0.5% of PyTorch's best. "
+    else:
+        text += f"pyalloc saves {(best_torch - budgets['pyalloc']) / live:.1%} of peak live over PyTorch's best. "
+    calls = [getattr(r, f"{a}_second_half_device_calls") for a in NAMES]
+    text += "Device calls in the second half: " + ", ".join(
+        f"{NAMES[a]} {'-' if c is None else c}" for a, c in zip(NAMES, calls)) + "."
+    v = r.validation
+    if v is not None:
+        text += (f" The model of the recording allocator ({v['allocator']}) makes {v['matched_calls']} of its "
+                 f"{v['recorded_calls']} recorded device calls, in order.")
+    return text
+
+
+def validation_table(results: List[ReplayResult]) -> str:
+    lines = ["| trace | device | model | matched / recorded | by action | seeded segments | recording's releases |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        v = r.validation
+        if v is None:
+            continue
+        actions = ", ".join(f"{a} {m}/{n}" for a, (m, n) in v["by_action"].items())
+        lines.append(f"| {r.trace} | {r.device} | {v['allocator']} | {v['matched_calls']}/{v['recorded_calls']} | "
+                     f"{actions} | {v['seeded_segments']} | {v['releases']} |")
+    return "\n".join(lines)
+
+
+def markdown(results: List[ReplayResult], meta: Dict[str, Any], strategies: str = "", changes: str = "") -> str:
     t = meta["throughput"]
     return "\n".join([
         "# Fragmentation benchmark",
@@ -193,16 +269,33 @@ def markdown(results: List[Dict[str, Any]], meta: Dict[str, Any], table: str, st
         f"config `{meta['config'] or 'default'}`, {meta['machine']['cpu']} "
         f"({meta['machine']['cores']} cores), no GPU.",
         "",
-        table,
+        "![budget / peak live per trace](fragmentation.png)",
+        "",
+        format_table(results, markdown=True),
         "",
         LEGEND,
         "",
-        f"C++ replay throughput: {t['events_per_second'] / 1e6:.1f} M events/s "
-        f"({t['calls_per_second'] / 1e6:.1f} M allocator calls/s) over "
-        f"{t['events']} events of {len(results)} traces; the slowest trace ran at "
-        f"{t['min_events_per_second'] / 1e6:.1f} M events/s.",
+        f"C++ replay throughput: pyalloc {t['events_per_second'] / 1e6:.1f} M events/s "
+        f"({t['calls_per_second'] / 1e6:.1f} M allocator calls/s) over {t['events']} events of "
+        f"{len(results)} traces and devices; the slowest ran at {t['min_events_per_second'] / 1e6:.1f} M events/s. "
+        f"The model of PyTorch's allocator replays them all in {t['model_seconds'] * 1e3:.1f} ms; the whole "
+        f"benchmark's replays, budget searches and validation took {t['wall_seconds']:.1f} s.",
         "",
-        "## Strategies against the targets",
+        "## The model against the snapshots' own device calls",
+        "",
+        "Where a snapshot records PyTorch's device calls, the model of the allocator that recorded it, started "
+        "from the segments present before the trace (the blocks then live at their addresses) and given the "
+        "recording run's own releases (each recorded segment_free / segment_unmap is one: the model, uncapped, "
+        "never releases on its own), placing every cudaMalloc itself, makes these of the recorded calls, "
+        "in order, with the same sizes, for the same allocations (pyalloc/replay_validate.py).",
+        "",
+        validation_table(results),
+        "",
+        "## Per trace",
+        "",
+    ] + [prose(r) for r in results] + [
+        "",
+        "## pyalloc's strategies against the targets",
         "",
         f"Ratios to peak live: the smallest budget without an OOM (target <= {TARGET_BUDGET}) and the peak "
         f"reserved bytes with no cap (target <= {TARGET_RESERVED}); ✓ marks a target met. calls: the device "
@@ -226,25 +319,27 @@ def markdown(results: List[Dict[str, Any]], meta: Dict[str, Any], table: str, st
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="", help="pyalloc configuration, 'key:value,...'")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
+    parser.add_argument("--no-write", action="store_true", help="print only; write no results")
+    parser.add_argument("--results", default=str(RESULTS), metavar="DIR",
+                        help="where to write fragmentation.{md,json,png} (default: benchmarks/results)")
     parser.add_argument("--strategies", default="bestfit,vmm", help="strategies to set against the targets")
     parser.add_argument("--previous", default=None, metavar="OLD.json",
                         help="the fragmentation.json of an earlier run, to say what changed since")
     args = parser.parse_args()
     strategies = [s for s in args.strategies.split(",") if s]
+    results_dir = Path(args.results)
 
     files = trace_files()
     if not SHARED.is_dir():
         print(f"note: {SHARED} not found; replaying the bundled traces only", file=sys.stderr)
-    results, rows = [], []
+    start = time.perf_counter()
+    results: List[ReplayResult] = []
+    rows = []
     for path in files:
-        start = time.perf_counter()
-        r = replay(path, args.config)
-        wall = time.perf_counter() - start
-        r.trace = os.path.relpath(path, ROOT.parent if path.is_relative_to(SHARED) else ROOT)
-        speed = throughput(path, r.config)
-        results.append(r)
-        rows.append({**r.to_dict(), "wall_seconds": wall, **speed})
+        for r in replay_devices(path, args.config):
+            results.append(r)
+            rows.append({**r.to_dict(), **throughput(path, r.config, r.device)})
+    wall = time.perf_counter() - start
 
     events = sum(row["events"] for row in rows)
     total_seconds = sum(row["replay_seconds"] for row in rows)
@@ -262,6 +357,8 @@ def main() -> int:
             "events_per_second": events / total_seconds if total_seconds else None,
             "calls_per_second": calls / total_seconds if total_seconds else None,
             "min_events_per_second": min((row["events_per_second"] for row in rows), default=None),
+            "model_seconds": sum(row["model_seconds"] for row in rows),
+            "wall_seconds": wall,
         },
     }
     by_strategy = strategy_rows(files, strategies, args.config)
@@ -272,25 +369,28 @@ def main() -> int:
         meta["previous"] = {k: previous.get(k) for k in ("date", "command", "git_commit")}
         meta["previous"]["file"] = os.path.relpath(os.path.abspath(args.previous), ROOT)
         changes = changes_table(by_strategy, strategies, previous)
+    # The terminal gets the table alone; the prose goes to the results markdown.
     print(format_table(results))
-    print()
-    print(strategy_table(by_strategy, strategies))
-    if changes:
-        print()
-        print(changes)
     t = meta["throughput"]
     if t["events_per_second"] is not None:
-        print(f"\nC++ replay: {t['events_per_second'] / 1e6:.1f} M events/s over {events} events")
+        print(f"\n{len(results)} traces and devices, {events} events: pyalloc's replay "
+              f"{t['events_per_second'] / 1e6:.1f} M events/s, PyTorch's model {t['model_seconds'] * 1e3:.1f} ms "
+              f"for all; {wall:.1f} s with the budget searches and validation.")
     if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "fragmentation.md").write_text(
-            markdown(rows, meta, format_table(results, markdown=True), strategy_table(by_strategy, strategies),
-                     changes))
-        with open(RESULTS / "fragmentation.json", "w") as f:
+        results_dir.mkdir(parents=True, exist_ok=True)
+        (results_dir / "fragmentation.md").write_text(
+            markdown(results, meta, strategy_table(by_strategy, strategies), changes))
+        with open(results_dir / "fragmentation.json", "w") as f:
             json.dump({**meta, "traces": rows, "strategies": by_strategy,
                        "targets": {"budget_ratio": TARGET_BUDGET, "reserved_ratio": TARGET_RESERVED}}, f, indent=1)
             f.write("\n")
-        print(f"wrote {os.path.relpath(RESULTS, Path.cwd())}/fragmentation.{{md,json}}", file=sys.stderr)
+        try:
+            plot_budgets(results, str(results_dir / "fragmentation.png"))
+            written = "{md,json,png}"
+        except ImportError:
+            written = "{md,json} (no matplotlib: no plot)"
+        where = os.path.relpath(results_dir, Path.cwd())
+        print(f"wrote {where}/fragmentation.{written}; the per-trace findings are in fragmentation.md")
     return 0
 
 

@@ -16,20 +16,26 @@ have held this run, and in how much memory?" for PyTorch memory snapshots:
 3. The C++ replayer (csrc/replay/replay.h) runs the calls against pyalloc's core on
    the virtual backend, which hands out addresses only: the whole trace in one
    call, without the GIL.
-4. The same replay, bounded by a capacity, finds by bisection the smallest
-   budget under which pyalloc serves the whole trace, to within 1%.
-5. Each out-of-memory error the snapshot recorded is replayed as the request it
+4. The same calls run through the model of PyTorch's caching allocator
+   (csrc/replay/torch_model.h), default and with expandable_segments:True
+   (``replay_allocators.run_allocator`` names all three).
+5. Each allocator, bounded by a capacity and running its own out-of-memory
+   path, finds by bisection the smallest budget under which it serves the whole
+   trace, to within 0.5%: the three are compared at equal budgets, not by
+   their uncapped peaks (PyTorch under a cap frees its cache and retries).
+6. Where the snapshot records device calls, the model is checked against them
+   (``replay_validate``): matched / recorded calls.
+7. Each out-of-memory error the snapshot recorded is replayed as the request it
    was (replay_oom): fragmentation or not, and which allocator would have
    served it.
 
 Each device of a snapshot is its own trace and its own result
 (``replay_devices``; ``replay`` takes one).
 
-Beside pyalloc's figures stands the trace's own: the peak of live (requested)
-bytes, the least any allocator must hold, and, when the snapshot has segments,
-the reserved bytes of the allocator that recorded it (PyTorch's native one for
-snapshots of torch.cuda.memory), followed event by event from the final
-segments back.
+Beside these stands the trace's own: the peak of live (requested) bytes, the
+least any allocator must hold, and, when the snapshot has segments, the
+reserved bytes of the allocator that recorded it, followed event by event from
+the final segments back.
 """
 from __future__ import annotations
 
@@ -43,9 +49,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _C
 from ._config import as_size, conf_string
+from .replay_allocators import ALLOCATORS, run_allocator
 from .replay_oom import diagnose_ooms
 from .replay_report import format_ooms, format_table, plot_results
 from .replay_result import ReplayResult
+from .replay_validate import validate
 from .snapshot_io import (
     ALLOC,
     FREE_COMPLETED,
@@ -69,7 +77,7 @@ __all__ = ["ReplayPlan", "ReplayResult", "TraceError", "add_arguments", "main", 
 _KIND_ALLOC, _KIND_FREE, _KIND_NONE = 1, 2, 0
 
 #: The budget search stops once the bracket is this fraction of its upper end.
-BUDGET_PRECISION = 0.01
+BUDGET_PRECISION = 0.005
 
 #: Traces with at least this many events get a progress bar on a terminal.
 PROGRESS_MIN_EVENTS = 200_000
@@ -104,6 +112,8 @@ class ReplayPlan:
     native_peak_reserved_bytes: Optional[int] = None
     native_points: List[Tuple[int, int]] = field(default_factory=list)  # (event, reserved after it)
     native_ooms: int = 0
+    #: The addresses of the blocks live before the trace, in op order (they are ops 0, 1, ...).
+    preexisting_addrs: array = field(default_factory=lambda: array("Q"))
 
     def __len__(self) -> int:
         return len(self.kinds)
@@ -181,6 +191,7 @@ def plan_trace(trace: Trace) -> ReplayPlan:
         if addr not in state:
             early.append((addr, new_id(requested, stream)))
     early.sort()
+    plan.preexisting_addrs = array("Q", [addr for addr, _ in early])
     plan.preexisting_blocks = len(early)
     plan.preexisting_bytes = sum(size_of[id_] for _, id_ in early)
 
@@ -371,6 +382,9 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
     min_budget, replays = None, 0
     if search and main.ooms == 0:
         min_budget, replays = _min_budget(calls, conf, plan.peak_live_bytes, peak_reserved, bars)
+    pyalloc_retries = None
+    if min_budget:
+        pyalloc_retries = run_allocator(calls, "pyalloc", capacity=min_budget, conf=conf).retries
 
     result = ReplayResult(
         trace=trace.name,
@@ -383,8 +397,8 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
         pyalloc_peak_reserved_bytes=peak_reserved,
         pyalloc_ratio=_ratio(peak_reserved, plan.peak_live_bytes),
         pyalloc_min_budget_bytes=min_budget,
-        native_peak_reserved_bytes=plan.native_peak_reserved_bytes,
-        native_ratio=_ratio(plan.native_peak_reserved_bytes, plan.peak_live_bytes),
+        recorded_peak_reserved_bytes=plan.native_peak_reserved_bytes,
+        recorded_ratio=_ratio(plan.native_peak_reserved_bytes, plan.peak_live_bytes),
         fragmentation_at_peak=frag,
         preexisting_blocks=plan.preexisting_blocks,
         preexisting_bytes=plan.preexisting_bytes,
@@ -395,7 +409,9 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
         config=conf,
         device_allocs=stats["num_device_alloc"],
         device_frees=stats["num_device_free"],
-        second_half_device_calls=second_half_calls,
+        pyalloc_second_half_device_calls=second_half_calls,
+        pyalloc_driver_calls=stats.get("num_driver_calls"),
+        pyalloc_budget_retries=pyalloc_retries,
         replay_seconds=main.seconds,
         events_per_second=len(trace) / main.seconds if main.seconds > 0 else None,
         calls_per_second=len(plan) / main.seconds if main.seconds > 0 else None,
@@ -407,6 +423,9 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
         timeline=_timeline(main, plan),
         native_timeline=_native_timeline(plan, len(trace)),
     )
+    result.search_replays += _replay_models(result, calls, plan, search, bars)
+    checked = validate(trace, plan, calls)
+    result.validation = None if checked is None else checked.to_dict()
     if budget is not None:
         result.budget_bytes = budget
         try:
@@ -440,29 +459,45 @@ def _fragmentation(allocator: Any, plan: ReplayPlan, run: Any) -> Dict[str, Any]
     }
 
 
-def _fits(calls: Any, conf: str, capacity: int) -> bool:
+def _replay_models(result: ReplayResult, calls: Any, plan: ReplayPlan, search: bool, bars: "_Bars") -> int:
+    """The models of PyTorch's allocator on the same calls: uncapped, then at the
+    smallest budget each completes on. Fills their fields; returns the replays run."""
+    replays = 0
+    for name in ALLOCATORS[1:]:
+        run = run_allocator(calls, name, plan=plan)
+        setattr(result, f"{name}_peak_reserved_bytes", run.peak_reserved_bytes)
+        setattr(result, f"{name}_second_half_device_calls", run.second_half_device_calls)
+        setattr(result, f"{name}_driver_calls", run.driver_calls)
+        if not search or not run.completed:
+            continue
+        budget, n = _min_budget(calls, "", plan.peak_live_bytes, run.peak_reserved_bytes, bars, name)
+        replays += n
+        setattr(result, f"{name}_min_budget_bytes", budget)
+        if budget:
+            setattr(result, f"{name}_budget_retries", run_allocator(calls, name, capacity=budget).retries)
+    return replays
+
+
+def _fits(calls: Any, conf: str, capacity: int, allocator: str = "pyalloc") -> bool:
     """Whether the whole trace replays within `capacity` bytes without an OOM."""
-    try:
-        allocator = _C.Allocator("virtual", conf, capacity)
-    except _C.OutOfMemoryError:  # pool_size alone does not fit
-        return False
-    return _C.Replayer(allocator, calls, True, 0).run()
+    return run_allocator(calls, allocator, capacity=capacity, stop_on_oom=True, conf=conf).completed
 
 
 def _min_budget(calls: Any, conf: str, peak_live: int, peak_reserved: int,
-                bars: "_Bars") -> Tuple[int, int]:
-    """Bisection on the backend's capacity, between peak live (too little: the
+                bars: "_Bars", allocator: str = "pyalloc") -> Tuple[int, int]:
+    """Bisection on the device's capacity, between peak live (too little: the
     live bytes alone need that much) and the unbounded replay's peak reserved
-    (enough: the same replay never reserved more). Returns (budget, replays)."""
+    (enough: the same replay never reserved more), to BUDGET_PRECISION.
+    Returns (budget, replays)."""
     if peak_live == 0:
         return 0, 0
     lo, hi = peak_live - 1, peak_reserved
     replays = 0
     bar = bars.search()
     while hi - lo > hi * BUDGET_PRECISION:
-        mid = (lo + hi) // 2
+        mid = max((lo + hi) // 2, 1)  # a device holds at least a byte
         replays += 1
-        if _fits(calls, conf, mid):
+        if _fits(calls, conf, mid, allocator):
             hi = mid
         else:
             lo = mid

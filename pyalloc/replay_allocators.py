@@ -1,15 +1,22 @@
-"""The allocators a replay can run a trace through, behind one call.
+"""The allocators a replay sets side by side, behind one call.
 
-``run_allocator(calls, name, capacity=...)`` replays a ``_C.ReplayTrace`` through
-one of ``ALLOCATORS`` on a device of ``capacity`` bytes and says what it did.
-Only pyalloc itself is available here; the models of PyTorch's caching
-allocator ("native", "native_expandable") raise NotImplementedError, and
-callers that loop over ``ALLOCATORS`` report them as unknown.
+``run_allocator(calls, name, capacity=...)`` replays a trace's allocator calls
+(a ``_C.ReplayTrace``) through one of:
+
+- ``pyalloc``: pyalloc's core on the virtual backend (addresses only);
+- ``native``: the model of PyTorch's caching allocator, default settings
+  (csrc/replay/torch_model.h);
+- ``native_expandable``: the same model with ``expandable_segments:True``.
+
+Each runs its own out-of-memory path under a capacity: pyalloc its own,
+PyTorch's models release every cached segment (or whole page) of every pool and
+stream and try once more. The figures come back in one record, so that the
+replay compares the three at equal budgets.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from . import _C
 
@@ -30,37 +37,59 @@ class AllocatorRun:
     retries: int                    # out-of-memory retries (release cached memory and try again) taken
 
 
-def run_allocator(calls, allocator: str, *, capacity: Optional[int] = None,
-                  stop_on_oom: bool = False, conf: str = "", plan=None) -> AllocatorRun:
+def run_allocator(calls: Any, allocator: str, *, capacity: Optional[int] = None,
+                  stop_on_oom: bool = False, conf: str = "", plan: Any = None) -> AllocatorRun:
     """Replays `calls` (a _C.ReplayTrace) through `allocator` on a device of
     `capacity` bytes (None: unbounded). `conf` is pyalloc's configuration (pyalloc only).
     `plan` is the ReplayPlan the calls came from (the PyTorch models may use its
     pre-trace blocks / segments). Raises ValueError for an unknown allocator name."""
     if allocator not in ALLOCATORS:
-        raise ValueError(f"unknown allocator {allocator!r}; valid: {', '.join(ALLOCATORS)}")
-    if allocator != "pyalloc":
-        raise NotImplementedError(f"no model of the {allocator!r} allocator in this build")
-    try:
-        alloc = _C.Allocator("virtual", conf, capacity or 0)
-    except _C.OutOfMemoryError:
-        # pool_size alone does not fit: every request fails, from op 0 on (a
-        # ReplayTrace's first op is an alloc, since every free names a live one).
-        refused = calls.allocs if not stop_on_oom else min(calls.allocs, 1)
-        return AllocatorRun(calls.allocs == 0, refused, 0 if calls.allocs else -1,
-                            0, 0, None, None, 0)
-    run = _C.Replayer(alloc, calls, stop_on_oom, 0)
-    run.run()
-    stats = alloc.stats()
-    calls_made = stats["num_device_alloc"] + stats["num_device_free"]
-    half_allocs, half_frees = run.device_calls_at_half
-    second_half = None if half_allocs < 0 else calls_made - half_allocs - half_frees
+        raise ValueError(f"unknown allocator {allocator!r}; valid allocators: {', '.join(ALLOCATORS)}")
+    if capacity is not None and capacity < 1:
+        raise ValueError(f"capacity must be at least 1 byte, got {capacity}")
+    if allocator == "pyalloc":
+        return _run_pyalloc(calls, capacity, stop_on_oom, conf)
+    # Every allocator starts from an empty device, the blocks live before the
+    # trace allocated first: the same start for all three. (Validation against a
+    # snapshot's own calls starts the model from the recorded segments instead:
+    # replay_validate.py.)
+    r = _C.run_torch_model(calls, expandable=allocator == "native_expandable",
+                           capacity=capacity or 0, stop_on_oom=stop_on_oom)
     return AllocatorRun(
-        completed=run.first_oom_op < 0,
+        completed=r["completed"],
+        ooms=r["ooms"],
+        first_oom_op=r["first_oom_op"],
+        peak_reserved_bytes=r["peak_reserved_bytes"],
+        device_calls=r["device_calls"],
+        second_half_device_calls=r["second_half_device_calls"],
+        driver_calls=r["driver_calls"],
+        retries=r["retries"],
+    )
+
+
+def _run_pyalloc(calls: Any, capacity: Optional[int], stop_on_oom: bool, conf: str) -> AllocatorRun:
+    try:
+        allocator = _C.Allocator("virtual", conf, capacity or 0)
+    except _C.OutOfMemoryError:  # pool_size alone does not fit: every request fails
+        # A valid trace opens with an alloc (a free needs a live allocation), so op 0 is the first refused.
+        refused = min(calls.allocs, 1) if stop_on_oom else calls.allocs
+        return AllocatorRun(completed=calls.allocs == 0, ooms=refused, first_oom_op=0 if refused else -1,
+                            peak_reserved_bytes=0, device_calls=0, second_half_device_calls=None,
+                            driver_calls=None, retries=0)
+    run = _C.Replayer(allocator, calls, stop_on_oom, 0)
+    run.run()
+    stats = allocator.stats()
+    half_allocs, half_frees = run.device_calls_at_half
+    device_calls = stats["num_device_alloc"] + stats["num_device_free"]
+    second_half = None if half_allocs < 0 else device_calls - half_allocs - half_frees
+    return AllocatorRun(
+        completed=run.ooms == 0,
         ooms=run.ooms,
         first_oom_op=run.first_oom_op,
         peak_reserved_bytes=stats["reserved_bytes.all.peak"],
-        device_calls=calls_made,
+        device_calls=device_calls,
         second_half_device_calls=second_half,
-        driver_calls=None,
+        # Counted by pyalloc's CUDA backend where it models its driver calls; unknown otherwise.
+        driver_calls=stats.get("num_driver_calls"),
         retries=stats["num_alloc_retries"],
     )

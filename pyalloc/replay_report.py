@@ -11,34 +11,53 @@ from typing import Any, Dict, List, Optional, Sequence
 from ._C import format_bytes
 from .replay_result import ReplayResult
 
-__all__ = ["ALLOCATOR_NAMES", "COLUMNS", "LEGEND", "figure", "format_ooms", "format_table", "oom_sentence",
-           "plot_results"]
+__all__ = ["ALLOCATOR_NAMES", "COLUMNS", "LEGEND", "budget_figure", "figure", "format_ooms", "format_table",
+           "oom_sentence", "plot_budgets", "plot_results"]
 
+#: The table's columns (the markdown header). The plain-text table groups the
+#: allocators' columns under one heading each and names the allocators shortly.
 COLUMNS = [
     "trace",
-    "events",
-    "allocs",
+    "device",
     "peak live",
-    "pyalloc reserved",
-    "ratio",
-    "2nd-half device calls",
-    "min budget",
-    "native reserved",
-    "native ratio",
-    "frag at peak",
+    "budget pyalloc",
+    "budget native",
+    "budget expandable",
+    "reserved pyalloc",
+    "reserved native",
+    "reserved expandable",
+    "reserved recorded",
+    "2nd-half device calls (p/n/e)",
+    "driver calls (p/n/e)",
+    "retries at budget (p/n/e)",
+    "matched calls",
 ]
 
+_GROUPS = [("", 3), ("budget / peak live", 3), ("uncapped reserved / peak live", 4),
+           ("2nd-half calls", 1), ("driver calls", 1), ("retries", 1), ("model vs", 1)]
+_SHORT = ["trace", "dev", "peak live", "pyalloc", "native", "expand.", "pyalloc", "native", "expand.",
+          "recorded", "p/n/e", "p/n/e", "p/n/e", "recorded"]
+
 LEGEND = (
-    "peak live: most requested bytes live at once, the least any allocator must hold. "
-    "pyalloc reserved: pyalloc's peak reserved bytes replaying the trace (ratio: to peak live). "
-    "2nd-half device calls: num_device_alloc + num_device_free over the second half of the trace "
-    "(segments reserved and released, page ranges mapped and unmapped: each is a call to the "
-    "driver, or a few); a workload that repeats makes none once warm. "
-    "min budget: the smallest device size under which pyalloc replays the trace without an OOM "
-    "(bisection, within 1%). native reserved: peak reserved bytes of the allocator that recorded "
-    "the trace, from its segments ('-' where the trace has none). frag at peak: at peak live, "
-    "1 - largest free block / free bytes in pyalloc's pool."
+    "Three allocators replay each trace: pyalloc, PyTorch's caching allocator (native, a model "
+    "that makes the recorded device calls of real snapshots) and PyTorch with "
+    "expandable_segments:True (expandable). peak live: most requested bytes live at once, the "
+    "least any allocator must hold. budget: the smallest device on which the allocator serves "
+    "the whole trace, each running its own out-of-memory path (PyTorch frees its cache and "
+    "retries), bisected to 0.5%, as a ratio to peak live: the comparison at equal budgets. "
+    "reserved: peak reserved bytes with no cap, to peak live; recorded: the allocator that "
+    "recorded the snapshot, from its segments ('-' where it has none). 2nd-half calls: device "
+    "calls (segments or page ranges reserved and released) over the second half of the trace, "
+    "uncapped; a workload that repeats makes none once warm. driver calls: every cudaMalloc, "
+    "cudaFree, cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap and cuMemRelease of the "
+    "uncapped replay, page by page ('-' where pyalloc's stats do not count them). retries: "
+    "out-of-memory retries replaying at the allocator's own budget. matched calls: the "
+    "recorded segment_alloc / segment_free / segment_map / segment_unmap calls the model of "
+    "the recording allocator makes, in order, of the recorded ones."
 )
+
+#: Trace names longer than this are cut in the plain-text table.
+NAME_WIDTH = 32
 
 
 def _bytes(n: Optional[int]) -> str:
@@ -55,20 +74,43 @@ def _label(r: ReplayResult) -> str:
     return f"{name} [device {r.device}]" if r.devices > 1 else name
 
 
-def _row(r: ReplayResult, with_budget: bool) -> List[str]:
-    frag = r.fragmentation_at_peak.get("external_fragmentation")
+def _to_live(n: Optional[int], live: int) -> str:
+    return "-" if n is None or live == 0 else f"{n / live:.3f}"
+
+
+def _triple(*values: Optional[int]) -> str:
+    return "/".join("-" if v is None else str(v) for v in values)
+
+
+def _name(trace: str, short: bool) -> str:
+    name = os.path.basename(trace)
+    if not short:
+        return name
+    for ext in (".pickle.gz", ".pickle"):
+        if name.endswith(ext):
+            name = name[: -len(ext)]
+    return name if len(name) <= NAME_WIDTH else name[: NAME_WIDTH - 1] + "~"
+
+
+def _row(r: ReplayResult, with_budget: bool, short: bool) -> List[str]:
+    live = r.peak_live_bytes
+    v = r.validation
     row = [
-        _label(r),
-        str(r.events),
-        str(r.allocs),
-        _bytes(r.peak_live_bytes),
-        _bytes(r.pyalloc_peak_reserved_bytes),
-        _ratio(r.pyalloc_ratio),
-        "-" if r.second_half_device_calls is None else str(r.second_half_device_calls),
-        _bytes(r.pyalloc_min_budget_bytes),
-        _bytes(r.native_peak_reserved_bytes),
-        _ratio(r.native_ratio),
-        "-" if frag is None else f"{frag:.1%}",
+        _name(r.trace, short),
+        str(r.device),
+        _bytes(live),
+        _to_live(r.pyalloc_min_budget_bytes, live),
+        _to_live(r.native_min_budget_bytes, live),
+        _to_live(r.native_expandable_min_budget_bytes, live),
+        _to_live(r.pyalloc_peak_reserved_bytes, live),
+        _to_live(r.native_peak_reserved_bytes, live),
+        _to_live(r.native_expandable_peak_reserved_bytes, live),
+        _to_live(r.recorded_peak_reserved_bytes, live),
+        _triple(r.pyalloc_second_half_device_calls, r.native_second_half_device_calls,
+                r.native_expandable_second_half_device_calls),
+        _triple(r.pyalloc_driver_calls, r.native_driver_calls, r.native_expandable_driver_calls),
+        _triple(r.pyalloc_budget_retries, r.native_budget_retries, r.native_expandable_budget_retries),
+        "-" if v is None else f"{v['matched_calls']}/{v['recorded_calls']}",
     ]
     if with_budget:
         row.append(_bytes(r.budget_peak_reserved_bytes))
@@ -77,26 +119,44 @@ def _row(r: ReplayResult, with_budget: bool) -> List[str]:
 
 
 def format_table(results: Sequence[ReplayResult], markdown: bool = False) -> str:
-    """One row per trace. With a budget, two more columns: the bounded replay's peak
-    reserved bytes and the allocations it refused."""
+    """One row per trace and device, budgets first. With a budget, two more
+    columns: pyalloc's bounded replay's peak reserved bytes and the allocations
+    it refused."""
     with_budget = any(r.budget_bytes is not None for r in results)
-    header = list(COLUMNS)
+    header = list(COLUMNS) if markdown else list(_SHORT)
+    extra: List[str] = []
     if with_budget:
         budgets = {r.budget_bytes for r in results if r.budget_bytes is not None}
         at = f"at {format_bytes(budgets.pop())}" if len(budgets) == 1 else "at budget"
-        header += [f"reserved {at}", f"OOMs {at}"]
-    rows = [_row(r, with_budget) for r in results]
+        extra = [f"reserved {at}", f"OOMs {at}"]
+        header += extra
+    rows = [_row(r, with_budget, not markdown) for r in results]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         return "\n".join(lines)
     widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-    # Names on the left, numbers on the right.
-    def fmt(row: List[str]) -> str:
+    groups = _GROUPS + [("pyalloc", len(extra))] if extra else _GROUPS
+    # Each group's heading spans its columns; a column widens if its heading needs it.
+    col = 0
+    for title, span in groups:
+        inner = sum(widths[col:col + span]) + 2 * (span - 1)
+        if len(title) > inner:
+            widths[col + span - 1] += len(title) - inner
+        col += span
+
+    def fmt(row: List[str]) -> str:  # names on the left, numbers on the right
         cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
         return "  ".join(cells).rstrip()
+
+    heads, col = [], 0
+    for title, span in groups:
+        inner = sum(widths[col:col + span]) + 2 * (span - 1)
+        heads.append(title.center(inner) if title else " " * inner)
+        col += span
+    top = "  ".join(heads).rstrip()
     rule = "  ".join("-" * w for w in widths)
-    return "\n".join([fmt(header), rule] + [fmt(row) for row in rows])
+    return "\n".join([top, fmt(header), rule] + [fmt(row) for row in rows])
 
 
 #: How the sentences name each allocator of replay_allocators.ALLOCATORS.
@@ -174,7 +234,7 @@ def figure(results: Sequence[ReplayResult]):
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(results), 1, squeeze=False)[:, 0]
     for ax, r in zip(axes, results):
-        top = max(r.pyalloc_peak_reserved_bytes, r.native_peak_reserved_bytes or 0, r.budget_bytes or 0)
+        top = max(r.pyalloc_peak_reserved_bytes, r.recorded_peak_reserved_bytes or 0, r.budget_bytes or 0)
         scale, unit = _unit(top)
         t = r.timeline
         if t:
@@ -184,7 +244,7 @@ def figure(results: Sequence[ReplayResult]):
                     color="tab:gray", linewidth=0.8)
         n = r.native_timeline
         if n:
-            ax.plot(n["event"], [v / scale for v in n["reserved_bytes"]], label="native reserved",
+            ax.plot(n["event"], [v / scale for v in n["reserved_bytes"]], label="recorded reserved",
                     color="tab:orange", drawstyle="steps-post")
         if r.budget_bytes is not None:
             ax.axhline(r.budget_bytes / scale, color="tab:red", linestyle="--", linewidth=1,
@@ -198,6 +258,48 @@ def figure(results: Sequence[ReplayResult]):
     return fig
 
 
+#: The allocators of the budget plot, with their labels and colours.
+_ALLOCATOR_STYLE = (("pyalloc", "pyalloc", "tab:blue"), ("native", "PyTorch default", "tab:orange"),
+                    ("native_expandable", "PyTorch expandable_segments", "tab:green"))
+
+
+def plot_budgets(results: Sequence[ReplayResult], path: str) -> None:
+    """The smallest budget of each allocator, over peak live, per trace, to an image file."""
+    budget_figure(results).savefig(path, dpi=110)
+
+
+def budget_figure(results: Sequence[ReplayResult]):
+    """Bars of budget / peak live, one group per trace and device, one bar per
+    allocator (a matplotlib Figure with an Agg canvas). 1.0 is peak live, the
+    least any allocator must hold; a missing bar is a budget not searched."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = [r for r in results if r.peak_live_bytes > 0]
+    fig = Figure(figsize=(10, 0.45 * len(rows) + 1.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    height = 0.27
+    names = [f"{_name(r.trace, True)} (dev {r.device}, {format_bytes(r.peak_live_bytes)})" for r in rows]
+    for k, (key, label, colour) in enumerate(_ALLOCATOR_STYLE):
+        ys, xs = [], []
+        for i, r in enumerate(rows):
+            budget = getattr(r, f"{key}_min_budget_bytes")
+            if budget:
+                ys.append(i + (k - 1) * height)
+                xs.append(budget / r.peak_live_bytes)
+        ax.barh(ys, xs, height=height, label=label, color=colour)
+    ax.set_yticks(range(len(rows)), names, fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # the first trace on top, no margin
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlim(left=0.95)
+    ax.set_xlabel("smallest budget without an out-of-memory / peak live (lower is better)")
+    ax.set_title("Equal budgets: the smallest device each allocator completes the trace on", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    return fig
+
+
 def _setup(conf: Optional[str]) -> str:
     """'strategy vmm, config segment_size:64MiB' (the defaults named as such)."""
     from ._config import parse_config
@@ -208,8 +310,8 @@ def _setup(conf: Optional[str]) -> str:
 
 def _verdict(r: ReplayResult) -> str:
     text = f"pyalloc reserved {_ratio(r.pyalloc_ratio)}x peak live"
-    if r.native_ratio is not None:
-        text += f", native {_ratio(r.native_ratio)}x"
+    if r.recorded_ratio is not None:
+        text += f", recorded {_ratio(r.recorded_ratio)}x"
     if r.budget_bytes is not None:
         text += f"; at the budget: {r.budget_ooms} OOMs"
     return text

@@ -20,8 +20,10 @@ class ReplayResult:
     pyalloc_peak_reserved_bytes: int
     pyalloc_ratio: Optional[float]
     pyalloc_min_budget_bytes: Optional[int]
-    native_peak_reserved_bytes: Optional[int]
-    native_ratio: Optional[float]
+    #: The recording allocator's peak reserved bytes, from the snapshot's segments
+    #: (None where it has none), and its ratio to peak live.
+    recorded_peak_reserved_bytes: Optional[int]
+    recorded_ratio: Optional[float]
     fragmentation_at_peak: Dict[str, Any]
     preexisting_blocks: int
     preexisting_bytes: int
@@ -36,7 +38,28 @@ class ReplayResult:
     #: allocator call on, where a workload that repeats should make none.
     device_allocs: int = 0
     device_frees: int = 0
-    second_half_device_calls: Optional[int] = None
+    pyalloc_second_half_device_calls: Optional[int] = None
+    #: pyalloc's driver calls as its stats count them (num_driver_calls); None where they do not.
+    pyalloc_driver_calls: Optional[int] = None
+    #: Out-of-memory retries taken replaying at the allocator's smallest budget.
+    pyalloc_budget_retries: Optional[int] = None
+    #: The model of PyTorch's allocator (replay_allocators.py), default and with
+    #: expandable_segments:True: the same figures. driver_calls: every cudaMalloc,
+    #: cudaFree, cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap and cuMemRelease
+    #: of the uncapped replay, page by page.
+    native_peak_reserved_bytes: Optional[int] = None
+    native_min_budget_bytes: Optional[int] = None
+    native_second_half_device_calls: Optional[int] = None
+    native_driver_calls: Optional[int] = None
+    native_budget_retries: Optional[int] = None
+    native_expandable_peak_reserved_bytes: Optional[int] = None
+    native_expandable_min_budget_bytes: Optional[int] = None
+    native_expandable_second_half_device_calls: Optional[int] = None
+    native_expandable_driver_calls: Optional[int] = None
+    native_expandable_budget_retries: Optional[int] = None
+    #: The model against the snapshot's own device calls (replay_validate.py);
+    #: None where the snapshot records none.
+    validation: Optional[Dict[str, Any]] = None
     budget_bytes: Optional[int] = None
     budget_ooms: Optional[int] = None
     budget_peak_reserved_bytes: Optional[int] = None

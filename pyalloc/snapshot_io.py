@@ -281,6 +281,8 @@ class Trace:
     live_blocks: List[Tuple[int, int, int]] = field(default_factory=list)
     segments: int = 0
     segments_bytes: int = 0
+    #: The final segments: (address, total bytes, stream, small pool, expandable).
+    segment_list: List[Tuple[int, int, int, bool, bool]] = field(default_factory=list)
     ignored_actions: Dict[str, int] = field(default_factory=dict)
     metadata: Dict[str, Any] = field(default_factory=dict)
     ooms: List[Tuple[int, int, int, int]] = field(default_factory=list)
@@ -413,6 +415,11 @@ def _read_segments(trace: Trace, segments: List[Any], device: int) -> None:
             raise TraceError(f"{where}[{i}]: 'blocks' must be a list")
         trace.segments += 1
         trace.segments_bytes += total
+        address = seg.get("address", 0)
+        if type(address) is not int or not 0 <= address < _U64:
+            raise TraceError(f"{where}[{i}]: 'address' must be an address, got {_short.repr(address)}")
+        trace.segment_list.append((address, total, stream % _U64, seg.get("segment_type") == "small",
+                                   seg.get("is_expandable") is True))
         for j, b in enumerate(blocks):
             if type(b) is not dict:
                 raise TraceError(f"{where}[{i}].blocks[{j}]: a block must be a dict")

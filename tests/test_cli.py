@@ -98,7 +98,7 @@ def test_plot_title_legend_budget_and_native():
     title = ax.get_title()
     assert "gpu.pickle" in title and "strategy vmm" in title and "segment_size:8MiB" in title
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert "native reserved" in labels and any(lbl.startswith("budget 40.00 MiB") for lbl in labels)
+    assert "recorded reserved" in labels and any(lbl.startswith("budget 40.00 MiB") for lbl in labels)
     budget = [ln for ln in ax.get_lines() if ln.get_label().startswith("budget")][0]
     assert budget.get_ydata()[0] == pytest.approx(40)  # in MiB, the axis' unit
     fig.canvas.draw()

@@ -205,15 +205,15 @@ def test_native_reserved_is_followed_back_from_the_final_segments():
     assert [r for _, r in p.native_points] == [108 * MiB, 98 * MiB, 102 * MiB, 100 * MiB]
     assert p.native_ooms == 1
     r = replay(snap(events, segments))
-    assert r.native_peak_reserved_bytes == 108 * MiB
-    assert r.native_ratio == pytest.approx(108 / 15)
+    assert r.recorded_peak_reserved_bytes == 108 * MiB
+    assert r.recorded_ratio == pytest.approx(108 / 15)
     assert r.native_timeline["reserved_bytes"][0] == 88 * MiB
     assert r.native_timeline["reserved_bytes"][-1] == 100 * MiB
 
 
 def test_native_is_unknown_without_segments():
     r = replay(snap(life(1, 100)))
-    assert r.native_peak_reserved_bytes is None and r.native_ratio is None
+    assert r.recorded_peak_reserved_bytes is None and r.recorded_ratio is None
     assert r.native_timeline == {}
 
 
@@ -346,9 +346,13 @@ def test_fragmentation_is_taken_at_peak_live():
 
 def test_result_dict_has_the_documented_keys():
     d = replay(snap(life(1, 100))).to_dict()
-    for key in ("trace", "events", "allocs", "peak_live_bytes", "pyalloc_peak_reserved_bytes",
-                "pyalloc_min_budget_bytes", "native_peak_reserved_bytes"):
+    for key in ("trace", "events", "allocs", "peak_live_bytes", "recorded_peak_reserved_bytes"):
         assert key in d
+    # The figures of each allocator, at equal budgets and uncapped.
+    for allocator in ("pyalloc", "native", "native_expandable"):
+        for figure in ("peak_reserved_bytes", "min_budget_bytes", "second_half_device_calls", "driver_calls"):
+            assert f"{allocator}_{figure}" in d
+        assert d[f"{allocator}_min_budget_bytes"] >= d["peak_live_bytes"] == 100
     assert "timeline" not in d
     json.dumps(d)
 
@@ -368,20 +372,20 @@ def repeating(passes, sizes=(2 * MiB, 3 * MiB, 7 * MiB // 2)):
 @pytest.mark.parametrize("strategy", ["bestfit", "vmm"])
 def test_device_calls_of_the_second_half_are_counted(strategy):
     r = replay(repeating(10), f"strategy:{strategy}", search=False)
-    assert r.device_allocs >= 1 and r.second_half_device_calls == 0
+    assert r.device_allocs >= 1 and r.pyalloc_second_half_device_calls == 0
     # A trace whose second half grows the pool: its calls are counted there.
     growing = snap(life(0x1000, MiB) + life(0x1000, MiB) + [ev("alloc", 0x2000, 64 * MiB)]
                    + life(0x3000, 128 * MiB))
     r = replay(growing, f"strategy:{strategy}", search=False)
-    assert r.second_half_device_calls >= 1
-    assert r.device_allocs + r.device_frees >= r.second_half_device_calls
-    assert r.to_dict()["second_half_device_calls"] == r.second_half_device_calls
+    assert r.pyalloc_second_half_device_calls >= 1
+    assert r.device_allocs + r.device_frees >= r.pyalloc_second_half_device_calls
+    assert r.to_dict()["pyalloc_second_half_device_calls"] == r.pyalloc_second_half_device_calls
 
 
 def test_empty_trace():
     r = replay(snap([]))
     assert (r.events, r.allocs, r.peak_live_bytes, r.pyalloc_min_budget_bytes) == (0, 0, 0, 0)
-    assert r.second_half_device_calls is None  # no second half
+    assert r.pyalloc_second_half_device_calls is None  # no second half
 
 
 # -- known totals ------------------------------------------------------------
@@ -402,7 +406,7 @@ def test_bundled_trace_known_totals(row):
     assert (r.events, r.allocs, r.frees) == (int(row["events"]), int(row["allocs"]), int(row["frees"]))
     assert r.peak_live_bytes == int(row["peak live bytes"])
     assert (r.missed_frees, r.stray_frees, r.frees_at_request) == (0, 0, 0)
-    assert r.native_peak_reserved_bytes is None
+    assert r.recorded_peak_reserved_bytes is None
     assert r.peak_live_bytes <= r.pyalloc_min_budget_bytes <= r.pyalloc_peak_reserved_bytes
 
 
@@ -415,9 +419,9 @@ def test_shared_trace_totals(row):
     assert round(r.peak_live_bytes / MiB) == int(row["peak live MiB"])
     native = row["native peak reserved MiB"]
     if native == "-":
-        assert r.native_peak_reserved_bytes is None
+        assert r.recorded_peak_reserved_bytes is None
     else:
-        assert round(r.native_peak_reserved_bytes / MiB) == int(native.split()[0])
+        assert round(r.recorded_peak_reserved_bytes / MiB) == int(native.split()[0])
 
 
 # -- the command line --------------------------------------------------------
@@ -435,8 +439,9 @@ def test_cli_prints_a_table_and_writes_json_and_a_plot(tmp_path):
     p = cli(*files, "--json", out, "--plot", png)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
-    assert lines[0].split()[:3] == ["trace", "events", "allocs"]
-    assert len(lines) == 2 + len(files)
+    assert lines[0].split()[:4] == ["budget", "/", "peak", "live"]
+    assert lines[1].split()[:3] == ["trace", "dev", "peak"]
+    assert len(lines) == 3 + len(files)
     data = json.loads(out.read_text())
     assert [Path(d["trace"]).name for d in data] == [f.name for f in files]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -445,7 +450,7 @@ def test_cli_prints_a_table_and_writes_json_and_a_plot(tmp_path):
 def test_cli_budget_adds_an_oom_column(tmp_path):
     p = cli(BUNDLED / "encoder-dynbatch-infer.pickle.gz", "--budget", "16MiB", "--no-search")
     assert p.returncode == 0, p.stderr
-    header, _, row = p.stdout.splitlines()
+    _, header, _, row = p.stdout.splitlines()
     assert header.endswith("reserved at 16.00 MiB  OOMs at 16.00 MiB")
     assert int(row.split()[-1]) > 0
     # The bounded run's peak reserved, beside its OOMs: within the budget.
@@ -508,9 +513,10 @@ def test_table_formats(tmp_path):
 
     results = [replay(snap(life(1, 100)), name="a/b.pickle", budget="1GiB", search=False)]
     text = format_table(results).splitlines()
-    assert text[0].split("  ")[0].strip() == "trace" and text[0].endswith("OOMs at 1.00 GiB")
-    assert text[2].startswith("b.pickle")
+    assert text[0].lstrip().startswith("budget / peak live")  # the allocators' headings lead
+    assert text[1].split("  ")[0].strip() == "trace" and text[1].endswith("OOMs at 1.00 GiB")
+    assert text[3].startswith("b ")
     md = format_table(results, markdown=True).splitlines()
     assert md[0] == "| " + " | ".join(COLUMNS + ["reserved at 1.00 GiB", "OOMs at 1.00 GiB"]) + " |"
     assert md[2].endswith(f"| {results[0].budget_peak_reserved_bytes and format_bytes(results[0].budget_peak_reserved_bytes)} | 0 |")
-    assert md[2].startswith("| b.pickle | 3 | 1 | 100 B |")
+    assert md[2].startswith("| b.pickle | 0 | 100 B |")

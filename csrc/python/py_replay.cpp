@@ -2,11 +2,16 @@
 // flat integer buffers (array.array, numpy arrays, bytes) so that a trace of
 // millions of events crosses into C++ in one call.
 #include <cctype>
+#include <tuple>
+#include <utility>
 #include <string>
 #include <vector>
 
+#include <pybind11/stl.h>
+
 #include "py_bindings.h"
 #include "replay/replay.h"
+#include "replay/torch_model.h"
 
 namespace py = pybind11;
 
@@ -76,6 +81,55 @@ std::unique_ptr<ReplayTrace> make_trace(const py::buffer& kinds, const py::buffe
   return std::make_unique<ReplayTrace>(std::move(ops));
 }
 
+py::dict run_model(const ReplayTrace& trace, bool expandable, size_t capacity, bool stop_on_oom,
+                   bool record_calls, const py::object& seed, const py::object& place_at,
+                   const py::object& releases, const py::object& malloc_hints) {
+  TorchModelOptions opt;
+  opt.expandable = expandable;
+  opt.capacity = capacity;
+  opt.stop_on_oom = stop_on_oom;
+  opt.record_calls = record_calls;
+  if (!seed.is_none())
+    for (py::handle h : seed) {
+      auto t = h.cast<std::tuple<uint64_t, uint64_t, uint64_t, bool>>();
+      opt.seed.push_back(SeedSegment{static_cast<uintptr_t>(std::get<0>(t)),
+                                     static_cast<size_t>(std::get<1>(t)), std::get<2>(t),
+                                     std::get<3>(t)});
+    }
+  if (!place_at.is_none())
+    for (uint64_t a : read_ints(place_at.cast<py::buffer>(), "place_at"))
+      opt.place_at.push_back(static_cast<uintptr_t>(a));
+  if (!releases.is_none())
+    for (uint64_t op : read_ints(releases.cast<py::buffer>(), "releases")) opt.releases.push_back(op);
+  if (!malloc_hints.is_none())
+    for (py::handle h : malloc_hints) {
+      auto t = h.cast<std::pair<uint64_t, uint64_t>>();
+      opt.malloc_hints.emplace_back(static_cast<size_t>(t.first), static_cast<uintptr_t>(t.second));
+    }
+  TorchModelResult r;
+  {
+    py::gil_scoped_release release;
+    r = run_torch_model(trace, opt);
+  }
+  py::dict out;
+  out["completed"] = r.completed;
+  out["ooms"] = r.ooms;
+  out["first_oom_op"] = r.first_oom_op;
+  out["peak_reserved_bytes"] = r.peak_reserved;
+  out["device_calls"] = r.device_calls;
+  out["second_half_device_calls"] =
+      r.second_half_device_calls < 0 ? py::object(py::none()) : py::object(py::int_(r.second_half_device_calls));
+  out["driver_calls"] = r.driver_calls;
+  out["retries"] = r.retries;
+  out["misplaced"] = r.misplaced;
+  out["seconds"] = r.seconds;
+  py::list calls;
+  for (const ModelCall& c : r.calls)
+    calls.append(py::make_tuple(static_cast<int>(c.kind), c.op, c.addr, c.size));
+  out["calls"] = calls;
+  return out;
+}
+
 }  // namespace
 
 void bind_replay(py::module_& m) {
@@ -130,6 +184,20 @@ void bind_replay(py::module_& m) {
             return out;
           },
           "[(op, most live bytes since the previous point, reserved bytes, allocated bytes)]");
+
+  m.def("run_torch_model", &run_model, py::arg("trace"), py::arg("expandable") = false,
+        py::arg("capacity") = 0, py::arg("stop_on_oom") = false, py::arg("record_calls") = false,
+        py::arg("seed") = py::none(), py::arg("place_at") = py::none(),
+        py::arg("releases") = py::none(), py::arg("malloc_hints") = py::none(),
+        "Replays a ReplayTrace through the model of PyTorch's caching allocator "
+        "(csrc/replay/torch_model.h), default or expandable_segments:True, on a device of "
+        "`capacity` bytes (0: unbounded), without the GIL. seed: [(address, bytes, stream, "
+        "small_pool)] segments present before op 0; place_at: per op, the address a pre-trace "
+        "alloc had (0: none); releases: ascending ops before which release_cached_blocks runs; "
+        "malloc_hints: [(bytes, address)] the driver's answers by cudaMalloc ordinal. Returns a "
+        "dict: completed, ooms, first_oom_op, peak_reserved_bytes, device_calls, "
+        "second_half_device_calls, driver_calls, retries, misplaced, seconds, and calls: "
+        "[(action code 3-6, op, address, bytes)] when record_calls.");
 }
 
 }  // namespace pyalloc

@@ -5,6 +5,7 @@
 // release, and the error paths.
 //
 // Usage: test_core [all|threads]
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -15,6 +16,8 @@
 
 #include "core/allocator.h"
 #include "backends/sim_streams.h"
+#include "replay/replay.h"
+#include "replay/torch_model.h"
 
 using namespace pyalloc;
 
@@ -199,6 +202,52 @@ void test_threads(const char* backend, const char* conf) {
 
 }  // namespace
 
+// The model of PyTorch's allocator over a random trace of three streams, default
+// and expandable, with and without a capacity and with releases between ops:
+// run under the sanitizers, its block lists are walked hard.
+void test_torch_model(unsigned seed, int steps) {
+  std::mt19937_64 rng(seed);
+  std::vector<ReplayOp> ops;
+  std::vector<uint32_t> live;
+  uint32_t next_id = 0;
+  for (int i = 0; i < steps; ++i) {
+    if (!live.empty() && rng() % 2 == 0) {
+      size_t k = rng() % live.size();
+      ops.push_back(ReplayOp{ReplayOp::kFree, live[k], 0, 0});
+      live[k] = live.back();
+      live.pop_back();
+    } else {
+      size_t size = rng() % 4 == 0 ? rng() % (48 * MiB) : rng() % (2 * MiB);
+      ops.push_back(ReplayOp{ReplayOp::kAlloc, next_id, size, static_cast<Stream>(rng() % 3)});
+      live.push_back(next_id++);
+    }
+  }
+  ReplayTrace trace(ops);
+  for (bool expandable : {false, true}) {
+    for (size_t capacity : {size_t(0), 512 * MiB, 96 * MiB}) {
+      TorchModelOptions opt;
+      opt.expandable = expandable;
+      opt.capacity = capacity;
+      opt.record_calls = true;
+      for (size_t op = 0; op < ops.size(); op += 97) opt.releases.push_back(op);
+      TorchModelResult r = run_torch_model(trace, opt);
+      CHECK(r.completed == (r.ooms == 0));
+      CHECK(r.calls.size() == r.device_calls);
+      int64_t reserved = 0, peak = 0;
+      for (const ModelCall& c : r.calls) {
+        bool grows = c.kind == ModelCall::kSegmentAlloc || c.kind == ModelCall::kSegmentMap;
+        CHECK(grows || c.kind == ModelCall::kSegmentFree || c.kind == ModelCall::kSegmentUnmap);
+        CHECK(expandable == (c.kind == ModelCall::kSegmentMap || c.kind == ModelCall::kSegmentUnmap));
+        reserved += grows ? int64_t(c.size) : -int64_t(c.size);
+        CHECK(reserved >= 0);
+        peak = std::max(peak, reserved);
+      }
+      CHECK(peak == r.peak_reserved);
+      if (capacity != 0) CHECK(r.peak_reserved <= int64_t(capacity));
+    }
+  }
+}
+
 int main(int argc, char** argv) {
   std::string what = argc > 1 ? argv[1] : "all";
   for (const char* backend : {"host", "virtual"}) {
@@ -214,6 +263,10 @@ int main(int argc, char** argv) {
     }
     test_threads(backend, "segment_size:8MiB");
     test_threads(backend, "strategy:vmm");
+  }
+  if (what == "all") {
+    test_torch_model(11, 4000);
+    test_torch_model(12, 4000);
   }
   if (failures != 0) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);

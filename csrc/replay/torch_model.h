@@ -1,0 +1,109 @@
+// A model of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp,
+// as in torch 2.11-2.13), default and with expandable_segments:True, run over
+// the same ReplayTrace as pyalloc's replay, so that the replay can set pyalloc
+// beside the allocator a user would otherwise run, at equal budgets.
+//
+// It is a policy of its own, not pyalloc's core: it keeps PyTorch's blocks
+// (two pools, free blocks ordered by stream, size, address; blocks split and
+// merged inside their segment) and models the device's addresses itself, so it
+// needs no Backend. What it reproduces, and how it is checked against real
+// snapshots (the recorded segment_alloc / segment_free / segment_map /
+// segment_unmap calls, in order), is written in csrc/replay/README.md.
+//
+// Policy, in short:
+// - Requests round up to 512 B; rounded <= 1 MiB go to the small pool, the
+//   rest to the large pool. Free blocks are reused only on their own stream:
+//   best fit by size, ties to the lowest address.
+// - Default: a miss calls cudaMalloc for a segment of 2 MiB (small pool),
+//   20 MiB (requests under 10 MiB) or the request rounded up to 2 MiB. A block
+//   is split when the rest is >= 512 B (small pool) or > 1 MiB (large pool).
+// - Expandable: one virtual range per (pool, stream), pages of 2 MiB (small)
+//   or 20 MiB (large) mapped on demand; a miss maps only what the lowest free
+//   run in front of unmapped space lacks; best fit counts a free block followed
+//   by unmapped space as that much bigger; rests of 512 B or more are split off.
+// - Out of memory (a capacity given): release_cached_blocks (every wholly free
+//   segment of every pool and stream, or every whole page inside a free block)
+//   and one more try, then the allocation is refused.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "core/common.h"
+#include "replay/replay.h"
+
+namespace pyalloc {
+
+/// A device call of the model, with the action codes of a snapshot's trace
+/// (pyalloc/snapshot_io.py): 3 segment_alloc, 4 segment_free, 5 segment_map,
+/// 6 segment_unmap.
+struct ModelCall {
+  enum Kind : uint8_t { kSegmentAlloc = 3, kSegmentFree = 4, kSegmentMap = 5, kSegmentUnmap = 6 };
+  Kind kind;
+  uint64_t op;     // the trace op being served, or before which a release ran
+  uintptr_t addr;
+  size_t size;
+};
+
+/// A segment that exists before the trace's first op (default policy only).
+struct SeedSegment {
+  uintptr_t addr;
+  size_t size;
+  Stream stream;
+  bool small;  // in the small pool
+};
+
+struct TorchModelOptions {
+  bool expandable = false;
+  /// Device bytes; 0: unbounded (cudaMalloc and page mapping never fail).
+  size_t capacity = 0;
+  /// Stop at the first refused allocation (a budget search only needs to know).
+  bool stop_on_oom = false;
+  /// Keep every device call in the result (for validation against a snapshot).
+  bool record_calls = false;
+  /// Segments present before op 0, counted neither as calls nor in the
+  /// second half; default policy only.
+  std::vector<SeedSegment> seed;
+  /// By op: for an alloc, the address it had in the recording (non-zero: the
+  /// block is placed there, inside a seeded segment); empty for none.
+  std::vector<uintptr_t> place_at;
+  /// Ops before which release_cached_blocks runs: the recording run's own
+  /// releases (empty_cache, its out-of-memory retries), ascending.
+  std::vector<uint64_t> releases;
+  /// The addresses the driver returned, by cudaMalloc ordinal: (size, address).
+  /// Used for the k-th cudaMalloc when the sizes agree and the range is free;
+  /// otherwise the model takes the highest free range (the Linux driver hands
+  /// out successive addresses mostly downwards).
+  std::vector<std::pair<size_t, uintptr_t>> malloc_hints;
+};
+
+struct TorchModelResult {
+  bool completed = true;
+  uint64_t ooms = 0;
+  int64_t first_oom_op = -1;
+  int64_t peak_reserved = 0;
+  /// Segments and page ranges reserved (cudaMalloc, map_block) plus released
+  /// (cudaFree, unmap_block): PyTorch's num_device_alloc + num_device_free.
+  uint64_t device_calls = 0;
+  /// The same from op size() / 2 on; -1 if the replay stopped before.
+  int64_t second_half_device_calls = -1;
+  /// cudaMalloc / cudaFree (a refused cudaMalloc included), cuMemCreate /
+  /// cuMemMap / cuMemSetAccess per page mapped, cuMemUnmap / cuMemRelease per
+  /// page unmapped (and the creates and releases of a mapping that failed).
+  uint64_t driver_calls = 0;
+  /// Out-of-memory retries taken (release_cached_blocks, then try again).
+  uint64_t retries = 0;
+  /// Seeded allocs that found no free block at their address (served normally).
+  uint64_t misplaced = 0;
+  double seconds = 0;
+  std::vector<ModelCall> calls;
+};
+
+/// Replays `trace` through the model. Throws std::invalid_argument for
+/// options that do not fit the trace (place_at of another length, unsorted
+/// releases, seeds with expandable segments, overlapping seeds).
+TorchModelResult run_torch_model(const ReplayTrace& trace, const TorchModelOptions& options);
+
+}  // namespace pyalloc
