@@ -26,10 +26,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
+
+from crash_rerun import run_check
 
 pytestmark = pytest.mark.gpu
 
@@ -55,9 +56,12 @@ def run(args, env=None, timeout=600) -> str:
     conf = ",".join(c for c in (BASE_CONF, full_env.get("PYALLOC_CONF", "")) if c)
     if conf:
         full_env["PYALLOC_CONF"] = conf
-    out = subprocess.run(args, capture_output=True, text=True, env=full_env, cwd=REPO, timeout=timeout)
+    # A check killed by a signal runs once more under cuda-gdb: its native backtrace
+    # goes into the message (crash_rerun.py).
+    out, native = run_check(args, full_env, REPO, timeout)
     assert out.returncode == 0, (
         f"{' '.join(args)} exited with {out.returncode}\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
+        + (f"\n--- {native}" if native else "")
     )
     return out.stdout
 
