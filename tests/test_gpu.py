@@ -44,6 +44,11 @@ BASE_CONF = os.environ.get("PYALLOC_CONF", "")
 # The route every check's install() takes (PYALLOC_BRIDGE passes through to them).
 HOOKS_ROUTE = os.environ.get("PYALLOC_BRIDGE", "").strip() == "0"
 
+# Checks that need the device to themselves: they run out of its memory on purpose, or
+# read its free memory (torch.cuda.mem_get_info), which checks beside them would move.
+# A GPU session runs them alone, the others side by side (benchmarks/gpu/session.py).
+whole_device = pytest.mark.whole_device
+
 bridge_only = pytest.mark.skipif(
     HOOKS_ROUTE, reason="needs the bridge: PYALLOC_BRIDGE=0 selects the C hooks route, where "
                         "PyTorch answers this with 'not supported'")
@@ -111,6 +116,7 @@ def test_memory_allocated_is_the_live_tensors():
     assert "OK" in script("accounting.py")
 
 
+@whole_device
 def test_torch_empty_cache_lowers_reserved_memory():
     assert "OK" in script("empty_cache.py")
 
@@ -123,6 +129,7 @@ def test_allocation_from_several_threads():
     assert "OK" in script("threads.py")
 
 
+@whole_device
 def test_oom_is_caught_and_recovered_from():
     assert "OK" in script("oom.py")
 
@@ -151,6 +158,7 @@ def test_fixed_shape_training_calls_the_driver_never_once_warm(strategy):
     assert "OK" in out
 
 
+@whole_device
 def test_cuda_graph_pools_shared_and_released():
     assert "OK" in script("cuda_graph_pools.py")
 
@@ -218,6 +226,7 @@ def test_cudnn_benchmark_mode_trains_a_convnet():
 
 
 @bridge_only
+@whole_device
 def test_out_of_memory_is_torchs_error_with_observers_called_first():
     check("oom_observer.py")
 
@@ -228,6 +237,7 @@ def test_memory_history_names_python_frames_and_every_reader_takes_it(tmp_path):
 
 
 @bridge_only
+@whole_device
 def test_mempool_keeps_its_allocations_and_returns_its_memory():
     check("mempool.py")
 

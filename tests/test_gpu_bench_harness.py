@@ -572,3 +572,11 @@ def test_report_names_the_strategy_pyalloc_really_used():
     }}
     assert gpu_report.pyalloc_strategies(results) == ["bestfit"]
     assert gpu_report.pyalloc_strategies({"workloads": {}}) == []
+
+
+def test_traces_are_recorded_only_under_native_allocators(capsys):
+    from benchmarks.gpu.__main__ import _parser, main
+
+    assert _parser().get_default("trace_allocators") == "native"
+    assert main(["--device", "cpu", "--smoke", "--no-timing", "--traces", "--trace-allocators", "native,pyalloc"]) == 2
+    assert "--trace-allocators: 'pyalloc' records no memory history" in capsys.readouterr().err
