@@ -20,6 +20,10 @@ check):
     PYALLOC_BRIDGE=0 python3 -m pytest tests/test_gpu.py
     PYALLOC_BRIDGE=1 PYALLOC_CONF=strategy:bestfit python3 -m pytest tests/test_gpu.py
     PYALLOC_BRIDGE=0 PYALLOC_CONF=strategy:bestfit python3 -m pytest tests/test_gpu.py
+
+``python -m benchmarks.gpu.session`` runs these as stages of a GPU window, the
+checks marked ``whole_device`` alone and the others side by side (pytest -n).
+A check that dies by a signal runs once more under cuda-gdb (crash_rerun.py).
 """
 from __future__ import annotations
 

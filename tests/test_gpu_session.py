@@ -168,3 +168,32 @@ def test_the_log_names_device_driver_torch_date_and_commit(monkeypatch):
     assert lines[0].endswith("(name, driver, memory)") and lines[3] == "commit: abc1234"
     torch = pytest.importorskip("torch")
     assert lines[1].startswith(f"torch: {torch.__version__} CUDA "), lines
+
+
+def test_the_replay_is_put_beside_the_live_runs(tmp_path, capsys):
+    import json
+
+    GiB = 1 << 30
+    live = {"workloads": {"llm_train": {"traces": {
+        "native": {"path": "/tmp/x/llm_train-nvidia-h100.pickle",
+                   "live": {"peak_reserved": 20 * GiB, "num_device_alloc": 31}},
+        "native_expandable": {"path": "/tmp/x/llm_train-native_expandable-nvidia-h100.pickle",
+                              "live": {"peak_reserved": 16 * GiB, "num_device_alloc": 90}}}}}}
+    replay = [{"trace": "/tmp/pyalloc-session-traces/llm_train-nvidia-h100.pickle",
+               "native_peak_reserved_bytes": 19 * GiB, "pyalloc_peak_reserved_bytes": 15 * GiB,
+               "device_allocs": 12, "device_frees": 3}]
+    (tmp_path / "traces.json").write_text(json.dumps(live))
+    (tmp_path / "traces-replay.json").write_text(json.dumps(replay))
+    assert session.main(["--compare-traces", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["llm_train", "native", "20.00,", "31", "|", "19.00", "(0.950)", "|", "15.00,", "15"]
+    assert lines[2].split()[:5] == ["llm_train", "native_expandable", "16.00,", "90", "|"]
+    assert lines[2].endswith("| no replay of this trace")
+
+
+def test_the_readme_shows_the_plan_as_it_is():
+    with open(os.path.join(REPO, "benchmarks", "gpu", "README.md")) as f:
+        rows = [line.split("|") for line in f if line.startswith("| `")]
+    table = {cells[1].strip().strip("`"): cells[2].strip() for cells in rows if len(cells) > 3}
+    assert [(s.name, table.get(s.name)) for s in session.STAGES] == \
+        [(s.name, str(s.limit_s)) for s in session.STAGES]

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -123,7 +125,7 @@ def _bench(out: str) -> List[Step]:
 
 def _traces(out: str) -> List[Step]:
     # The traces stay outside the output folder, which takes few files: one archive goes back.
-    traces = os.path.join(REPO, "benchmarks", "traces", "session")
+    traces = os.path.join(tempfile.gettempdir(), "pyalloc-session-traces")
     return build_steps(bridge=False) + [
         Step("memory histories (native, native_expandable)", [
             PY, "-m", "benchmarks.gpu", "--no-timing", "--traces", "--trace-allocators",
@@ -132,6 +134,7 @@ def _traces(out: str) -> List[Step]:
         Step("replay of the histories", ["bash", "-c",
              f'{shlex.quote(PY)} -m pyalloc replay --no-search --json "$0"/traces-replay.json "$1"/*.pickle',
              out, traces]),
+        Step("the replay beside the live runs", [PY, "-m", "benchmarks.gpu.session", "--compare-traces", out]),
         Step("archive of the histories", ["tar", "czf", os.path.join(out, "traces.tar.gz"),
                                           "-C", os.path.dirname(traces), os.path.basename(traces)]),
     ]
@@ -180,6 +183,39 @@ def plan_lines(stages: Sequence[Stage] = STAGES) -> List[str]:
 
 def fits(stages: Sequence[Stage] = STAGES) -> bool:
     return all(s.limit_s <= STAGE_LIMIT_S for s in stages) and sum(s.limit_s for s in stages) <= TOTAL_LIMIT_S
+
+
+# -- the replay's prediction beside the live runs ----------------------------------------
+
+
+def _gib(n: Optional[float]) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def compare_traces(out: str) -> List[str]:
+    """A table of each recorded history: what the live run measured (peak reserved,
+    device allocations) beside what the replay of its trace found (the native
+    allocator's peak reserved followed through the trace; pyalloc's predicted peak
+    reserved and device calls). From out/traces.json and out/traces-replay.json."""
+    with open(os.path.join(out, "traces.json")) as f:
+        live = json.load(f)
+    with open(os.path.join(out, "traces-replay.json")) as f:
+        replays = {os.path.basename(r["trace"]): r for r in json.load(f)}
+    lines = ["workload             allocator          live: peak reserved GiB, device allocs | replay: "
+             "native peak reserved GiB (ratio to live) | pyalloc peak reserved GiB, device allocs+frees"]
+    for name, entry in sorted(live.get("workloads", {}).items()):
+        for allocator, info in sorted((entry.get("traces") or {}).items()):
+            r = replays.get(os.path.basename(info.get("path") or ""))
+            seen = info.get("live") or {}
+            text = f"{name:<20} {allocator:<18} {_gib(seen.get('peak_reserved')):>8}, {seen.get('num_device_alloc', '-')}"
+            if r is None:
+                lines.append(text + " | no replay of this trace")
+                continue
+            native, peak = r.get("native_peak_reserved_bytes"), seen.get("peak_reserved")
+            ratio = f" ({native / peak:.3f})" if native is not None and peak else ""
+            lines.append(f"{text} | {_gib(native)}{ratio} | {_gib(r.get('pyalloc_peak_reserved_bytes'))}, "
+                         f"{r.get('device_allocs', 0) + r.get('device_frees', 0)}")
+    return lines
 
 
 # -- where it ran -----------------------------------------------------------------------
@@ -391,8 +427,14 @@ def main(argv: Optional[List[str]] = None, stages: Sequence[Stage] = STAGES) -> 
     which.add_argument("--plan", action="store_true", help="print the stages: name, limit in seconds, what")
     which.add_argument("--stage", metavar="NAME", help="run one stage")
     which.add_argument("--all", action="store_true", help="run every stage, in order")
+    which.add_argument("--compare-traces", metavar="DIR", help="the replay of the traces stage's histories "
+                       "beside the live runs (DIR/traces.json, DIR/traces-replay.json)")
     p.add_argument("--out", metavar="DIR", help="where each stage writes its log and results")
     args = p.parse_args(argv)
+    if args.compare_traces:
+        for line in compare_traces(args.compare_traces):
+            print(line)
+        return 0
     if args.plan:
         for line in plan_lines(stages):
             print(line)
