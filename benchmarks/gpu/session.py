@@ -277,7 +277,7 @@ class Tee:
     """Every line to the log file (flushed at once) and to this process's stdout."""
 
     def __init__(self, path: str, echo: bool = True):
-        self.file = open(path, "a", buffering=1)
+        self.file = open(path, "w", buffering=1)  # one log per run of a stage
         self.echo = echo
 
     def write(self, text: str) -> None:
