@@ -42,7 +42,8 @@ def test_the_plan_lists_every_stage_in_order_and_fits_the_window(capsys):
     assert capsys.readouterr().out.splitlines()[-1].endswith("DOES NOT FIT)")
 
 
-def test_every_stage_builds_first_and_the_gpu_tests_take_their_route_and_strategy(tmp_path):
+def test_every_stage_builds_first_and_the_gpu_tests_take_their_route_and_strategy(tmp_path, monkeypatch):
+    monkeypatch.setattr(session, "xdist_available", lambda: True)  # as on the GPU machine
     for stage in session.STAGES:
         steps = stage.steps(str(tmp_path))
         assert steps[0].argv[1:] == ["setup.py", "build_ext", "--inplace"] and steps[0].needed, stage.name
@@ -60,6 +61,11 @@ def test_every_stage_builds_first_and_the_gpu_tests_take_their_route_and_strateg
         side, alone = steps[0].argv, steps[1].argv
         assert "-n" in side and marks(side) == "gpu and not whole_device"
         assert "-n" not in alone and marks(alone) == "gpu and whole_device"
+
+    monkeypatch.setattr(session, "xdist_available", lambda: False)
+    side = session.gpu_test_steps("bridge")[0]
+    assert "-n" not in side.argv and marks(side.argv) == "gpu and not whole_device"
+    assert side.label == "GPU tests that share the device, one at a time: no pytest-xdist (bridge)"
 
 
 def test_the_checks_run_alone_are_those_that_need_the_whole_device():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import re
@@ -84,17 +85,26 @@ def build_steps(bridge: bool = True) -> List[Step]:
     return steps
 
 
+def xdist_available() -> bool:
+    return importlib.util.find_spec("xdist") is not None
+
+
 def gpu_test_steps(route: str, conf: str = "") -> List[Step]:
-    """tests/test_gpu.py on one route: the checks that share the device side by side,
-    then those that need it whole, one at a time."""
+    """tests/test_gpu.py on one route: the checks that share the device side by side
+    (one at a time where pytest-xdist is missing), then those that need it whole,
+    one at a time."""
     env = {"PYALLOC_BRIDGE": "1" if route == "bridge" else "0"}
     if conf:
         env["PYALLOC_CONF"] = conf
     tag = f"{route}{', ' + conf if conf else ''}"
     common = [PY, "-m", "pytest", "tests/test_gpu.py", "-v", "-rA", "-p", "no:cacheprovider"]
-    return [Step(f"GPU tests side by side ({tag})",
-                 common + ["-n", str(SIDE_BY_SIDE), "-m", "gpu and not whole_device"], env, pytest=True),
-            Step(f"GPU tests alone ({tag})", common + ["-m", "gpu and whole_device"], env, pytest=True)]
+    if xdist_available():
+        side = Step(f"GPU tests side by side ({tag})", common + ["-n", str(SIDE_BY_SIDE)], env, pytest=True)
+    else:
+        side = Step(f"GPU tests that share the device, one at a time: no pytest-xdist ({tag})", common, env,
+                    pytest=True)
+    side.argv += ["-m", "gpu and not whole_device"]
+    return [side, Step(f"GPU tests alone ({tag})", common + ["-m", "gpu and whole_device"], env, pytest=True)]
 
 
 def _doctor(out: str) -> List[Step]:
