@@ -117,13 +117,13 @@ def test_a_stage_logs_its_environment_every_output_and_a_summary(tmp_path):
 
 def test_a_failed_build_stops_the_stage_and_the_rest_did_not_run(tmp_path):
     stage = Stage("broken", 60, "x", lambda out: [
-        Step("build pyalloc._C", _py("raise SystemExit(2)"), needed=True),
+        Step("build pyalloc._C", _py("print('error: no compiler'); raise SystemExit(2)"), needed=True),
         Step("tests", _py("print('never')")),
     ])
     assert not run_stage(stage, str(tmp_path), echo=False, describe=lambda: [])
     lines = _log(tmp_path, "broken")
     assert "never" not in lines
-    assert lines[-4:] == ["passed: nothing", "failed: build pyalloc._C: exit 2",
+    assert lines[-4:] == ["passed: nothing", "failed: build pyalloc._C: exit 2, its last line: error: no compiler",
                           "did not run: tests ('build pyalloc._C' failed)", "stage broken: FAILED"], lines
 
 

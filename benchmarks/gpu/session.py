@@ -356,6 +356,9 @@ def run_step(step: Step, tee: Tee, deadline: float, env: Dict[str, str]) -> Step
         result.status = "failed"
         result.why = (f"died of signal {-proc.returncode}" if proc.returncode < 0
                       else f"exit {proc.returncode}")
+        last = [line.strip() for line in lines if line.strip()][-1:]
+        if last and not step.pytest:  # a pytest step's summary names its failures
+            result.why += f", its last line: {last[0][:300]}"
     tee.line(f"-- {result.status}: {step.label} ({result.why or 'exit 0'}, {result.seconds:.0f} s)")
     return result
 

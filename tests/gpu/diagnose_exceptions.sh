@@ -16,12 +16,15 @@
 #   C  where the checks crash (cuda-gdb: backtrace and the libraries loaded)
 #   D  the torch cases again after a rebuild with the system g++
 # Each step prints its exit status: 0 is good; 139 (128 + 11) is the crash; 124 a step
-# stopped at its time limit.
+# stopped at its time limit. The last line lists the steps that did not exit 0 (and the
+# script then exits 1).
 set -u
 STEP_LIMIT=${STEP_LIMIT:-120}  # seconds per step: a hang must not eat the whole window
 
-status() {  # status NAME RC: one line a reader can grep for
+NONZERO=""
+status() {  # status NAME RC: one line a reader can grep for; the last line lists the non-zero ones
   echo "$1 rc=$2"
+  [ "$2" -eq 0 ] || NONZERO="$NONZERO $1=$2"
 }
 
 py() {  # py CODE: python3 with faulthandler, stopped after STEP_LIMIT seconds
@@ -146,4 +149,11 @@ elif [ -x /usr/bin/g++ ]; then
   done
 else
   echo "no /usr/bin/g++: no rebuild"
+fi
+
+if [ -z "$NONZERO" ]; then
+  echo "== diagnosis: every step exited 0"
+else
+  echo "== diagnosis: steps that did not exit 0:$NONZERO"
+  exit 1
 fi
