@@ -107,7 +107,8 @@ def test_a_stage_logs_its_environment_every_output_and_a_summary(tmp_path):
     summary = lines[lines.index(next(x for x in lines if x.startswith("== summary of stage fake"))):]
     assert summary[1:] == [
         "passed: build; benchmark",
-        "failed: gpu tests: exit 1 (1 failed, 20 passed, 1 skipped)",
+        "failed: gpu tests",
+        "  gpu tests: exit 1 (1 failed, 20 passed, 1 skipped)",
         "  failed test: tests/test_gpu.py::test_oom_is_caught_and_recovered_from - AssertionError: exited with -11",
         "did not run: nothing",
         "  skipped test: tests/test_gpu.py:140: skipped with one GPU",
@@ -123,7 +124,8 @@ def test_a_failed_build_stops_the_stage_and_the_rest_did_not_run(tmp_path):
     assert not run_stage(stage, str(tmp_path), echo=False, describe=lambda: [])
     lines = _log(tmp_path, "broken")
     assert "never" not in lines
-    assert lines[-4:] == ["passed: nothing", "failed: build pyalloc._C: exit 2, its last line: error: no compiler",
+    assert lines[-5:] == ["passed: nothing", "failed: build pyalloc._C",
+                          "  build pyalloc._C: exit 2, its last line: error: no compiler",
                           "did not run: tests ('build pyalloc._C' failed)", "stage broken: FAILED"], lines
 
 
@@ -140,7 +142,7 @@ def test_a_stage_past_its_limit_is_killed_with_its_children_and_says_so(tmp_path
     lines = _log(tmp_path, "slow")
     assert "started" in lines
     assert any(line.startswith("-- killed after ") and "the stage's limit was reached" in line for line in lines)
-    assert lines[-4:] == ["passed: nothing", "failed: hangs: killed at the stage's limit",
+    assert lines[-5:] == ["passed: nothing", "failed: hangs", "  hangs: killed at the stage's limit",
                           "did not run: after (the stage's limit was reached)", "stage slow: KILLED at its limit"]
     grandchild = int(pid_file.read_text())
     for _ in range(50):

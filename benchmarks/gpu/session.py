@@ -371,8 +371,7 @@ def summary_lines(stage: Stage, results: List[StepResult], seconds: float) -> Li
     """What passed, what failed, what did not run (steps, then the tests pytest named);
     the last line: the stage's verdict."""
     passed = [f"{r.step.label}" + (f" ({_counts(r)})" if r.counts else "") for r in results if r.status == "passed"]
-    failed = [f"{r.step.label}: {r.why}" + (f" ({_counts(r)})" if r.counts else "")
-              for r in results if r.status in ("failed", "killed")]
+    failed = [r for r in results if r.status in ("failed", "killed")]
     not_run = [f"{r.step.label} ({r.why})" for r in results if r.status == "not run"]
     failed_tests = [t for r in results for t in r.failed_tests]
     skipped_tests = [t for r in results for t in r.skipped_tests]
@@ -380,7 +379,8 @@ def summary_lines(stage: Stage, results: List[StepResult], seconds: float) -> Li
     verdict = "KILLED at its limit" if killed else "FAILED" if failed or failed_tests else "PASSED"
     lines = [f"== summary of stage {stage.name} ({seconds:.0f} s of its {stage.limit_s} s)",
              "passed: " + ("; ".join(passed) or "nothing"),
-             "failed: " + ("; ".join(failed) or "nothing")]
+             "failed: " + ("; ".join(r.step.label for r in failed) or "nothing")]
+    lines += [f"  {r.step.label}: {r.why}" + (f" ({_counts(r)})" if r.counts else "") for r in failed]
     lines += [f"  failed test: {t}" for t in failed_tests]
     lines.append("did not run: " + ("; ".join(not_run) or "nothing"))
     lines += [f"  skipped test: {t}" for t in skipped_tests]
