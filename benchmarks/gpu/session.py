@@ -123,7 +123,8 @@ def _tests_hooks(out: str) -> List[Step]:
 
 
 def _tests_bestfit(out: str) -> List[Step]:
-    return build_steps() + gpu_test_steps("bridge", "strategy:bestfit") + gpu_test_steps("hooks", "strategy:bestfit")
+    bestfit = "strategy:bestfit"
+    return build_steps() + gpu_test_steps("bridge", bestfit) + gpu_test_steps("hooks", bestfit)
 
 
 def _bench(out: str) -> List[Step]:
@@ -217,7 +218,8 @@ def compare_traces(out: str) -> List[str]:
         for allocator, info in sorted((entry.get("traces") or {}).items()):
             r = replays.get(os.path.basename(info.get("path") or ""))
             seen = info.get("live") or {}
-            text = f"{name:<20} {allocator:<18} {_gib(seen.get('peak_reserved')):>8}, {seen.get('num_device_alloc', '-')}"
+            text = (f"{name:<20} {allocator:<18} {_gib(seen.get('peak_reserved')):>8}, "
+                    f"{seen.get('num_device_alloc', '-')}")
             if r is None:
                 lines.append(text + " | no replay of this trace")
                 continue
@@ -319,7 +321,7 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def run_step(step: Step, tee: Tee, deadline: float, env: Dict[str, str]) -> StepResult:
-    tee.line(f"$ {' '.join(f'{k}={v}' for k, v in step.env.items())}{' ' if step.env else ''}{shlex.join(step.argv)}")
+    tee.line("$ " + " ".join([f"{k}={v}" for k, v in step.env.items()] + [shlex.join(step.argv)]))
     start = time.monotonic()
     try:
         proc = subprocess.Popen(step.argv, cwd=REPO, env=dict(env, **step.env), stdout=subprocess.PIPE,
@@ -370,7 +372,7 @@ def _counts(r: StepResult) -> str:
 def summary_lines(stage: Stage, results: List[StepResult], seconds: float) -> List[str]:
     """What passed, what failed, what did not run (steps, then the tests pytest named);
     the last line: the stage's verdict."""
-    passed = [f"{r.step.label}" + (f" ({_counts(r)})" if r.counts else "") for r in results if r.status == "passed"]
+    passed = [r.step.label + (f" ({_counts(r)})" if r.counts else "") for r in results if r.status == "passed"]
     failed = [r for r in results if r.status in ("failed", "killed")]
     not_run = [f"{r.step.label} ({r.why})" for r in results if r.status == "not run"]
     failed_tests = [t for r in results for t in r.failed_tests]
