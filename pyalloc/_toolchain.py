@@ -28,7 +28,7 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
 #: The system compiler: the one the distribution's Python and C++ runtime come with.
 SYSTEM_COMPILERS = ("/usr/bin/g++", "/usr/bin/c++")
@@ -38,20 +38,27 @@ RUNTIME_SYMBOLS = ("__cxa_throw", "_Unwind_RaiseException")
 RUNTIME_LIBRARIES = ("libstdc++.so*", "libgcc_s.so*")
 
 
-def choose_cxx(env: Optional[Mapping[str, str]] = None, system: Sequence[str] = SYSTEM_COMPILERS,
-               which: Optional[Callable[..., Optional[str]]] = None) -> Tuple[Optional[str], str]:
+def _on_path(name: str, path: str) -> Optional[str]:
+    for folder in filter(None, path.split(os.pathsep)):
+        candidate = os.path.join(folder, name)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def choose_cxx(env: Optional[Mapping[str, str]] = None,
+               system: Sequence[str] = SYSTEM_COMPILERS) -> Tuple[Optional[str], str]:
     """(compiler, why): $CXX when set; else the system g++; else g++ or c++ on PATH.
-    (None, why) when there is none. ``env``, ``system`` and ``which`` replace the
-    environment, the system compilers' paths and shutil.which (tests)."""
+    (None, why) when there is none. ``env`` and ``system`` replace the environment
+    and the system compilers' paths (tests)."""
     env = os.environ if env is None else env
-    which = which or shutil.which
     if env.get("CXX"):
         return env["CXX"], "$CXX"
     for path in system:
         if os.path.isfile(path) and os.access(path, os.X_OK):
             return path, "the system compiler"
     for name in ("g++", "c++"):
-        found = which(name, path=env.get("PATH"))
+        found = _on_path(name, env.get("PATH", ""))
         if found:
             return found, "found on PATH (no system compiler at " + " or ".join(system) + ")"
     return None, "no C++ compiler: neither $CXX, nor " + ", ".join(system) + ", nor g++ or c++ on PATH"
