@@ -49,6 +49,10 @@ SO=$(ls pyalloc/_C*.so)
 TORCH_LIB=$(python3 -c "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))")
 BRIDGE_SO=$(python3 -m pyalloc bridge status | sed -n 's/^library: //p' | grep -v '^None$')
 TOTAL=$(python3 -c "import pyalloc._C as C; print(C.cuda_describe_device(0)['total_bytes'])")
+if [ -z "$TOTAL" ]; then
+  echo "device 0 cannot be described (no GPU?): the steps below ask for 1 TiB instead"
+  TOTAL=$((1 << 39))
+fi
 TWICE=$((2 * TOTAL))
 echo "device 0: $TOTAL bytes; oom.py asks for twice that: $TWICE"
 
