@@ -5,7 +5,9 @@ run time. The extension is one shared library that is both the Python module
 and the library torch.cuda.memory.CUDAPluggableAllocator loads.
 """
 import glob
+import importlib.util
 import os
+import sys
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
 from setuptools import setup
@@ -17,6 +19,24 @@ VERSION = "0.1.0"
 ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 
 here = os.path.dirname(os.path.abspath(__file__))
+
+
+def _toolchain():
+    # pyalloc/_toolchain.py imports nothing from pyalloc, which is not built yet.
+    spec = importlib.util.spec_from_file_location("_pyalloc_toolchain",
+                                                  os.path.join(here, "pyalloc", "_toolchain.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+# The compiler must use the C++ runtime torch uses (the system g++'s), or an exception
+# unwound from pyalloc through torch's frames crashes: pyalloc/_toolchain.py says why.
+# CC and CXX set in the environment still win.
+toolchain = _toolchain()
+CXX, CXX_WHY = toolchain.use_for_setup(os.environ)
+print(f"pyalloc: C++ compiler: {toolchain.identity(CXX) if CXX else 'none'} ({CXX_WHY})", file=sys.stderr)
 # csrc/ holds one folder per layer (csrc/README.md). Everything but the bridge,
 # which is built later against the installed torch, goes into pyalloc._C.
 LAYERS = ("core", "backends", "cuda", "replay", "python")

@@ -8,8 +8,11 @@ memory history and snapshots, ``MemPool``, CUDA graphs and the
 It is compiled against the installed torch with ``torch.utils.cpp_extension``
 (ninja), the first time ``install()`` needs it or ahead of time with
 ``pyalloc bridge build``, and cached per torch, CUDA, Python and pyalloc
-version. It needs a C++ compiler and the CUDA runtime's headers, from a CUDA
-toolkit or from the CUDA runtime wheel a CUDA build of torch depends on.
+version and per compiler. It needs a C++ compiler and the CUDA runtime's
+headers, from a CUDA toolkit or from the CUDA runtime wheel a CUDA build of
+torch depends on. The compiler is the system g++ unless $CXX names another
+(pyalloc/_toolchain.py: the bridge throws c10 exceptions into torch's frames,
+which must share torch's C++ runtime).
 
 The command line: ``pyalloc bridge build [--check]`` and ``pyalloc bridge status``.
 """
@@ -25,7 +28,7 @@ import sysconfig
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from . import _C
+from . import _C, _toolchain
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: Where the bridge's sources are: csrc/ beside the package (a source checkout
@@ -118,15 +121,30 @@ def _import_torch():
     return torch
 
 
+def compiler() -> Tuple[Optional[str], str]:
+    """(compiler, why) the bridge is built with: $CXX, else the system g++, else g++ or
+    c++ on PATH (pyalloc/_toolchain.py)."""
+    return _toolchain.choose_cxx()
+
+
+def compiler_identity() -> str:
+    """The compiler's path and the first line of its --version ('none' without one)."""
+    cxx, _ = compiler()
+    return _toolchain.identity(cxx) if cxx else "none"
+
+
 def cache_dir(torch=None) -> str:
-    """The build folder for this torch, CUDA, Python and pyalloc (PYALLOC_BRIDGE_CACHE
-    overrides the parent folder, ~/.cache/pyalloc/bridge by default)."""
+    """The build folder for this torch, CUDA, Python, pyalloc and compiler
+    (PYALLOC_BRIDGE_CACHE overrides the parent folder, ~/.cache/pyalloc/bridge by
+    default). A bridge built by another compiler is never reused: it may carry
+    another C++ runtime."""
     torch = torch or _import_torch()
     base = os.environ.get(CACHE_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
         "pyalloc", "bridge")
     key = (f"torch-{torch.__version__}-cuda-{torch.version.cuda or 'none'}-"
-           f"py{sys.version_info[0]}{sys.version_info[1]}-pyalloc-{_C.__version__}")
+           f"py{sys.version_info[0]}{sys.version_info[1]}-pyalloc-{_C.__version__}-"
+           f"cxx-{_toolchain.identity_key(compiler_identity())}")
     return os.path.join(base, re.sub(r"[^A-Za-z0-9._-]", "_", key))
 
 
@@ -206,8 +224,9 @@ def missing_prerequisite(torch: Any = None, check: bool = False) -> Optional[str
         return ("the CUDA runtime's headers (cuda_runtime_api.h) were found neither in a CUDA toolkit "
                 "(CUDA_HOME, nvcc, /usr/local/cuda) nor in an nvidia CUDA runtime wheel; install "
                 "the CUDA toolkit, or the CUDA runtime wheel torch names (pip show torch)")
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return "no C++ compiler (c++, or $CXX) to build the bridge with"
+    cxx, why = compiler()
+    if cxx is None or shutil.which(cxx) is None:
+        return "no C++ compiler to build the bridge with: " + (why if cxx is None else f"$CXX={cxx} is not found")
     try:
         import ninja  # noqa: F401
     except ImportError:
@@ -258,6 +277,10 @@ def build(check: bool = False, verbose: bool = False) -> BuildResult:
     torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
     if not os.path.isfile(os.path.join(torch_include, "c10", "cuda", "impl", "cuda_cmake_macros.h")):
         cflags.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
+    # torch.utils.cpp_extension compiles and links with $CXX.
+    cxx, _ = compiler()
+    saved_cxx = os.environ.get("CXX")
+    os.environ["CXX"] = cxx
     try:
         module = cpp_extension.load(
             name=MODULE_NAME,
@@ -286,12 +309,18 @@ def build(check: bool = False, verbose: bool = False) -> BuildResult:
                            "of torch cannot load it")
     except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
         raise BridgeUnavailable(f"building the bridge failed: {e}") from e
+    finally:
+        if saved_cxx is None:
+            os.environ.pop("CXX", None)
+        else:
+            os.environ["CXX"] = saved_cxx
     library = _built_library(build_dir) or getattr(module, "__file__", "")
     if check:
         return BuildResult(library, module, cuda, torch.__version__,
                            f"the bridge compiles, links and loads against torch {torch.__version__}")
     return BuildResult(library, module, cuda, torch.__version__,
-                       f"the bridge is built for torch {torch.__version__}: {library}")
+                       f"the bridge is built for torch {torch.__version__} with {_toolchain.identity(cxx)}: "
+                       f"{library}")
 
 
 _loaded: Any = None
@@ -321,8 +350,10 @@ def status(torch: Any = None) -> dict:
     built, library, cache: whether the bridge is built for this torch and pyalloc,
     the file, the folder; why_not: why it cannot be built or loaded here (None: it
     can). ``torch`` replaces the installed one (tests)."""
-    out = {"route": _C.cuda_route(), "torch": None, "cuda_headers": None, "built": False,
-           "library": None, "cache": None, "why_not": None}
+    out = {"route": _C.cuda_route(), "torch": None, "cuda_headers": None, "compiler": None,
+           "built": False, "library": None, "cache": None, "why_not": None}
+    cxx, why = compiler()
+    out["compiler"] = f"{_toolchain.identity(cxx)} ({why})" if cxx else why
     cuda = find_cuda_headers()
     if cuda is not None:
         out["cuda_headers"] = f"{cuda.include} ({cuda.origin})"

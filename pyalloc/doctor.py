@@ -1,7 +1,10 @@
 """``pyalloc doctor``: is this machine ready for pyalloc? Run it first on a new machine.
 
 It reports whether a C++ exception thrown inside pyalloc._C reaches Python (in a
-child process: a build whose exceptions crash would crash on every error); the
+child process: a build whose exceptions crash would crash on every error); for
+pyalloc._C, the bridge and torch's libraries, the compiler that built each, any
+RUNPATH, and whether one holds a private copy of the C++ runtime (readelf: a mix
+is not ready, since exceptions cross from pyalloc into torch's frames); the
 CUDA driver and its version; each device with its memory, virtual memory support
 and peers; the installed PyTorch (a CUDA build or not, the hooks its pluggable
 allocator offers, whether CUDA is already initialised in this process); the
@@ -18,12 +21,14 @@ when ready, 1 when not.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
-from . import _C
+from . import _C, _toolchain
 
 #: torch's pluggable-allocator setters that pyalloc uses when they exist.
 GRAPH_POOL_HOOKS = ("set_begin_allocate_to_pool", "set_end_allocate_to_pool", "set_release_pool")
@@ -307,6 +312,63 @@ def check_exceptions(r: Report, code: str = EXCEPTION_CHECK, timeout: float = 60
         r.problem(f"the C++ exception check failed ({last[0]})")
 
 
+def _runtime_libraries() -> List[Any]:
+    """(label, path) of pyalloc._C, the bridge where it is built, and torch's libraries."""
+    libraries = [("pyalloc._C", _C.__file__)]
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    torch_dir = os.path.dirname(spec.origin) if spec is not None and spec.origin else None
+    if torch_dir:
+        try:
+            from . import bridge
+
+            built = bridge._built_library(os.path.join(bridge.cache_dir(), "cuda"))
+            if built:
+                libraries.append(("the bridge", built))
+        except Exception:  # torch that cannot be imported: check_torch says so
+            pass
+    return libraries + _toolchain.torch_libraries(torch_dir)
+
+
+def check_runtime(r: Report, libraries: Optional[List[Any]] = None, readelf: str = "readelf") -> None:
+    """Which compiler built each library, its RUNPATH, and whether it holds a private
+    C++ runtime: pyalloc's exceptions unwind through torch's frames, so pyalloc's
+    libraries must use the C++ runtime torch uses. ``libraries`` ((label, path)
+    pairs) and ``readelf`` replace the real ones (tests)."""
+    cxx, why = _toolchain.choose_cxx()
+    r.line("compiler: " + (f"{_toolchain.identity(cxx)} ({why})" if cxx else why)
+           + " builds pyalloc._C and the bridge")
+    found = shutil.which(readelf)
+    if found is None:
+        r.line(f"runtime:  {readelf} is not found (binutils): which C++ runtime each library uses "
+               "cannot be told")
+        return
+    libraries = _runtime_libraries() if libraries is None else libraries
+    r.line("runtime:  the C++ runtime of each library (readelf):")
+    ours, theirs = {}, {}
+    for label, path in libraries:
+        info = _toolchain.read_runtime(path, found)
+        if info.error is not None:
+            r.line(f"          {label}: cannot be read ({info.error})")
+            continue
+        (theirs if label.startswith("torch") else ours)[label] = info
+        r.line(f"          {label}: {'; '.join(info.compilers) or 'no .comment'}")
+        r.line(f"            {path}")
+        r.line("            RUNPATH/RPATH: " + (":".join(info.runpath) or "none")
+               + (f" (holds {', '.join(info.runtime_in_runpath)})" if info.runtime_in_runpath else ""))
+        r.line("            C++ runtime: " + (f"a private copy ({', '.join(info.private)} defined here)"
+                                               if info.private else "the shared one"))
+    problems = _toolchain.runtime_problems(ours, theirs)
+    for text in problems:
+        r.problem(f"{text}: rebuild with the system g++ (unset CC and CXX, or CXX=/usr/bin/g++; "
+                  "python setup.py build_ext --inplace --force; pyalloc bridge build)")
+    if problems:
+        r.line("          a mix: an exception from pyalloc would unwind through torch's frames under "
+               "another runtime and crash")
+
+
 def check_conf(r: Report, devices: List[Dict[str, Any]]) -> None:
     from .cuda import CONF_ENV, settings_text
 
@@ -373,6 +435,7 @@ def diagnose(out: Callable[[str], None] = print, live: bool = True, timeout: flo
         devices = check_driver(r)
         torch = check_torch(r)
         route = check_bridge(r)
+        check_runtime(r)
         check_conf(r, devices)
         if not live:
             r.line("live:     skipped (--no-live)")

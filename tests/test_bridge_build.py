@@ -107,3 +107,75 @@ def test_bridge_command_line(capsys):
     if torch.version.cuda is None:
         assert "why_not: torch " in out and "CPU-only" in out
     assert main(["bridge"]) == 2
+
+
+# -- the compiler: the one whose C++ runtime torch uses ---------------------------------
+
+
+def _fake_compiler(folder, name, version):
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(f"#!/bin/sh\necho '{version}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_system_compiler_is_chosen_over_one_first_on_path(tmp_path):
+    from pyalloc._toolchain import choose_cxx
+
+    opt = _fake_compiler(tmp_path / "opt" / "gcc" / "bin", "g++", "g++ (GCC) 14.1.0")
+    system = _fake_compiler(tmp_path / "usr" / "bin", "g++", "g++ (Ubuntu 13.3.0) 13.3.0")
+    path = str(tmp_path / "opt" / "gcc" / "bin")
+    assert choose_cxx({"PATH": path}, system=(system,)) == (system, "the system compiler")
+    assert choose_cxx({"PATH": path, "CXX": "/x/clang++"}, system=(system,)) == ("/x/clang++", "$CXX")
+    cxx, why = choose_cxx({"PATH": path}, system=(str(tmp_path / "none" / "g++"),))
+    assert cxx == opt and why.startswith("found on PATH (no system compiler at "), why
+    assert choose_cxx({"PATH": str(tmp_path / "empty")}, system=())[0] is None
+
+
+def test_setup_py_takes_the_system_compiler_and_leaves_cc_and_cxx_to_the_user(tmp_path):
+    from pyalloc._toolchain import use_for_setup
+
+    system = _fake_compiler(tmp_path / "usr" / "bin", "g++", "g++ 13")
+    env = {"PATH": "/opt/gcc/bin"}
+    assert use_for_setup(env, system=(system,)) == (system, "the system compiler")
+    assert env["CXX"] == system and env["CC"] == system  # setuptools compiles and links with them
+    env = {"CC": "/my/gcc"}
+    use_for_setup(env, system=(system,))
+    assert env == {"CC": "/my/gcc", "CXX": system}
+    env = {"CXX": "/my/g++"}
+    use_for_setup(env, system=(system,))
+    assert env == {"CXX": "/my/g++", "CC": "/my/g++"}
+
+    # setup.py itself says which compiler it builds with, before setuptools runs.
+    opt = tmp_path / "opt" / "gcc" / "bin"
+    _fake_compiler(opt, "g++", "g++ (GCC) 14.1.0")
+    base = {k: v for k, v in os.environ.items() if k not in ("CC", "CXX")}
+    base["PATH"] = os.pathsep.join([str(opt), base.get("PATH", "")])
+    out = subprocess.run([sys.executable, "setup.py", "--name"], capture_output=True, text=True,
+                         env=dict(base, CXX=str(opt / "g++")), cwd=REPO, timeout=120)
+    assert f"pyalloc: C++ compiler: {opt / 'g++'}: g++ (GCC) 14.1.0 ($CXX)" in out.stderr, out.stderr
+    if os.path.exists("/usr/bin/g++"):
+        out = subprocess.run([sys.executable, "setup.py", "--name"], capture_output=True, text=True,
+                             env=base, cwd=REPO, timeout=120)
+        assert "pyalloc: C++ compiler: /usr/bin/g++" in out.stderr and "(the system compiler)" in out.stderr, \
+            out.stderr
+
+
+def test_the_bridge_is_built_with_the_chosen_compiler_and_cached_per_compiler(monkeypatch, tmp_path):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("PYALLOC_BRIDGE_CACHE", str(tmp_path / "cache"))
+    one = _fake_compiler(tmp_path / "a", "g++", "g++ (GCC) 13.3.0")
+    two = _fake_compiler(tmp_path / "b", "g++", "g++ (GCC) 14.1.0")
+    monkeypatch.setenv("CXX", one)
+    assert bridge.compiler() == (one, "$CXX")
+    assert bridge.compiler_identity() == f"{one}: g++ (GCC) 13.3.0"
+    first = bridge.cache_dir(torch)
+    assert bridge.cache_dir(torch) == first
+    monkeypatch.setenv("CXX", two)
+    assert bridge.cache_dir(torch) != first  # another compiler: another build
+    assert bridge.status(torch)["compiler"] == f"{two}: g++ (GCC) 14.1.0 ($CXX)"
+    monkeypatch.setenv("CXX", str(tmp_path / "nothing" / "g++"))
+    why = bridge.missing_prerequisite(torch, check=True)
+    if bridge.find_cuda_headers() is not None and why is not None and "older than" not in why:
+        assert why == f"no C++ compiler to build the bridge with: $CXX={tmp_path / 'nothing' / 'g++'} is not found"

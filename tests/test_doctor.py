@@ -67,6 +67,11 @@ def test_with_the_stand_in_driver_it_reports_its_devices(stub_driver):  # noqa: 
         assert f"cuda:{i}  pyalloc stand-in device: 256.00 MiB total, 256.00 MiB free" in text, text
     assert "virtual memory: no (the device does not support virtual memory management)" in text
     assert "cuda:0 will use strategy bestfit" in text  # the default strategy is vmm
+    # The C++ runtime of pyalloc._C, read with readelf: this build uses the shared one.
+    assert "runtime:  the C++ runtime of each library (readelf):" in text, text
+    at = lines.index("          pyalloc._C: " + lines[lines.index("runtime:  the C++ runtime of each library "
+                                                                  "(readelf):") + 1].split(": ", 1)[1])
+    assert lines[at + 3] == "            C++ runtime: the shared one", lines[at:at + 4]
     if _torch_is_cpu_only():
         assert rc == 1 and lines[-1] == "not ready: the installed torch is a CPU-only build (pyalloc needs a CUDA build)", lines
     else:
@@ -245,3 +250,84 @@ def test_the_live_check_says_which_route_it_got():
     live_check(r, [{"index": 0}], timeout=60, code="import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     assert lines[0].startswith("live:     cuda:0 failed: the child died of signal 11"), lines
     assert r.problems and "device 0" in r.problems[0]
+
+
+# -- one C++ runtime ----------------------------------------------------------------------
+
+
+THROWS = ('#include <stdexcept>\n'
+          'extern "C" int pyalloc_test_throws(int x) {\n'
+          '  try { if (x) throw std::runtime_error("x"); } catch (const std::exception&) { return 1; }\n'
+          '  return 0;\n'
+          '}\n')
+
+
+@pytest.fixture(scope="module")
+def runtimes(tmp_path_factory):
+    """Two tiny C++ libraries that throw: one with the shared C++ runtime, one with a
+    private copy linked in (-static-libstdc++ -static-libgcc, as a compiler with its
+    own runtime would build pyalloc), and one whose RUNPATH holds a C++ runtime."""
+    import shutil
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None or shutil.which("readelf") is None:
+        pytest.skip("needs a C++ compiler and readelf")
+    d = tmp_path_factory.mktemp("runtimes")
+    (d / "throws.cpp").write_text(THROWS)
+    (d / "own").mkdir()
+    (d / "own" / "libstdc++.so.6").write_text("")  # what a RUNPATH would make the loader pick
+    built = {}
+    for name, flags in (("shared", []), ("private", ["-static-libstdc++", "-static-libgcc"]),
+                        ("runpath", [f"-Wl,-rpath,{d / 'own'}", "-Wl,--enable-new-dtags"])):
+        built[name] = str(d / f"lib{name}.so")
+        subprocess.run([cxx, "-shared", "-fPIC", *flags, str(d / "throws.cpp"), "-o", built[name]], check=True)
+    return built
+
+
+def test_a_library_with_a_private_cxx_runtime_is_told_apart(runtimes):
+    from pyalloc._toolchain import read_runtime
+
+    private, shared = read_runtime(runtimes["private"]), read_runtime(runtimes["shared"])
+    assert private.private == ["__cxa_throw", "_Unwind_RaiseException"], private
+    assert shared.private == [] and shared.error is None
+    assert shared.compilers and shared.compilers[0].startswith("GCC: ")
+    runpath = read_runtime(runtimes["runpath"])
+    assert runpath.runpath and runpath.runtime_in_runpath[0].endswith("own/libstdc++.so.6"), runpath
+
+
+def test_doctor_calls_a_mix_of_cxx_runtimes_not_ready(runtimes):
+    from pyalloc.doctor import check_runtime
+
+    r, lines = _report()
+    check_runtime(r, [("pyalloc._C", runtimes["private"]), ("torch libc10.so", runtimes["shared"])])
+    text = "\n".join(lines)
+    assert "pyalloc._C: GCC: " in text and "RUNPATH/RPATH: none" in text, text
+    assert "C++ runtime: a private copy (__cxa_throw, _Unwind_RaiseException defined here)" in text, text
+    assert "C++ runtime: the shared one" in text, text
+    assert len(r.problems) == 1, r.problems
+    assert r.problems[0].startswith("pyalloc._C holds a private copy of the C++ runtime (__cxa_throw, "
+                                    "_Unwind_RaiseException) that torch's libraries do not: rebuild with "
+                                    "the system g++"), r.problems
+    assert "python setup.py build_ext --inplace --force" in r.problems[0]
+
+    r, lines = _report()
+    check_runtime(r, [("the bridge", runtimes["runpath"]), ("torch libc10.so", runtimes["shared"])])
+    assert len(r.problems) == 1 and r.problems[0].startswith(
+        "the bridge finds a C++ runtime through its RUNPATH ("), r.problems
+
+    r, lines = _report()
+    check_runtime(r, [("pyalloc._C", runtimes["shared"]), ("torch libc10.so", runtimes["shared"]),
+                      ("torch libmissing.so", os.path.join(os.path.dirname(runtimes["shared"]), "nothing.so"))])
+    assert not r.problems, r.problems
+    assert any(line.startswith("          torch libmissing.so: cannot be read (") for line in lines), lines
+    assert lines[0].startswith("compiler: ") and lines[0].endswith("builds pyalloc._C and the bridge"), lines
+
+
+def test_doctor_without_readelf_says_so(runtimes):
+    from pyalloc.doctor import check_runtime
+
+    r, lines = _report()
+    check_runtime(r, [("pyalloc._C", runtimes["private"])], readelf="pyalloc-no-such-readelf")
+    assert lines[1] == ("runtime:  pyalloc-no-such-readelf is not found (binutils): which C++ runtime "
+                        "each library uses cannot be told"), lines
+    assert not r.problems

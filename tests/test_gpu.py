@@ -20,16 +20,21 @@ check):
     PYALLOC_BRIDGE=0 python3 -m pytest tests/test_gpu.py
     PYALLOC_BRIDGE=1 PYALLOC_CONF=strategy:bestfit python3 -m pytest tests/test_gpu.py
     PYALLOC_BRIDGE=0 PYALLOC_CONF=strategy:bestfit python3 -m pytest tests/test_gpu.py
+
+``python -m benchmarks.gpu.session`` runs these as stages of a GPU window, the
+checks marked ``whole_device`` alone and the others side by side (pytest -n).
+A check that dies by a signal runs once more under cuda-gdb (crash_rerun.py).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
+
+from crash_rerun import run_check
 
 pytestmark = pytest.mark.gpu
 
@@ -43,6 +48,11 @@ BASE_CONF = os.environ.get("PYALLOC_CONF", "")
 # The route every check's install() takes (PYALLOC_BRIDGE passes through to them).
 HOOKS_ROUTE = os.environ.get("PYALLOC_BRIDGE", "").strip() == "0"
 
+# Checks that need the device to themselves: they run out of its memory on purpose, or
+# read its free memory (torch.cuda.mem_get_info), which checks beside them would move.
+# A GPU session runs them alone, the others side by side (benchmarks/gpu/session.py).
+whole_device = pytest.mark.whole_device
+
 bridge_only = pytest.mark.skipif(
     HOOKS_ROUTE, reason="needs the bridge: PYALLOC_BRIDGE=0 selects the C hooks route, where "
                         "PyTorch answers this with 'not supported'")
@@ -55,9 +65,12 @@ def run(args, env=None, timeout=600) -> str:
     conf = ",".join(c for c in (BASE_CONF, full_env.get("PYALLOC_CONF", "")) if c)
     if conf:
         full_env["PYALLOC_CONF"] = conf
-    out = subprocess.run(args, capture_output=True, text=True, env=full_env, cwd=REPO, timeout=timeout)
+    # A check killed by a signal runs once more under cuda-gdb: its native backtrace
+    # goes into the message (crash_rerun.py).
+    out, native = run_check(args, full_env, REPO, timeout)
     assert out.returncode == 0, (
         f"{' '.join(args)} exited with {out.returncode}\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
+        + (f"\n--- {native}" if native else "")
     )
     return out.stdout
 
@@ -107,6 +120,7 @@ def test_memory_allocated_is_the_live_tensors():
     assert "OK" in script("accounting.py")
 
 
+@whole_device
 def test_torch_empty_cache_lowers_reserved_memory():
     assert "OK" in script("empty_cache.py")
 
@@ -119,6 +133,7 @@ def test_allocation_from_several_threads():
     assert "OK" in script("threads.py")
 
 
+@whole_device
 def test_oom_is_caught_and_recovered_from():
     assert "OK" in script("oom.py")
 
@@ -147,6 +162,7 @@ def test_fixed_shape_training_calls_the_driver_never_once_warm(strategy):
     assert "OK" in out
 
 
+@whole_device
 def test_cuda_graph_pools_shared_and_released():
     assert "OK" in script("cuda_graph_pools.py")
 
@@ -214,6 +230,7 @@ def test_cudnn_benchmark_mode_trains_a_convnet():
 
 
 @bridge_only
+@whole_device
 def test_out_of_memory_is_torchs_error_with_observers_called_first():
     check("oom_observer.py")
 
@@ -224,6 +241,7 @@ def test_memory_history_names_python_frames_and_every_reader_takes_it(tmp_path):
 
 
 @bridge_only
+@whole_device
 def test_mempool_keeps_its_allocations_and_returns_its_memory():
     check("mempool.py")
 

@@ -345,7 +345,7 @@ def test_the_benchmark_readme_has_a_results_section():
 
 def test_the_readme_commands_are_valid():
     with open(README) as f:
-        commands = re.findall(r"^python -m benchmarks\.gpu(.*)$", f.read(), re.M)
+        commands = re.findall(r"^python -m benchmarks\.gpu(?!\.)(.*)$", f.read(), re.M)  # not .session
     assert len(commands) >= 12
     for line in commands:
         args = _parser().parse_args(shlex.split(line.replace("<date>-<gpu>", "x")))
@@ -572,3 +572,11 @@ def test_report_names_the_strategy_pyalloc_really_used():
     }}
     assert gpu_report.pyalloc_strategies(results) == ["bestfit"]
     assert gpu_report.pyalloc_strategies({"workloads": {}}) == []
+
+
+def test_traces_are_recorded_only_under_native_allocators(capsys):
+    from benchmarks.gpu.__main__ import _parser, main
+
+    assert _parser().get_default("trace_allocators") == "native"
+    assert main(["--device", "cpu", "--smoke", "--no-timing", "--traces", "--trace-allocators", "native,pyalloc"]) == 2
+    assert "--trace-allocators: 'pyalloc' records no memory history" in capsys.readouterr().err

@@ -238,22 +238,34 @@ class Harness:
             self.save()
 
     def trace(self, spec: Spec) -> None:
+        for allocator in self.args.trace_allocators.split(","):
+            self._trace_one(spec, allocator.strip())
+
+    def _trace_one(self, spec: Spec, allocator: str) -> None:
         a = self.args
         entry = report.workload_entry(self.results, spec.name, spec.title, spec.kind, spec.size_name)
         if a.device != "cuda":
             print(f"== {spec.name}: memory history needs CUDA; no trace on a CPU")
             return
         os.makedirs(self.trace_dir, exist_ok=True)
-        path = os.path.join(self.trace_dir, f"{spec.name}-{report.slug(self.device.get('name', 'gpu'))}.pickle")
-        print(f"== {spec.name} / native: recording the memory history into {_show(path)}", flush=True)
+        # The native allocator's traces keep their names; another's names it.
+        tag = "" if allocator == "native" else f"-{allocator}"
+        path = os.path.join(self.trace_dir,
+                            f"{spec.name}{tag}-{report.slug(self.device.get('name', 'gpu'))}.pickle")
+        print(f"== {spec.name} / {allocator}: recording the memory history into {_show(path)}", flush=True)
         steps = 2 if a.smoke else a.trace_steps or spec.trace_steps
         worker_args = self._common(spec) + ["--size", str(self.size(spec)), "--steps", str(steps),
                                             "--warmup", "0", "--trace", path,
                                             "--trace-max-entries", str(a.trace_max_entries)]
-        r = spawn(worker_args, "native", a.worker_timeout)
+        r = spawn(worker_args, allocator, a.worker_timeout)
         info = dict(r.get("trace") or {}, status=r["status"], steps=steps, seed=a.seed, size=self.size(spec),
                     max_entries=a.trace_max_entries, device=self.device.get("name"),
-                    torch=self.device.get("torch"), invocation=self.command)
+                    torch=self.device.get("torch"), invocation=self.command, allocator=allocator)
+        # What the live run measured, beside which a replay of its trace is judged.
+        stats = r.get("stats") or {}
+        info["live"] = {"peak_allocated": r.get("peak_allocated"), "peak_reserved": r.get("peak_reserved"),
+                        "num_device_alloc": stats.get("num_device_alloc"),
+                        "num_device_free": stats.get("num_device_free")}
         # A full ring buffer has dropped its oldest events: a replay must start from the blocks then live.
         info["wrapped"] = info.get("entries", 0) >= a.trace_max_entries
         if "path" in info:
@@ -261,7 +273,9 @@ class Harness:
         if r["status"] != "ok":
             info["error"] = r.get("error")
             self.failures += 1
-        entry["trace"] = info
+        if allocator == "native":
+            entry["trace"] = info
+        entry.setdefault("traces", {})[allocator] = info
         self._write_trace_index(spec.name, info)
         print(f"   {info['status']}: {info.get('entries', '?')} entries, "
               f"{(info.get('bytes') or 0) / 2**20:.1f} MiB", flush=True)
@@ -321,6 +335,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="drawn steps before the worst shape in a probe (default: the workload's)")
     p.add_argument("--traces", action="store_true", help="record native memory histories (workloads 2-5)")
     p.add_argument("--trace-dir", default=TRACES_DIR)
+    p.add_argument("--trace-allocators", default="native",
+                   help="comma-separated native allocators to record under (default native; "
+                        "native_expandable: with expandable_segments:True)")
     p.add_argument("--trace-steps", type=int, default=0, help="steps per trace (default: the workload's)")
     p.add_argument("--trace-max-entries", type=int, default=200_000,
                    help="events kept per trace; past this the oldest are dropped (about 50 bytes each)")
@@ -389,6 +406,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         unknown = [a for a in (args.allocators or "").split(",") if a.strip() and a.strip() not in ALLOCATORS]
         if unknown:
             raise ValueError(f"unknown allocator '{unknown[0]}'; allocators: {', '.join(ALLOCATORS)}")
+        bad = [a for a in args.trace_allocators.split(",") if a.strip() not in ("native", "native_expandable")]
+        if bad:
+            raise ValueError(f"--trace-allocators: '{bad[0]}' records no memory history; "
+                             "give native and/or native_expandable")
         if args.no_timing and not (args.budget_search or args.traces):
             raise ValueError("--no-timing leaves nothing to run: add --budget-search or --traces")
     except ValueError as exc:
