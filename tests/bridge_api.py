@@ -133,6 +133,7 @@ class Api(c.Structure):
         ("init", c.CFUNCTYPE(i32, i32)),
         ("set_route", c.CFUNCTYPE(i32, i32)),
         ("settings", c.CFUNCTYPE(i32, c.c_char_p, u64)),
+        ("mark_capture", c.CFUNCTYPE(i32, i32, i32)),
     ]
 
 

@@ -349,6 +349,10 @@ int api_settings(char* buf, uint64_t len) {
   });
 }
 
+int api_mark_capture(int device, int begin) {
+  return guarded([&] { hooks::mark_capture(device, begin != 0); });
+}
+
 const pyalloc_bridge_api kApiV1 = {
     PYALLOC_BRIDGE_API_VERSION,
     sizeof(pyalloc_bridge_api),
@@ -385,6 +389,7 @@ const pyalloc_bridge_api kApiV1 = {
     &api_init,
     &api_set_route,
     &api_settings,
+    &api_mark_capture,
 };
 
 }  // namespace

@@ -201,6 +201,11 @@ typedef struct pyalloc_bridge_api {
   int (*set_route)(int route);
   /* The effective settings ("key:value,...", strategy as in use) into buf. */
   int (*settings)(char* buf, uint64_t len);
+
+  /* torch 2.13's markCaptureBegin (begin 1) / markCaptureEnd (begin 0): a
+   * capture on the device counts as underway in between, as an open route
+   * does. Appended: check size before calling. */
+  int (*mark_capture)(int device, int begin);
 } pyalloc_bridge_api;
 
 /* The table of `version`, or NULL if this pyalloc does not offer it. */
