@@ -565,6 +565,42 @@ def test_capture_marks_of_torch_2_13_count_as_a_capture(fake, lib):
     assert reserved(1) == 0
 
 
+def test_graph_pool_and_general_frees_from_many_threads(fake, lib):
+    # Frees find their pool under a shared lock and per-pool block sets.
+    import random
+    import threading
+
+    hook("begin_allocate_to_pool", (0, 64), [CAPTURE_STREAM])
+    errors = []
+
+    def work(seed):
+        try:
+            rng = random.Random(seed)
+            live = []
+            for _ in range(400):
+                if live and rng.random() < 0.5:
+                    lib.pyalloc_free(live.pop(rng.randrange(len(live))), 0, 0, None)
+                else:
+                    stream = CAPTURE_STREAM if rng.random() < 0.5 else 0x10 + seed
+                    live.append(lib.pyalloc_malloc(rng.choice([512, 4096, 65536]), 0, stream))
+            for p in live:
+                lib.pyalloc_free(p, 0, 0, None)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    hook("end_allocate_to_pool", (0, 64))
+    assert not errors, errors
+    assert allocated() == 0 and _C.cuda_pool_live_blocks(0, (0, 64)) == []
+    check()
+    hook("release_pool", (0, 64))
+    assert pools() == {}
+
+
 def test_pool_calls_errors(fake, lib):
     hook("begin_allocate_to_pool", (0, 4), [CAPTURE_STREAM])
     # A pool routed to twice at once (use_mem_pool on two threads), as PyTorch allows.
