@@ -59,8 +59,10 @@ class CaptureTracker {
   int declared() const { return declared_.load(std::memory_order_acquire); }
 
   /// What a backend answers for is_capturing(s): s is capturing, or some
-  /// capture is underway, so the device must not be touched.
-  bool blocks(Stream s) { return probe(s).capturing || underway(); }
+  /// capture is underway, so the device must not be touched. While one is
+  /// declared, the stream is not even asked about (PyTorch declares every
+  /// capture once it declares any: each has a route).
+  bool blocks(Stream s) { return declared() > 0 || probe(s).capturing || underway(); }
 
  private:
   Probe probe_;
