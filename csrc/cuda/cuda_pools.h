@@ -20,13 +20,13 @@
 // it, as in PyTorch's allocator. Each begin_allocate_to_pool() and
 // create_or_incref_pool() is a use, each release_pool() drops one; once no
 // use is left and nothing in the pool is live, its segments go back to the
-// driver, where the general pool finds them: at once when the last use goes
-// (release_pool, end_allocate_to_pool) and no capture is underway; at the
-// next empty_cache() or out-of-memory retry when the last live block goes,
-// since a free runs inside a tensor's deleter, where waiting for the device
+// driver, where the general pool finds them. When the last use goes
+// (release_pool, end_allocate_to_pool) with nothing live, at once. When the
+// last live block goes, at the next empty_cache() or out-of-memory retry:
+// a free runs inside a tensor's deleter, where waiting for the device
 // (cuEventSynchronize) and cuMemFree have no place (PyTorch's CUDA-graph
-// trees release a pool on every warm-up iteration), or when a capture was
-// underway.
+// trees release a pool on every warm-up iteration). And while a capture is
+// underway, never: at the first empty_cache() or out-of-memory retry after it.
 //
 // The capture window: PyTorch routes a graph's pool before it begins the
 // capture, and ends the route after the capture ends. Each open route counts
@@ -65,8 +65,9 @@
 //
 // Frees: a free of a general-pool block takes that pool's lock alone; one of
 // a graph-pool block takes the graph pools' registry lock shared, and its
-// pool's own locks; no free waits for another pool's operations. A free
-// that names no device asks only the devices whose address range holds the
+// pool's own locks, so it waits for no allocation or free elsewhere, only
+// while a graph pool is added, released, restored or reclaimed. A free that
+// names no device asks only the devices whose address range holds the
 // pointer (read without a lock).
 //
 // Registry: the pools of a device are created lazily under a mutex and
