@@ -139,6 +139,7 @@ class Api(c.Structure):
         # version 2
         ("record_stream_owned", c.CFUNCTYPE(i32, c.c_void_p, c.c_void_p, i32)),
         ("block_context", c.CFUNCTYPE(i32, c.c_void_p, c.POINTER(u64))),
+        ("mark_capture", c.CFUNCTYPE(i32, i32, i32)),
     ]
 
 

@@ -266,3 +266,50 @@ def test_patched_torch_functions_answer_from_pyalloc(fake):
         _torch_patch.remove()
     assert torch.cuda.memory_allocated is original
     assert not _torch_patch.is_applied()
+
+
+def test_frees_wait_for_no_graph_pool_operation(fake):
+    """Regression: once graph pools existed every free took the device's graph-pool
+    lock, and a free naming no device probed every device under its locks: one
+    thread inside a pool's stream filter (or any pool call) stalled every
+    deleter of the process."""
+    import threading
+
+    from bridge_api import FILTER_FN, OK, BridgeApi
+
+    api = BridgeApi()
+    entered, go_on = threading.Event(), threading.Event()
+
+    def accepts(_user, stream):
+        if (stream or 0) == 0x71:  # the stalled allocation
+            entered.set()
+            go_on.wait(20)
+        return int((stream or 0) in (0x70, 0x71))
+
+    filt = FILTER_FN(accepts)
+    plain = [api.malloc(MiB, device=d, stream=0x10)[1] for d in (0, 1, 1)]
+    assert api.begin_allocate_to_pool(0, 0, 81, filt, None) == OK
+    in_pool = api.malloc(MiB, stream=0x70)[1]
+    stalled = threading.Thread(target=api.malloc, args=(MiB, 0, 0x71))
+    stalled.start()
+    try:
+        assert entered.wait(20)
+        done = threading.Event()
+
+        def frees():
+            for p in plain + [in_pool]:
+                assert api.free(p, 0) == OK, api.error()
+            done.set()
+
+        freer = threading.Thread(target=frees)
+        freer.start()
+        freed_meanwhile = done.wait(5)
+    finally:
+        go_on.set()
+        stalled.join()
+    freer.join()
+    assert freed_meanwhile, "a free waited for another thread's graph-pool allocation"
+    assert api.end_allocate_to_pool(0, 0, 81) == OK
+    for p in api.values("pool_live_blocks", 0, 0, 81):
+        assert api.free(p, 0) == OK
+    assert api.release_pool(0, 0, 81) == OK

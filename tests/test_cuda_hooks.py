@@ -251,6 +251,40 @@ def test_memory_fraction_caps_the_pool(fake, lib):
     lib.pyalloc_free(p, 0, 0, None)
 
 
+def test_memory_fraction_caps_every_pool_of_the_device(fake, lib):
+    """Regression: the fraction capped the general pool alone, so buffers and
+    graph pools could take the whole device past it (PyTorch's cap covers its
+    private pools too)."""
+    lib.pyalloc_set_memory_fraction(0.25, 0)  # 16 MiB for all of device 0's pools
+    with pytest.raises(RuntimeError, match="CUDA out of memory.*memory fraction 0.25"):
+        _C.cuda_buffer(0, 20 * MiB, 0)
+    hook("begin_allocate_to_pool", (0, 61), [CAPTURE_STREAM])
+    try:
+        with pytest.raises(RuntimeError, match="CUDA out of memory.*graph pool"):
+            _C._testing_hook_malloc(20 * MiB, 0, CAPTURE_STREAM)
+        g = lib.pyalloc_malloc(6 * MiB, 0, CAPTURE_STREAM)
+    finally:
+        hook("end_allocate_to_pool", (0, 61))
+    buf = _C.cuda_buffer(0, 6 * MiB, 0)
+    # 12 MiB held by the graph pool and the buffer pool: the general pool gets the rest.
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        _C._testing_hook_malloc(6 * MiB, 0, 0)
+    p = lib.pyalloc_malloc(2 * MiB, 0, None)
+    assert _C.cuda_stats(0)["reserved_bytes.all.current"] <= 16 * MiB
+    lib.pyalloc_free(p, 0, 0, None)
+    del buf  # cached in the buffer pool: given back when the general pool needs it
+    lib.pyalloc_free(g, 0, 0, None)
+    hook("release_pool", (0, 61))
+    q = lib.pyalloc_malloc(14 * MiB, 0, None)
+    assert _C.cuda_stats(0)["reserved_bytes.all.current"] <= 16 * MiB
+    lib.pyalloc_free(q, 0, 0, None)
+    # Back to the whole device: the other pools grow again.
+    lib.pyalloc_set_memory_fraction(1.0, 0)
+    buf = _C.cuda_buffer(0, 20 * MiB, 0)
+    del buf
+    check()
+
+
 def test_configuration_is_fixed_once_pools_exist(fake, lib):
     _C.cuda_configure("segment_size:4MiB")
     _C.cuda_configure("segment_size:8MiB")  # nothing allocated yet: still free to change
@@ -419,8 +453,13 @@ def test_graph_pool_serves_the_streams_its_filter_accepts(fake, lib):
     lib.pyalloc_record_stream(a, 0x78)  # honoured in the pool
     lib.pyalloc_free(a, 0, 0, None)
     assert pools()[(0, 1)]["allocated_bytes"] == 0 and allocated() == MiB
+    # While a route is open a capture counts as underway: no event is asked
+    # about, so `a` waits for 0x78 and the pool grows instead.
+    e = lib.pyalloc_malloc(3 * MiB, 0, CAPTURE_STREAM)
+    assert e != a
+    lib.pyalloc_free(e, 0, 0, None)
     c = lib.pyalloc_malloc(3 * MiB, 0, CAPTURE_STREAM)
-    assert c == a  # freed into the pool, reused by the pool's next allocation
+    assert c == e  # freed into the pool, reused by the pool's next allocation
     hook("end_allocate_to_pool", (0, 1))
     d = lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM)  # no longer routed
     assert allocated() == 2 * MiB and _C.cuda_pool_live_blocks(0, (0, 1)) == [c]
@@ -459,7 +498,11 @@ def test_graphs_sharing_a_pool_share_its_memory_until_both_are_released(fake, li
     hook("release_pool", (0, 2))
     assert (0, 2) in pools()  # out1 is still live
     assert _C.cuda_pool_live_blocks(0, (0, 2)) == [out1]
-    lib.pyalloc_free(out1, 0, 0, None)  # the last live block: the pool's memory goes back
+    # The last live block: the pool is marked, and its memory goes back at the
+    # next empty_cache (or out-of-memory retry), not inside the deleter.
+    lib.pyalloc_free(out1, 0, 0, None)
+    assert pools()[(0, 2)]["use_count"] == 0 and pools()[(0, 2)]["reserved_bytes"] > 0
+    lib.pyalloc_empty_cache()
     assert pools() == {}
     lib.pyalloc_free(z, 0, 0, None)
     check()
@@ -477,6 +520,84 @@ def test_pool_released_during_a_capture_is_reclaimed_after_it(fake, lib):
     assert (0, 3) in pools()
     capture(0)
     lib.pyalloc_empty_cache()
+    assert pools() == {}
+
+
+def pending(device: int = 0) -> int:
+    st = _C.cuda_stats(device)
+    return st["active_bytes.all.current"] - st["allocated_bytes.all.current"]
+
+
+def test_an_open_route_is_a_capture_underway(fake, lib):
+    """Regression: PyTorch routes a graph's pool before cudaStreamBeginCapture; in
+    between, pyalloc still asked about events and released other devices' caches,
+    which invalidates a capture in CUDA's default (global) mode."""
+    lib.pyalloc_free(lib.pyalloc_malloc(8 * MiB, 1, None), 0, 1, None)  # cached on device 1
+    p = lib.pyalloc_malloc(MiB, 0, 0x10)
+    lib.pyalloc_record_stream(p, 0x11)
+    hook("begin_allocate_to_pool", (0, 63), [CAPTURE_STREAM])  # no stream captures yet
+    lib.pyalloc_free(p, 0, 0, None)  # must wait for 0x11: its event is not asked about
+    lib.pyalloc_free(lib.pyalloc_malloc(512, 0, 0x10), 0, 0, None)
+    assert pending(0) == MiB
+    lib.pyalloc_empty_cache()
+    assert reserved(1) >= 8 * MiB  # nothing released, on any device
+    hook("end_allocate_to_pool", (0, 63))
+    lib.pyalloc_free(lib.pyalloc_malloc(512, 0, 0x10), 0, 0, None)
+    assert pending(0) == 0
+    lib.pyalloc_empty_cache()
+    assert reserved(1) == 0
+    hook("release_pool", (0, 63))
+    check()
+
+
+def test_capture_marks_of_torch_2_13_count_as_a_capture(fake, lib):
+    from bridge_api import OK, Api, BridgeApi
+
+    api = BridgeApi()
+    assert api.size >= ctypes.sizeof(Api), "the table has no mark_capture"
+    lib.pyalloc_free(lib.pyalloc_malloc(8 * MiB, 1, None), 0, 1, None)  # cached on device 1
+    assert api.mark_capture(0, 1) == OK  # markCaptureBegin(0)
+    lib.pyalloc_empty_cache()
+    assert reserved(1) >= 8 * MiB
+    assert api.mark_capture(0, 0) == OK  # markCaptureEnd(0)
+    assert api.mark_capture(0, 0) == OK  # an end without a begin is ignored
+    lib.pyalloc_empty_cache()
+    assert reserved(1) == 0
+
+
+def test_graph_pool_and_general_frees_from_many_threads(fake, lib):
+    # Frees find their pool under a shared lock and per-pool block sets.
+    import random
+    import threading
+
+    hook("begin_allocate_to_pool", (0, 64), [CAPTURE_STREAM])
+    errors = []
+
+    def work(seed):
+        try:
+            rng = random.Random(seed)
+            live = []
+            for _ in range(400):
+                if live and rng.random() < 0.5:
+                    lib.pyalloc_free(live.pop(rng.randrange(len(live))), 0, 0, None)
+                else:
+                    stream = CAPTURE_STREAM if rng.random() < 0.5 else 0x10 + seed
+                    live.append(lib.pyalloc_malloc(rng.choice([512, 4096, 65536]), 0, stream))
+            for p in live:
+                lib.pyalloc_free(p, 0, 0, None)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    hook("end_allocate_to_pool", (0, 64))
+    assert not errors, errors
+    assert allocated() == 0 and _C.cuda_pool_live_blocks(0, (0, 64)) == []
+    check()
+    hook("release_pool", (0, 64))
     assert pools() == {}
 
 

@@ -536,11 +536,17 @@ Block* Allocator::add_segment(uintptr_t base, size_t size, Stream s) {
 // free
 
 void Allocator::free(uintptr_t ptr, uint64_t context) {
-  if (ptr == 0) return;  // free(nullptr) is a no-op, as for malloc(0)
+  if (try_free(ptr, context)) return;
   std::lock_guard<Lock> guard(mu_);
-  OpEnd end{this};
+  throw InvalidPointerError(describe_bad_pointer(ptr, "free"));
+}
+
+bool Allocator::try_free(uintptr_t ptr, uint64_t context) {
+  if (ptr == 0) return true;  // free(nullptr) is a no-op, as for malloc(0)
+  std::lock_guard<Lock> guard(mu_);
   Block* b = live_.find(ptr);
-  if (b == nullptr) throw InvalidPointerError(describe_bad_pointer(ptr, "free"));
+  if (b == nullptr) return false;
+  OpEnd end{this};
   live_.erase(ptr);
   Pool pool = b->segment->pool;
   stats_.allocation.add(pool, -1);
@@ -557,9 +563,10 @@ void Allocator::free(uintptr_t ptr, uint64_t context) {
     for (Stream u : b->uses) pf.events.push_back(backend_->record_event(u));
     b->state = BlockState::kPendingFree;
     pending_.push_back(std::move(pf));
-    return;
+    return true;
   }
   finish_free(b);
+  return true;
 }
 
 void Allocator::record_stream(uintptr_t ptr, Stream s) {

@@ -140,6 +140,9 @@ class Allocator {
   /// Throws InvalidPointerError for anything but a live allocation.
   /// `context`: the tag of this free for the history (0: the allocation's).
   void free(uintptr_t ptr, uint64_t context = 0);
+  /// free() of a pointer that may belong to another pool: false, with
+  /// nothing done, if ptr is no live allocation of this one.
+  bool try_free(uintptr_t ptr, uint64_t context = 0);
   /// The block of `ptr` is also used on `stream`: on free, wait for it too.
   void record_stream(uintptr_t ptr, Stream stream);
 

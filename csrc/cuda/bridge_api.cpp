@@ -404,6 +404,10 @@ int api_settings(char* buf, uint64_t len) {
   });
 }
 
+int api_mark_capture(int device, int begin) {
+  return guarded([&] { hooks::mark_capture(device, begin != 0); });
+}
+
 const pyalloc_bridge_api kApi = {
     PYALLOC_BRIDGE_API_VERSION,
     sizeof(pyalloc_bridge_api),
@@ -442,6 +446,7 @@ const pyalloc_bridge_api kApi = {
     &api_settings,
     &api_record_stream_owned,
     &api_block_context,
+    &api_mark_capture,
 };
 
 // Version 1: the members before record_stream_owned, and a malloc that fills
@@ -453,6 +458,7 @@ pyalloc_bridge_api make_v1() {
   t.malloc = &api_malloc_v1;
   t.record_stream_owned = nullptr;
   t.block_context = nullptr;
+  t.mark_capture = nullptr;
   return t;
 }
 

@@ -236,6 +236,10 @@ typedef struct pyalloc_bridge_api {
    * allocation's start, as PyTorch's getContextForPointer takes it); 0 if
    * there is none or it had no tag. */
   int (*block_context)(void* ptr, uint64_t* context);
+  /* torch 2.13's markCaptureBegin (begin 1) / markCaptureEnd (begin 0): a
+   * capture on the device counts as underway in between, as an open route
+   * does. Appended: check size before calling. */
+  int (*mark_capture)(int device, int begin);
 } pyalloc_bridge_api;
 
 /* The table of `version`, or NULL if this pyalloc does not offer it. */

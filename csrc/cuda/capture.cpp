@@ -18,6 +18,7 @@ CaptureState CaptureTracker::probe(Stream s) {
 }
 
 bool CaptureTracker::underway() {
+  if (declared_.load(std::memory_order_acquire) > 0) return true;
   if (count_.load(std::memory_order_acquire) == 0) return false;
   std::lock_guard<std::mutex> g(mu_);
   capturing_.erase(std::remove_if(capturing_.begin(), capturing_.end(),

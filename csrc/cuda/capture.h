@@ -1,10 +1,18 @@
 // Which streams of a device are being captured into CUDA graphs, as far as
-// pyalloc has seen.
+// pyalloc has seen or been told.
 //
-// PyTorch tells a pluggable allocator nothing when a capture begins or ends,
-// so the device is asked: every stream pyalloc allocates on is probed, and a
+// Told: PyTorch routes a graph's pool (begin_allocate_to_pool) before it
+// calls cudaStreamBeginCapture, and ends the route after the capture ends;
+// torch 2.13 also marks the capture itself (markCaptureBegin/End). Each open
+// route and each mark counts as a capture underway (open() / close()), so the
+// window between the route's opening and the capture's start is covered too:
+// another thread's event query or free there would invalidate the capture
+// as it begins. PyTorch's own allocator likewise defers its event processing
+// while any pool route is open.
+//
+// Seen: without those calls, every stream pyalloc allocates on is probed, and a
 // stream found capturing is remembered until a later probe finds it done.
-// While any remembered capture is underway the backends treat every stream
+// While any capture is underway the backends treat every stream
 // as capturing: no memory is reserved or released and no event is queried,
 // recorded on a capturing stream, or waited on. That is stricter than
 // CUDA's thread-local capture mode needs and exactly what its default
@@ -38,19 +46,30 @@ class CaptureTracker {
   /// The stream's state, from the device; a capturing stream is remembered.
   CaptureState probe(Stream s);
 
-  /// True while any remembered stream is still capturing; forgets the ones
-  /// that are done. Costs nothing while no capture has been seen.
+  /// True while a capture is declared open, or any remembered stream is
+  /// still capturing (forgetting the ones that are done). Costs one atomic
+  /// load while no capture has been seen or declared.
   bool underway();
 
+  /// PyTorch says a capture may be underway from now on (a pool route, or
+  /// torch 2.13's markCaptureBegin), until the matching close().
+  void open() { declared_.fetch_add(1, std::memory_order_acq_rel); }
+  void close() { declared_.fetch_sub(1, std::memory_order_acq_rel); }
+  /// How many are declared open now.
+  int declared() const { return declared_.load(std::memory_order_acquire); }
+
   /// What a backend answers for is_capturing(s): s is capturing, or some
-  /// capture is underway, so the device must not be touched.
-  bool blocks(Stream s) { return probe(s).capturing || underway(); }
+  /// capture is underway, so the device must not be touched. While one is
+  /// declared, the stream is not even asked about (PyTorch declares every
+  /// capture once it declares any: each has a route).
+  bool blocks(Stream s) { return declared() > 0 || probe(s).capturing || underway(); }
 
  private:
   Probe probe_;
   std::mutex mu_;
   std::vector<Stream> capturing_;
   std::atomic<size_t> count_{0};
+  std::atomic<int> declared_{0};
 };
 
 /// Puts the calling thread in relaxed capture mode for its scope and then

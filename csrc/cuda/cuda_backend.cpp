@@ -518,6 +518,15 @@ class CudaDevice final : public Device {
     if (sh_->captures.underway()) *free_bytes = *total_bytes = 0;
     else device_mem_info(driver(), sh_->ctx, free_bytes, total_bytes);
   }
+  size_t total_bytes() override {
+    // cuDeviceTotalMem touches no stream or memory: legal during a capture.
+    const Driver& d = driver();
+    size_t total = 0;
+    if (d.DeviceTotalMem != nullptr && d.DeviceTotalMem(&total, sh_->dev) == CUDA_SUCCESS) return total;
+    size_t free_bytes = 0;
+    mem_info(&free_bytes, &total);
+    return total;
+  }
   int dlpack_device_type() const override { return 2; }  // kDLCUDA
   std::string vmm_unavailable() const override { return sh_->vmm_page != 0 ? "" : sh_->vmm_why; }
   std::string take_error() override {

@@ -60,6 +60,9 @@ class Device {
   virtual CaptureTracker& captures() = 0;
   /// Free and total bytes of the device (both 0 if unknown).
   virtual void mem_info(size_t* free_bytes, size_t* total_bytes) = 0;
+  /// The device's memory in bytes (0 if unknown); unlike mem_info(), known
+  /// during a capture too.
+  virtual size_t total_bytes() = 0;
   /// The DLPack device type of its memory (kDLCUDA = 2; kDLCPU = 1 for the fake).
   virtual int dlpack_device_type() const = 0;
   /// Why its backends offer no virtual memory; empty when they do.

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <exception>
 #include <sstream>
+#include <unordered_set>
 
 namespace pyalloc {
 
@@ -41,20 +42,80 @@ Config graph_pool_config(const Config& general) {
 
 }  // namespace
 
-// The device's backend for one graph pool. While the pool has a use, it
-// tells the core a capture is underway, so that the core releases nothing:
-// a graph captured into the pool may be replayed at any time.
-class DevicePools::GraphPoolBackend final : public Backend {
+bool DevicePools::Budget::take(size_t bytes) {
+  size_t now = reserved.load(std::memory_order_acquire);
+  do {
+    size_t limit = cap.load(std::memory_order_acquire);
+    if (limit != 0 && (bytes > limit || now > limit - bytes)) return false;
+  } while (!reserved.compare_exchange_weak(now, now + bytes, std::memory_order_acq_rel));
+  return true;
+}
+
+void DevicePools::Budget::saw(uintptr_t base, size_t bytes) {
+  uintptr_t now = lo.load(std::memory_order_acquire);
+  while (base < now && !lo.compare_exchange_weak(now, base, std::memory_order_acq_rel)) {
+  }
+  uintptr_t end = base + bytes;
+  now = hi.load(std::memory_order_acquire);
+  while (end > now && !hi.compare_exchange_weak(now, end, std::memory_order_acq_rel)) {
+  }
+}
+
+// The device's backend for one pool: draws every reservation and mapping
+// on the device's budget (the memory fraction's cap covers all the pools),
+// and notes the addresses it gets. For a graph pool, while the pool has a
+// use (`held`), it tells the core a capture is underway, so that the core
+// releases nothing: a graph captured into the pool may be replayed at any time.
+class DevicePools::PoolBackend final : public Backend {
  public:
-  explicit GraphPoolBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
+  PoolBackend(std::unique_ptr<Backend> inner, Budget& budget, bool held)
+      : inner_(std::move(inner)), budget_(budget), held_(held) {}
 
   void set_held(bool held) { held_.store(held, std::memory_order_release); }
 
   const char* name() const override { return inner_->name(); }
-  uintptr_t reserve(size_t size) override { return inner_->reserve(size); }
-  void release(uintptr_t base, size_t size) override { inner_->release(base, size); }
+  uintptr_t reserve(size_t size) override {
+    if (!budget_.take(size)) return 0;
+    uintptr_t base = inner_->reserve(size);  // may throw: the budget is given back
+    if (base == 0) budget_.give(size);
+    else budget_.saw(base, size);
+    return base;
+  }
+  void release(uintptr_t base, size_t size) override {
+    inner_->release(base, size);
+    budget_.give(size);
+  }
   void mem_info(size_t* free_bytes, size_t* total_bytes) override {
     inner_->mem_info(free_bytes, total_bytes);
+    // Within the cap: a request the budget cannot hold fails before any release.
+    size_t cap = budget_.cap.load(std::memory_order_acquire);
+    if (cap != 0 && *total_bytes != 0) {
+      size_t used = budget_.reserved.load(std::memory_order_acquire);
+      *free_bytes = std::min(*free_bytes, cap > used ? cap - used : 0);
+    }
+  }
+  size_t vmm_page_size() override { return inner_->vmm_page_size(); }
+  uintptr_t vmm_reserve(size_t size) override {
+    uintptr_t base = inner_->vmm_reserve(size);
+    if (base != 0) budget_.saw(base, size);
+    return base;
+  }
+  void vmm_release(uintptr_t base, size_t size) override { inner_->vmm_release(base, size); }
+  bool vmm_map(uintptr_t addr, size_t size) override {
+    if (!budget_.take(size)) return false;
+    bool mapped = false;
+    try {
+      mapped = inner_->vmm_map(addr, size);
+    } catch (...) {
+      budget_.give(size);
+      throw;
+    }
+    if (!mapped) budget_.give(size);
+    return mapped;
+  }
+  void vmm_unmap(uintptr_t addr, size_t size) override {
+    inner_->vmm_unmap(addr, size);
+    budget_.give(size);
   }
   EventId record_event(Stream s) override { return inner_->record_event(s); }
   bool event_done(EventId e) override { return inner_->event_done(e); }
@@ -69,21 +130,27 @@ class DevicePools::GraphPoolBackend final : public Backend {
 
  private:
   std::unique_ptr<Backend> inner_;
-  std::atomic<bool> held_{true};
+  Budget& budget_;
+  std::atomic<bool> held_;
 };
 
 struct DevicePools::GraphPool {
   PoolId id;
   std::unique_ptr<Allocator> alloc;
-  GraphPoolBackend* backend = nullptr;  // owned by alloc
-  int uses = 0;
-  size_t live = 0;
+  PoolBackend* backend = nullptr;  // owned by alloc
+  int uses = 0;                    // changed under pools_mu_ held exclusively
+  std::mutex mu;                   // guards blocks
+  std::unordered_set<uintptr_t> blocks;  // its live allocations
 };
+
+std::unique_ptr<Backend> DevicePools::make_backend(bool held) {
+  return std::make_unique<PoolBackend>(device_->make_backend(), budget_, held);
+}
 
 DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config)
     : device_(std::move(device)), config_(config) {
-  general_ = std::make_unique<Allocator>(device_->make_backend(), config_);
-  buffers_ = std::make_unique<Allocator>(device_->make_backend(), buffer_config(config_));
+  general_ = std::make_unique<Allocator>(make_backend(false), config_);
+  buffers_ = std::make_unique<Allocator>(make_backend(false), buffer_config(config_));
   general_->set_stats_sink(&device_stats_);
   buffers_->set_stats_sink(&device_stats_);
   max_split_size_ = general_->stats().max_split_size;
@@ -100,7 +167,11 @@ DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config)
   }
 }
 
-DevicePools::~DevicePools() = default;
+DevicePools::~DevicePools() {
+  // Fake devices are dropped by tests: what this device declared open closes with it.
+  for (size_t i = 0; i < routes_.size(); ++i) device_->captures().close();
+  for (int i = 0; i < marks_; ++i) device_->captures().close();
+}
 
 uintptr_t DevicePools::malloc(size_t size, Stream stream, uint64_t context) {
   if (size == 0) return 0;
@@ -118,8 +189,9 @@ uintptr_t DevicePools::malloc(size_t size, Stream stream, uint64_t context) {
   try {
     return general_->malloc(size, stream, context);
   } catch (const OutOfMemoryError& e) {
-    // Graph pools with no use left may still hold memory: give it back and retry once.
-    if (pools_exist_.load(std::memory_order_acquire) && reclaim_pools() > 0) {
+    // Graph pools with no use left and the buffer pool's cache may still
+    // hold memory: give it back and retry once.
+    if (release_others(*general_) > 0) {
       try {
         return general_->malloc(size, stream, context);
       } catch (const OutOfMemoryError& again) {
@@ -130,11 +202,23 @@ uintptr_t DevicePools::malloc(size_t size, Stream stream, uint64_t context) {
   }
 }
 
+size_t DevicePools::release_others(const Allocator& pool) {
+  // Nothing may be released while a capture is underway (the core says so too).
+  if (device_->captures().underway()) return 0;
+  size_t released = 0;
+  if (&pool != general_.get()) released += general_->empty_cache();
+  if (&pool != buffers_.get()) released += buffers_->empty_cache();
+  if (pools_exist_.load(std::memory_order_acquire)) released += reclaim_pools();
+  return released;
+}
+
 bool DevicePools::free(uintptr_t ptr, std::string* why, uint64_t context) {
   if (capture_free(ptr)) return true;
+  // The general pool's own lock alone: no device-wide lock on the common path.
+  if (general_->try_free(ptr, context)) return true;
   if (pools_exist_.load(std::memory_order_acquire) && pool_free(ptr, context)) return true;
   try {
-    general_->free(ptr, context);
+    general_->free(ptr, context);  // says what ptr is (a double free, a foreign pointer)
     return true;
   } catch (const InvalidPointerError& e) {
     *why = e.what();
@@ -144,10 +228,13 @@ bool DevicePools::free(uintptr_t ptr, std::string* why, uint64_t context) {
 
 bool DevicePools::record_stream(uintptr_t ptr, Stream stream) {
   if (pools_exist_.load(std::memory_order_acquire)) {
-    std::lock_guard<std::mutex> g(pools_mu_);
-    auto it = pool_blocks_.find(ptr);
-    if (it != pool_blocks_.end()) {
-      it->second->alloc->record_stream(ptr, stream);
+    std::shared_lock<std::shared_mutex> g(pools_mu_);
+    for (const auto& [id, pool] : pools_) {
+      {
+        std::lock_guard<std::mutex> b(pool->mu);
+        if (pool->blocks.count(ptr) == 0) continue;
+      }
+      pool->alloc->record_stream(ptr, stream);
       return true;
     }
   }
@@ -170,7 +257,7 @@ bool DevicePools::record_stream(uintptr_t ptr, Stream stream) {
 bool DevicePools::segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const {
   if (general_->segment_of(ptr, base, size) || buffers_->segment_of(ptr, base, size)) return true;
   if (!pools_exist_.load(std::memory_order_acquire)) return false;
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::shared_lock<std::shared_mutex> g(pools_mu_);
   for (const auto& [id, pool] : pools_)
     if (pool->alloc->segment_of(ptr, base, size)) return true;
   return false;
@@ -180,6 +267,13 @@ uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) {
   try {
     return buffers_->malloc(size, stream);
   } catch (const OutOfMemoryError& e) {
+    if (release_others(*buffers_) > 0) {
+      try {
+        return buffers_->malloc(size, stream);
+      } catch (const OutOfMemoryError& again) {
+        throw_oom(*buffers_, "buffer", size, again.what(), device_->captures().underway());
+      }
+    }
     throw_oom(*buffers_, "buffer", size, e.what(), device_->captures().underway());
   }
 }
@@ -210,14 +304,18 @@ void DevicePools::set_memory_fraction(double fraction) {
   if (!(fraction >= 0.0 && fraction <= 1.0))
     throw std::invalid_argument("memory fraction must be between 0 and 1, got " +
                                 std::to_string(fraction));
-  size_t free_bytes = 0, total = 0;
-  device_->mem_info(&free_bytes, &total);
+  // The device's size, not its free memory: known during a capture too.
+  size_t total = device_->total_bytes();
   if (total == 0)
     throw std::runtime_error("cannot apply a memory fraction to device " + std::to_string(index()) +
-                             ": its total memory is unknown (a CUDA graph capture is underway?)");
+                             ": the driver does not say how much memory it has");
   double limit = fraction * static_cast<double>(total);
   // 0 would mean "no cap" to the core; 1 byte lets nothing more be reserved.
   size_t cap = limit < 1.0 ? 1 : static_cast<size_t>(limit);
+  // Every pool of the device together (graph pools, buffers), as PyTorch's
+  // fraction caps its private pools too; the whole device is no cap.
+  budget_.cap.store(fraction >= 1.0 ? 0 : cap, std::memory_order_release);
+  // The general pool's own cap as well, so that its refusals say why.
   if (config_.max_pool_size != 0 && config_.max_pool_size < cap) cap = config_.max_pool_size;
   general_->set_max_pool_size(cap);
   fraction_.store(fraction, std::memory_order_relaxed);
@@ -226,7 +324,7 @@ void DevicePools::set_memory_fraction(double fraction) {
 void DevicePools::for_each_pool(const std::function<void(PoolId, Allocator&)>& fn) {
   fn(PoolId{0, 0}, *general_);
   fn(kBufferPoolId, *buffers_);
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::shared_lock<std::shared_mutex> g(pools_mu_);
   for (const auto& [id, pool] : pools_) fn(id, *pool->alloc);
 }
 
@@ -250,6 +348,10 @@ size_t DevicePools::cache_info() {
     auto reserved = static_cast<size_t>(general_->stats().reserved_bytes.all.current);
     dev_free = std::min(dev_free, cap > reserved ? cap - reserved : 0);
   }
+  if (size_t all = device_cap(); all != 0) {
+    size_t reserved = device_reserved();
+    dev_free = std::min(dev_free, all > reserved ? all - reserved : 0);
+  }
   return std::max(largest, dev_free);
 }
 
@@ -258,7 +360,7 @@ size_t DevicePools::cache_info() {
 // Graph pools
 
 uintptr_t DevicePools::routed_malloc(size_t size, Stream stream, uint64_t context, bool* routed) {
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::shared_lock<std::shared_mutex> g(pools_mu_);
   GraphPool* pool = nullptr;
   for (const auto& [id, filter] : routes_) {
     if (filter && filter(stream)) {
@@ -275,23 +377,30 @@ uintptr_t DevicePools::routed_malloc(size_t size, Stream stream, uint64_t contex
   try {
     ptr = pool->alloc->malloc(size, stream, context);
   } catch (const OutOfMemoryError& e) {
+    // A route is open, so a capture counts as underway: nothing can be
+    // released to make room (capture.h).
     throw_oom(*pool->alloc, "graph", size, e.what(), device_->captures().underway());
   }
-  pool_blocks_.emplace(ptr, pool);
-  pool->live++;
+  std::lock_guard<std::mutex> b(pool->mu);
+  pool->blocks.insert(ptr);
   return ptr;
 }
 
 bool DevicePools::pool_free(uintptr_t ptr, uint64_t context) {
-  std::lock_guard<std::mutex> g(pools_mu_);
-  auto it = pool_blocks_.find(ptr);
-  if (it == pool_blocks_.end()) return false;
-  GraphPool* pool = it->second;
-  pool_blocks_.erase(it);
-  pool->alloc->free(ptr, context);  // back to its own pool, for the pool's next allocations
-  pool->live--;
-  if (pool->uses == 0 && pool->live == 0) reclaim_locked(*pool);
-  return true;
+  std::shared_lock<std::shared_mutex> g(pools_mu_);
+  for (const auto& [id, pool] : pools_) {
+    {
+      std::lock_guard<std::mutex> b(pool->mu);
+      if (pool->blocks.erase(ptr) == 0) continue;
+    }
+    pool->alloc->free(ptr, context);  // back to its own pool, for the pool's next allocations
+    // A pool whose last use is gone and whose last block this was is not
+    // reclaimed here: this runs in a tensor's deleter, where waiting for the
+    // device and cuMemFree have no place. empty_cache() and the
+    // out-of-memory path give it back (reclaim_pools()).
+    return true;
+  }
+  return false;
 }
 
 DevicePools::GraphPool& DevicePools::pool_incref_locked(PoolId id) {
@@ -303,7 +412,7 @@ DevicePools::GraphPool& DevicePools::pool_incref_locked(PoolId id) {
   }
   auto pool = std::make_unique<GraphPool>();
   pool->id = id;
-  auto backend = std::make_unique<GraphPoolBackend>(device_->make_backend());
+  auto backend = std::make_unique<PoolBackend>(device_->make_backend(), budget_, true);
   pool->backend = backend.get();
   pool->alloc = std::make_unique<Allocator>(std::move(backend), graph_pool_config(config_));
   pool->alloc->set_stats_sink(&device_stats_);
@@ -317,7 +426,7 @@ DevicePools::GraphPool& DevicePools::pool_incref_locked(PoolId id) {
 }
 
 bool DevicePools::reclaim_locked(GraphPool& pool) {
-  if (pool.uses != 0 || pool.live != 0) return false;
+  if (pool.uses != 0 || !pool.blocks.empty()) return false;
   for (const auto& route : routes_)
     if (route.first == pool.id) return false;
   // Nothing may be released while any capture is underway: later, then.
@@ -335,11 +444,11 @@ bool DevicePools::reclaim_locked(GraphPool& pool) {
 }
 
 size_t DevicePools::reclaim_pools() {
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::unique_lock<std::shared_mutex> g(pools_mu_);
   size_t released = 0;
   std::vector<GraphPool*> idle;
   for (const auto& [id, pool] : pools_)
-    if (pool->uses == 0 && pool->live == 0) idle.push_back(pool.get());
+    if (pool->uses == 0 && pool->blocks.empty()) idle.push_back(pool.get());
   for (GraphPool* pool : idle) {
     auto reserved = static_cast<size_t>(pool->alloc->stats().reserved_bytes.all.current);
     if (reclaim_locked(*pool)) released += reserved;
@@ -348,20 +457,24 @@ size_t DevicePools::reclaim_pools() {
 }
 
 void DevicePools::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::unique_lock<std::shared_mutex> g(pools_mu_);
   // The same pool may be routed to more than once at a time, as PyTorch's
   // allocator allows (use_mem_pool on several threads): each is a use.
   told_of_captures_.store(true, std::memory_order_release);
   pool_incref_locked(id);
   routes_.emplace_back(id, std::move(filter));
+  // PyTorch begins the capture only after this returns: from now on, a
+  // capture counts as underway, for every thread (capture.h).
+  device_->captures().open();
   routing_.store(true, std::memory_order_release);
 }
 
 void DevicePools::end_allocate_to_pool(PoolId id) {
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::unique_lock<std::shared_mutex> g(pools_mu_);
   for (auto it = routes_.begin(); it != routes_.end(); ++it) {
     if (it->first != id) continue;
     routes_.erase(it);
+    device_->captures().close();  // the capture, if any, ended before this call
     break;
   }
   routing_.store(!routes_.empty(), std::memory_order_release);
@@ -369,8 +482,19 @@ void DevicePools::end_allocate_to_pool(PoolId id) {
   if (it != pools_.end()) reclaim_locked(*it->second);  // released while routed
 }
 
+void DevicePools::mark_capture(bool begin) {
+  std::unique_lock<std::shared_mutex> g(pools_mu_);
+  if (begin) {
+    marks_++;
+    device_->captures().open();
+  } else if (marks_ > 0) {
+    marks_--;
+    device_->captures().close();
+  }
+}
+
 void DevicePools::release_pool(PoolId id) {
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::unique_lock<std::shared_mutex> g(pools_mu_);
   auto it = pools_.find(id);
   if (it == pools_.end() || it->second->uses == 0) return;  // nothing left to release
   GraphPool& pool = *it->second;
@@ -378,33 +502,43 @@ void DevicePools::release_pool(PoolId id) {
 }
 
 void DevicePools::create_or_incref_pool(PoolId id) {
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::unique_lock<std::shared_mutex> g(pools_mu_);
   told_of_captures_.store(true, std::memory_order_release);
   pool_incref_locked(id);
 }
 
 int DevicePools::pool_use_count(PoolId id) const {
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::shared_lock<std::shared_mutex> g(pools_mu_);
   auto it = pools_.find(id);
   return it == pools_.end() ? 0 : it->second->uses;
 }
 
 std::vector<uintptr_t> DevicePools::pool_live_blocks(PoolId id) const {
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::shared_lock<std::shared_mutex> g(pools_mu_);
   std::vector<uintptr_t> out;
-  for (const auto& [ptr, pool] : pool_blocks_)
-    if (pool->id == id) out.push_back(ptr);
+  auto it = pools_.find(id);
+  if (it != pools_.end()) {
+    std::lock_guard<std::mutex> b(it->second->mu);
+    out.assign(it->second->blocks.begin(), it->second->blocks.end());
+  }
   std::sort(out.begin(), out.end());
   return out;
 }
 
 std::vector<DevicePools::LiveBlock> DevicePools::pool_checkpoint(PoolId id) const {
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::shared_lock<std::shared_mutex> g(pools_mu_);
   std::vector<LiveBlock> out;
-  for (const auto& [ptr, pool] : pool_blocks_) {
-    if (pool->id != id) continue;
+  auto it = pools_.find(id);
+  if (it == pools_.end()) return out;
+  const GraphPool& pool = *it->second;
+  std::vector<uintptr_t> ptrs;
+  {
+    std::lock_guard<std::mutex> b(it->second->mu);
+    ptrs.assign(pool.blocks.begin(), pool.blocks.end());
+  }
+  for (uintptr_t ptr : ptrs) {
     LiveBlock b{ptr, 0, 0};
-    if (pool->alloc->live_block(ptr, &b.size, &b.stream)) out.push_back(b);
+    if (pool.alloc->live_block(ptr, &b.size, &b.stream)) out.push_back(b);
   }
   std::sort(out.begin(), out.end(), [](const LiveBlock& a, const LiveBlock& b) { return a.ptr < b.ptr; });
   return out;
@@ -414,7 +548,7 @@ void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
                                std::vector<uintptr_t>* freed, std::vector<uintptr_t>* allocated) {
   // pools_mu_ is held throughout: no other allocation or free reaches a graph
   // pool meanwhile, so a failure can be undone exactly.
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::unique_lock<std::shared_mutex> g(pools_mu_);
   auto it = pools_.find(id);
   if (it == pools_.end())
     throw std::invalid_argument("cannot restore graph pool (" + std::to_string(id.first) + ", " +
@@ -424,8 +558,8 @@ void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
   for (const LiveBlock& b : blocks) wanted.emplace(b.ptr, &b);
   // First free what the checkpoint did not hold, so that its blocks' memory is free again.
   std::vector<LiveBlock> dropped;
-  for (const auto& [ptr, owner] : pool_blocks_) {
-    if (owner != &pool) continue;
+  // pools_mu_ held exclusively: no other thread is in any pool's blocks.
+  for (uintptr_t ptr : pool.blocks) {
     LiveBlock now{ptr, 0, 0};
     pool.alloc->live_block(ptr, &now.size, &now.stream);
     auto w = wanted.find(ptr);
@@ -434,32 +568,28 @@ void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
   }
   for (const LiveBlock& b : dropped) {
     pool.alloc->free(b.ptr);
-    pool_blocks_.erase(b.ptr);
-    pool.live--;
+    pool.blocks.erase(b.ptr);
   }
   std::vector<uintptr_t> made, kept;
   try {
     for (const LiveBlock& b : blocks) {
-      if (pool_blocks_.count(b.ptr) != 0) {  // live then and now
+      if (pool.blocks.count(b.ptr) != 0) {  // live then and now
         kept.push_back(b.ptr);
         continue;
       }
       pool.alloc->allocate_at(b.ptr, b.size, b.stream);
-      pool_blocks_.emplace(b.ptr, &pool);
-      pool.live++;
+      pool.blocks.insert(b.ptr);
       made.push_back(b.ptr);
     }
   } catch (...) {
     // Back to the state before the call: PyTorch keeps its storages as they were.
     for (uintptr_t ptr : made) {
       pool.alloc->free(ptr);
-      pool_blocks_.erase(ptr);
-      pool.live--;
+      pool.blocks.erase(ptr);
     }
     for (const LiveBlock& b : dropped) {
       pool.alloc->allocate_at(b.ptr, b.size, b.stream);
-      pool_blocks_.emplace(b.ptr, &pool);
-      pool.live++;
+      pool.blocks.insert(b.ptr);
     }
     throw;
   }
@@ -474,7 +604,7 @@ void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
 }
 
 std::vector<DevicePools::GraphPoolInfo> DevicePools::graph_pools() const {
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::shared_lock<std::shared_mutex> g(pools_mu_);
   std::vector<GraphPoolInfo> out;
   for (const auto& [id, pool] : pools_) {
     Stats st = pool->alloc->stats();
@@ -561,7 +691,7 @@ size_t DevicePools::release_graph_memory() {
 Stats DevicePools::stats() const {
   std::vector<Stats> pools{general_->stats(), buffers_->stats()};
   // Read while no graph pool can be retired (its sums would count twice).
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::shared_lock<std::shared_mutex> g(pools_mu_);
   for (const auto& [id, pool] : pools_) pools.push_back(pool->alloc->stats());
   Stats s = device_stats_.read(pools);
   s.max_split_size = max_split_size_;
@@ -569,14 +699,14 @@ Stats DevicePools::stats() const {
 }
 
 std::vector<std::pair<DevicePools::PoolId, StatArray>> DevicePools::pool_reserved() const {
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::shared_lock<std::shared_mutex> g(pools_mu_);
   std::map<PoolId, StatArray> out(released_reserved_);
   for (const auto& [id, pool] : pools_) out[id] = pool->alloc->stats().reserved_bytes;
   return {out.begin(), out.end()};
 }
 
 void DevicePools::reset_peak_stats() {
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::unique_lock<std::shared_mutex> g(pools_mu_);
   general_->reset_peak_stats();
   buffers_->reset_peak_stats();
   for (const auto& [id, pool] : pools_) pool->alloc->reset_peak_stats();
@@ -585,7 +715,7 @@ void DevicePools::reset_peak_stats() {
 }
 
 void DevicePools::record_history(bool enabled, size_t max_entries) {
-  std::lock_guard<std::mutex> g(pools_mu_);
+  std::unique_lock<std::shared_mutex> g(pools_mu_);
   history_ = enabled && max_entries > 0;
   history_max_ = history_ ? max_entries : 0;
   general_->record_history(history_, history_max_);
@@ -633,6 +763,10 @@ void DevicePools::throw_oom(Allocator& pool, const char* which, size_t size,
     << " reserved in this pool; " << format_bytes(f.free_bytes)
     << " of the reserved memory is free, the largest free block is "
     << format_bytes(f.largest_free_block) << ". ";
+  if (size_t cap = device_cap(); cap != 0)
+    m << "The memory fraction " << memory_fraction() << " caps all of pyalloc's pools on device "
+      << d << " at " << format_bytes(cap) << "; they hold " << format_bytes(device_reserved())
+      << ". ";
   if (capturing && !pool.backend().grows_while_capturing())
     m << "A CUDA graph capture is underway, and this driver lets captures be served only from "
          "memory already reserved; torch.cuda.graph() empties the cache before it captures, so "
@@ -786,12 +920,21 @@ bool free_checked(uintptr_t ptr, int device, uint64_t context, std::string* why)
   DevicePools* hinted = r.find(device);
   if (hinted == nullptr && device < 0) hinted = r.only();  // one device: no search
   if (hinted != nullptr && hinted->free(ptr, why, context)) return true;
-  // The device is a hint: the pointer's owner decides.
+  // The device is a hint: the pointer's owner decides. Only the devices
+  // whose address range holds it are asked (may_hold() takes no lock).
   uintptr_t base;
   size_t size;
+  std::string owner_why;
   for (DevicePools* p : r.all()) {
-    if (p == hinted || !p->segment_of(ptr, &base, &size)) continue;
-    return p->free(ptr, why, context);
+    if (p == hinted || !p->may_hold(ptr)) continue;
+    std::string w;
+    if (p->free(ptr, &w, context)) return true;
+    // Its memory, but no live block there: its answer (a double free, say).
+    if (owner_why.empty() && p->segment_of(ptr, &base, &size)) owner_why = w;
+  }
+  if (!owner_why.empty()) {
+    *why = owner_why;
+    return false;
   }
   // The hinted device's own answer (a double free, say) if the pointer is in its memory.
   if (hinted == nullptr || !hinted->segment_of(ptr, &base, &size) || why->empty())
@@ -855,6 +998,12 @@ void release_pool(int device, DevicePools::PoolId id) noexcept {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "pyalloc: releasing a graph pool failed: %s\n", e.what());
   }
+}
+
+void mark_capture(int device, bool begin) {
+  // A begin creates the device's pools, so that its end finds them.
+  if (begin) PoolRegistry::instance().get(device).mark_capture(true);
+  else if (DevicePools* p = PoolRegistry::instance().find(device)) p->mark_capture(false);
 }
 
 }  // namespace hooks

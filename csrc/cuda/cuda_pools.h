@@ -20,8 +20,20 @@
 // it, as in PyTorch's allocator. Each begin_allocate_to_pool() and
 // create_or_incref_pool() is a use, each release_pool() drops one; once no
 // use is left and nothing in the pool is live, its segments go back to the
-// driver (at once, or, while a capture is underway anywhere, at the next
-// empty_cache() or out-of-memory retry), where the general pool finds them.
+// driver, where the general pool finds them. When the last use goes
+// (release_pool, end_allocate_to_pool) with nothing live, at once. When the
+// last live block goes, at the next empty_cache() or out-of-memory retry:
+// a free runs inside a tensor's deleter, where waiting for the device
+// (cuEventSynchronize) and cuMemFree have no place (PyTorch's CUDA-graph
+// trees release a pool on every warm-up iteration). And while a capture is
+// underway, never: at the first empty_cache() or out-of-memory retry after it.
+//
+// The capture window: PyTorch routes a graph's pool before it begins the
+// capture, and ends the route after the capture ends. Each open route counts
+// as a capture underway (capture.h), on every device: from the route's
+// opening on, no pool queries events, releases or unmaps memory, or
+// reclaims graph pools. torch 2.13 also marks the capture itself
+// (mark_capture(), through the bridge), which counts the same way.
 //
 // Without those calls (a torch whose pluggable allocator lacks the setters),
 // every allocation asks the device whether its stream is capturing, and a
@@ -45,6 +57,19 @@
 // peaks are the device's own. Each graph pool's reserved bytes are also
 // reported apart (PyTorch's reserved_bytes_by_private_pools).
 //
+// The memory fraction (set_memory_fraction) caps what all the pools of a
+// device reserve together, graph pools and the buffer pool included, as
+// PyTorch's cap covers its private pools: every pool's backend draws on one
+// budget per device, and a pool refused by it first has the other pools'
+// cached memory given back, as on the out-of-memory path.
+//
+// Frees: a free of a general-pool block takes that pool's lock alone; one of
+// a graph-pool block takes the graph pools' registry lock shared, and its
+// pool's own locks, so it waits for no allocation or free elsewhere, only
+// while a graph pool is added, released, restored or reclaimed. A free that
+// names no device asks only the devices whose address range holds the
+// pointer (read without a lock).
+//
 // Registry: the pools of a device are created lazily under a mutex and
 // never destroyed (PyTorch frees tensors until the very end of the process);
 // lookups take no lock. The configuration is fixed at the first creation:
@@ -59,6 +84,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -100,6 +126,12 @@ class DevicePools {
   bool record_stream(uintptr_t ptr, Stream stream);
   /// The segment of any pool of this device holding ptr.
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
+  /// False if no pool of this device has ever held memory at ptr: read
+  /// without a lock, to find a pointer's device (true is only a maybe).
+  bool may_hold(uintptr_t ptr) const {
+    return ptr >= budget_.lo.load(std::memory_order_acquire) &&
+           ptr < budget_.hi.load(std::memory_order_acquire);
+  }
 
   /// From now on, allocations on streams the filter accepts come from pool
   /// `id` (created if new); a use of the pool. A pool may have several
@@ -109,6 +141,10 @@ class DevicePools {
   /// Stops the first route to pool `id` (as PyTorch's allocator does); the
   /// pool and its blocks stay.
   void end_allocate_to_pool(PoolId id);
+  /// torch 2.13's markCaptureBegin (begin) / markCaptureEnd: a capture on
+  /// this device counts as underway in between (capture.h). An end without
+  /// a begin is ignored.
+  void mark_capture(bool begin);
   /// A graph or MemPool using pool `id` is gone: one use less. Once no use
   /// is left and nothing in it is live, its memory returns to the device.
   void release_pool(PoolId id);
@@ -168,11 +204,17 @@ class DevicePools {
   /// reserved; the bytes released, net. Does nothing while a capture is
   /// underway (releasing memory then would break it).
   size_t empty_cache();
-  /// Caps the general pool at fraction * the device's total memory (and at
-  /// max_pool_size if that is lower).
+  /// Caps what all the pools of the device reserve together at fraction *
+  /// the device's total memory (the general pool also at max_pool_size if
+  /// that is lower). Releases nothing: a pool already past the cap only
+  /// stops growing.
   void set_memory_fraction(double fraction);
   /// The fraction last set (1 before any).
   double memory_fraction() const { return fraction_.load(std::memory_order_relaxed); }
+  /// Bytes all the pools of the device hold from the driver (reserved
+  /// segments and mapped pages), and the cap on them (0: none).
+  size_t device_reserved() const { return budget_.reserved.load(std::memory_order_acquire); }
+  size_t device_cap() const { return budget_.cap.load(std::memory_order_acquire); }
 
   /// Calls fn(id, pool) for the general pool ({0, 0}), the buffer pool
   /// (kBufferPoolId) and every graph pool (its id), graph pools' lock held:
@@ -204,13 +246,30 @@ class DevicePools {
   using GraphKey = std::tuple<uint64_t, Stream, size_t>;  // (capture, stream, size)
 
   struct GraphPool;
-  class GraphPoolBackend;
+  class PoolBackend;
 
+  // What every pool's backend of the device draws on: the bytes they hold
+  // from the driver against the memory fraction's cap, and the lowest and
+  // highest address any of them ever got (may_hold()).
+  struct Budget {
+    std::atomic<size_t> reserved{0};
+    std::atomic<size_t> cap{0};  // 0: no cap
+    std::atomic<uintptr_t> lo{UINTPTR_MAX};
+    std::atomic<uintptr_t> hi{0};
+    bool take(size_t bytes);
+    void give(size_t bytes) { reserved.fetch_sub(bytes, std::memory_order_acq_rel); }
+    void saw(uintptr_t base, size_t bytes);
+  };
+
+  std::unique_ptr<Backend> make_backend(bool held);
   uintptr_t routed_malloc(size_t size, Stream stream, uint64_t context, bool* routed);
   bool pool_free(uintptr_t ptr, uint64_t context);
   GraphPool& pool_incref_locked(PoolId id);
   bool reclaim_locked(GraphPool& pool);
   size_t reclaim_pools();
+  /// On the out-of-memory path of `pool`: gives back the cached memory of
+  /// the device's other pools and its graph pools without a use; the bytes.
+  size_t release_others(const Allocator& pool);
   uintptr_t capture_malloc(size_t size, Stream stream, uint64_t capture, uint64_t context);
   bool capture_free(uintptr_t ptr);
   void capture_record_stream(uintptr_t ptr);
@@ -219,6 +278,7 @@ class DevicePools {
 
   std::unique_ptr<Device> device_;
   Config config_;
+  Budget budget_;           // before the pools that draw on it
   StatsSink device_stats_;  // before the pools that push to it
   int64_t max_split_size_ = 0;
   std::unique_ptr<Allocator> general_;
@@ -230,11 +290,13 @@ class DevicePools {
   std::multimap<GraphKey, uintptr_t> graph_idle_;  // freed by PyTorch, still held
   size_t graph_bytes_ = 0;
 
-  // Graph pools. Lock order: pools_mu_, then a pool's own lock.
-  mutable std::mutex pools_mu_;
+  // Graph pools. Lock order: pools_mu_, then a pool's own locks. pools_mu_
+  // is taken shared to allocate from, free into or read the pools, and
+  // exclusively to add, release, reclaim or restore one.
+  mutable std::shared_mutex pools_mu_;
   std::map<PoolId, std::unique_ptr<GraphPool>> pools_;
   std::vector<std::pair<PoolId, StreamFilter>> routes_;  // in begin order
-  std::unordered_map<uintptr_t, GraphPool*> pool_blocks_;  // live blocks of graph pools
+  int marks_ = 0;                         // mark_capture() begins not yet ended
   std::atomic<bool> routing_{false};      // routes_ is not empty
   std::atomic<bool> pools_exist_{false};  // pools_ is not empty
   std::atomic<bool> told_of_captures_{false};  // PyTorch's pool calls are in use
@@ -335,6 +397,8 @@ void init(int device_count) noexcept;
 void begin_allocate_to_pool(int device, DevicePools::PoolId id, DevicePools::StreamFilter filter);
 void end_allocate_to_pool(int device, DevicePools::PoolId id) noexcept;
 void release_pool(int device, DevicePools::PoolId id) noexcept;
+/// torch 2.13's markCaptureBegin / markCaptureEnd (DevicePools::mark_capture).
+void mark_capture(int device, bool begin);
 }  // namespace hooks
 
 /// The file of the library holding the hooks (torch_hooks.cpp): what

@@ -74,6 +74,7 @@ class FakeDevice final : public Device {
   void mem_info(size_t* free_bytes, size_t* total_bytes) override {
     *free_bytes = *total_bytes = capacity_;
   }
+  size_t total_bytes() override { return capacity_; }
   int dlpack_device_type() const override { return 1; }  // kDLCPU: host memory
 
  private:

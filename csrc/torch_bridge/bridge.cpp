@@ -28,6 +28,7 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <cstddef>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -453,6 +454,20 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
     auto it = filters_.find(std::make_tuple(int(device), id.first, id.second));
     if (it != filters_.end()) filters_.erase(it);  // pyalloc calls it no more
   }
+
+#if PYALLOC_TORCH_AT_LEAST(2, 13)
+  // The capture itself, within the pool's route: counted as underway like
+  // the route (csrc/cuda/capture.h). The member is appended to the table:
+  // an older pyalloc._C lacks it, and the route alone then covers the capture.
+  void markCaptureBegin(DeviceIndex device) override { mark_capture(device, 1); }
+  void markCaptureEnd(DeviceIndex device) override { mark_capture(device, 0); }
+
+  void mark_capture(DeviceIndex device, int begin) {
+    if (api->size < offsetof(pyalloc_bridge_api, mark_capture) + sizeof(api->mark_capture)) return;
+    if (begin) check(api->mark_capture(device, 1));
+    else report(api->mark_capture(device, 0), "ending a capture");  // in capture_end: never throws
+  }
+#endif
 
   void releasePool(DeviceIndex device, MempoolId id) override {
     // Runs in CUDA graphs' and MemPools' destructors: never throws.

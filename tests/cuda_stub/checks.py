@@ -383,6 +383,105 @@ def relaxed_check_graph_pool_grows_and_returns_its_memory():
     _C.cuda_check_invariants(0)
 
 
+WINDOW_CALLS = ("event_query", "event_sync", "event_record", "mem_free", "mem_unmap", "mem_release",
+                "mem_get_info")
+
+
+def window_calls():
+    return {k: getattr(stub, k) for k in WINDOW_CALLS}
+
+
+def window_calls_since(before):
+    now = window_calls()
+    return {k: now[k] - before[k] for k in WINDOW_CALLS if now[k] != before[k]}
+
+
+def check_an_open_route_is_a_capture_underway():
+    """Regression: PyTorch routes a graph's pool (begin_allocate_to_pool) before
+    cudaStreamBeginCapture, and ends the route after the capture ends. Anywhere in
+    between, another thread's event query, cuMemFree or unmap invalidates the
+    capture in the default (global) mode; pyalloc made them until a stream was
+    seen capturing."""
+    import threading
+
+    cap, s1, s2 = 0x5200, 0x1000, 0x2000
+    hooks.pyalloc_empty_cache()
+    free(malloc(40 * MiB, device=1))  # cached on device 1
+    p = malloc(MiB, 0, s1)
+    hooks.pyalloc_record_stream(p, s2)
+
+    def eager_work(first):
+        if first:
+            free(p)  # waits for s2: an event to record and ask about
+        free(malloc(512, 0, s1))
+        hooks.pyalloc_empty_cache()
+        hooks.pyalloc_set_memory_fraction(1.0, 0)
+
+    def on_another_thread(first=False):
+        t = threading.Thread(target=eager_work, args=(first,))
+        t.start()
+        t.join()
+
+    pool_hook("begin_allocate_to_pool", (0, 12), [cap])
+    before = window_calls()
+    on_another_thread(first=True)  # routed, not yet capturing
+    stub.capture_id, stub.capturing_stream = 91, cap
+    stub.forbidden_during_capture = 0
+    if RELAXED:
+        g = malloc(2 * MiB, 0, cap)  # into the graph pool
+    on_another_thread()
+    stub.capturing_stream = 0  # cudaStreamEndCapture; the route ends just after
+    on_another_thread()
+    assert window_calls_since(before) == {}, window_calls_since(before)
+    assert stub.forbidden_during_capture == 0
+    assert pending() == MiB
+    pool_hook("end_allocate_to_pool", (0, 12))
+    free(malloc(512, 0, s1))  # the deferred event is recorded and found done
+    assert pending() == 0
+    freed = stub.mem_free
+    hooks.pyalloc_empty_cache()
+    assert stub.mem_free > freed  # device 1's cache
+    if RELAXED:
+        free(g)
+    pool_hook("release_pool", (0, 12))
+    hooks.pyalloc_empty_cache()
+    assert _C.cuda_graph_pools(0) == []
+    _C.cuda_check_invariants(0)
+
+
+def relaxed_check_last_free_of_a_released_graph_pool_does_not_sync():
+    """Regression: the last free of a released graph pool waited for its events
+    (cuEventSynchronize) and cuMemFree'd its segments inside the tensor's
+    deleter; it is given back at empty_cache or on the out-of-memory path."""
+    pool_hook("begin_allocate_to_pool", (0, 13), [0x5300])
+    p = malloc(4 * MiB, 0, 0x5300)
+    q = malloc(MiB, 0, 0x5300)
+    hooks.pyalloc_record_stream(p, 0x5301)  # its free needs an event
+    pool_hook("end_allocate_to_pool", (0, 13))
+    pool_hook("release_pool", (0, 13))  # the graph is gone, its outputs live on
+    free(q)
+    before = window_calls()
+    free(p)  # the pool's last live block, in a deleter
+    made = window_calls_since(before)
+    assert not {"event_sync", "event_query", "mem_free"} & set(made), made
+    assert [x["id"] for x in _C.cuda_graph_pools(0)] == [(0, 13)]
+    hooks.pyalloc_empty_cache()
+    assert stub.mem_free > before["mem_free"] and _C.cuda_graph_pools(0) == []
+    # And on the out-of-memory path: eager work needing the pool's memory gets it.
+    pool_hook("begin_allocate_to_pool", (0, 14), [0x5300])
+    hooks.pyalloc_empty_cache()
+    p = malloc(100 * MiB, 0, 0x5300)
+    pool_hook("end_allocate_to_pool", (0, 14))
+    pool_hook("release_pool", (0, 14))
+    free(p)
+    assert [x["id"] for x in _C.cuda_graph_pools(0)] == [(0, 14)]
+    room = stub.capacity - stub.used[0]
+    q = malloc(room + 64 * MiB, 0, 0x1000)
+    assert _C.cuda_graph_pools(0) == []
+    free(q)
+    _C.cuda_check_invariants(0)
+
+
 # Runs late: the failed block stays pending for the rest of the process, and
 # while any block is pending each allocation asks whether its stream captures.
 def check_failed_event_keeps_the_block_and_raises_once():

@@ -59,6 +59,10 @@ def main():
     assert pools()[pid]["use_count"] == 0
     del out1, out2
     gc.collect()
+    # The last free only leaves the pool marked (no device sync inside a
+    # deleter): empty_cache gives it back.
+    assert list(pools()) == [pid] and pools()[pid]["allocated_bytes"] == 0, pools()
+    torch.cuda.empty_cache()
     assert pools() == {}, pools()
     assert torch.cuda.mem_get_info()[0] >= free_before + pool_bytes - 2 * MiB
     # The general pool takes it up again.

@@ -76,6 +76,10 @@ def main():
     step("deleting its tensors")
     del a, b
     gc.collect()
+    # The last free only leaves the pool marked (no device sync inside a
+    # deleter): empty_cache gives it back.
+    assert pools()[pid]["allocated_bytes"] == 0, pools()
+    torch.cuda.empty_cache()
     assert pid not in pools(), pools()
     assert torch.cuda.memory_reserved() <= reserved - pool_bytes, (torch.cuda.memory_reserved(), reserved)
     assert torch.cuda.mem_get_info()[0] >= free_before + pool_bytes - 2 * MiB
