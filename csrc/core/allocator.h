@@ -299,6 +299,13 @@ class Allocator {
   // History: the run of b loses [lo, hi), told as its pieces allocated
   // and the run freed (see lend_chunk_stats).
   void trace_split(const Block* b, uintptr_t lo, uintptr_t hi);
+  // Does a segment of the snapshot (a run, a chunk) start at addr or above?
+  bool segment_from(uintptr_t addr) const;
+  // ... or below addr?
+  bool segment_below(uintptr_t addr) const;
+  // History: the segment [addr, addr + size) freed; top: when the viewer
+  // undoes the event, no segment lies above it and some lie below.
+  void trace_segment_free(uintptr_t addr, size_t size, Stream s, bool top);
   [[noreturn]] void throw_oom(size_t request, size_t size, Stream s, const std::string& why);
   std::string describe_bad_pointer(uintptr_t ptr, const char* op) const;
   void trace(TraceEntry::Action a, uintptr_t addr, size_t size, Stream s);
