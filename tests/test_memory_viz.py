@@ -552,6 +552,35 @@ def test_cuda_pool_snapshots_read_as_pytorch_reads_them(fake, conf, tmp_path):
     _C._testing_pool_hook("release_pool", 0, (0, 9))
 
 
+@pytest.mark.parametrize("conf", ["strategy:bestfit", "strategy:vmm"])
+def test_cuda_pool_history_undoes_to_what_was(fake, conf):
+    """A device's trace holds the events of all its pools (here the general pool
+    and a graph pool capturing meanwhile): undone from the last snapshot, it shows
+    at every step what a snapshot showed then."""
+    _C.cuda_configure(conf)
+    pyalloc.record_history(True, max_entries=100_000)
+    rng = random.Random(7)
+    earlier = {}
+    _C._testing_pool_hook("begin_allocate_to_pool", 0, (0, 9), [11])
+    live = []
+    for _ in range(200):
+        if rng.random() < 0.6 or not live:
+            size = rng.choice([rng.randint(1, 4 * KiB), rng.randint(MiB, 6 * MiB)])
+            try:
+                live.append(_C._testing_hook_malloc(size, 0, rng.choice([0, 3, 11])))
+            except RuntimeError:
+                pass
+        else:
+            _free_hook(live.pop(rng.randrange(len(live))))
+        snap = pyalloc.snapshot()
+        earlier[len(snap["device_traces"][0])] = snap
+    undo_history(pyalloc.snapshot(), earlier)
+    for p in live:
+        _free_hook(p)
+    _C._testing_pool_hook("end_allocate_to_pool", 0, (0, 9))
+    _C._testing_pool_hook("release_pool", 0, (0, 9))
+
+
 def _free_hook(ptr):
     import ctypes
 

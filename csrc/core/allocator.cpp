@@ -326,6 +326,7 @@ bool Allocator::segment_from(uintptr_t addr) const {
 }
 
 bool Allocator::segment_below(uintptr_t addr) const {
+  if (history_shared_) return true;  // another pool's may be
   for (const auto& [base, seg] : segments_) {
     if (base >= addr) break;
     for (const Block* b = seg->first; b != nullptr && b->addr < addr; b = b->next)

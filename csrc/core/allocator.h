@@ -179,6 +179,10 @@ class Allocator {
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
 
   void record_history(bool enabled, size_t max_entries);
+  /// The history goes into one device trace with other allocators' (a
+  /// device's pools): segments this allocator does not see may lie below
+  /// its own in PyTorch's viewer (see trace_segment_free).
+  void share_history() { history_shared_ = true; }
   /// Forgets the recorded history; recording goes on as it was.
   void clear_history();
   std::vector<TraceEntry> history() const;
@@ -341,6 +345,7 @@ class Allocator {
   std::map<uintptr_t, Block*> unmapped_;  // unmapped blocks of vmm_seg_ by address
 
   bool history_on_ = false;
+  bool history_shared_ = false;
   uint64_t trace_context_ = 0;  // the tag of the malloc / free underway (history)
   size_t history_max_ = 0;
   size_t history_next_ = 0;

@@ -85,6 +85,8 @@ DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config)
   buffers_ = std::make_unique<Allocator>(device_->make_backend(), buffer_config(config_));
   general_->set_stats_sink(&device_stats_);
   buffers_->set_stats_sink(&device_stats_);
+  general_->share_history();  // one device trace for all of its pools
+  buffers_->share_history();
   max_split_size_ = general_->stats().max_split_size;
   // Asked for vmm, got bestfit (the device says why it has no virtual
   // memory, or it offers it and the trial mapping failed): said once per
@@ -310,6 +312,7 @@ DevicePools::GraphPool& DevicePools::pool_incref_locked(PoolId id) {
   pool->backend = backend.get();
   pool->alloc = std::make_unique<Allocator>(std::move(backend), graph_pool_config(config_));
   pool->alloc->set_stats_sink(&device_stats_);
+  pool->alloc->share_history();
   if (history_) pool->alloc->record_history(true, history_max_);
   released_reserved_.erase(id);  // reported live again
   pool->uses = 1;
