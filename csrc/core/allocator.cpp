@@ -341,8 +341,9 @@ void Allocator::trace_segment_free(uintptr_t addr, size_t size, Stream s, bool t
   // (JavaScript's splice(-1, 0, x)): its list then leaves address order, and
   // a later undo of a segment_unmap merges with the wrong neighbours. So
   // above a segment freed at the top (with others below it) goes an empty
-  // segment at its end for that moment: undone, the empty one is appended (segment_unmap), the
-  // freed one inserted before it, and the empty one removed (segment_alloc).
+  // segment at its end for that moment: undone, the empty one is appended
+  // (segment_unmap), the freed one inserted before it, and the empty one
+  // removed (segment_alloc). Both are 0 bytes: no reserved figure moves.
   if (!top) {
     trace(TraceEntry::kSegmentFree, addr, size, s);
     return;
