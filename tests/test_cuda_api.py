@@ -313,3 +313,22 @@ def test_frees_wait_for_no_graph_pool_operation(fake):
     for p in api.values("pool_live_blocks", 0, 0, 81):
         assert api.free(p, 0) == OK
     assert api.release_pool(0, 0, 81) == OK
+
+
+def test_fake_device_without_virtual_memory_says_nothing_of_vmm():
+    """bench_core's fake device offers no virtual memory: pools asked for vmm run
+    bestfit there without telling stderr that a trial mapping failed (a device
+    that offers it and refuses it still says so: test_cuda_backend_stub.py)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    prog = ("from benchmarks.bench_core import device_pair_ns\n"
+            "from pyalloc import _C\n"
+            "assert _C.cuda_config()['strategy'] == 'vmm'\n"
+            "device_pair_ns('hooks', 4096, 2000, 1)\n")
+    out = subprocess.run([sys.executable, "-c", prog], cwd=root, capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    assert "cannot use strategy vmm" not in out.stderr, out.stderr

@@ -8,10 +8,13 @@ and a replay stopped midway), and the file is checked for what the web viewer
 - ``annotate_snapshot`` rebuilds each block's address as its segment's address
   plus the sizes of the blocks before it;
 - ``simulate_memory`` (Allocator State History) starts from the final segments
-  and undoes the events from the last to the first: segment_alloc / segment_free
-  name an exact segment, segment_map / segment_unmap shrink, split or merge
-  contiguous segments of the same stream, a free_requested names a block it
-  has, and every live block must lie in a segment at every step;
+  and undoes the events from the last to the first (HistoryViewer, with the
+  JavaScript's own list handling): segment_alloc / segment_free name an exact
+  segment, segment_map / segment_unmap shrink, split or merge contiguous
+  segments of the same stream, a free_requested names a block it has, every
+  live block must lie in a segment at every step, and at every event where a
+  snapshot was also taken the viewer must show that snapshot's segments and
+  blocks;
 - ``process_alloc_data`` (Active Memory Timeline) adds the blocks live at the
   end that no recorded alloc explains, and the final total must be the bytes
   live at the end.
@@ -78,24 +81,41 @@ def check_block_addresses(snapshot):
         assert addr == seg["address"] + seg["total_size"], "blocks do not tile their segment"
 
 
-def replay_history_backwards(snapshot, device=0):
-    """MemoryViz.js simulate_memory from the last event to before the first, checking
-    at every step what the viewer would otherwise fail on; the segments left at the
-    start."""
-    snap = annotate(snapshot)
-    segs = [dict(addr=s["address"], size=s["total_size"], stream=s["stream"])
-            for s in snap["segments"] if s["device"] == device]
-    segs.sort(key=lambda s: s["addr"])
-    blocks = {b["addr"]: b["size"] for s in snap["segments"] if s["device"] == device
-              for b in s["blocks"] if b["state"] in ("active_allocated", "active_pending_free")}
-    events = snap["device_traces"][device]
+class ViewerError(AssertionError):
+    """Where MemoryViz.js would throw, or draw something other than what was."""
 
-    def map_segment(merge, seg):
-        idx = next((i for i, e in enumerate(segs) if e["addr"] > seg["addr"]), -1)
-        if not merge:  # splice(-1, 0, seg) puts it before the last one
-            segs.insert(idx if idx >= 0 else max(len(segs) - 1, 0), seg)
+
+class HistoryViewer:
+    """MemoryViz.js MemoryView's simulate_memory, one event at a time from the last
+    to the first, as the viewer does it (JavaScript's quirks included: a splice at
+    index -1 inserts before the last element, or removes the last one)."""
+
+    def __init__(self, snapshot, device=0):
+        snap = annotate(snapshot)
+        self.segs, self.blocks = [], {}
+        for seg in snap["segments"]:
+            if seg["device"] != device:
+                continue
+            self.segs.append(dict(addr=seg["address"], size=seg["total_size"], stream=seg["stream"]))
+            for b in seg["blocks"]:
+                if b["state"] in ("active_pending_free", "active_allocated"):
+                    self.blocks[b["addr"]] = b["state"] == "active_pending_free"
+        self.segs.sort(key=lambda x: x["addr"])
+        self.events = snap["device_traces"][device]
+        self.pos = len(self.events)
+        # raw history length after each annotated event (a free_requested and the
+        # free_completed right after it are one "free")
+        self.raw_len = [0]
+        for e in self.events:
+            self.raw_len.append(self.raw_len[-1] + (2 if e["action"] == "free" else 1))
+
+    def map_segment(self, merge, seg):  # simulate_memory's map_segment
+        segs = self.segs
+        idx = next((k for k, e in enumerate(segs) if e["addr"] > seg["addr"]), -1)
+        if not merge:
+            segs.insert(idx, seg)  # splice(-1, 0, seg): before the last one
             return
-        idx = len(segs) if idx < 0 else idx
+        idx = len(segs) if idx == -1 else idx
         segs.insert(idx, seg)
         if idx + 1 < len(segs):
             nxt = segs[idx + 1]
@@ -108,67 +128,113 @@ def replay_history_backwards(snapshot, device=0):
                 prev["size"] += seg["size"]
                 del segs[idx]
 
-    def unmap_segment(merge, seg, i):
+    def unmap_segment(self, merge, seg):  # simulate_memory's unmap_segment
+        segs, i = self.segs, self.pos
         if not merge:
-            idx = [k for k, e in enumerate(segs) if e["addr"] == seg["addr"]]
-            assert idx, f"event {i}: segment_alloc of {seg['addr']:#x}, a segment the viewer lacks"
-            del segs[idx[0]]
+            idx = next((k for k, e in enumerate(segs) if e["addr"] == seg["addr"]), -1)
+            if idx == -1:  # splice(-1, 1) drops the last segment instead
+                raise ViewerError(f"event {i}: segment_alloc of {seg['addr']:#x}, where no segment starts")
+            del segs[idx]
             return
         end = seg["addr"] + seg["size"]
-        idx = [k for k, e in enumerate(segs) if e["addr"] <= seg["addr"] and end <= e["addr"] + e["size"]]
-        assert idx, f"event {i}: segment_map of {seg['addr']:#x} lies in no segment (the viewer throws)"
-        ex = segs[idx[0]]
+        idx = next((k for k, e in enumerate(segs) if e["addr"] <= seg["addr"] and end <= e["addr"] + e["size"]), -1)
+        if idx == -1:  # existing is undefined: "Cannot read properties of undefined"
+            raise ViewerError(f"event {i}: segment_map of {seg['addr']:#x}+{seg['size']:#x} lies in no segment")
+        ex = segs[idx]
         ex_end = ex["addr"] + ex["size"]
         if ex["addr"] == seg["addr"]:
             ex["addr"] += seg["size"]
             ex["size"] -= seg["size"]
             if ex["size"] == 0:
-                del segs[idx[0]]
+                del segs[idx]
         elif ex_end == end:
             ex["size"] -= seg["size"]
         else:
             ex["size"] = seg["addr"] - ex["addr"]
-            segs.insert(idx[0] + 1, dict(addr=end, size=ex_end - end, stream=seg["stream"]))
+            seg["addr"], seg["size"] = end, ex_end - end
+            segs.insert(idx + 1, seg)
 
-    def find_segment(by_addr, addr):  # the viewer's binary search
-        left, right = 0, len(by_addr) - 1
-        while left <= right:
-            mid = (left + right) // 2
-            if addr < by_addr[mid]["addr"]:
-                right = mid - 1
-            elif addr >= by_addr[mid]["addr"] + by_addr[mid]["size"]:
-                left = mid + 1
-            else:
-                return by_addr[mid]
-        return None
-
-    def check_state(i):
-        by_addr = sorted(sorted(segs, key=lambda x: (x["size"], x["addr"])), key=lambda x: x["addr"])
-        for addr in blocks:
-            assert find_segment(by_addr, addr) is not None, (
-                f"before event {i}: block {addr:#x} lies in no segment (the viewer throws)")
-
-    check_state(len(events))
-    for s, t in zip(segs, segs[1:]):
-        assert s["addr"] + s["size"] <= t["addr"], "the snapshot's segments overlap"
-    for i in range(len(events) - 1, -1, -1):
-        e = events[i]
+    def undo(self):
+        """Undoes the event before self.pos (simulate_memory's switch)."""
+        self.pos -= 1
+        e = self.events[self.pos]
         a = e["action"]
-        if a in ("free", "free_completed"):
-            blocks[e["addr"]] = e["size"]
-        elif a == "free_requested":  # the viewer marks the block it has: none, and it throws
-            assert e["addr"] in blocks, f"event {i}: free_requested of {e['addr']:#x}, a block the viewer lacks"
+        if a == "free":
+            self.blocks[e["addr"]] = False
+        elif a == "free_requested":  # l_block_map[addr].free_requested = false
+            if e["addr"] not in self.blocks:
+                raise ViewerError(f"event {self.pos}: free_requested of {e['addr']:#x}, a block the viewer lacks")
+            self.blocks[e["addr"]] = False
+        elif a == "free_completed":
+            self.blocks[e["addr"]] = True
         elif a == "alloc":
-            blocks.pop(e["addr"], None)
-        elif a in ("segment_free", "segment_unmap"):
-            map_segment(a == "segment_unmap", dict(addr=e["addr"], size=e["size"], stream=e["stream"]))
-        elif a in ("segment_alloc", "segment_map"):
-            unmap_segment(a == "segment_map", dict(addr=e["addr"], size=e["size"], stream=e["stream"]), i)
-        check_state(i)
-    segs.sort(key=lambda x: x["addr"])
+            self.blocks.pop(e["addr"], None)
+        elif a in ("segment_free", "segment_unmap", "segment_alloc", "segment_map"):
+            seg = dict(addr=e["addr"], size=e["size"], stream=e["stream"])
+            if a in ("segment_free", "segment_unmap"):
+                self.map_segment(a == "segment_unmap", seg)
+            else:
+                self.unmap_segment(a == "segment_map", seg)
+
+    def draw(self):
+        """MemoryView.draw's find_segment for every block: none, and it throws."""
+        ordered = sorted(self.segs, key=lambda x: (x["size"], x["addr"]))
+        by_addr = sorted(ordered, key=lambda x: x["addr"])
+        for addr in self.blocks:
+            left, right = 0, len(by_addr) - 1
+            while left <= right:
+                mid = (left + right) // 2
+                if addr < by_addr[mid]["addr"]:
+                    right = mid - 1
+                elif addr >= by_addr[mid]["addr"] + by_addr[mid]["size"]:
+                    left = mid + 1
+                else:
+                    break
+            else:
+                raise ViewerError(f"at event {self.pos}: block {addr:#x} lies in no segment")
+
+    def state(self):
+        return (sorted((s["addr"], s["size"], s["stream"]) for s in self.segs),
+                sorted(self.blocks.items()))
+
+
+def true_state(snapshot, device=0):
+    """What the viewer should draw: the snapshot's segments and live blocks."""
+    segs = [s for s in snapshot["segments"] if s["device"] == device]
+    return (sorted((s["address"], s["total_size"], s["stream"]) for s in segs),
+            sorted((b["address"], b["state"] == "active_pending_free") for s in segs
+                   for b in s["blocks"] if b["state"] != "inactive"))
+
+
+def undo_history(snapshot, earlier=None, device=0):
+    """Undoes the history to before its first event, drawing every step; where
+    `earlier` ({history length: the snapshot taken then}) has the state at that
+    step, the viewer must show exactly it. Returns the segments at the start."""
+    v = HistoryViewer(snapshot, device)
+    earlier = earlier or {}
+    while True:
+        v.draw()
+        then = earlier.get(v.raw_len[v.pos])
+        if then is not None:
+            got, want = v.state(), true_state(then, device)
+            assert got[0] == want[0], (
+                f"after event {v.pos - 1} the viewer shows segments "
+                f"{[(hex(a), hex(n), s) for a, n, s in sorted(set(got[0]) - set(want[0]))]} "
+                f"instead of {[(hex(a), hex(n), s) for a, n, s in sorted(set(want[0]) - set(got[0]))]}")
+            assert got[1] == want[1], f"after event {v.pos - 1} the viewer shows other blocks"
+        if v.pos == 0:
+            break
+        v.undo()
+    segs = sorted(v.segs, key=lambda x: x["addr"])
     for s, t in zip(segs, segs[1:]):
         assert s["addr"] + s["size"] <= t["addr"], "before the first event, segments overlap"
     return segs
+
+
+def replay_history_backwards(snapshot, device=0):
+    """MemoryViz.js simulate_memory from the last event to before the first (the
+    segments left at the start)."""
+    return undo_history(snapshot, device=device)
 
 
 def timeline_final_total(snapshot, device=0):
@@ -306,6 +372,122 @@ def test_allocator_snapshots_read_as_pytorch_reads_them(backend, conf, seed, tmp
     check_snapshot(a.snapshot(), a.stats(), snap, tmp_path, from_start=fresh)
 
 
+# Every strategy, with and without small-pool chunks, capped or not, with a pool
+# reserved up front or not.
+HISTORY_CONFIGS = CONFIGS + [
+    "strategy:bestfit",
+    "strategy:bestfit,small_size:0",
+    "strategy:bestfit,pool_size:16MiB,max_pool_size:40MiB",
+    "strategy:vmm,small_size:0",
+    "strategy:vmm,max_pool_size:24MiB,small_chunk_size:2MiB",
+    "strategy:vmm,max_pool_size:32MiB,small_size:64KiB,small_chunk_size:256KiB",
+]
+
+
+def history_workload(a, rng, steps, earlier):
+    """workload() with a snapshot after every operation, keyed by history length."""
+    live = []
+
+    def mark():
+        snap = a.snapshot()
+        earlier[len(snap["device_traces"][0])] = snap
+
+    mark()
+    for _ in range(steps):
+        op = rng.random()
+        if op < 0.5 or not live:
+            size = rng.choice([rng.randint(1, 64 * KiB), rng.randint(64 * KiB, 2 * MiB),
+                               rng.randint(2 * MiB, 9 * MiB)])
+            try:
+                live.append(a.malloc(size, rng.choice([0, 0, 7])))
+            except pyalloc.OutOfMemoryError:
+                pass
+        elif op < 0.9:
+            a.free(live.pop(rng.randrange(len(live))))
+        elif op < 0.94:
+            a.record_stream(rng.choice(live), 9)
+        elif op < 0.97:
+            a.stream_complete(9)
+        else:
+            a.empty_cache()
+        mark()
+    return live
+
+
+@pytest.mark.parametrize("conf", HISTORY_CONFIGS)
+@pytest.mark.parametrize("backend", ["host", "virtual"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_history_undoes_to_what_was_at_every_step(backend, conf, seed):
+    """Allocator State History: from the last snapshot, the viewer's undo reaches at
+    every earlier event exactly the segments and blocks a snapshot showed then."""
+    seed += 10 * HISTORY_CONFIGS.index(conf) + 5 * (backend == "host")
+    a = pyalloc.Allocator(backend, conf, capacity=256 * MiB if backend == "host" else 0)
+    a.record_history(True, max_entries=1 << 20)
+    earlier = {}
+    live = history_workload(a, random.Random(seed), 300, earlier)
+    for p in live:
+        a.free(p)
+    a.empty_cache()
+    final = a.snapshot()
+    earlier[len(final["device_traces"][0])] = final
+    start = undo_history(final, earlier)
+    if "pool_size" not in conf.replace("max_pool_size", ""):
+        assert start == []
+    # A snapshot taken midway undoes to the same states.
+    mid = max(n for n in earlier if n <= len(final["device_traces"][0]) // 2)
+    undo_history(earlier[mid], earlier)
+
+
+@pytest.mark.parametrize("conf", ["strategy:vmm", "strategy:bestfit", "strategy:vmm,small_size:0"])
+def test_history_of_a_replay_undoes_to_what_was(conf):
+    """The same over the start of a recorded training trace replayed (history on from
+    the start), snapshots every few operations."""
+    from pyalloc.replay import plan_trace
+    from pyalloc.snapshot_io import load_snapshot, read_trace
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "traces" / "tiny-gpt-varlen-train.pickle.gz"
+    plan = plan_trace(read_trace(load_snapshot(str(path))))
+    calls = _C.ReplayTrace(plan.kinds, plan.ids, plan.sizes, plan.streams)
+    core = _C.Allocator("virtual", conf, 0)
+    core.record_history(True, 1 << 20)
+    run = _C.Replayer(core, calls, False, 0)
+    earlier = {}
+    for stop in range(0, 6000, 40):
+        run.run(stop)
+        earlier[len(core.history())] = {"segments": core.snapshot_segments(0)}
+    final = {"segments": core.snapshot_segments(0), "device_traces": [core.history()]}
+    assert undo_history(final, earlier) == []
+
+
+def test_chunk_given_back_at_the_top_leaves_the_viewer_in_order():
+    """A small-pool chunk at the top of everything, given back after pages below it
+    were unmapped: the viewer once spliced the chunk in before the last segment on
+    undoing its segment_free, then merged the earlier unmap with the wrong
+    neighbour, and threw at the first segment_map."""
+    a = pyalloc.Allocator("virtual", "strategy:vmm")
+    a.record_history(True)
+    earlier = {}
+
+    def mark():
+        snap = a.snapshot()
+        earlier[len(snap["device_traces"][0])] = snap
+
+    big = a.malloc(7 * MiB + MiB // 2)
+    small = a.malloc(1000)  # a chunk in the last 512 KiB of the mapped pages
+    mark()
+    a.free(big)
+    keep = a.malloc(MiB)
+    mark()
+    a.empty_cache()  # unmaps the pages between keep and the chunk
+    mark()
+    a.free(small)
+    other = a.malloc(3 * MiB)  # takes the chunk back, maps pages again
+    final = a.snapshot()
+    earlier[len(final["device_traces"][0])] = final
+    assert undo_history(final, earlier) == []
+    del keep, other
+
+
 def test_vmm_range_with_holes_is_one_segment_per_mapped_run(tmp_path):
     a = pyalloc.Allocator("virtual", "strategy:vmm,max_pool_size:64MiB")
     a.record_history(True)
@@ -365,6 +547,35 @@ def test_cuda_pool_snapshots_read_as_pytorch_reads_them(fake, conf, tmp_path):
     check_snapshot(snap, pyalloc.memory_stats(0), {"segments": []}, tmp_path, from_start=False)
     check_counts(general, stats)
     for p in live + [first, tiny]:
+        _free_hook(p)
+    _C._testing_pool_hook("end_allocate_to_pool", 0, (0, 9))
+    _C._testing_pool_hook("release_pool", 0, (0, 9))
+
+
+@pytest.mark.parametrize("conf", ["strategy:bestfit", "strategy:vmm"])
+def test_cuda_pool_history_undoes_to_what_was(fake, conf):
+    """A device's trace holds the events of all its pools (here the general pool
+    and a graph pool capturing meanwhile): undone from the last snapshot, it shows
+    at every step what a snapshot showed then."""
+    _C.cuda_configure(conf)
+    pyalloc.record_history(True, max_entries=100_000)
+    rng = random.Random(7)
+    earlier = {}
+    _C._testing_pool_hook("begin_allocate_to_pool", 0, (0, 9), [11])
+    live = []
+    for _ in range(200):
+        if rng.random() < 0.6 or not live:
+            size = rng.choice([rng.randint(1, 4 * KiB), rng.randint(MiB, 6 * MiB)])
+            try:
+                live.append(_C._testing_hook_malloc(size, 0, rng.choice([0, 3, 11])))
+            except RuntimeError:
+                pass
+        else:
+            _free_hook(live.pop(rng.randrange(len(live))))
+        snap = pyalloc.snapshot()
+        earlier[len(snap["device_traces"][0])] = snap
+    undo_history(pyalloc.snapshot(), earlier)
+    for p in live:
         _free_hook(p)
     _C._testing_pool_hook("end_allocate_to_pool", 0, (0, 9))
     _C._testing_pool_hook("release_pool", 0, (0, 9))

@@ -284,7 +284,12 @@ void Allocator::lend_chunk_stats(Block* parent, Segment* chunk, int sign) {
   // and the run freed instead.
   Stream rs = parent->segment->stream;
   if (sign < 0) {
-    trace(TraceEntry::kSegmentFree, chunk->base, chunk->size, chunk->stream);
+    // Undone, the map is cut out of the run first, so what lies above the
+    // chunk then is the rest of the run, if any, or the next segment.
+    uintptr_t a = 0, e = 0;
+    run_extent(parent, &a, &e);
+    trace_segment_free(chunk->base, chunk->size, chunk->stream,
+                       parent->end() == e && !segment_from(e) && segment_below(chunk->base));
     trace(TraceEntry::kSegmentMap, chunk->base, chunk->size, rs);
     return;
   }
@@ -307,7 +312,46 @@ void Allocator::trace_split(const Block* b, uintptr_t lo, uintptr_t hi) {
   Stream rs = b->segment->stream;
   if (a < lo) trace(TraceEntry::kSegmentAlloc, a, lo - a, rs);
   if (hi < e) trace(TraceEntry::kSegmentAlloc, hi, e - hi, rs);
-  trace(TraceEntry::kSegmentFree, a, e - a, rs);
+  trace_segment_free(a, e - a, rs, hi == e && !segment_from(e) && segment_below(lo));
+}
+
+bool Allocator::segment_from(uintptr_t addr) const {
+  // Another backend segment, or in the one holding addr a chunk or the
+  // start of a run at addr or above.
+  if (segments_.lower_bound(addr) != segments_.end()) return true;
+  auto it = segments_.upper_bound(addr);
+  if (it == segments_.begin()) return false;
+  for (const Block* b = std::prev(it)->second->first; b != nullptr; b = b->next)
+    if (b->addr >= addr && b->mapped && (b->chunk != nullptr || !large_mem(b->prev))) return true;
+  return false;
+}
+
+bool Allocator::segment_below(uintptr_t addr) const {
+  if (history_shared_) return true;  // another pool's may be
+  for (const auto& [base, seg] : segments_) {
+    if (base >= addr) break;
+    for (const Block* b = seg->first; b != nullptr && b->addr < addr; b = b->next)
+      if (b->mapped) return true;
+  }
+  return false;
+}
+
+void Allocator::trace_segment_free(uintptr_t addr, size_t size, Stream s, bool top) {
+  // PyTorch's viewer undoes a segment_free by inserting the segment before
+  // the first one above it, or, when there is none, before the last one
+  // (JavaScript's splice(-1, 0, x)): its list then leaves address order, and
+  // a later undo of a segment_unmap merges with the wrong neighbours. So
+  // above a segment freed at the top (with others below it) goes an empty
+  // segment at its end for that moment: undone, the empty one is appended
+  // (segment_unmap), the freed one inserted before it, and the empty one
+  // removed (segment_alloc). Both are 0 bytes: no reserved figure moves.
+  if (!top) {
+    trace(TraceEntry::kSegmentFree, addr, size, s);
+    return;
+  }
+  trace(TraceEntry::kSegmentAlloc, addr + size, 0, s);
+  trace(TraceEntry::kSegmentFree, addr, size, s);
+  trace(TraceEntry::kSegmentUnmap, addr + size, 0, s);
 }
 
 Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
@@ -804,7 +848,8 @@ void Allocator::release_segment(Segment* seg) {
   stats_.reserved_bytes.add(kLargePool, -static_cast<int64_t>(seg->size));
   stats_.num_device_free++;
   if (cfg_.max_split_size != 0 && seg->size >= cfg_.max_split_size) stats_.oversize_segments.add(-1);
-  if (history_on_) trace(TraceEntry::kSegmentFree, seg->base, seg->size, seg->stream);
+  if (history_on_) trace_segment_free(seg->base, seg->size, seg->stream,
+                                     !segment_from(seg->base) && segment_below(seg->base));
   drop_block(b);
   delete seg;
 }

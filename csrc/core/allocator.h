@@ -184,6 +184,10 @@ class Allocator {
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
 
   void record_history(bool enabled, size_t max_entries);
+  /// The history goes into one device trace with other allocators' (a
+  /// device's pools): segments this allocator does not see may lie below
+  /// its own in PyTorch's viewer (see trace_segment_free).
+  void share_history() { history_shared_ = true; }
   /// Forgets the recorded history; recording goes on as it was.
   void clear_history();
   std::vector<TraceEntry> history() const;
@@ -304,6 +308,13 @@ class Allocator {
   // History: the run of b loses [lo, hi), told as its pieces allocated
   // and the run freed (see lend_chunk_stats).
   void trace_split(const Block* b, uintptr_t lo, uintptr_t hi);
+  // Does a segment of the snapshot (a run, a chunk) start at addr or above?
+  bool segment_from(uintptr_t addr) const;
+  // ... or below addr?
+  bool segment_below(uintptr_t addr) const;
+  // History: the segment [addr, addr + size) freed; top: when the viewer
+  // undoes the event, no segment lies above it and some lie below.
+  void trace_segment_free(uintptr_t addr, size_t size, Stream s, bool top);
   /// rejected: refused at once, before anything was mapped, reserved or
   /// released (counted in num_oom_rejections, OutOfMemoryError::rejected()).
   [[noreturn]] void throw_oom(size_t request, size_t size, Stream s, const std::string& why,
@@ -342,6 +353,7 @@ class Allocator {
   std::map<uintptr_t, Block*> unmapped_;  // unmapped blocks of vmm_seg_ by address
 
   bool history_on_ = false;
+  bool history_shared_ = false;
   uint64_t trace_context_ = 0;  // the tag of the malloc / free underway (history)
   size_t history_max_ = 0;
   size_t history_next_ = 0;

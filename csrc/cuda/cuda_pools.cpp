@@ -153,13 +153,19 @@ DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config)
   buffers_ = std::make_unique<Allocator>(make_backend(false), buffer_config(config_));
   general_->set_stats_sink(&device_stats_);
   buffers_->set_stats_sink(&device_stats_);
+  general_->share_history();  // one device trace for all of its pools
+  buffers_->share_history();
   max_split_size_ = general_->stats().max_split_size;
-  // Asked for vmm, got bestfit (no virtual memory, or the driver refused it):
-  // said once per process; reports name the strategy in use (general()).
+  // Asked for vmm, got bestfit (the device says why it has no virtual
+  // memory, or it offers it and the trial mapping failed): said once per
+  // process; reports name the strategy in use (general()). A device that
+  // offers no virtual memory and says nothing of it (the fake device) is no
+  // news.
   static std::atomic<bool> told{false};
+  std::string why = device_->vmm_unavailable();
+  bool offered = general_->backend().vmm_page_size() != 0;
   if (config_.strategy == Strategy::kVmm && general_->config().strategy != Strategy::kVmm &&
-      !told.exchange(true)) {
-    std::string why = device_->vmm_unavailable();
+      (offered || !why.empty()) && !told.exchange(true)) {
     std::fprintf(stderr,
                  "pyalloc: device %d cannot use strategy vmm (%s); its pools use strategy "
                  "bestfit\n",
@@ -416,6 +422,7 @@ DevicePools::GraphPool& DevicePools::pool_incref_locked(PoolId id) {
   pool->backend = backend.get();
   pool->alloc = std::make_unique<Allocator>(std::move(backend), graph_pool_config(config_));
   pool->alloc->set_stats_sink(&device_stats_);
+  pool->alloc->share_history();
   if (history_) pool->alloc->record_history(true, history_max_);
   released_reserved_.erase(id);  // reported live again
   pool->uses = 1;
