@@ -315,9 +315,10 @@ def read_trace(
     traces = snapshot["device_traces"]
     if device is None:
         device = max(range(len(traces)), key=lambda d: len(traces[d]), default=0)
-    elif not 0 <= device < max(len(traces), 1):
+    elif not (0 <= device < max(len(traces), 1) or device in _segment_devices(snapshot)):
         raise TraceError(f"{label}: no device {device}; the snapshot has {len(traces)}")
-    entries = traces[device] if traces else []
+    # A device may have segments and no trace list of its own (fewer lists than devices).
+    entries = traces[device] if 0 <= device < len(traces) else []
     trace = Trace(label, device, array("B"), array("Q"), array("Q"), array("Q"))
     _read_events(trace, entries, progress)
     _read_segments(trace, snapshot.get("segments", []), device)
@@ -391,12 +392,18 @@ def devices_of(snapshot: Dict[str, Any]) -> List[int]:
     ``device_traces`` or segments in ``segments``. [0] when none did, so that an
     empty snapshot still reads as one empty device."""
     traces = snapshot["device_traces"]
-    with_segments = {
+    # Devices past the end of device_traces count too: a snapshot may list
+    # segments of a device that has no trace list.
+    found = {d for d in range(len(traces)) if traces[d]} | _segment_devices(snapshot)
+    return sorted(found) or [0]
+
+
+def _segment_devices(snapshot: Dict[str, Any]) -> set:
+    """The devices (non-negative integers) that segments of `snapshot` name."""
+    return {
         seg.get("device", 0) for seg in snapshot.get("segments", [])
-        if type(seg) is dict and type(seg.get("device", 0)) is int
+        if type(seg) is dict and type(seg.get("device", 0)) is int and seg.get("device", 0) >= 0
     }
-    found = [d for d in range(len(traces)) if traces[d] or d in with_segments]
-    return found or [0]
 
 
 def _read_segments(trace: Trace, segments: List[Any], device: int) -> None:

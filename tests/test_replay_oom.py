@@ -470,6 +470,17 @@ def test_every_device_that_recorded_anything_is_a_row():
     assert (empty.device, empty.events) == (0, 0)
 
 
+def test_a_device_with_segments_and_no_trace_list_is_a_row():
+    """Regression: device 3's segment was not looked at when device_traces had
+    fewer lists than that (it ended at device 2), and its row was lost."""
+    snapshot = two_devices()
+    snapshot["device_traces"] = snapshot["device_traces"][:3]
+    rows = replay_devices(snapshot, search=False)
+    assert [(r.device, r.peak_live_bytes) for r in rows] == [(0, 300), (2, 7000), (3, 1000)]
+    [one] = replay_devices(snapshot, device=3, search=False)
+    assert (one.device, one.peak_live_bytes, one.events) == (3, 1000, 0)
+
+
 @needs_gpu_traces
 def test_cli_rows_for_every_device(tmp_path):
     out = tmp_path / "r.json"
