@@ -79,14 +79,14 @@ def main():
     with torch.no_grad():
         for i in range(STEPS):
             step(make_input(SHAPES[i % 3], g), on_side_stream=i >= REPLAYS_FROM)
-        assert checkpoints_so_far() == 0, "the check expects its first restore after the replays"
         for n, rows in enumerate(NEW_SHAPES, start=1):
             # A replay, its output read on the side stream and kept alive...
             step(make_input(SHAPES[n % 3], g), on_side_stream=True)
             replayed, replayed_expected = kept[-1]
+            before = checkpoints_so_far()
             # ...then a shape never seen: a warm-up on the executing path, after a restore.
             step(make_input(rows, g), on_side_stream=False)
-            assert checkpoints_so_far() >= n, (
+            assert checkpoints_so_far() > before, (
                 f"no pool restore after new shape {rows}: the check did not exercise setCheckpointPoolState")
             # The output live across the restore still holds its values (nothing
             # reused its block), and the tree's own asserts found it with its deleter.
