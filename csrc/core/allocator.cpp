@@ -885,8 +885,9 @@ Allocator::OomDeferral::~OomDeferral() { oom_deferred = was_; }
 
 void Allocator::count_oom(size_t request, Stream s, bool rejected) {
   std::lock_guard<Lock> guard(mu_);
+  // The driver is asked only for the history's entry: the OOM path's calls are counted.
   size_t dev_free = 0, dev_total = 0;
-  backend_->mem_info(&dev_free, &dev_total);
+  if (history_on_) backend_->mem_info(&dev_free, &dev_total);
   count_oom_locked(request, s, rejected, dev_free);
 }
 
