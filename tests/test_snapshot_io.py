@@ -14,6 +14,7 @@ from pyalloc.snapshot_io import (
     TraceError,
     devices_of,
     load_snapshot,
+    memory_fraction,
     read_trace,
     write_snapshot,
 )
@@ -278,6 +279,15 @@ def test_devices_with_segments_but_no_trace_list_are_devices():
     assert (len(t), t.device, t.segments, t.live_blocks) == (0, 2, 1, [(900, 100, 0)])
     with pytest.raises(TraceError, match="no device 3"):
         read_trace(snapshot, 3)
+
+
+def test_memory_fraction_from_the_recorded_allocator_settings():
+    conf = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True, per_process_memory_fraction: 0.8"}
+    assert memory_fraction({"allocator_settings": conf}) == 0.8
+    assert memory_fraction({"allocator_settings": {**conf, "per_process_memory_fraction": 0.6}}) == 0.6
+    # Torch 2.13 writes no such key today; nothing recorded, nothing assumed.
+    assert memory_fraction({"allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1}}) is None
+    assert memory_fraction({"segments": [], "device_traces": []}) is None
 
 
 def test_a_loaded_dict_is_checked_too():
