@@ -5,8 +5,8 @@ PyTorch records an ``oom`` event when its allocator gives up on a request, with
 the size of the block it could not get and the device's free bytes
 (``device_free``) at that moment, after its own out-of-memory path has released
 what it could. That size is the request rounded up as PyTorch's allocator rounds
-it (``params.size()``: 512 bytes, 2 MiB for a small request's segment...), not
-the bytes asked for, which the event does not keep; it is what is replayed and
+it (``params.size()``: a multiple of 512 bytes, or as ``roundup_power2_divisions``
+rounds), not the bytes asked for, which the event does not keep; it is what is replayed and
 reported here (``size_bytes``), as "a 4.94 GiB allocation". Each such event is
 replayed as the allocation it was:
 
