@@ -272,7 +272,8 @@ class Trace:
     final segments' active blocks as (address, requested bytes, stream).
     ``ooms`` are the device's ``oom`` events as (event index, bytes, device_free
     bytes, stream), the bytes being what PyTorch records: the failed request
-    rounded up to its block size (``params.size()``), not the bytes requested; ``skipped_ooms`` counts those that could not be
+    rounded up to its block size (``params.size()``), not the bytes requested;
+    ``skipped_ooms`` counts those that could not be
     read, and ``oom_problems`` says why for the first few.
     """
 
