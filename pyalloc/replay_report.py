@@ -174,22 +174,26 @@ def _names(keys: List[str]) -> str:
 
 def oom_sentence(oom: Dict[str, Any]) -> str:
     """What a recorded out-of-memory error was, in words a person can act on:
-    "not fragmentation: 83.20 GiB needed on 78.50 GiB (4.70 GiB short); reduce memory",
-    or "fragmentation: 80.00 MiB needed on 110.00 MiB; pyalloc would have served it,
-    PyTorch would not". Allocators whose answer is unknown (None) are left out."""
+    "a 4.94 GiB allocation with 78.29 GiB live: not fragmentation: 83.20 GiB needed
+    on 78.50 GiB (4.70 GiB short); reduce memory", or "...: fragmentation: 80.00 MiB
+    needed on 110.00 MiB; pyalloc would have served it, PyTorch would not". The
+    allocation's size is the one PyTorch recorded, rounded as it rounds requests.
+    Under a recorded memory fraction the capacity says so, and what device memory
+    it assumed. Allocators whose answer is unknown (None) are left out."""
     size, live, capacity = oom["size_bytes"], oom["live_bytes"], oom["capacity_bytes"]
     needed = live + size
-    head = f"a {format_bytes(size)} request with {format_bytes(live)} live"
+    head = f"a {format_bytes(size)} allocation with {format_bytes(live)} live"
     if capacity is None:
         return (f"{head}: {format_bytes(needed)} needed; the snapshot does not say how much the "
                 "device held, so no verdict")
     served = oom["served_by"]
     yes = [a for a, v in served.items() if v is True]
     no = [a for a, v in served.items() if v is False]
+    on = f"{format_bytes(capacity)}{_fraction_note(oom)}"
     if oom["fragmentation"]:
-        text = f"fragmentation: {format_bytes(needed)} needed on {format_bytes(capacity)}"
+        text = f"fragmentation: {format_bytes(needed)} needed on {on}"
     else:
-        text = (f"not fragmentation: {format_bytes(needed)} needed on {format_bytes(capacity)} "
+        text = (f"not fragmentation: {format_bytes(needed)} needed on {on} "
                 f"({format_bytes(needed - capacity)} short)")
     if yes and no:
         text += f"; {_names(yes)} would have served it, {_names(no)} would not"
@@ -202,6 +206,17 @@ def oom_sentence(oom: Dict[str, Any]) -> str:
     if not oom["fragmentation"]:
         text += "; reduce memory"
     return f"{head}: {text}"
+
+
+def _fraction_note(oom: Dict[str, Any]) -> str:
+    """" (memory fraction 0.5 of ...)" where a recorded fraction capped the capacity."""
+    fraction, total = oom.get("memory_fraction"), oom.get("device_total_bytes")
+    if fraction is None or total is None:
+        return ""
+    if oom.get("device_total_assumed"):
+        return (f" (memory fraction {fraction:g} of the device, whose memory the snapshot does "
+                f"not record: taken as {format_bytes(total)}, reserved plus free at the error)")
+    return f" (memory fraction {fraction:g} of {format_bytes(total)})"
 
 
 def format_ooms(results: Sequence[ReplayResult]) -> str:

@@ -71,8 +71,9 @@ class ReplayResult:
     #: How many devices of its snapshot were replayed, a result each (this one is `device`).
     devices: int = 1
     #: The out-of-memory errors the snapshot recorded on this device, each replayed as the
-    #: request it was (pyalloc.replay_oom): {event, size_bytes, live_bytes, capacity_bytes,
-    #: fragmentation, served_by: {allocator: bool, or None where unknown}}.
+    #: allocation it was, of the rounded size PyTorch recorded (pyalloc.replay_oom): {event,
+    #: size_bytes, live_bytes, capacity_bytes, fragmentation, served_by: {allocator: bool, or
+    #: None where unknown}, memory_fraction, device_total_bytes, device_total_assumed}.
     recorded_ooms: List[Dict[str, Any]] = field(default_factory=list)
     #: oom events that could not be read (no size, no device_free...), left out of
     #: recorded_ooms; what was wrong with the first few.

@@ -12,7 +12,9 @@ and the problem.
 
 ``read_trace`` reduces a snapshot to what a replay needs: the events of one
 device as flat integer arrays, the blocks that are live in its final
-segments, and the out-of-memory errors the device recorded. An ``oom`` event
+segments, and the out-of-memory errors the device recorded (PyTorch's ``oom``
+event carries the size of the block it could not get: the request rounded up
+as its allocator rounds it, not the bytes asked for). An ``oom`` event
 that cannot be read (no size, a negative one, no ``device_free``...) is left
 out of those and counted, rather than failing the whole replay over it.
 """
@@ -36,6 +38,7 @@ __all__ = [
     "check_snapshot",
     "devices_of",
     "load_snapshot",
+    "memory_fraction",
     "read_trace",
     "write_snapshot",
 ]
@@ -267,8 +270,10 @@ class Trace:
     ignores); ``addrs``, ``sizes`` (bytes; the requested size for alloc/free)
     and ``streams`` are 0 where an action has none. ``live_blocks`` are the
     final segments' active blocks as (address, requested bytes, stream).
-    ``ooms`` are the device's ``oom`` events as (event index, requested bytes,
-    device_free bytes, stream); ``skipped_ooms`` counts those that could not be
+    ``ooms`` are the device's ``oom`` events as (event index, bytes, device_free
+    bytes, stream), the bytes being what PyTorch records: the failed request
+    rounded up to its block size (``params.size()``), not the bytes requested;
+    ``skipped_ooms`` counts those that could not be
     read, and ``oom_problems`` says why for the first few.
     """
 
@@ -315,9 +320,10 @@ def read_trace(
     traces = snapshot["device_traces"]
     if device is None:
         device = max(range(len(traces)), key=lambda d: len(traces[d]), default=0)
-    elif not 0 <= device < max(len(traces), 1):
+    elif not (0 <= device < max(len(traces), 1) or device in _segment_devices(snapshot)):
         raise TraceError(f"{label}: no device {device}; the snapshot has {len(traces)}")
-    entries = traces[device] if traces else []
+    # A device may have segments and no trace list of its own (fewer lists than devices).
+    entries = traces[device] if 0 <= device < len(traces) else []
     trace = Trace(label, device, array("B"), array("Q"), array("Q"), array("Q"))
     _read_events(trace, entries, progress)
     _read_segments(trace, snapshot.get("segments", []), device)
@@ -391,12 +397,50 @@ def devices_of(snapshot: Dict[str, Any]) -> List[int]:
     ``device_traces`` or segments in ``segments``. [0] when none did, so that an
     empty snapshot still reads as one empty device."""
     traces = snapshot["device_traces"]
-    with_segments = {
+    # Devices past the end of device_traces count too: a snapshot may list
+    # segments of a device that has no trace list.
+    found = {d for d in range(len(traces)) if traces[d]} | _segment_devices(snapshot)
+    return sorted(found) or [0]
+
+
+def memory_fraction(snapshot: Dict[str, Any]) -> Optional[float]:
+    """The per-process memory fraction a snapshot's ``allocator_settings`` record
+    (a snapshot dict, or a Trace's ``metadata``), or None where they record none.
+
+    torch 2.13's snapshot writes the allocator's configuration at top level as
+    ``allocator_settings``, with the ``PYTORCH_CUDA_ALLOC_CONF`` string it was
+    given; that string may set ``per_process_memory_fraction`` (torch 2.13's
+    CUDAAllocatorConfig accepts it), which caps what the allocator reserves at that
+    fraction of the device's memory. A ``per_process_memory_fraction`` key of
+    its own is read first, should a release write one. A fraction set with
+    ``torch.cuda.set_per_process_memory_fraction()`` is recorded nowhere in a
+    snapshot. Anything unreadable, and fractions outside (0, 1) (1 caps nothing),
+    are None."""
+    settings = snapshot.get("allocator_settings")
+    if type(settings) is not dict:
+        return None
+    value: Any = settings.get("per_process_memory_fraction")
+    conf = settings.get("PYTORCH_CUDA_ALLOC_CONF")
+    if value is None and type(conf) is str:
+        for option in conf.split(","):
+            key, _, text = option.partition(":")
+            if key.strip() == "per_process_memory_fraction":
+                value = text.strip()
+    if type(value) not in (int, float, str):
+        return None
+    try:
+        fraction = float(value)
+    except ValueError:
+        return None
+    return fraction if 0.0 < fraction < 1.0 else None
+
+
+def _segment_devices(snapshot: Dict[str, Any]) -> set:
+    """The devices (non-negative integers) that segments of `snapshot` name."""
+    return {
         seg.get("device", 0) for seg in snapshot.get("segments", [])
-        if type(seg) is dict and type(seg.get("device", 0)) is int
+        if type(seg) is dict and type(seg.get("device", 0)) is int and seg.get("device", 0) >= 0
     }
-    found = [d for d in range(len(traces)) if traces[d] or d in with_segments]
-    return found or [0]
 
 
 def _read_segments(trace: Trace, segments: List[Any], device: int) -> None:

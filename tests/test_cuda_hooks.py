@@ -674,3 +674,68 @@ def test_once_pytorch_announces_captures_allocations_stop_asking(graph_pool):
         capture(0)
         _C.cuda_set_told_of_captures(False)
     check()
+
+
+# -- one out-of-memory error, counted once ------------------------------------------------
+
+
+def hold_40_mib_elsewhere(lib, where):
+    """40 MiB held by another pool of device 0 with no use left, which the
+    general pool's out-of-memory retry gives back: the buffer pool's cache, or a
+    released graph pool whose last block died (reclaimed later, never in the
+    deleter). Each fake pool has the whole fake device to itself: the memory
+    fraction, which caps all of a device's pools together, makes them compete."""
+    if where == "buffers":
+        buf = _C.cuda_buffer(0, 40 * MiB, 0)
+        del buf  # cached in the buffer pool
+    else:
+        hook("begin_allocate_to_pool", (0, 7), [CAPTURE_STREAM])
+        out = lib.pyalloc_malloc(40 * MiB, 0, CAPTURE_STREAM)
+        hook("end_allocate_to_pool", (0, 7))
+        hook("release_pool", (0, 7))
+        lib.pyalloc_free(out, 0, 0, None)  # the last block: marked, its memory still held
+        assert pools()[(0, 7)]["reserved_bytes"] >= 40 * MiB
+    assert _C.cuda_device_stats(0)["reserved_bytes.all.current"] >= 40 * MiB
+
+
+def oom_events(device=0):
+    return [e for e in _C.cuda_history(device, "general") if e["action"] == "oom"]
+
+
+@pytest.mark.parametrize("where", ["buffers", "graph_pool"])
+def test_a_request_served_by_the_pools_retry_is_no_oom(fake, lib, where):
+    """Regression: the general pool's first failure counted an OOM (and a
+    rejection) and traced an `oom` event, though the retry after giving back the
+    other pools' memory served the request: the caller saw no error."""
+    _C.cuda_record_history(True, 1000)
+    try:
+        hold_40_mib_elsewhere(lib, where)
+        lib.pyalloc_set_memory_fraction(0.75, 0)  # 48 MiB for all of device 0's pools
+        p = lib.pyalloc_malloc(40 * MiB, 0, None)  # fits only once the others give back
+        assert p
+        s = _C.cuda_device_stats(0)
+        assert (s["num_ooms"], s["num_oom_rejections"]) == (0, 0)
+        assert oom_events() == []
+        lib.pyalloc_free(p, 0, 0, None)
+        check()
+    finally:
+        _C.cuda_record_history(False, 0)
+
+
+@pytest.mark.parametrize("where", ["buffers", "graph_pool"])
+def test_an_oom_after_the_pools_retry_counts_once(fake, lib, where):
+    """Regression: refused, the other pools' memory given back, refused again:
+    one error for the caller, counted (and traced) twice."""
+    _C.cuda_record_history(True, 1000)
+    try:
+        hold_40_mib_elsewhere(lib, where)
+        lib.pyalloc_set_memory_fraction(0.5, 0)  # 32 MiB for all of device 0's pools
+        with pytest.raises(pyalloc.OutOfMemoryError, match="CUDA out of memory"):
+            _C._testing_hook_malloc(40 * MiB, 0, 0)
+        s = _C.cuda_device_stats(0)
+        assert (s["num_ooms"], s["num_oom_rejections"]) == (1, 1)
+        events = oom_events()
+        assert len(events) == 1 and events[0]["size"] == 40 * MiB, events
+        check()
+    finally:
+        _C.cuda_record_history(False, 0)

@@ -170,7 +170,8 @@ def test_constructor_sun_device_1_is_not_fragmentation_and_pyalloc_does_not_serv
     assert backward_live(snapshot, 1)[1] == 0
     capacity = backward_reserved(snapshot, 1, event) + trace[event]["device_free"]
     assert oom == {"event": event, "size_bytes": trace[event]["size"], "live_bytes": live,
-                   "capacity_bytes": capacity, "fragmentation": False, "served_by": oom["served_by"]}
+                   "capacity_bytes": capacity, "fragmentation": False, "served_by": oom["served_by"],
+                   "memory_fraction": None, "device_total_bytes": None, "device_total_assumed": False}
     assert (round(live / GiB, 1), round(capacity / GiB, 1)) == (78.3, 78.5)
     short = live + oom["size_bytes"] - capacity
     assert round(short / GiB, 1) == 4.7
@@ -256,6 +257,73 @@ def test_a_request_that_fits_only_without_the_cap_is_not_served():
     assert short["served_by"]["pyalloc"] is False
 
 
+def test_the_sentence_does_not_call_the_recorded_size_the_request():
+    """PyTorch's oom event records params.size(), the request rounded up to its
+    block size, not the bytes requested: the sentence must not say "request"."""
+    [oom] = replay(fragmented(), search=False).recorded_ooms
+    sentence = oom_sentence(oom)
+    assert sentence.startswith("a 30.00 MiB allocation with 50.00 MiB live: ")
+    assert "request" not in sentence
+
+
+def with_fraction(snapshot, settings):
+    snapshot["allocator_settings"] = settings
+    return snapshot
+
+
+def test_a_recorded_memory_fraction_caps_the_capacity():
+    """100 MiB reserved and 10 MiB free: 110 MiB without a cap. Under
+    per_process_memory_fraction:0.95 in the recorded PYTORCH_CUDA_ALLOC_CONF, the
+    device's memory unknown and taken as those 110 MiB, the cap is 104.5 MiB:
+    80 MiB needed still fit, 30 MiB more reserved would not (so it is still
+    fragmentation, on less memory)."""
+    settings = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False,per_process_memory_fraction:0.95",
+                "expandable_segments": False}
+    [oom] = replay(with_fraction(fragmented(), settings), search=False).recorded_ooms
+    assert oom["memory_fraction"] == 0.95
+    assert (oom["device_total_bytes"], oom["device_total_assumed"]) == (110 * MiB, True)
+    assert oom["capacity_bytes"] == int(0.95 * 110 * MiB)
+    assert oom["fragmentation"] is True
+    sentence = oom_sentence(oom)
+    assert (f"needed on {format_bytes(int(0.95 * 110 * MiB))} (memory fraction 0.95 of the device, whose "
+            "memory the snapshot does not record: taken as 110.00 MiB, reserved plus free at the error)") \
+        in sentence
+
+
+def test_a_memory_fraction_below_what_was_live_makes_it_no_fragmentation():
+    # 0.5 of an assumed 110 MiB is less than the 100 MiB the recording allocator
+    # held under the cap: the cap is at least that. 80 MiB needed fit 100 MiB.
+    [held] = replay(with_fraction(fragmented(), {"per_process_memory_fraction": 0.5}),
+                    search=False).recorded_ooms
+    assert (held["memory_fraction"], held["capacity_bytes"]) == (0.5, 100 * MiB)
+    # Before the frees: 100 MiB live + 30 MiB, on a cap of 100 MiB: 30 MiB short.
+    [short] = replay(with_fraction(fragmented(oom_after_frees=False), {"per_process_memory_fraction": 0.5}),
+                     search=False).recorded_ooms
+    assert (short["capacity_bytes"], short["fragmentation"]) == (100 * MiB, False)
+    assert "(30.00 MiB short)" in oom_sentence(short)
+
+
+def test_a_known_device_total_is_used_and_said():
+    from pyalloc.replay import plan_trace
+    from pyalloc.replay_oom import diagnose_ooms
+    from pyalloc.snapshot_io import read_trace
+
+    trace = read_trace(with_fraction(fragmented(), {"per_process_memory_fraction": 0.52}))
+    [oom] = diagnose_ooms(trace, plan_trace(trace), "", device_total=200 * MiB)
+    assert (oom["device_total_bytes"], oom["device_total_assumed"]) == (200 * MiB, False)
+    assert oom["capacity_bytes"] == int(0.52 * 200 * MiB)  # 104 MiB, below 110 reserved + free
+    assert f"needed on 104.00 MiB (memory fraction 0.52 of 200.00 MiB)" in oom_sentence(oom)
+
+
+def test_unreadable_memory_fractions_are_ignored():
+    for settings in ({"PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:lots"},
+                     {"PYTORCH_CUDA_ALLOC_CONF": "per_process_memory_fraction:1.0"},
+                     {"per_process_memory_fraction": float("nan")}, {"per_process_memory_fraction": True},
+                     {"per_process_memory_fraction": -0.5}, "not a dict", {"PYTORCH_CUDA_ALLOC_CONF": 7}):
+        [oom] = replay(with_fraction(fragmented(), settings), search=False).recorded_ooms
+        assert (oom["memory_fraction"], oom["capacity_bytes"]) == (None, 110 * MiB), settings
+
+
 def test_unknown_models_are_none_and_left_out_of_the_sentence():
     oom = {"event": 3, "size_bytes": 30 * MiB, "live_bytes": 50 * MiB, "capacity_bytes": 110 * MiB,
            "fragmentation": True, "served_by": {"pyalloc": True, "native": None, "native_expandable": False}}
@@ -323,14 +391,16 @@ def test_json_rows_carry_recorded_ooms_with_the_documented_keys(tmp_path):
     assert p.returncode == 0, p.stderr
     [row] = json.loads(out.read_text())
     [oom] = row["recorded_ooms"]
-    assert set(oom) == {"event", "size_bytes", "live_bytes", "capacity_bytes", "fragmentation", "served_by"}
+    assert set(oom) == {"event", "size_bytes", "live_bytes", "capacity_bytes", "fragmentation", "served_by",
+                        "memory_fraction", "device_total_bytes", "device_total_assumed"}
+    assert (oom["memory_fraction"], oom["device_total_bytes"], oom["device_total_assumed"]) == (None, None, False)
     assert set(oom["served_by"]) == set(ALLOCATORS)
     assert all(v is None or isinstance(v, bool) for v in oom["served_by"].values())
     assert isinstance(oom["fragmentation"], bool)
     assert all(isinstance(oom[k], int) for k in ("event", "size_bytes", "live_bytes", "capacity_bytes"))
     assert row["skipped_ooms"] == 0 and row["devices"] == 1
     # The table, then one sentence per recorded OOM.
-    assert "frag.pickle, event 105: a 30.00 MiB request with 50.00 MiB live: fragmentation: " \
+    assert "frag.pickle, event 105: a 30.00 MiB allocation with 50.00 MiB live: fragmentation: " \
            "80.00 MiB needed on 110.00 MiB; pyalloc would have served it" in p.stdout
     # A trace without OOMs has an empty list, and prints no sentence.
     clean = tmp_path / "clean.pickle"
@@ -468,6 +538,17 @@ def test_every_device_that_recorded_anything_is_a_row():
     # An empty snapshot is one empty device.
     [empty] = replay_devices({"segments": [], "device_traces": []}, search=False)
     assert (empty.device, empty.events) == (0, 0)
+
+
+def test_a_device_with_segments_and_no_trace_list_is_a_row():
+    """Regression: device 3's segment was not looked at when device_traces had
+    fewer lists than that (it ended at device 2), and its row was lost."""
+    snapshot = two_devices()
+    snapshot["device_traces"] = snapshot["device_traces"][:3]
+    rows = replay_devices(snapshot, search=False)
+    assert [(r.device, r.peak_live_bytes) for r in rows] == [(0, 300), (2, 7000), (3, 1000)]
+    [one] = replay_devices(snapshot, device=3, search=False)
+    assert (one.device, one.peak_live_bytes, one.events) == (3, 1000, 0)
 
 
 @needs_gpu_traces

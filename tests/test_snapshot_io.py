@@ -12,7 +12,9 @@ from pyalloc.snapshot_io import (
     FREE_COMPLETED,
     OTHER,
     TraceError,
+    devices_of,
     load_snapshot,
+    memory_fraction,
     read_trace,
     write_snapshot,
 )
@@ -263,6 +265,29 @@ def test_live_blocks_of_the_device_with_requested_size(tmp_path):
     t = read(tmp_path, snapshot, device=0)
     assert t.live_blocks == [(100, 1000, 3), (1124, 7, 3), (2148, 512, 3)]
     assert (t.segments, t.segments_bytes) == (1, 2 << 20)
+
+
+def test_devices_with_segments_but_no_trace_list_are_devices():
+    """Regression: only devices below len(device_traces) were looked at, so the
+    segments of a device without a trace list were neither a row nor readable."""
+    seg = {"device": 2, "address": 900, "total_size": 2 << 20, "stream": 0,
+           "blocks": [{"address": 900, "size": 512, "requested_size": 100, "state": "active_allocated"}]}
+    snapshot = {"segments": [seg], "device_traces": [[event("alloc", 1, 1)]]}
+    assert devices_of(snapshot) == [0, 2]
+    assert devices_of({"segments": [seg], "device_traces": []}) == [2]
+    t = read_trace(snapshot, 2)
+    assert (len(t), t.device, t.segments, t.live_blocks) == (0, 2, 1, [(900, 100, 0)])
+    with pytest.raises(TraceError, match="no device 3"):
+        read_trace(snapshot, 3)
+
+
+def test_memory_fraction_from_the_recorded_allocator_settings():
+    conf = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True, per_process_memory_fraction: 0.8"}
+    assert memory_fraction({"allocator_settings": conf}) == 0.8
+    assert memory_fraction({"allocator_settings": {**conf, "per_process_memory_fraction": 0.6}}) == 0.6
+    # Torch 2.13 writes no such key today; nothing recorded, nothing assumed.
+    assert memory_fraction({"allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1}}) is None
+    assert memory_fraction({"segments": [], "device_traces": []}) is None
 
 
 def test_a_loaded_dict_is_checked_too():

@@ -920,15 +920,35 @@ Config Allocator::config() const {
 // ---------------------------------------------------------------------------
 // Errors
 
-void Allocator::throw_oom(size_t request, size_t size, Stream s, const std::string& why,
-                          bool rejected) {
+namespace {
+// Set by Allocator::OomDeferral: this thread's caller counts the OOM it raises.
+thread_local bool oom_deferred = false;
+}  // namespace
+
+Allocator::OomDeferral::OomDeferral() : was_(oom_deferred) { oom_deferred = true; }
+Allocator::OomDeferral::~OomDeferral() { oom_deferred = was_; }
+
+void Allocator::count_oom(size_t request, Stream s, bool rejected) {
+  std::lock_guard<Lock> guard(mu_);
+  // The driver is asked only for the history's entry: the OOM path's calls are counted.
+  size_t dev_free = 0, dev_total = 0;
+  if (history_on_) backend_->mem_info(&dev_free, &dev_total);
+  count_oom_locked(request, s, rejected, dev_free);
+}
+
+void Allocator::count_oom_locked(size_t request, Stream s, bool rejected, size_t dev_free) {
   stats_.num_ooms++;
   // Refused before trying, as PyTorch's throw_on_cudamalloc_oom refuses what
   // its memory fraction cannot hold: PyTorch counts these apart.
   if (rejected) stats_.num_oom_rejections++;
+  if (history_on_) trace(TraceEntry::kOom, dev_free, request, s);
+}
+
+void Allocator::throw_oom(size_t request, size_t size, Stream s, const std::string& why,
+                          bool rejected) {
   size_t dev_free = 0, dev_total = 0;
   backend_->mem_info(&dev_free, &dev_total);
-  if (history_on_) trace(TraceEntry::kOom, dev_free, request, s);
+  if (!oom_deferred) count_oom_locked(request, s, rejected, dev_free);
   size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   size_t allocated = static_cast<size_t>(stats_.allocated_bytes.all.current);
   size_t active = static_cast<size_t>(stats_.active_bytes.all.current);

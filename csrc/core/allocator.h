@@ -198,6 +198,24 @@ class Allocator {
   Backend& backend() { return *backend_; }
   Config config() const;
 
+  /// While one lives on a thread, an out-of-memory error that thread's calls
+  /// raise is thrown but neither counted (num_ooms, num_oom_rejections) nor
+  /// traced: for a caller that may retry, and so calls count_oom() for the
+  /// error it finally raises, if any. One OOM the user sees, one count.
+  class OomDeferral {
+   public:
+    OomDeferral();
+    ~OomDeferral();
+    OomDeferral(const OomDeferral&) = delete;
+    OomDeferral& operator=(const OomDeferral&) = delete;
+
+   private:
+    bool was_;
+  };
+  /// Counts and traces an out-of-memory error of `request` bytes on `s` that
+  /// this pool raised under an OomDeferral (rejected: as OutOfMemoryError::rejected()).
+  void count_oom(size_t request, Stream s, bool rejected);
+
  private:
   struct StreamState {
     explicit StreamState(Stream s) : stream(s) {}
@@ -319,6 +337,7 @@ class Allocator {
   /// released (counted in num_oom_rejections, OutOfMemoryError::rejected()).
   [[noreturn]] void throw_oom(size_t request, size_t size, Stream s, const std::string& why,
                               bool rejected = false);
+  void count_oom_locked(size_t request, Stream s, bool rejected, size_t dev_free);
   std::string describe_bad_pointer(uintptr_t ptr, const char* op) const;
   void trace(TraceEntry::Action a, uintptr_t addr, size_t size, Stream s);
   size_t largest_free_locked(Pool pool) const;

@@ -193,6 +193,8 @@ uintptr_t DevicePools::malloc(size_t size, Stream stream, uint64_t context) {
     if (cap.capturing) return capture_malloc(size, stream, cap.id, context);
   }
   try {
+    // Not yet the caller's error: counted below, once, if it is the one raised.
+    Allocator::OomDeferral deferred;
     return general_->malloc(size, stream, context);
   } catch (const OutOfMemoryError& e) {
     // Graph pools with no use left and the buffer pool's cache may still
@@ -204,6 +206,7 @@ uintptr_t DevicePools::malloc(size_t size, Stream stream, uint64_t context) {
         throw_oom(*general_, "general", size, again.what(), device_->captures().underway());
       }
     }
+    general_->count_oom(size, stream, e.rejected());
     throw_oom(*general_, "general", size, e.what(), device_->captures().underway());
   }
 }
@@ -271,6 +274,8 @@ bool DevicePools::segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const
 
 uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) {
   try {
+    // Not yet the caller's error: counted below, once, if it is the one raised.
+    Allocator::OomDeferral deferred;
     return buffers_->malloc(size, stream);
   } catch (const OutOfMemoryError& e) {
     if (release_others(*buffers_) > 0) {
@@ -280,6 +285,7 @@ uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) {
         throw_oom(*buffers_, "buffer", size, again.what(), device_->captures().underway());
       }
     }
+    buffers_->count_oom(size, stream, e.rejected());
     throw_oom(*buffers_, "buffer", size, e.what(), device_->captures().underway());
   }
 }

@@ -116,8 +116,9 @@ class DevicePools {
 
   /// A block for PyTorch: from the graph pool the stream is routed to, else
   /// from the general pool. Throws OutOfMemoryError whose message begins
-  /// "CUDA out of memory." and gives the numbers. `context`: the history's
-  /// tag for it (Allocator::malloc).
+  /// "CUDA out of memory." and gives the numbers; a failure the retry after
+  /// giving back other pools' memory mends is no OOM, and the one raised is
+  /// counted and traced once. `context`: the history's tag for it (Allocator::malloc).
   uintptr_t malloc(size_t size, Stream stream, uint64_t context = 0);
   /// False if ptr is no live allocation of this device's general pool or
   /// graph pools; *why then says what it is.

@@ -191,7 +191,9 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   // As PyTorch's allocator does, before the error. A request refused at once
   // (pyalloc counted it in num_oom_rejections) is what PyTorch's
   // throw_on_cudamalloc_oom refuses: its rejection observers get (device,
-  // requested, allocated, device total). Then every out-of-memory observer
+  // requested, total_allocated_memory, device total), where PyTorch's
+  // total_allocated_memory is the bytes it holds from the driver, that is
+  // reserved, not allocated to tensors. Then every out-of-memory observer
   // (the OOM dumps of torch.cuda.memory._record_memory_history among them)
   // gets (device, requested, device total, device free).
   void tell_observers(DeviceIndex device, const pyalloc_oom_info& oom) {
@@ -208,7 +210,7 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
     }
 #if PYALLOC_TORCH_AT_LEAST(2, 12)
     for (const auto& observer : rejection_observers)
-      observer(device, oom.requested, oom.allocated, oom.device_total);
+      observer(device, oom.requested, oom.reserved, oom.device_total);
 #endif
     for (const auto& observer : observers)
       observer(device, oom.requested, oom.device_total, oom.device_free);

@@ -77,8 +77,18 @@ def main():
     if ext is not None:
         ext.attach()
 
+    # Something held from the driver beyond what tensors use (a freed block stays
+    # cached), so that reserved and allocated differ: a rejection observer's third
+    # argument is PyTorch's total_allocated_memory, the bytes held from the
+    # driver (reserved), not the bytes allocated to tensors.
+    held = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    cached = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    del cached
+    reserved_at_rejection = []
+
     # 1. Above 2^56 bytes: out of memory, refused at once.
     before = rejections()
+    reserved_at_rejection.append(pyalloc.memory_stats(0)["reserved_bytes.all.current"])
     try:
         torch.empty((1 << 56) + 1, dtype=torch.uint8, device="cuda")
         raise AssertionError("allocating 2^56 + 1 bytes succeeded")
@@ -90,6 +100,7 @@ def main():
     # 2. Beyond the memory fraction's cap: refused at once, observers told.
     torch.cuda.set_per_process_memory_fraction(0.25)
     request = total // 2
+    reserved_at_rejection.append(pyalloc.memory_stats(0)["reserved_bytes.all.current"])
     try:
         torch.empty(request, dtype=torch.uint8, device="cuda")
         raise AssertionError("a request above the memory fraction succeeded")
@@ -103,12 +114,14 @@ def main():
         calls = ext.calls()
         assert [c[:2] for c in calls] == [[0, (1 << 56) + 1], [0, request]], calls
         assert all(c[3] == total for c in calls), (calls, total)
+        assert [c[2] for c in calls] == reserved_at_rejection, (calls, reserved_at_rejection)
+        assert all(c[2] > pyalloc.memory_stats(0)["allocated_bytes.all.current"] for c in calls), calls
     torch.cuda.set_per_process_memory_fraction(1.0)
 
     # 3. What fits is served, and counts nothing.
     x = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
     assert rejections() == before + 2
-    del x
+    del x, held
     where = "observers checked" if ext is not None else f"no rejection observers in torch {torch.__version__}"
     print(f"OK ({where})")
 
