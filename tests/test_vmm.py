@@ -174,3 +174,35 @@ def test_replay_serves_the_same_allocations_under_every_strategy(name):
         assert r.pyalloc_peak_reserved_bytes >= r.peak_live_bytes
         assert r.fragmentation_at_peak["live_bytes"] == r.peak_live_bytes
     assert results[1].pyalloc_peak_reserved_bytes < results[0].pyalloc_peak_reserved_bytes
+
+
+def test_driver_calls_follow_the_cuda_backends_pattern(backend):
+    """num_driver_calls: per handle mapped cuMemCreate, cuMemMap and cuMemSetAccess,
+    per handle unmapped cuMemUnmap and cuMemRelease; bestfit one cuMemAlloc or
+    cuMemFree per segment (the stand-in driver checks the CUDA backend's calls)."""
+    a = vmm(backend)
+    start = a.stats()["num_driver_calls"]  # the range reserved, one page tried
+    assert start == 1 + 3 + 2
+    p = a.malloc(5 * MiB)  # no room known: 6 MiB in handles of 4 and 2 MiB
+    assert a.stats()["num_driver_calls"] == start + 2 * 3
+    a.free(p)
+    a.empty_cache()
+    assert a.stats()["num_driver_calls"] == start + 2 * 3 + 2 * 2
+    b = pyalloc.Allocator(backend, strategy="bestfit", segment_size=2 * MiB)
+    b.free(b.malloc(5 * MiB))
+    b.empty_cache()
+    assert b.stats()["num_driver_calls"] == 2
+
+
+def test_large_handles_with_room_small_ones_near_the_cap(backend):
+    """With room to spare, a 256 MiB mapping is eight 32 MiB handles; near a
+    cap, 2 MiB ones, which holes can give up page by page."""
+    a = vmm(backend)
+    start = a.stats()["num_driver_calls"]
+    a.free(a.malloc(256 * MiB))
+    assert a.stats()["num_driver_calls"] - start == 8 * 3
+    capped = vmm(backend, max_pool_size=64 * MiB)
+    start = capped.stats()["num_driver_calls"]
+    capped.free(capped.malloc(16 * MiB))
+    assert capped.stats()["num_driver_calls"] - start == 8 * 3
+    capped.check_invariants()
