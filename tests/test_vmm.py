@@ -206,3 +206,25 @@ def test_large_handles_with_room_small_ones_near_the_cap(backend):
     capped.free(capped.malloc(16 * MiB))
     assert capped.stats()["num_driver_calls"] - start == 8 * 3
     capped.check_invariants()
+
+
+def test_growth_maps_ahead_to_a_grain_of_the_pool(backend):
+    """With room to spare the pool grows to the next boundary of 1/16 of what
+    it holds (a power of two of pages), so that a workload creeping up in size
+    finds the next pages mapped: 64 MiB held, 5 MiB asked, 8 MiB mapped."""
+    a = vmm(backend)
+    keep = a.malloc(64 * MiB)
+    maps = a.stats()["num_device_alloc"]
+    p = a.malloc(5 * MiB)
+    assert a.stats()["reserved_bytes.all.current"] == 72 * MiB
+    q = a.malloc(3 * MiB)  # in the pages mapped ahead: no device call
+    assert a.stats()["num_device_alloc"] == maps + 1
+    a.check_invariants()
+    for x in (p, q, keep):
+        a.free(x)
+    # Near a cap nothing is mapped ahead.
+    capped = vmm(backend, max_pool_size=100 * MiB)
+    keep = capped.malloc(64 * MiB)
+    capped.malloc(5 * MiB)
+    assert capped.stats()["reserved_bytes.all.current"] == 70 * MiB
+    capped.free(keep)

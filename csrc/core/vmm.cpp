@@ -23,6 +23,7 @@ namespace pyalloc {
 namespace {
 constexpr size_t kMaxHandle = size_t(32) << 20;
 constexpr size_t kHandleHeadroom = 1024;
+constexpr size_t kGrowthShare = 16;
 }  // namespace
 
 void Allocator::init_vmm() {
@@ -168,13 +169,45 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room) 
   handle_limit_ = max_handle_;
   if (headroom != kUnknownRoom)
     while (handle_limit_ > page_ && handle_limit_ > headroom / kHandleHeadroom) handle_limit_ /= 2;
+  // Growth while the device is at most half full (or its room unknown)
+  // goes on to the next boundary of a grain (the handle limit, at most
+  // 1/16 of what is reserved): the next growths of a workload that creeps up
+  // (varying shapes) find their pages mapped already. In replay the second
+  // half's device calls fell from 33 to 13 on gpt2-varlen-train and from 10
+  // to 5 on vit-mixedres-train, for 1.046x peak live reserved against 1.023x
+  // and 1.094x against 1.064x; smallest budgets within 0.1%. The extra
+  // pages are handles of their own, so that no handle lies partly under the
+  // request's block: holes can give them up whole.
+  uintptr_t ext_lo = 0, ext_hi = 0;
+  if (need < u->size && (headroom == kUnknownRoom || headroom / 2 >= reserved)) {
+    size_t grain = page_;
+    while (grain * 2 <= handle_limit_ && grain * 2 * kGrowthShare <= reserved) grain *= 2;
+    uintptr_t base = vmm_seg_->base;
+    if (lo == u->addr) {
+      ext_lo = hi;
+      ext_hi = std::min(u->end(), base + round_up(hi - base, grain));
+    } else {
+      ext_lo = std::max(u->addr, base + (lo - base) / grain * grain);
+      ext_hi = lo;
+    }
+    size_t more = ext_hi - ext_lo;
+    if (more == 0 || (cap != 0 && reserved + need + more > cap) ||
+        (room != kUnknownRoom && need + more > room))
+      ext_lo = ext_hi = 0;
+  }
   if (need > room || !map_handles(lo, need)) {
+    ext_lo = ext_hi = 0;
     if (unmap_free_pages(need, keep_lo, keep_hi, /*wait=*/true, /*all_or_none=*/true) < need ||
         !map_handles(lo, need)) {
       *why = std::string("the ") + backend_->name() + " backend could not map " + format_bytes(need);
       if (room != kUnknownRoom) *why += " (the device has " + format_bytes(room) + " free)";
       return nullptr;
     }
+  }
+  if (ext_hi > ext_lo && map_handles(ext_lo, ext_hi - ext_lo)) {
+    need += ext_hi - ext_lo;
+    lo = std::min(lo, ext_lo);
+    hi = std::max(hi, ext_hi);
   }
   // Each contiguous run of mapped large-pool memory is a segment, as in
   // PyTorch's snapshots of expandable segments: the new pages start one or
