@@ -35,6 +35,8 @@
 //   where the pool grows) is taken only when no other free block fits. So a
 //   loop that repeats exactly puts each block where its first pass did, into
 //   pages that pass mapped: after it, the loop maps and unmaps nothing.
+//   Pages are mapped in handles (backend.h), unmapped only whole: up to
+//   32 MiB with room on the device, one page near a limit (vmm.cpp).
 //
 // Thread safety: every public method takes the allocator's lock (lock.h).
 #pragma once

@@ -13,6 +13,12 @@
 // loop whose holes are used again (the steady state of a training step);
 // what it saved in replay is what the pool holds when nothing else wants the
 // memory (benchmarks/results/fragmentation.md).
+//
+// Physical memory comes in handles (one cuMemCreate each), mapped and
+// unmapped whole: aligned powers of two of pages, large while the device has
+// room (fewer driver calls), small near a limit (holes give up their pages).
+// While the device is at most half full, growth maps ahead to a grain of the
+// pool, in handles of their own.
 #include <algorithm>
 #include <vector>
 
