@@ -210,7 +210,13 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room) 
       return nullptr;
     }
   }
-  if (ext_hi > ext_lo && map_handles(ext_lo, ext_hi - ext_lo)) {
+  bool ahead = false;
+  try {  // the request's pages are mapped: an error here only maps none ahead
+    ahead = ext_hi > ext_lo && map_handles(ext_lo, ext_hi - ext_lo);
+  } catch (const std::exception&) {
+    ahead = false;
+  }
+  if (ahead) {
     need += ext_hi - ext_lo;
     lo = std::min(lo, ext_lo);
     hi = std::max(hi, ext_hi);
