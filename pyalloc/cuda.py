@@ -310,7 +310,9 @@ def memory_stats(device: Any = None) -> Dict[str, int]:
     ``torch.cuda.MemPool``), each peak the highest the device's count reached
     (not a sum of the pools' peaks), plus
     ``reserved_bytes_by_private_pools.<id>.*`` for each graph pool, its id
-    ``(a, b)`` written ``a_b``. Keys are sorted, as torch's are.
+    ``(a, b)`` written ``a_b``, and pyalloc's own ``num_driver_calls`` (the
+    CUDA driver calls behind ``num_device_alloc`` and ``num_device_free``).
+    Keys are sorted, as torch's are.
     """
     stats = _C.cuda_device_stats(_device_index(device))
     return collections.OrderedDict(sorted(stats.items()))

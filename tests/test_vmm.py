@@ -174,3 +174,57 @@ def test_replay_serves_the_same_allocations_under_every_strategy(name):
         assert r.pyalloc_peak_reserved_bytes >= r.peak_live_bytes
         assert r.fragmentation_at_peak["live_bytes"] == r.peak_live_bytes
     assert results[1].pyalloc_peak_reserved_bytes < results[0].pyalloc_peak_reserved_bytes
+
+
+def test_driver_calls_follow_the_cuda_backends_pattern(backend):
+    """num_driver_calls: per handle mapped cuMemCreate, cuMemMap and cuMemSetAccess,
+    per handle unmapped cuMemUnmap and cuMemRelease; bestfit one cuMemAlloc or
+    cuMemFree per segment (the stand-in driver checks the CUDA backend's calls)."""
+    a = vmm(backend)
+    start = a.stats()["num_driver_calls"]  # the range reserved, one page tried
+    assert start == 1 + 3 + 2
+    p = a.malloc(5 * MiB)  # no room known: 6 MiB in handles of 4 and 2 MiB
+    assert a.stats()["num_driver_calls"] == start + 2 * 3
+    a.free(p)
+    a.empty_cache()
+    assert a.stats()["num_driver_calls"] == start + 2 * 3 + 2 * 2
+    b = pyalloc.Allocator(backend, strategy="bestfit", segment_size=2 * MiB)
+    b.free(b.malloc(5 * MiB))
+    b.empty_cache()
+    assert b.stats()["num_driver_calls"] == 2
+
+
+def test_large_handles_with_room_small_ones_near_the_cap(backend):
+    """With room to spare, a 256 MiB mapping is eight 32 MiB handles; near a
+    cap, 2 MiB ones, which holes can give up page by page."""
+    a = vmm(backend)
+    start = a.stats()["num_driver_calls"]
+    a.free(a.malloc(256 * MiB))
+    assert a.stats()["num_driver_calls"] - start == 8 * 3
+    capped = vmm(backend, max_pool_size=64 * MiB)
+    start = capped.stats()["num_driver_calls"]
+    capped.free(capped.malloc(16 * MiB))
+    assert capped.stats()["num_driver_calls"] - start == 8 * 3
+    capped.check_invariants()
+
+
+def test_growth_maps_ahead_to_a_grain_of_the_pool(backend):
+    """With room to spare the pool grows to the next boundary of 1/16 of what
+    it holds (a power of two of pages), so that a workload creeping up in size
+    finds the next pages mapped: 64 MiB held, 5 MiB asked, 8 MiB mapped."""
+    a = vmm(backend)
+    keep = a.malloc(64 * MiB)
+    maps = a.stats()["num_device_alloc"]
+    p = a.malloc(5 * MiB)
+    assert a.stats()["reserved_bytes.all.current"] == 72 * MiB
+    q = a.malloc(3 * MiB)  # in the pages mapped ahead: no device call
+    assert a.stats()["num_device_alloc"] == maps + 1
+    a.check_invariants()
+    for x in (p, q, keep):
+        a.free(x)
+    # Near a cap nothing is mapped ahead.
+    capped = vmm(backend, max_pool_size=100 * MiB)
+    keep = capped.malloc(64 * MiB)
+    capped.malloc(5 * MiB)
+    assert capped.stats()["reserved_bytes.all.current"] == 70 * MiB
+    capped.free(keep)

@@ -64,7 +64,7 @@ Allocator::Allocator(std::unique_ptr<Backend> backend, const Config& config)
   if (cfg_.pool_size > 0) {
     size_t size = round_up(cfg_.pool_size, kSegmentAlign);
     if (cfg_.max_pool_size != 0) size = std::min(size, cfg_.max_pool_size);
-    uintptr_t base = backend_->reserve(size);
+    uintptr_t base = device_reserve(size);
     if (base == 0)
       throw OutOfMemoryError("out of memory: could not reserve pool_size (" + format_bytes(size) +
                              ") from the " + backend_->name() + " backend");
@@ -538,10 +538,10 @@ Block* Allocator::grow(size_t size, Stream s, std::string* why, size_t room) {
   }
   // Sizes the device has no room for are not asked for.
   if (want > room && want > exact) want = exact;
-  uintptr_t base = want <= room ? backend_->reserve(want) : 0;
+  uintptr_t base = want <= room ? device_reserve(want) : 0;
   if (base == 0 && want > exact) {
     want = exact;
-    base = backend_->reserve(want);
+    base = device_reserve(want);
   }
   if (base == 0) {
     *why = std::string("the ") + backend_->name() + " backend could not provide " + format_bytes(want);
@@ -815,7 +815,8 @@ size_t Allocator::release_cached(size_t keep) {
   size_t released = 0;
   if (vmm_) {
     size_t want = keep == 0 ? SIZE_MAX : above_keep() / page_ * page_;
-    if (want > 0) released = unmap_free_pages(want, 0, 0, /*wait=*/false);  // all waited for above
+    // All waited for above; above keep, never below it.
+    if (want > 0) released = unmap_free_pages(want, 0, 0, /*wait=*/false, false, /*at_most=*/keep != 0);
   }
   // Oldest first (the pool reserved at the start, if it is still there),
   // a free segment stays while it fits under `keep` with what stays already.
@@ -844,6 +845,7 @@ void Allocator::release_segment(Segment* seg) {
   state(b->stream).free[kLargePool].remove(b);
   segments_.erase(seg->base);
   backend_->release(seg->base, seg->size);
+  stats_.num_driver_calls++;
   stats_.segment.add(kLargePool, -1);
   stats_.reserved_bytes.add(kLargePool, -static_cast<int64_t>(seg->size));
   stats_.num_device_free++;
@@ -870,7 +872,7 @@ size_t Allocator::empty_cache() {
   std::string why;
   if (vmm_) {
     map_for(want, 0, &why);
-  } else if (uintptr_t base = backend_->reserve(want); base != 0) {
+  } else if (uintptr_t base = device_reserve(want); base != 0) {
     add_segment(base, want, 0);
   }
   reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
@@ -898,7 +900,7 @@ size_t Allocator::reserve(size_t nbytes) {
     throw OutOfMemoryError("out of memory: reserve(" + format_bytes(nbytes) + ") would exceed " +
                            "max_pool_size " + format_bytes(cfg_.max_pool_size) + " (reserved " +
                            format_bytes(reserved) + ")");
-  uintptr_t base = backend_->reserve(want);
+  uintptr_t base = device_reserve(want);
   if (base == 0)
     throw OutOfMemoryError(std::string("out of memory: reserve(") + format_bytes(nbytes) +
                            "): the " + backend_->name() + " backend could not provide " +

@@ -35,6 +35,8 @@
 //   where the pool grows) is taken only when no other free block fits. So a
 //   loop that repeats exactly puts each block where its first pass did, into
 //   pages that pass mapped: after it, the loop maps and unmaps nothing.
+//   Pages are mapped in handles (backend.h), unmapped only whole: up to
+//   32 MiB with room on the device, one page near a limit (vmm.cpp).
 //
 // Thread safety: every public method takes the allocator's lock (lock.h).
 #pragma once
@@ -295,10 +297,26 @@ class Allocator {
   Block* usable_neighbour(Block* n, Stream s);
   // Unmaps up to `want` bytes of whole free pages outside [keep_lo, keep_hi)
   // that every stream is done with (waiting for the streams if asked), in
-  // address order; with all_or_none, nothing unless want can be reached.
+  // address order; with all_or_none, nothing unless want can be reached;
+  // whole handles, so more than want unless at_most.
   size_t unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t keep_hi, bool wait,
-                          bool all_or_none = false);
+                          bool all_or_none = false, bool at_most = false);
   Block* unmap_range(Block* f, uintptr_t lo, uintptr_t hi);
+  // Handles: the physical allocations under the mapped pages (one
+  // cuMemCreate each), mapped and unmapped whole, one backend call each.
+  // map_handles() maps [lo, lo+size) as handles, or nothing and false;
+  // unmap_handles() unmaps the handles tiling [lo, hi).
+  bool map_handles(uintptr_t lo, size_t size);
+  void unmap_handles(uintptr_t lo, uintptr_t hi);
+  // The size of the handle mapped at addr when [addr, end) is mapped.
+  size_t handle_size(uintptr_t addr, uintptr_t end) const;
+  // The run of whole handles inside the free mapped block b: [*lo, *hi).
+  size_t whole_handles(const Block* b, uintptr_t* lo, uintptr_t* hi) const;
+  // The backend's segments, their driver calls counted (stats.h).
+  uintptr_t device_reserve(size_t size) {
+    stats_.num_driver_calls++;
+    return backend_->reserve(size);
+  }
   void finish_free(Block* b);
   bool is_ready(const Block* b);
   void poll_syncs(StreamState& st, bool wait);
@@ -370,6 +388,9 @@ class Allocator {
   size_t page_ = 0;
   Segment* vmm_seg_ = nullptr;
   std::map<uintptr_t, Block*> unmapped_;  // unmapped blocks of vmm_seg_ by address
+  std::map<uintptr_t, size_t> handles_;   // mapped handles of vmm_seg_: address -> size
+  size_t max_handle_ = 0;                 // the largest handle (a power-of-two number of pages)
+  size_t handle_limit_ = 0;               // the largest handle of the mapping underway
 
   bool history_on_ = false;
   bool history_shared_ = false;

@@ -291,6 +291,36 @@ void Allocator::check_invariants() const {
     fail(std::to_string(t.free_chunks) + " wholly free chunks, counted as at most " +
          std::to_string(free_chunks_));
   if (t.unmapped != unmapped_.size()) fail("unmapped map does not match the unmapped blocks");
+  if (vmm_) {
+    // The handles tile the mapped memory of the range: none under unmapped
+    // blocks, none past the ends of a run of mapped blocks.
+    uintptr_t at = 0;
+    for (const auto& [addr, size] : handles_) {
+      if (size == 0 || size % page_ != 0 || addr < at) fail("handle " + format_ptr(addr) + " overlaps or is empty");
+      at = addr + size;
+    }
+    auto covered = [&](uintptr_t lo, uintptr_t hi) {  // exactly by handles
+      auto it = handles_.find(lo);
+      if (it == handles_.end()) return false;
+      while (it != handles_.end() && it->first < hi) {
+        if (it->first != lo) return false;
+        lo += it->second;
+        ++it;
+      }
+      return lo == hi;
+    };
+    size_t handled = 0;
+    for (const Block* b = vmm_seg_->first; b != nullptr; b = b->next) {
+      if (!b->mapped || (b->prev != nullptr && b->prev->mapped)) continue;
+      uintptr_t hi = b->end();
+      for (const Block* n = b->next; n != nullptr && n->mapped; n = n->next) hi = n->end();
+      if (!covered(b->addr, hi)) fail("mapped run " + format_ptr(b->addr) + " is not tiled by handles");
+      handled += hi - b->addr;
+    }
+    size_t total = 0;
+    for (const auto& [addr, size] : handles_) total += size;
+    if (total != handled) fail("handles map memory outside the mapped blocks");
+  }
   for (size_t i = 0; i < chunks_.size(); ++i)
     if (chunks_[i]->index != i) fail("chunk list index out of date");
   if (t.pending != pending_.size()) fail("pending-free list does not match the blocks");

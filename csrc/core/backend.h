@@ -20,11 +20,13 @@
 //   then (the backend makes them legal during a capture), so a capture can
 //   grow the pool; events and releases stay forbidden.
 // - Virtual memory (optional; vmm_page_size() == 0 means none): an address
-//   range is reserved without memory (vmm_reserve), and physical pages are
-//   mapped into page-aligned parts of it (vmm_map, false when no memory is
-//   left; nothing is mapped then) and taken out again (vmm_unmap, which
-//   returns the pages to the backend). The core unmaps only pages no queued
-//   work can still touch.
+//   range is reserved without memory (vmm_reserve), and physical memory is
+//   mapped into page-aligned parts of it: vmm_map maps one physical
+//   allocation (a handle) of the given size, a multiple of the page (false
+//   when no memory is left; nothing is mapped then), and vmm_unmap takes one
+//   such handle out whole (the addr and size vmm_map was given) and returns
+//   its memory to the backend. The core unmaps only pages no queued work can
+//   still touch.
 // - The core calls a backend with its own lock held, from any thread; a
 //   backend needs a lock of its own only for state that tests or other
 //   callers touch from outside the core.

@@ -31,7 +31,7 @@ void Stats::reset_accumulated() {
   oversize_allocations.reset_accumulated();
   oversize_segments.reset_accumulated();
   num_alloc_retries = num_ooms = num_sync_all_streams = 0;
-  num_device_alloc = num_device_free = num_oom_rejections = 0;
+  num_device_alloc = num_device_free = num_oom_rejections = num_driver_calls = 0;
 }
 
 namespace {
@@ -72,6 +72,7 @@ std::vector<std::pair<std::string, int64_t>> Stats::flatten() const {
   out.emplace_back("num_sync_all_streams", num_sync_all_streams);
   out.emplace_back("num_device_alloc", num_device_alloc);
   out.emplace_back("num_device_free", num_device_free);
+  out.emplace_back("num_driver_calls", num_driver_calls);
   out.emplace_back("num_oom_rejections", num_oom_rejections);
   out.emplace_back("max_split_size", max_split_size);
   std::sort(out.begin(), out.end());
@@ -100,6 +101,7 @@ void add_sums(Stats& to, const Stats& from) {
   to.num_sync_all_streams += from.num_sync_all_streams;
   to.num_device_alloc += from.num_device_alloc;
   to.num_device_free += from.num_device_free;
+  to.num_driver_calls += from.num_driver_calls;
   to.num_oom_rejections += from.num_oom_rejections;
 }
 

@@ -97,6 +97,12 @@ struct Stats {
   int64_t num_sync_all_streams = 0;
   int64_t num_device_alloc = 0;
   int64_t num_device_free = 0;
+  // The driver calls the CUDA backend makes for the device calls above, the
+  // same count on every backend: cuMemAlloc or cuMemFree per segment (refused
+  // ones too); per mapped handle cuMemCreate, cuMemMap and cuMemSetAccess (a
+  // refused mapping: one cuMemCreate), per unmapped handle cuMemUnmap and
+  // cuMemRelease; cuMemAddressReserve for the virtual range. Not in torch.
+  int64_t num_driver_calls = 0;
   int64_t num_oom_rejections = 0;  // OOMs refused at once (OutOfMemoryError::rejected())
   int64_t max_split_size = 0;
 

@@ -348,8 +348,10 @@ class CudaBackend final : public Backend {
   bool capture_underway() override { return sh_->captures.underway(); }
   bool grows_while_capturing() override { return d_.ThreadExchangeStreamCaptureMode != nullptr; }
 
-  // Virtual memory: one physical allocation (cuMemCreate handle) per page,
-  // so that any page can be unmapped and returned on its own.
+  // Virtual memory: each vmm_map() is one physical allocation (cuMemCreate
+  // handle) of its size, mapped and given access in one call each; each
+  // vmm_unmap() unmaps and releases one such handle whole. The core decides
+  // the handles (and counts these calls: num_driver_calls).
   size_t vmm_page_size() override { return sh_->vmm_page; }
 
   uintptr_t vmm_reserve(size_t size) override {
@@ -364,8 +366,8 @@ class CudaBackend final : public Backend {
       ContextGuard g(d_, sh_->ctx);
       for (auto it = handles_.begin(); it != handles_.end();) {
         if (it->first >= base && it->first < base + size) {
-          d_.MemUnmap(static_cast<CUdeviceptr>(it->first), sh_->vmm_page);
-          d_.MemRelease(it->second);
+          d_.MemUnmap(static_cast<CUdeviceptr>(it->first), it->second.size);
+          d_.MemRelease(it->second.handle);
           it = handles_.erase(it);
         } else {
           ++it;
@@ -381,25 +383,21 @@ class CudaBackend final : public Backend {
     if (sh_->captures.underway() && !grows_while_capturing()) return false;
     RelaxedCaptureMode relaxed(d_);
     ContextGuard g(d_, sh_->ctx);
-    size_t page = sh_->vmm_page;
-    for (size_t off = 0; off < size; off += page) {
-      CUmemGenericAllocationHandle h = 0;
-      CUresult r = d_.MemCreate(&h, page, &sh_->prop, 0);
-      if (r == CUDA_SUCCESS) {
-        r = d_.MemMap(static_cast<CUdeviceptr>(addr + off), page, 0, h, 0);
-        if (r != CUDA_SUCCESS) d_.MemRelease(h);
-      }
-      if (r != CUDA_SUCCESS) {
-        unmap_pages(addr, off);  // nothing stays mapped from this call
-        if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
-        check(r, "cuMemCreate/cuMemMap");
-      }
-      handles_[addr + off] = h;
-    }
-    // Peers too: their kernels and cudaMemcpyAsync read these pages directly.
-    CUresult r = set_access(d_, *sh_, addr, size);
+    CUmemGenericAllocationHandle h = 0;
+    CUresult r = d_.MemCreate(&h, size, &sh_->prop, 0);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
+    check(r, "cuMemCreate");
+    r = d_.MemMap(static_cast<CUdeviceptr>(addr), size, 0, h, 0);
     if (r != CUDA_SUCCESS) {
-      unmap_pages(addr, size);
+      d_.MemRelease(h);
+      if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
+      check(r, "cuMemMap");
+    }
+    handles_[addr] = Mapped{h, size};
+    // Peers too: their kernels and cudaMemcpyAsync read these pages directly.
+    r = set_access(d_, *sh_, addr, size);
+    if (r != CUDA_SUCCESS) {
+      unmap_handle(addr);
       if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
       check(r, "cuMemSetAccess");
     }
@@ -410,21 +408,22 @@ class CudaBackend final : public Backend {
     // The core unmaps only pages every stream is done with (backend.h).
     try {
       ContextGuard g(d_, sh_->ctx);
-      unmap_pages(addr, size);
+      if (!unmap_handle(addr))
+        std::fprintf(stderr, "pyalloc: no handle of %zu bytes is mapped at 0x%llx\n", size,
+                     static_cast<unsigned long long>(addr));
     } catch (const std::exception& e) {
       std::fprintf(stderr, "pyalloc: unmapping pages failed: %s\n", e.what());
     }
   }
 
  private:
-  void unmap_pages(uintptr_t addr, size_t size) {
-    for (size_t off = 0; off < size; off += sh_->vmm_page) {
-      auto it = handles_.find(addr + off);
-      if (it == handles_.end()) continue;
-      d_.MemUnmap(static_cast<CUdeviceptr>(it->first), sh_->vmm_page);
-      d_.MemRelease(it->second);  // the memory goes back to the device
-      handles_.erase(it);
-    }
+  bool unmap_handle(uintptr_t addr) {
+    auto it = handles_.find(addr);
+    if (it == handles_.end()) return false;
+    d_.MemUnmap(static_cast<CUdeviceptr>(addr), it->second.size);
+    d_.MemRelease(it->second.handle);  // the memory goes back to the device
+    handles_.erase(it);
+    return true;
   }
 
   struct Slot {
@@ -504,7 +503,11 @@ class CudaBackend final : public Backend {
   // Used only under the owning core's lock (backend.h), so no lock here.
   std::vector<Slot> slots_;
   std::vector<EventId> spare_;
-  std::unordered_map<uintptr_t, CUmemGenericAllocationHandle> handles_;  // mapped page -> handle
+  struct Mapped {
+    CUmemGenericAllocationHandle handle;
+    size_t size;
+  };
+  std::unordered_map<uintptr_t, Mapped> handles_;  // mapped address -> its handle
 };
 
 class CudaDevice final : public Device {

@@ -35,6 +35,7 @@ class Stub(c.Structure):
         ("destroyed_stream", c.c_uint64), ("destroyed_queries", c.c_int64),
         ("mode_exchanges", c.c_int64), ("relaxed_during_capture", c.c_int64),
         ("mem_get_info", c.c_int64), ("mem_alloc_refused", c.c_int64), ("mem_create_refused", c.c_int64),
+        ("mem_set_access", c.c_int64), ("mem_address_reserve", c.c_int64),
     ]
 
 
@@ -264,6 +265,44 @@ def check_impossible_requests_fail_at_once():
     free(keep)
     hooks.pyalloc_empty_cache()
     _C.cuda_check_invariants(0)
+
+
+# Every driver call about memory the stand-in counts, as the core's num_driver_calls counts them.
+DRIVER_CALLS = ("mem_alloc", "mem_alloc_refused", "mem_free", "mem_create", "mem_create_refused",
+                "mem_release", "mem_map", "mem_unmap", "mem_set_access", "mem_address_reserve")
+
+
+def driver_calls():
+    return sum(getattr(stub, k) for k in DRIVER_CALLS)
+
+
+def counted_as_made(work, device=0):
+    """Runs work(): the core's num_driver_calls rose by the calls the stand-in saw."""
+    before, counted = driver_calls(), stats(device)["num_driver_calls"]
+    work()
+    made, told = driver_calls() - before, stats(device)["num_driver_calls"] - counted
+    assert made == told and made > 0, (made, told)
+
+
+def check_the_core_counts_the_driver_calls_it_makes():
+    def work():
+        hooks.pyalloc_empty_cache()
+        ptrs = [malloc(size) for size in (3 * MiB, 40 * MiB, 5 * MiB, 64 * MiB + 512, 7 * MiB)]
+        for p in ptrs[::2]:
+            free(p)
+        hooks.pyalloc_empty_cache()
+        for p in ptrs[1::2]:
+            free(p)
+        free(malloc(120 * MiB))  # cached
+        stub.used[0] += OTHER_PROCESS
+        try:
+            retries = stats()["num_alloc_retries"]
+            free(malloc(150 * MiB))  # only with the cache given back
+            assert stats()["num_alloc_retries"] == retries + 1
+        finally:
+            stub.used[0] -= OTHER_PROCESS
+        hooks.pyalloc_empty_cache()
+    counted_as_made(work)
 
 
 def check_a_repeating_loop_allocates_nothing_after_its_first_pass():
@@ -600,6 +639,49 @@ def vmm_check_a_repeating_loop_maps_nothing_after_its_first_pass():
             first = memory_calls()
             assert stub.mem_map > 0
     assert calls_since(first) == {}, calls_since(first)
+    _C.cuda_check_invariants(0)
+
+
+def vmm_check_the_core_counts_the_driver_calls_it_makes():
+    def work():
+        hooks.pyalloc_empty_cache()
+        vmm_check_holes_back_a_large_allocation()  # pages move out of holes under a cap
+        keep = malloc(8 * MiB)
+        hole = malloc(96 * MiB)
+        keep2 = malloc(2 * MiB)
+        free(hole)
+        stub.used[0] += OTHER_PROCESS
+        try:
+            room = stub.capacity - stub.used[0]
+            free(malloc(room + 64 * MiB))  # only with the hole's pages given back
+        finally:
+            stub.used[0] -= OTHER_PROCESS
+        free(keep)
+        free(keep2)
+        hooks.pyalloc_empty_cache()
+    counted_as_made(work)
+
+
+def vmm_check_large_handles_where_the_device_has_room():
+    """With room to spare on the device, a mapping is made of handles of up to
+    32 MiB, not one per 2 MiB page: a tenth of the driver calls."""
+    hooks.pyalloc_empty_cache()
+    stub.capacity = 64 << 30  # the stand-in's pages are host memory, committed only when written
+    hooks.pyalloc_set_memory_fraction(1.0, 0)
+    try:
+        def work():
+            before = memory_calls()
+            p = malloc(512 * MiB)
+            made = calls_since(before)
+            assert made.get("mem_create") == made.get("mem_map") <= 512 // 32 + 8, made
+            c.memset(p + 300 * MiB, 5, MiB)  # mapped, across handles
+            free(p)
+            hooks.pyalloc_empty_cache()
+            assert stub.mapped[0] == 0 and stats()["reserved_bytes.all.current"] == 0
+        counted_as_made(work)
+    finally:
+        stub.capacity = 256 << 20
+        hooks.pyalloc_set_memory_fraction(1.0, 0)
     _C.cuda_check_invariants(0)
 
 

@@ -67,6 +67,7 @@ struct Stub {
   int64_t mode_exchanges, relaxed_during_capture;
   int64_t mem_get_info;                        /* cuMemGetInfo calls */
   int64_t mem_alloc_refused, mem_create_refused; /* cuMemAlloc / cuMemCreate answered OUT_OF_MEMORY */
+  int64_t mem_set_access, mem_address_reserve;  /* cuMemSetAccess / cuMemAddressReserve calls */
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -253,10 +254,10 @@ CUresult cuGetErrorName(CUresult r, const char** name) {
 }
 
 /* Virtual memory management: reserved ranges are PROT_NONE host mappings,
- * a handle is a page-sized piece of a device's capacity, and mapping makes
- * the range read-write (contents are not kept across remaps). */
+ * a handle is a piece of a device's capacity (a multiple of the page), and
+ * mapping makes the range read-write (contents are not kept across remaps). */
 #define PAGE (2u << 20)
-static int64_t handle_device[1 << 16];
+static int64_t handle_device[1 << 16], handle_size[1 << 16];
 static int next_handle = 1;
 
 CUresult cuDeviceGetAttribute(int* value, int attribute, int device) {
@@ -272,6 +273,7 @@ CUresult cuMemGetAllocationGranularity(size_t* g, const void* prop, int option) 
 CUresult cuMemAddressReserve(unsigned long long* p, size_t size, size_t align, unsigned long long addr,
                              unsigned long long flags) {
   (void)align; (void)addr; (void)flags;
+  stub.mem_address_reserve++;
   void* m = mmap(0, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (m == MAP_FAILED) return OUT_OF_MEMORY;
   *p = (unsigned long long)(uintptr_t)m;
@@ -287,18 +289,19 @@ CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsig
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   if (stub.vmm_refuse) return NOT_PERMITTED;
   int d = current->device;
-  if (size != PAGE) return INVALID_VALUE;
+  if (size == 0 || size % PAGE != 0) return INVALID_VALUE;
   if (stub.used[d] + (int64_t)size > stub.capacity) { stub.mem_create_refused++; return OUT_OF_MEMORY; }
   if (next_handle >= (1 << 16)) return OUT_OF_MEMORY;
   stub.used[d] += (int64_t)size;
   handle_device[next_handle] = d;
+  handle_size[next_handle] = (int64_t)size;
   *h = (unsigned long long)next_handle++;
   stub.mem_create++;
   return SUCCESS;
 }
 CUresult cuMemRelease(unsigned long long h) {
   during_capture();
-  stub.used[handle_device[h]] -= PAGE;
+  stub.used[handle_device[h]] -= handle_size[h];
   stub.mem_release++;
   return SUCCESS;
 }
@@ -307,6 +310,7 @@ CUresult cuMemMap(unsigned long long p, size_t size, size_t offset, unsigned lon
   (void)offset; (void)flags;
   allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
+  if (h == 0 || h >= (unsigned long long)next_handle || (int64_t)size != handle_size[h]) return INVALID_VALUE;
   void* m = mmap((void*)(uintptr_t)p, size, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
   if (m == MAP_FAILED) return INVALID_VALUE;
@@ -327,6 +331,7 @@ struct AccessDesc { int type; int id; int flags; };
 CUresult cuMemSetAccess(unsigned long long p, size_t size, const void* desc, size_t count) {
   (void)p; (void)size;
   allocating();
+  stub.mem_set_access++;
   const struct AccessDesc* a = desc;
   if (count < 1 || count > DEVICES) return INVALID_VALUE;
   if (count > 1 && stub.refuse_peers) return NOT_SUPPORTED;
