@@ -516,6 +516,24 @@ def fake():
         _C._testing_reset()
 
 
+def _random_hook_ops(rng, count, after_each=None):
+    """`count` random mallocs (60%) and frees through the C hooks on device 0, on
+    streams 0, 3 and 11 (the capturing one); returns the pointers still live."""
+    live = []
+    for _ in range(count):
+        if rng.random() < 0.6 or not live:
+            size = rng.choice([rng.randint(1, 4 * KiB), rng.randint(MiB, 6 * MiB)])
+            try:
+                live.append(_C._testing_hook_malloc(size, 0, rng.choice([0, 3, 11])))
+            except RuntimeError:
+                pass
+        else:
+            _free_hook(live.pop(rng.randrange(len(live))))
+        if after_each is not None:
+            after_each()
+    return live
+
+
 @pytest.mark.parametrize("conf", ["strategy:bestfit", "strategy:vmm"])
 def test_cuda_pool_snapshots_read_as_pytorch_reads_them(fake, conf, tmp_path):
     _C.cuda_configure(conf)
@@ -525,16 +543,7 @@ def test_cuda_pool_snapshots_read_as_pytorch_reads_them(fake, conf, tmp_path):
     tiny = _C._testing_hook_malloc(100, 0, 5)        # a small-pool chunk for stream 5
     # Stream 11 captures a CUDA graph into its private pool meanwhile.
     _C._testing_pool_hook("begin_allocate_to_pool", 0, (0, 9), [11])
-    live = []
-    for _ in range(300):
-        if rng.random() < 0.6 or not live:
-            size = rng.choice([rng.randint(1, 4 * KiB), rng.randint(MiB, 6 * MiB)])
-            try:
-                live.append(_C._testing_hook_malloc(size, 0, rng.choice([0, 3, 11])))
-            except RuntimeError:
-                pass
-        else:
-            _free_hook(live.pop(rng.randrange(len(live))))
+    live = _random_hook_ops(rng, 300)
     snap = pyalloc.snapshot()
     assert any(s["segment_pool_id"] == (0, 9) for s in snap["segments"])
     stats = _C.cuda_stats(0, "general")
@@ -562,18 +571,12 @@ def test_cuda_pool_history_undoes_to_what_was(fake, conf):
     rng = random.Random(7)
     earlier = {}
     _C._testing_pool_hook("begin_allocate_to_pool", 0, (0, 9), [11])
-    live = []
-    for _ in range(200):
-        if rng.random() < 0.6 or not live:
-            size = rng.choice([rng.randint(1, 4 * KiB), rng.randint(MiB, 6 * MiB)])
-            try:
-                live.append(_C._testing_hook_malloc(size, 0, rng.choice([0, 3, 11])))
-            except RuntimeError:
-                pass
-        else:
-            _free_hook(live.pop(rng.randrange(len(live))))
+
+    def remember():
         snap = pyalloc.snapshot()
         earlier[len(snap["device_traces"][0])] = snap
+
+    live = _random_hook_ops(rng, 200, after_each=remember)
     undo_history(pyalloc.snapshot(), earlier)
     for p in live:
         _free_hook(p)
