@@ -285,7 +285,8 @@ void Allocator::lend_chunk_stats(Block* parent, Segment* chunk, int sign) {
     std::vector<TracePiece> run{{a, e - a, rs}}, pieces;
     if (a < chunk->base) pieces.push_back({a, chunk->base - a, rs});
     pieces.push_back({chunk->base, chunk->size, chunk->stream});
-    if (chunk->base + chunk->size < e) pieces.push_back({chunk->base + chunk->size, e - chunk->base - chunk->size, rs});
+    uintptr_t hi = chunk->base + chunk->size;
+    if (hi < e) pieces.push_back({hi, e - hi, rs});
     if (sign > 0) trace_replace(a, e, run, pieces);
     else trace_replace(a, e, pieces, run);
     return;
