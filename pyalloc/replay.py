@@ -250,6 +250,24 @@ def _follow_native(plan: ReplayPlan, trace: Trace) -> None:
                and trace.addrs[k] + trace.sizes[k] <= hi):
             pieces.add(k)
             k -= 1
+    # A segment turned into its pieces, or they back into it, under a segment
+    # mapped over them for that moment and unmapped at the end, the events
+    # between all segment events (how pyalloc's own snapshots tell it, so that
+    # trace_plot -s pairs every segment_free with its segment_alloc and the
+    # viewer has a segment over every live block meanwhile) is one change too.
+    segment_codes = grow + shrink
+    i, n = 0, len(trace.actions)
+    while i < n:
+        if trace.actions[i] == SEGMENT_MAP:
+            j = i + 1
+            while j < n and trace.actions[j] in segment_codes and not (
+                    trace.actions[j] == SEGMENT_UNMAP and trace.addrs[j] == trace.addrs[i]
+                    and trace.sizes[j] == trace.sizes[i]):
+                j += 1
+            if j < n and trace.actions[j] == SEGMENT_UNMAP:
+                pieces.update(range(i, j))
+                i = j
+        i += 1
     reserved = peak = start
     for i, delta in changes:
         reserved += delta

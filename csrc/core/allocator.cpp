@@ -274,15 +274,31 @@ void Allocator::lend_chunk_stats(Block* parent, Segment* chunk, int sign) {
     if (runs != 0) stats_.segment.add(kLargePool, -runs);
   }
   if (!history_on_) return;
-  // The history, in the words of PyTorch's viewer, which replays it backwards
-  // from the final segments: the chunk is a segment_alloc / segment_free of
-  // its own; the run gives up the chunk's range as a segment_unmap (undone by
-  // merging the range with the same-stream segments it touches) and takes it
-  // back as a segment_map (undone by cutting it out of the segment holding
-  // it). Where an unmap would merge with a segment outside the run (another
-  // chunk, or an adjacent backend segment), the run's pieces are allocated
-  // and the run freed instead.
   Stream rs = parent->segment->stream;
+  if (!parent->segment->vmm) {
+    // A run of a backend segment: the run and the pieces it becomes (or the
+    // pieces and the run), each a segment_free / segment_alloc of its own, so
+    // that trace_plot -s, which pairs those by address and draws nothing
+    // else, draws the bytes reserved (see trace_replace).
+    uintptr_t a = 0, e = 0;
+    run_extent(parent, &a, &e);
+    std::vector<TracePiece> run{{a, e - a, rs}}, pieces;
+    if (a < chunk->base) pieces.push_back({a, chunk->base - a, rs});
+    pieces.push_back({chunk->base, chunk->size, chunk->stream});
+    uintptr_t hi = chunk->base + chunk->size;
+    if (hi < e) pieces.push_back({hi, e - hi, rs});
+    if (sign > 0) trace_replace(a, e, run, pieces);
+    else trace_replace(a, e, pieces, run);
+    return;
+  }
+  // In a vmm segment, in the words of PyTorch's viewer, which replays the
+  // history backwards from the final segments: the chunk is a segment_alloc /
+  // segment_free of its own; the run gives up the chunk's range as a
+  // segment_unmap (undone by merging the range with the same-stream segments
+  // it touches) and takes it back as a segment_map (undone by cutting it out
+  // of the segment holding it). Where an unmap would merge with a segment
+  // outside the run (another chunk, or an adjacent backend segment), the
+  // run's pieces are allocated and the run freed instead.
   if (sign < 0) {
     // Undone, the map is cut out of the run first, so what lies above the
     // chunk then is the rest of the run, if any, or the next segment.
@@ -313,6 +329,31 @@ void Allocator::trace_split(const Block* b, uintptr_t lo, uintptr_t hi) {
   if (a < lo) trace(TraceEntry::kSegmentAlloc, a, lo - a, rs);
   if (hi < e) trace(TraceEntry::kSegmentAlloc, hi, e - hi, rs);
   trace_segment_free(a, e - a, rs, hi == e && !segment_from(e) && segment_below(lo));
+}
+
+void Allocator::trace_replace(uintptr_t a, uintptr_t e, const std::vector<TracePiece>& before,
+                              const std::vector<TracePiece>& after) {
+  // [a, e) held the segments `before` and holds `after` (each listed by
+  // address). trace_plot -s pairs a segment_alloc with the next segment_free
+  // at its address, so each is freed and the new ones allocated; PyTorch's
+  // viewer, which undoes the history from the final segments, then lacks a
+  // segment over the live blocks of [a, e) between the two. A segment over
+  // all of [a, e) covers them meanwhile: a segment_map (undone by cutting it
+  // out of the first segment holding it, which is this one: undone, the old
+  // segments go in after it) and a segment_unmap at the end (undone by
+  // inserting it and merging it with the segments it touches of its stream:
+  // kShadowStream, none's). The old ones go bottom up and the new ones come
+  // top down, so that the viewer's binary search for a block's segment,
+  // which the overlap may mislead, always meets one holding the block.
+  trace(TraceEntry::kSegmentMap, a, e - a, kShadowStream);
+  bool top = !segment_from(e);
+  for (size_t i = 0; i < before.size(); i++) {
+    const TracePiece& p = before[i];
+    trace_segment_free(p.addr, p.size, p.stream, top && i + 1 == before.size());
+  }
+  for (auto it = after.rbegin(); it != after.rend(); ++it)
+    trace(TraceEntry::kSegmentAlloc, it->addr, it->size, it->stream);
+  trace(TraceEntry::kSegmentUnmap, a, e - a, kShadowStream);
 }
 
 bool Allocator::segment_from(uintptr_t addr) const {

@@ -344,6 +344,16 @@ class Allocator {
   // History: the run of b loses [lo, hi), told as its pieces allocated
   // and the run freed (see lend_chunk_stats).
   void trace_split(const Block* b, uintptr_t lo, uintptr_t hi);
+  struct TracePiece {
+    uintptr_t addr;
+    size_t size;
+    Stream stream;
+  };
+  // The stream of the segment trace_replace lays over [a, e) meanwhile.
+  static constexpr Stream kShadowStream = ~Stream{0};
+  // History: the segments `before` of [a, e) become `after`.
+  void trace_replace(uintptr_t a, uintptr_t e, const std::vector<TracePiece>& before,
+                     const std::vector<TracePiece>& after);
   // Does a segment of the snapshot (a run, a chunk) start at addr or above?
   bool segment_from(uintptr_t addr) const;
   // ... or below addr?
