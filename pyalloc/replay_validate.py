@@ -68,13 +68,16 @@ class Validation:
 def validate(trace: Trace, plan: Any, calls: Any, *, driver_addresses: bool = False) -> Optional[Validation]:
     """Replays the model of the allocator that recorded `trace` (its
     allocator_settings, or segment_map events, say which) and compares its device
-    calls with the recorded ones. None when the trace records no device calls.
+    calls with the recorded ones. None when the trace records no device calls,
+    or was recorded by pyalloc (its ``allocator_settings`` name a strategy).
     `plan` and `calls` are the trace's ReplayPlan and ReplayTrace."""
+    settings = trace.metadata.get("allocator_settings")
+    if isinstance(settings, dict) and "strategy" in settings:
+        return None  # recorded by pyalloc (its settings name a strategy): no model of PyTorch's to check
     recorded = [(trace.actions[i], i, trace.addrs[i], trace.sizes[i], trace.streams[i])
                 for i in range(len(trace)) if trace.actions[i] in _NAMES]
     if not recorded:
         return None
-    settings = trace.metadata.get("allocator_settings")
     expandable = (settings.get("expandable_segments") is True if isinstance(settings, dict) else False) or any(
         code in (SEGMENT_MAP, SEGMENT_UNMAP) for code, *_ in recorded) or any(s[4] for s in trace.segment_list)
 
