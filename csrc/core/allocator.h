@@ -401,6 +401,7 @@ class Allocator {
   std::map<uintptr_t, size_t> handles_;   // mapped handles of vmm_seg_: address -> size
   size_t max_handle_ = 0;                 // the largest handle (a power-of-two number of pages)
   size_t handle_limit_ = 0;               // the largest handle of the mapping underway
+  bool roomy_ = false;                    // the mapping underway has room to spare: handles of any size
 
   bool history_on_ = false;
   bool history_shared_ = false;

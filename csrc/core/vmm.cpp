@@ -15,10 +15,12 @@
 // memory (benchmarks/results/fragmentation.md).
 //
 // Physical memory comes in handles (one cuMemCreate each), mapped and
-// unmapped whole: aligned powers of two of pages, large while the device has
-// room (fewer driver calls), small near a limit (holes give up their pages).
-// While the device is at most half full, growth maps ahead to a grain of the
-// pool, in handles of their own.
+// unmapped whole: large while the device has room (fewer driver calls), of
+// any number of pages while it has much room, aligned powers of two of pages
+// otherwise, small near a limit (holes give up their pages).
+// While the pool holds at most a quarter of what the device (and the cap)
+// could give it, growth maps ahead to a grain of the pool, in handles of
+// their own.
 #include <algorithm>
 #include <vector>
 
@@ -30,6 +32,8 @@ namespace {
 constexpr size_t kMaxHandle = size_t(32) << 20;
 constexpr size_t kHandleHeadroom = 1024;
 constexpr size_t kGrowthShare = 16;
+constexpr size_t kAheadRoom = 3;
+constexpr size_t kRoomyRoom = 8;
 }  // namespace
 
 void Allocator::init_vmm() {
@@ -175,17 +179,32 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room) 
   handle_limit_ = max_handle_;
   if (headroom != kUnknownRoom)
     while (handle_limit_ > page_ && handle_limit_ > headroom / kHandleHeadroom) handle_limit_ /= 2;
-  // Growth while the device is at most half full (or its room unknown)
-  // goes on to the next boundary of a grain (the handle limit, at most
-  // 1/16 of what is reserved): the next growths of a workload that creeps up
-  // (varying shapes) find their pages mapped already. In replay the second
-  // half's device calls fell from 33 to 13 on gpt2-varlen-train and from 10
-  // to 5 on vit-mixedres-train, for 1.046x peak live reserved against 1.023x
-  // and 1.094x against 1.064x; smallest budgets within 0.1%. The extra
-  // pages are handles of their own, so that no handle lies partly under the
-  // request's block: holes can give them up whole.
+  // Growth while the pool holds at most a quarter of what the device and
+  // the cap could give it (room at least kAheadRoom times what is reserved;
+  // or the room unknown) goes on to the next boundary of a grain (the
+  // handle limit, at most 1/16 of what is reserved): the next growths of a
+  // workload that creeps up (varying shapes) find their pages mapped
+  // already. In replay the second half's device calls fell from 33 to 13 on
+  // gpt2-varlen-train and from 10 to 5 on vit-mixedres-train, for 1.046x
+  // peak live reserved against 1.023x and 1.094x against 1.064x. Mapping
+  // ahead up to a third of the device (room twice what is reserved) cost
+  // cs336-2.7b its smallest budget: 1.0075x peak live against 1.0057x with
+  // none ahead; up to a quarter, 1.0058x, every other budget unchanged (to
+  // 0.1%). The extra pages are handles of their own, so that no handle
+  // lies partly under the request's block: holes can give them up whole.
+  //
+  // With room to spare (at least kRoomyRoom times what is reserved, or the
+  // room unknown) a mapping is cut into handles of the limit and one of the
+  // rest, of any number of pages: a 6 MiB growth is one cuMemCreate, not a
+  // 4 and a 2 MiB buddy. In replay the driver calls fell from 11430 to 7062
+  // on cs336-2.7b and from 1872 to 981 on tinyllama (expandable segments:
+  // 7968 and 984); above a ninth of the device, aligned buddies again, whose
+  // small ends holes can give up (room three times what is reserved cost
+  // cs336-2.7b 0.1% of its smallest budget; mercuryb1-qwen2.5-7b needs
+  // 1.0022x peak live against 1.0015x, its small holes inside larger handles).
+  roomy_ = headroom == kUnknownRoom || headroom / kRoomyRoom >= reserved;
   uintptr_t ext_lo = 0, ext_hi = 0;
-  if (need < u->size && (headroom == kUnknownRoom || headroom / 2 >= reserved)) {
+  if (need < u->size && (headroom == kUnknownRoom || headroom / kAheadRoom >= reserved)) {
     size_t grain = page_;
     while (grain * 2 <= handle_limit_ && grain * 2 * kGrowthShare <= reserved) grain *= 2;
     uintptr_t base = vmm_seg_->base;
@@ -340,8 +359,10 @@ size_t Allocator::unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t kee
 }
 
 size_t Allocator::handle_size(uintptr_t addr, uintptr_t end) const {
-  // Aligned powers of two, as in a buddy system: a run is mapped in the
-  // largest handles that fit, with the small ones at its ends.
+  // With room to spare, handles of the limit and the rest in one (see
+  // map_for()). Otherwise aligned powers of two, as in a buddy system: a run
+  // is mapped in the largest handles that fit, with the small ones at its ends.
+  if (roomy_) return std::min(handle_limit_, end - addr);
   size_t off = addr - vmm_seg_->base, h = page_;
   while (h < handle_limit_ && off % (2 * h) == 0 && end - addr >= 2 * h) h *= 2;
   return h;
