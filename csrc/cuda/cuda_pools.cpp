@@ -76,7 +76,13 @@ class DevicePools::PoolBackend final : public Backend {
   const char* name() const override { return inner_->name(); }
   uintptr_t reserve(size_t size) override {
     if (!budget_.take(size)) return 0;
-    uintptr_t base = inner_->reserve(size);  // may throw: the budget is given back
+    uintptr_t base = 0;
+    try {
+      base = inner_->reserve(size);  // the CUDA backend throws on errors other than OOM
+    } catch (...) {
+      budget_.give(size);
+      throw;
+    }
     if (base == 0) budget_.give(size);
     else budget_.saw(base, size);
     return base;

@@ -331,6 +331,16 @@ def check_other_driver_errors_are_not_oom():
     assert "cuMemAlloc failed: CUDA_ERROR_STUB_FAILURE (999)" in message, message
     assert "out of memory" not in message
     _C.cuda_check_invariants(0)
+    # The failed reservation gave its bytes back to the device's budget: under a
+    # cap with room for 46 MiB and a little more, 46 MiB can still be had.
+    hooks.pyalloc_empty_cache()
+    reserved = stats()["reserved_bytes.all.current"]
+    hooks.pyalloc_set_memory_fraction((reserved + 54 * MiB) / stub.capacity, 0)
+    try:
+        free(malloc(46 * MiB))
+    finally:
+        hooks.pyalloc_set_memory_fraction(1.0, 0)
+    _C.cuda_check_invariants(0)
 
 
 def check_empty_cache_frees_segments():
