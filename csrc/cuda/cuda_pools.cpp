@@ -499,7 +499,10 @@ void DevicePools::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
   // allocator allows (use_mem_pool on several threads): each is a use.
   told_of_captures_.store(true, std::memory_order_release);
   pool_incref_locked(id);
-  routes_.push_back(PoolRoute{id, std::move(filter)});
+  PoolRoute route;
+  route.id = id;
+  route.filter = std::move(filter);
+  routes_.push_back(std::move(route));
   // PyTorch begins the capture only after this returns: from now on, a
   // capture counts as underway, for every thread (capture.h).
   device_->captures().open();
