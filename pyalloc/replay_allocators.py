@@ -33,7 +33,13 @@ class AllocatorRun:
     peak_reserved_bytes: int
     device_calls: int               # segment/page-range reservations + releases (num_device_alloc + num_device_free)
     second_half_device_calls: Optional[int]  # the same, from op len/2 on
-    driver_calls: Optional[int]     # every cudaMalloc/cudaFree/cuMemCreate/cuMemMap/cuMemSetAccess/cuMemUnmap/cuMemRelease, page by page; None if unknown
+    # Every cudaMalloc / cudaFree / cuMemAddressReserve / cuMemCreate / cuMemMap /
+    # cuMemSetAccess / cuMemUnmap / cuMemRelease the allocator's CUDA path makes, as it
+    # makes them: cuMemCreate, cuMemMap, cuMemUnmap and cuMemRelease per page (pyalloc:
+    # per handle), cuMemSetAccess once per range mapped (PyTorch's mapAndSetAccess; pyalloc:
+    # per handle), cuMemAddressReserve once per virtual range (PyTorch: per (stream, pool)
+    # expandable segment; pyalloc: per pool). None if unknown.
+    driver_calls: Optional[int]
     retries: int                    # out-of-memory retries (release cached memory and try again) taken
 
 

@@ -550,6 +550,64 @@ def test_an_open_route_is_a_capture_underway(fake, lib):
     check()
 
 
+def said(capfd) -> list[str]:
+    return [line for line in capfd.readouterr().err.splitlines() if line.startswith("pyalloc:")]
+
+
+def test_a_route_left_open_by_a_failed_capture_heals(fake, lib, capfd):
+    """Regression: torch 2.x's CUDAGraph::capture_end checks cudaStreamEndCapture
+    before it ends the route, so a failed capture left its route open and a capture
+    counted as underway on every device for good: no event asked about again, no
+    cache released. Once the route's capturing stream has been done for the grace,
+    the route heals (said once)."""
+    import time
+
+    lib.pyalloc_free(lib.pyalloc_malloc(8 * MiB, 1, None), 0, 1, None)  # cached on device 1
+    p = lib.pyalloc_malloc(MiB, 0, 0x10)
+    lib.pyalloc_record_stream(p, 0x11)
+    hook("begin_allocate_to_pool", (0, 66), [CAPTURE_STREAM])
+    capture(41)
+    g = lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM)  # served while capturing: the route is watched
+    lib.pyalloc_free(p, 0, 0, None)
+    capture(0)  # cudaStreamEndCapture fails; end_allocate_to_pool never comes
+    # Within the grace, PyTorch may still be about to end the route: still a capture.
+    lib.pyalloc_free(lib.pyalloc_malloc(512, 0, 0x10), 0, 0, None)
+    assert pending(0) == MiB
+    lib.pyalloc_empty_cache()
+    assert reserved(1) >= 8 * MiB
+    time.sleep(_C.cuda_route_heal_grace() + 0.1)
+    lib.pyalloc_free(lib.pyalloc_malloc(512, 0, 0x10), 0, 0, None)
+    assert pending(0) == 0  # the deferred free completes
+    lib.pyalloc_empty_cache()
+    assert reserved(1) == 0  # and every device's cache is released again
+    lines = said(capfd)
+    assert len(lines) == 1 and "(0, 66) on device 0 was never ended" in lines[0], lines
+    # The graph's reset releases the pool: the route goes, the pool with it.
+    lib.pyalloc_free(g, 0, 0, None)
+    hook("release_pool", (0, 66))
+    lib.pyalloc_empty_cache()
+    assert pools() == {}
+    check()
+
+
+def test_release_pool_ends_a_route_left_open(fake, lib, capfd):
+    """A capture that failed before serving any allocation leaves a route no probe
+    can see end; the pool's last release_pool ends it."""
+    lib.pyalloc_free(lib.pyalloc_malloc(8 * MiB, 1, None), 0, 1, None)
+    hook("begin_allocate_to_pool", (0, 67), [CAPTURE_STREAM])
+    hook("begin_allocate_to_pool", (0, 67), [CAPTURE_STREAM + 1])  # a second graph, same pool
+    hook("end_allocate_to_pool", (0, 67))
+    hook("release_pool", (0, 67))  # one graph gone: the other's route may be a live capture
+    lib.pyalloc_empty_cache()
+    assert reserved(1) >= 8 * MiB
+    hook("release_pool", (0, 67))  # the last use: no graph is left to end its route
+    lib.pyalloc_empty_cache()
+    assert reserved(1) == 0 and pools() == {}
+    lines = said(capfd)
+    assert len(lines) == 1 and "(0, 67) on device 0 was never ended" in lines[0], lines
+    check()
+
+
 def test_capture_marks_of_torch_2_13_count_as_a_capture(fake, lib):
     from bridge_api import OK, Api, BridgeApi
 

@@ -146,8 +146,20 @@ def test_expandable_maps_pages_on_demand():
     r = model(ops, expandable=True)
     # 20 MiB pages for the large pool, mapped only for what the free tail lacks; 2 MiB for the small.
     assert made(r) == [(SEG_MAP, 0, 20 * MiB), (SEG_MAP, 2, 20 * MiB), (SEG_MAP, 3, 2 * MiB)]
-    # cuMemCreate, cuMemMap and cuMemSetAccess for each of 2 + 1 pages.
-    assert r["driver_calls"] == 9 and r["device_calls"] == 3
+    # A range reserved per pool (cuMemAddressReserve); for each one-page map
+    # cuMemCreate, cuMemMap and cuMemSetAccess.
+    assert r["driver_calls"] == 2 + 3 * 3 and r["device_calls"] == 3
+
+
+def test_expandable_driver_calls_per_mapping():
+    """As PyTorch's ExpandableSegment makes them: one cuMemAddressReserve per
+    (stream, pool) range; mapping k pages is k cuMemCreate, k cuMemMap and one
+    cuMemSetAccess over the k pages (regression: counted 3 per page)."""
+    ops = [("a", 0, 50 * MiB), ("a", 1, 70 * MiB), ("a", 2, MiB + 1, 1)]
+    r = model(ops, expandable=True)
+    assert made(r) == [(SEG_MAP, 0, 60 * MiB), (SEG_MAP, 1, 60 * MiB), (SEG_MAP, 2, 20 * MiB)]
+    # Stream 0's range and 3 pages, 3 more pages; stream 1's range and one page.
+    assert r["driver_calls"] == (1 + 7) + 7 + (1 + 3)
 
 
 def test_expandable_reuses_holes_before_growing():
@@ -161,7 +173,7 @@ def test_expandable_unmaps_whole_pages_of_free_blocks_only():
     r = model(ops, expandable=True, releases=array("Q", [3]))
     # The live block pins the first page; the second is unmapped (cuMemUnmap, cuMemRelease).
     assert made(r) == [(SEG_MAP, 0, 20 * MiB), (SEG_MAP, 1, 20 * MiB), (SEG_UNMAP, 3, 20 * MiB)]
-    assert r["driver_calls"] == 3 * 2 + 2
+    assert r["driver_calls"] == 1 + 3 * 2 + 2  # the range, two one-page maps, one unmap
 
 
 def test_expandable_out_of_memory_unmaps_and_retries():

@@ -2,6 +2,7 @@
 #include "cuda_pools.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -76,7 +77,13 @@ class DevicePools::PoolBackend final : public Backend {
   const char* name() const override { return inner_->name(); }
   uintptr_t reserve(size_t size) override {
     if (!budget_.take(size)) return 0;
-    uintptr_t base = inner_->reserve(size);  // may throw: the budget is given back
+    uintptr_t base = 0;
+    try {
+      base = inner_->reserve(size);  // the CUDA backend throws on errors other than OOM
+    } catch (...) {
+      budget_.give(size);
+      throw;
+    }
     if (base == 0) budget_.give(size);
     else budget_.saw(base, size);
     return base;
@@ -175,13 +182,15 @@ DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config)
 
 DevicePools::~DevicePools() {
   // Fake devices are dropped by tests: what this device declared open closes with it.
-  for (size_t i = 0; i < routes_.size(); ++i) device_->captures().close();
+  for (const PoolRoute& route : routes_)
+    if (route.declared) device_->captures().close();
   for (int i = 0; i < marks_; ++i) device_->captures().close();
 }
 
 uintptr_t DevicePools::malloc(size_t size, Stream stream, uint64_t context) {
   if (size == 0) return 0;
   if (routing_.load(std::memory_order_acquire)) {
+    heal_routes();  // a capture whose route was never ended stops counting as one
     bool routed = false;
     uintptr_t p = routed_malloc(size, stream, context, &routed);
     if (routed) return p;
@@ -213,6 +222,7 @@ uintptr_t DevicePools::malloc(size_t size, Stream stream, uint64_t context) {
 
 size_t DevicePools::release_others(const Allocator& pool) {
   // Nothing may be released while a capture is underway (the core says so too).
+  heal_routes();
   if (device_->captures().underway()) return 0;
   size_t released = 0;
   if (&pool != general_.get()) released += general_->empty_cache();
@@ -295,7 +305,9 @@ void DevicePools::free_buffer(uintptr_t ptr) { buffers_->free(ptr); }
 size_t DevicePools::empty_cache() {
   // A capture may be underway from begin_allocate_to_pool on, before any of
   // its allocations has shown its stream: release nothing while a route is open.
-  if (routing_.load(std::memory_order_acquire) || device_->captures().underway()) return 0;
+  heal_routes();
+  if (declared_routes_.load(std::memory_order_acquire) > 0 || device_->captures().underway())
+    return 0;
   size_t released = general_->empty_cache() + buffers_->empty_cache();
   if (pools_exist_.load(std::memory_order_acquire)) released += reclaim_pools();
   // pool_size is a floor: torch.cuda.graph() empties the cache right before
@@ -374,17 +386,29 @@ size_t DevicePools::cache_info() {
 uintptr_t DevicePools::routed_malloc(size_t size, Stream stream, uint64_t context, bool* routed) {
   std::shared_lock<std::shared_mutex> g(pools_mu_);
   GraphPool* pool = nullptr;
-  for (const auto& [id, filter] : routes_) {
-    if (filter && filter(stream)) {
-      pool = pools_.at(id).get();
+  PoolRoute* route = nullptr;
+  for (PoolRoute& r : routes_) {
+    if (r.filter && r.filter(stream)) {
+      pool = pools_.at(r.id).get();
+      route = &r;
       break;
     }
   }
   if (pool == nullptr) return 0;
   *routed = true;
   // Remember a capturing stream, so that no pool of the process releases
-  // memory until its capture is over (capture.h).
-  device_->captures().probe(stream);
+  // memory until its capture is over (capture.h); and the route it served,
+  // so that the route heals if PyTorch never ends it.
+  CaptureState cap = device_->captures().probe(stream);
+  if (cap.capturing && route->declared) {
+    std::lock_guard<std::mutex> s(seen_mu_);
+    auto key = std::make_pair(stream, cap.id);
+    if (std::find(route->seen.begin(), route->seen.end(), key) == route->seen.end()) {
+      if (route->seen.empty()) watched_.fetch_add(1, std::memory_order_acq_rel);
+      route->seen.push_back(key);
+    }
+    route->ended = 0;
+  }
   uintptr_t ptr;
   try {
     ptr = pool->alloc->malloc(size, stream, context);
@@ -440,8 +464,8 @@ DevicePools::GraphPool& DevicePools::pool_incref_locked(PoolId id) {
 
 bool DevicePools::reclaim_locked(GraphPool& pool) {
   if (pool.uses != 0 || !pool.blocks.empty()) return false;
-  for (const auto& route : routes_)
-    if (route.first == pool.id) return false;
+  for (const PoolRoute& route : routes_)
+    if (route.id == pool.id) return false;
   // Nothing may be released while any capture is underway: later, then.
   if (device_->captures().underway()) return false;
   pool.backend->set_held(false);
@@ -475,19 +499,23 @@ void DevicePools::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
   // allocator allows (use_mem_pool on several threads): each is a use.
   told_of_captures_.store(true, std::memory_order_release);
   pool_incref_locked(id);
-  routes_.emplace_back(id, std::move(filter));
+  PoolRoute route;
+  route.id = id;
+  route.filter = std::move(filter);
+  routes_.push_back(std::move(route));
   // PyTorch begins the capture only after this returns: from now on, a
   // capture counts as underway, for every thread (capture.h).
   device_->captures().open();
+  declared_routes_.fetch_add(1, std::memory_order_acq_rel);
   routing_.store(true, std::memory_order_release);
 }
 
 void DevicePools::end_allocate_to_pool(PoolId id) {
   std::unique_lock<std::shared_mutex> g(pools_mu_);
   for (auto it = routes_.begin(); it != routes_.end(); ++it) {
-    if (it->first != id) continue;
+    if (it->id != id) continue;
+    undeclare_locked(*it, nullptr);  // the capture, if any, ended before this call
     routes_.erase(it);
-    device_->captures().close();  // the capture, if any, ended before this call
     break;
   }
   routing_.store(!routes_.empty(), std::memory_order_release);
@@ -511,7 +539,76 @@ void DevicePools::release_pool(PoolId id) {
   auto it = pools_.find(id);
   if (it == pools_.end() || it->second->uses == 0) return;  // nothing left to release
   GraphPool& pool = *it->second;
-  if (--pool.uses == 0) reclaim_locked(pool);
+  if (--pool.uses != 0) return;
+  // Every use is gone, the graphs that routed to the pool included: a route
+  // still open to it was never ended (its capture failed, capture.h).
+  for (auto r = routes_.begin(); r != routes_.end();) {
+    if (r->id != id) {
+      ++r;
+      continue;
+    }
+    undeclare_locked(*r, "its pool was released while it was open");
+    r = routes_.erase(r);
+  }
+  routing_.store(!routes_.empty(), std::memory_order_release);
+  reclaim_locked(pool);
+}
+
+namespace {
+double steady_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+bool DevicePools::route_abandoned_locked(PoolRoute& route) {
+  if (!route.declared) return false;
+  std::lock_guard<std::mutex> s(seen_mu_);
+  if (route.seen.empty()) return false;
+  for (const auto& [stream, capture] : route.seen) {
+    CaptureState st = device_->captures().probe(stream);
+    // Still capturing, in that capture (or one whose id is unknown): not over.
+    if (st.capturing && (st.id == capture || st.id == 0 || capture == 0)) {
+      route.ended = 0;
+      return false;
+    }
+  }
+  double now = steady_seconds();
+  if (route.ended == 0) route.ended = now;
+  return now - route.ended >= kRouteHealGrace;
+}
+
+void DevicePools::undeclare_locked(PoolRoute& route, const char* why) {
+  if (!route.declared) return;
+  route.declared = false;
+  {
+    std::lock_guard<std::mutex> s(seen_mu_);
+    if (!route.seen.empty()) watched_.fetch_sub(1, std::memory_order_acq_rel);
+    route.seen.clear();
+  }
+  declared_routes_.fetch_sub(1, std::memory_order_acq_rel);
+  device_->captures().close();
+  if (why != nullptr && !told_unended_.exchange(true)) {
+    std::fprintf(stderr,
+                 "pyalloc: a CUDA graph capture into pool (%llu, %llu) on device %d was never "
+                 "ended (end_allocate_to_pool: did cudaStreamEndCapture fail?); %s, so it no "
+                 "longer counts as a capture underway\n",
+                 static_cast<unsigned long long>(route.id.first),
+                 static_cast<unsigned long long>(route.id.second), index(), why);
+  }
+}
+
+void DevicePools::heal_routes() {
+  if (watched_.load(std::memory_order_acquire) == 0) return;
+  {
+    // Probing is legal during any capture; only a route found over takes the lock exclusively.
+    std::shared_lock<std::shared_mutex> g(pools_mu_);
+    bool any = false;
+    for (PoolRoute& route : routes_) any = route_abandoned_locked(route) || any;
+    if (!any) return;
+  }
+  std::unique_lock<std::shared_mutex> g(pools_mu_);
+  for (PoolRoute& route : routes_)
+    if (route_abandoned_locked(route)) undeclare_locked(route, "its streams stopped capturing");
 }
 
 void DevicePools::create_or_incref_pool(PoolId id) {
@@ -984,6 +1081,8 @@ uintptr_t base_alloc(uintptr_t ptr, size_t* size) noexcept {
 }
 
 void empty_cache() {
+  // A route left open on one device blocks every device: heal them all first.
+  for (DevicePools* p : PoolRegistry::instance().all()) p->heal_routes();
   for (DevicePools* p : PoolRegistry::instance().all()) p->empty_cache();
 }
 

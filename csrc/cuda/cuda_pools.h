@@ -35,6 +35,22 @@
 // reclaims graph pools. torch 2.13 also marks the capture itself
 // (mark_capture(), through the bridge), which counts the same way.
 //
+// A route that never ends: torch 2.x's CUDAGraph::capture_end checks
+// cudaStreamEndCapture's result before it calls end_allocate_to_pool, so a
+// capture that fails (an invalidated capture) leaves its route open, and
+// with it a capture counted as underway on every device for the rest of the
+// process. Such a route heals: the streams it served while they were
+// capturing are remembered (with the capture's id), and once every one of
+// them has been found done (cuStreamGetCaptureInfo, legal during any
+// capture) for kRouteHealGrace while the route is still open, it stops
+// counting as a capture underway and pyalloc says so on stderr (once a
+// device); the grace leaves a capture that has just ended the moment
+// PyTorch needs to end its route. A route that served no capturing stream
+// cannot be seen to end: it goes when the pool's last use is released
+// (release_pool()), which ends every route still open to it. Limit: a route seen only on a stream forked
+// from the capture and joined back before the capture ends may heal while
+// the capture goes on, after the grace.
+//
 // Without those calls (a torch whose pluggable allocator lacks the setters),
 // every allocation asks the device whether its stream is capturing, and a
 // block allocated during a capture is held: when PyTorch frees it, it stays
@@ -147,8 +163,15 @@ class DevicePools {
   /// a begin is ignored.
   void mark_capture(bool begin);
   /// A graph or MemPool using pool `id` is gone: one use less. Once no use
-  /// is left and nothing in it is live, its memory returns to the device.
+  /// is left, routes still open to it end (their graph is gone), and once
+  /// nothing in it is live either, its memory returns to the device.
   void release_pool(PoolId id);
+  /// Ends counting as a capture underway each route whose capturing streams
+  /// have all been done for kRouteHealGrace (see "A route that never ends").
+  /// Cheap (one atomic load) while no open route has served a capture.
+  void heal_routes();
+  /// How long a route's capture must have been seen over before it heals.
+  static constexpr double kRouteHealGrace = 0.5;  // seconds
   /// A MemPool: creates pool `id` with one use, or adds a use.
   void create_or_incref_pool(PoolId id);
   /// The uses of pool `id` (0 if there is no such pool).
@@ -249,6 +272,18 @@ class DevicePools {
   struct GraphPool;
   class PoolBackend;
 
+  // A route of begin_allocate_to_pool(). While `declared`, it counts as a
+  // capture underway (capture.h): until end_allocate_to_pool(), its pool's
+  // last release_pool(), or heal_routes(). Changed under pools_mu_ held
+  // exclusively, except `seen` and `ended`, guarded by seen_mu_.
+  struct PoolRoute {
+    PoolId id;
+    StreamFilter filter;
+    bool declared = true;
+    std::vector<std::pair<Stream, uint64_t>> seen;  // (stream, capture id) it served capturing
+    double ended = 0;  // when all of `seen` were first found done (steady seconds), 0: not yet
+  };
+
   // What every pool's backend of the device draws on: the bytes they hold
   // from the driver against the memory fraction's cap, and the lowest and
   // highest address any of them ever got (may_hold()).
@@ -267,6 +302,10 @@ class DevicePools {
   bool pool_free(uintptr_t ptr, uint64_t context);
   GraphPool& pool_incref_locked(PoolId id);
   bool reclaim_locked(GraphPool& pool);
+  /// pools_mu_ held (either way): the route's capture has been over for the grace.
+  bool route_abandoned_locked(PoolRoute& route);
+  /// pools_mu_ held exclusively: the route no longer counts as a capture underway.
+  void undeclare_locked(PoolRoute& route, const char* why);
   size_t reclaim_pools();
   /// On the out-of-memory path of `pool`: gives back the cached memory of
   /// the device's other pools and its graph pools without a use; the bytes.
@@ -296,7 +335,11 @@ class DevicePools {
   // exclusively to add, release, reclaim or restore one.
   mutable std::shared_mutex pools_mu_;
   std::map<PoolId, std::unique_ptr<GraphPool>> pools_;
-  std::vector<std::pair<PoolId, StreamFilter>> routes_;  // in begin order
+  std::vector<PoolRoute> routes_;         // in begin order
+  std::mutex seen_mu_;                    // guards each route's seen and ended
+  std::atomic<int> watched_{0};           // declared routes whose `seen` is not empty
+  std::atomic<int> declared_routes_{0};   // routes that still count as a capture underway
+  std::atomic<bool> told_unended_{false};  // a route left open was said on stderr
   int marks_ = 0;                         // mark_capture() begins not yet ended
   std::atomic<bool> routing_{false};      // routes_ is not empty
   std::atomic<bool> pools_exist_{false};  // pools_ is not empty

@@ -442,6 +442,10 @@ void bind_cuda(py::module_& m) {
   m.def(
       "_testing_reset", [] { registry().reset_fake(); },
       "Tests: drops every fake pool and the configuration.");
+  m.def(
+      "cuda_route_heal_grace", [] { return DevicePools::kRouteHealGrace; },
+      "Seconds a graph-pool route left open must have seen its capture over before it stops "
+      "counting as a capture underway (a failed cudaStreamEndCapture leaves it open).");
   m.def("_testing_set_capture", &set_fake_capture, py::arg("stream"), py::arg("capture_id"),
         "Tests: a fake device stream captures (id > 0) or not (0).");
   m.def(

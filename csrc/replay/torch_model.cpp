@@ -336,6 +336,7 @@ class Model {
                                       : kUnboundedRange;
     uintptr_t base = addresses_.take_highest(range);
     if (base == 0) return nullptr;
+    driver_calls_++;  // cuMemAddressReserve, once for the range's life
     segments_.push_back(ExpandableSegment{base, range, page});
     TorchBlock* b = new_block(base, range, stream, pool.small);
     b->mapped = false;
@@ -357,7 +358,9 @@ class Model {
       driver_calls_ += 2 * made + 1;
       return false;
     }
-    driver_calls_ += 3 * pages;  // cuMemCreate, cuMemMap, cuMemSetAccess
+    // cuMemCreate and cuMemMap per page, one cuMemSetAccess over the range
+    // mapped (PyTorch's mapAndSetAccess; one more per peer, none modelled).
+    driver_calls_ += 2 * pages + 1;
     uintptr_t at = b->ptr;
     pool.unmapped.erase(b);
     b->mapped = true;

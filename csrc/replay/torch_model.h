@@ -89,9 +89,11 @@ struct TorchModelResult {
   uint64_t device_calls = 0;
   /// The same from op size() / 2 on; -1 if the replay stopped before.
   int64_t second_half_device_calls = -1;
-  /// cudaMalloc / cudaFree (a refused cudaMalloc included), cuMemCreate /
-  /// cuMemMap / cuMemSetAccess per page mapped, cuMemUnmap / cuMemRelease per
-  /// page unmapped (and the creates and releases of a mapping that failed).
+  /// cudaMalloc / cudaFree (a refused cudaMalloc included); cuMemAddressReserve
+  /// per expandable range; cuMemCreate / cuMemMap per page mapped and one
+  /// cuMemSetAccess per mapping (2k + 1 for k pages, as PyTorch's
+  /// mapAndSetAccess); cuMemUnmap / cuMemRelease per page unmapped (and the
+  /// creates and releases of a mapping that failed).
   uint64_t driver_calls = 0;
   /// Out-of-memory retries taken (release_cached_blocks, then try again).
   uint64_t retries = 0;

@@ -331,6 +331,16 @@ def check_other_driver_errors_are_not_oom():
     assert "cuMemAlloc failed: CUDA_ERROR_STUB_FAILURE (999)" in message, message
     assert "out of memory" not in message
     _C.cuda_check_invariants(0)
+    # The failed reservation gave its bytes back to the device's budget: under a
+    # cap with room for 46 MiB and a little more, 46 MiB can still be had.
+    hooks.pyalloc_empty_cache()
+    reserved = stats()["reserved_bytes.all.current"]
+    hooks.pyalloc_set_memory_fraction((reserved + 54 * MiB) / stub.capacity, 0)
+    try:
+        free(malloc(46 * MiB))
+    finally:
+        hooks.pyalloc_set_memory_fraction(1.0, 0)
+    _C.cuda_check_invariants(0)
 
 
 def check_empty_cache_frees_segments():
@@ -483,6 +493,33 @@ def check_an_open_route_is_a_capture_underway():
     if RELAXED:
         free(g)
     pool_hook("release_pool", (0, 12))
+    hooks.pyalloc_empty_cache()
+    assert _C.cuda_graph_pools(0) == []
+    _C.cuda_check_invariants(0)
+
+
+def relaxed_check_a_route_left_open_heals_by_probing_its_stream():
+    """Regression: torch 2.x ends no route when cudaStreamEndCapture fails; the
+    route's capture stream, asked with cuStreamGetCaptureInfo, is found done, and
+    after the grace nothing counts as a capture underway any more."""
+    import time
+
+    cap, s1, s2 = 0x5400, 0x1000, 0x2000
+    hooks.pyalloc_empty_cache()
+    p = malloc(MiB, 0, s1)
+    hooks.pyalloc_record_stream(p, s2)
+    pool_hook("begin_allocate_to_pool", (0, 15), [cap])
+    stub.capture_id, stub.capturing_stream = 92, cap
+    g = malloc(2 * MiB, 0, cap)  # into the graph pool, its stream seen capturing
+    free(p)
+    stub.capturing_stream = 0  # the capture is over; end_allocate_to_pool never comes
+    free(malloc(512, 0, s1))
+    assert pending() == MiB
+    time.sleep(_C.cuda_route_heal_grace() + 0.1)
+    free(malloc(512, 0, s1))  # the route heals; the deferred event is asked about
+    assert pending() == 0
+    free(g)
+    pool_hook("release_pool", (0, 15))  # the graph's reset: the route and the pool go
     hooks.pyalloc_empty_cache()
     assert _C.cuda_graph_pools(0) == []
     _C.cuda_check_invariants(0)
