@@ -590,6 +590,40 @@ def test_a_route_left_open_by_a_failed_capture_heals(fake, lib, capfd):
     check()
 
 
+def test_a_capture_retried_into_the_pool_of_a_healed_route_ends(fake, lib, capfd):
+    """Regression: a healed route stayed in the list ahead of the retried capture's
+    route into the same pool: its filter matched first, so the new route never saw
+    its stream capture and could not heal, and the new capture's end closed the
+    healed route instead, leaving a capture underway for good."""
+    import time
+
+    hook("begin_allocate_to_pool", (0, 68), [CAPTURE_STREAM])
+    capture(43)
+    g = lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM)
+    capture(0)  # the capture fails: its route is never ended
+    lib.pyalloc_free(lib.pyalloc_malloc(512, 0, 0x10), 0, 0, None)  # seen done
+    time.sleep(_C.cuda_route_heal_grace() + 0.1)
+    lib.pyalloc_free(lib.pyalloc_malloc(512, 0, 0x10), 0, 0, None)  # and healed
+    # The same graph captures again into the same pool, and this time ends.
+    hook("begin_allocate_to_pool", (0, 68), [CAPTURE_STREAM])
+    capture(44)
+    h = lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM)
+    capture(0)
+    hook("end_allocate_to_pool", (0, 68))
+    lib.pyalloc_free(lib.pyalloc_malloc(8 * MiB, 1, None), 0, 1, None)  # cached on device 1
+    lib.pyalloc_empty_cache()
+    assert reserved(1) == 0  # no capture counts as underway any more
+    lines = said(capfd)
+    assert len(lines) == 1 and "(0, 68) on device 0 was never ended" in lines[0], lines
+    for p in (g, h):
+        lib.pyalloc_free(p, 0, 0, None)
+    hook("release_pool", (0, 68))
+    hook("release_pool", (0, 68))
+    lib.pyalloc_empty_cache()
+    assert pools() == {}
+    check()
+
+
 def test_release_pool_ends_a_route_left_open(fake, lib, capfd):
     """A capture that failed before serving any allocation leaves a route no probe
     can see end; the pool's last release_pool ends it."""

@@ -498,6 +498,12 @@ void DevicePools::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
   // The same pool may be routed to more than once at a time, as PyTorch's
   // allocator allows (use_mem_pool on several threads): each is a use.
   told_of_captures_.store(true, std::memory_order_release);
+  // A route to this pool that healed (its capture was seen over, never ended)
+  // would shadow the new one: its filter would match first, and the new
+  // capture's end would close it instead of the new route.
+  routes_.erase(std::remove_if(routes_.begin(), routes_.end(),
+                               [&](const PoolRoute& r) { return r.id == id && !r.declared; }),
+                routes_.end());
   pool_incref_locked(id);
   PoolRoute route;
   route.id = id;
@@ -512,11 +518,20 @@ void DevicePools::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
 
 void DevicePools::end_allocate_to_pool(PoolId id) {
   std::unique_lock<std::shared_mutex> g(pools_mu_);
-  for (auto it = routes_.begin(); it != routes_.end(); ++it) {
+  // The newest route to the pool that still counts as a capture is the one
+  // ending; a healed one only if there is no other.
+  auto ending = routes_.end();
+  for (auto it = routes_.rbegin(); it != routes_.rend(); ++it) {
     if (it->id != id) continue;
-    undeclare_locked(*it, nullptr);  // the capture, if any, ended before this call
-    routes_.erase(it);
-    break;
+    if (it->declared) {
+      ending = std::next(it).base();
+      break;
+    }
+    if (ending == routes_.end()) ending = std::next(it).base();
+  }
+  if (ending != routes_.end()) {
+    undeclare_locked(*ending, nullptr);  // the capture, if any, ended before this call
+    routes_.erase(ending);
   }
   routing_.store(!routes_.empty(), std::memory_order_release);
   auto it = pools_.find(id);
