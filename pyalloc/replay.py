@@ -76,6 +76,10 @@ __all__ = ["ReplayPlan", "ReplayResult", "TraceError", "add_arguments", "main", 
 
 _KIND_ALLOC, _KIND_FREE, _KIND_NONE = 1, 2, 0
 
+#: The stream of the segment pyalloc's history maps over a run while it turns into
+#: its pieces or back (csrc/core/allocator.h, kShadowStream).
+_COVER_STREAM = (1 << 64) - 1
+
 #: The budget search stops once the bracket is this fraction of its upper end.
 BUDGET_PRECISION = 0.005
 
@@ -255,14 +259,17 @@ def _follow_native(plan: ReplayPlan, trace: Trace) -> None:
     # between all segment events (how pyalloc's own snapshots tell it, so that
     # trace_plot -s pairs every segment_free with its segment_alloc and the
     # viewer has a segment over every live block meanwhile) is one change too.
+    # Only pyalloc's cover segments, on their own stream (2**64 - 1), bracket so:
+    # PyTorch's expandable segments may map a range and unmap the same one on an
+    # out-of-memory retry, and that map is a real high point.
     segment_codes = grow + shrink
     i, n = 0, len(trace.actions)
     while i < n:
-        if trace.actions[i] == SEGMENT_MAP:
+        if trace.actions[i] == SEGMENT_MAP and trace.streams[i] == _COVER_STREAM:
             j = i + 1
             while j < n and trace.actions[j] in segment_codes and not (
                     trace.actions[j] == SEGMENT_UNMAP and trace.addrs[j] == trace.addrs[i]
-                    and trace.sizes[j] == trace.sizes[i]):
+                    and trace.sizes[j] == trace.sizes[i] and trace.streams[j] == _COVER_STREAM):
                 j += 1
             if j < n and trace.actions[j] == SEGMENT_UNMAP:
                 pieces.update(range(i, j))

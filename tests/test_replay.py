@@ -211,6 +211,21 @@ def test_native_reserved_is_followed_back_from_the_final_segments():
     assert r.native_timeline["reserved_bytes"][-1] == 100 * MiB
 
 
+def test_an_expandable_map_unmapped_by_an_oom_retry_is_a_high_point():
+    """PyTorch's expandable segments may map a range, fail the next mapping and
+    unmap the same range in the retry: the map is a real high point. Only pyalloc's
+    own cover segments (stream 2**64 - 1) bracket a change that is no peak."""
+    segments = [segment(0x100000, 20 * MiB, [block(0x100000, 20 * MiB, 20 * MiB)])]
+    events = [
+        ev("segment_map", 0x2000000, 40 * MiB),
+        ev("segment_map", 0x4800000, 20 * MiB),
+        ev("segment_unmap", 0x2000000, 40 * MiB),
+    ]
+    assert plan_of(snap(events, segments)).native_peak_reserved_bytes == 60 * MiB
+    cover = [dict(e, stream=(1 << 64) - 1) if e["addr"] == 0x2000000 else e for e in events]
+    assert plan_of(snap(cover, segments)).native_peak_reserved_bytes == 20 * MiB
+
+
 def test_native_is_unknown_without_segments():
     r = replay(snap(life(1, 100)))
     assert r.recorded_peak_reserved_bytes is None and r.recorded_ratio is None
