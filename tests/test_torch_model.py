@@ -174,6 +174,10 @@ def test_expandable_unmaps_whole_pages_of_free_blocks_only():
     # The live block pins the first page; the second is unmapped (cuMemUnmap, cuMemRelease).
     assert made(r) == [(SEG_MAP, 0, 20 * MiB), (SEG_MAP, 1, 20 * MiB), (SEG_UNMAP, 3, 20 * MiB)]
     assert r["driver_calls"] == 1 + 3 * 2 + 2  # the range, two one-page maps, one unmap
+    # Everything freed, then released: both pages go, and the range with them.
+    r = model(ops + [("f", 0)], expandable=True, releases=array("Q", [4]))
+    assert made(r)[-1] == (SEG_UNMAP, 4, 40 * MiB)
+    assert r["driver_calls"] == 1 + 3 * 2 + 2 * 2 + 1  # ... two pages unmapped, cuMemAddressFree
 
 
 def test_expandable_out_of_memory_unmaps_and_retries():

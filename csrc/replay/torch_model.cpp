@@ -293,6 +293,7 @@ class Model {
       if (b->prev == nullptr && b->next == nullptr && !b->mapped) {
         // The whole range is unmapped: give the reservation back.
         pool.unmapped.erase(b);
+        driver_calls_++;  // cuMemAddressFree
         addresses_.give(b->segment->base, b->segment->size);
         segments_.remove_if([&](const ExpandableSegment& s) { return &s == b->segment; });
         delete_block(b);
