@@ -518,17 +518,19 @@ void DevicePools::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
 
 void DevicePools::end_allocate_to_pool(PoolId id) {
   std::unique_lock<std::shared_mutex> g(pools_mu_);
-  // The newest route to the pool that still counts as a capture is the one
-  // ending; a healed one only if there is no other.
-  auto ending = routes_.end();
-  for (auto it = routes_.rbegin(); it != routes_.rend(); ++it) {
+  // The first route to the pool that still counts as a capture ends, as
+  // PyTorch's allocator ends the first of its captures underway with that
+  // pool; a healed one only if there is no other.
+  auto ending = routes_.end(), healed = routes_.end();
+  for (auto it = routes_.begin(); it != routes_.end(); ++it) {
     if (it->id != id) continue;
     if (it->declared) {
-      ending = std::next(it).base();
+      ending = it;
       break;
     }
-    if (ending == routes_.end()) ending = std::next(it).base();
+    if (healed == routes_.end()) healed = it;
   }
+  if (ending == routes_.end()) ending = healed;
   if (ending != routes_.end()) {
     undeclare_locked(*ending, nullptr);  // the capture, if any, ended before this call
     routes_.erase(ending);
