@@ -116,10 +116,11 @@ void Allocator::drop_block(Block* b) {
 // ---------------------------------------------------------------------------
 // malloc
 
-uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
+uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context, bool caller_counts_oom) {
   if (size == 0) return 0;
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
+  oom_to_caller_ = caller_counts_oom;  // throw_oom is reached only from here
   // As PyTorch answers such a request (its cudaMalloc fails): out of memory,
   // here at once, since no device could hold it.
   if (size > kMaxRequest)
@@ -963,14 +964,6 @@ Config Allocator::config() const {
 // ---------------------------------------------------------------------------
 // Errors
 
-namespace {
-// Set by Allocator::OomDeferral: this thread's caller counts the OOM it raises.
-thread_local bool oom_deferred = false;
-}  // namespace
-
-Allocator::OomDeferral::OomDeferral() : was_(oom_deferred) { oom_deferred = true; }
-Allocator::OomDeferral::~OomDeferral() { oom_deferred = was_; }
-
 void Allocator::count_oom(size_t request, Stream s, bool rejected) {
   std::lock_guard<Lock> guard(mu_);
   // The driver is asked only for the history's entry: the OOM path's calls are counted.
@@ -991,7 +984,7 @@ void Allocator::throw_oom(size_t request, size_t size, Stream s, const std::stri
                           bool rejected) {
   size_t dev_free = 0, dev_total = 0;
   backend_->mem_info(&dev_free, &dev_total);
-  if (!oom_deferred) count_oom_locked(request, s, rejected, dev_free);
+  if (!oom_to_caller_) count_oom_locked(request, s, rejected, dev_free);
   size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   size_t allocated = static_cast<size_t>(stats_.allocated_bytes.all.current);
   size_t active = static_cast<size_t>(stats_.active_bytes.all.current);

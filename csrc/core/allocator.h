@@ -134,7 +134,11 @@ class Allocator {
   /// (or std::invalid_argument for sizes no device could hold). `context`
   /// is an opaque tag the history and snapshot() carry for this allocation
   /// (PyTorch's recorded stack traces, kept by the caller); 0 for none.
-  uintptr_t malloc(size_t size, Stream stream, uint64_t context = 0);
+  /// caller_counts_oom: an out-of-memory error is thrown but neither counted
+  /// (num_ooms, num_oom_rejections) nor traced, for a caller that may retry
+  /// and calls count_oom() for the error it finally raises, if any: one OOM
+  /// the user sees, one count.
+  uintptr_t malloc(size_t size, Stream stream, uint64_t context = 0, bool caller_counts_oom = false);
   /// Allocates exactly [addr, addr + size rounded) for `stream`, which must
   /// lie in one free block (restoring a checkpoint of a pool, as PyTorch's
   /// CUDA-graph trees do); std::invalid_argument if it does not.
@@ -200,22 +204,9 @@ class Allocator {
   Backend& backend() { return *backend_; }
   Config config() const;
 
-  /// While one lives on a thread, an out-of-memory error that thread's calls
-  /// raise is thrown but neither counted (num_ooms, num_oom_rejections) nor
-  /// traced: for a caller that may retry, and so calls count_oom() for the
-  /// error it finally raises, if any. One OOM the user sees, one count.
-  class OomDeferral {
-   public:
-    OomDeferral();
-    ~OomDeferral();
-    OomDeferral(const OomDeferral&) = delete;
-    OomDeferral& operator=(const OomDeferral&) = delete;
-
-   private:
-    bool was_;
-  };
   /// Counts and traces an out-of-memory error of `request` bytes on `s` that
-  /// this pool raised under an OomDeferral (rejected: as OutOfMemoryError::rejected()).
+  /// this pool raised to a malloc(..., caller_counts_oom = true) (rejected: as
+  /// OutOfMemoryError::rejected()).
   void count_oom(size_t request, Stream s, bool rejected);
 
  private:
@@ -404,6 +395,8 @@ class Allocator {
   bool roomy_ = false;                    // the mapping underway has room to spare: handles of any size
 
   bool history_on_ = false;
+  // The current malloc's caller_counts_oom (read by throw_oom, under mu_).
+  bool oom_to_caller_ = false;
   bool history_shared_ = false;
   uint64_t trace_context_ = 0;  // the tag of the malloc / free underway (history)
   size_t history_max_ = 0;

@@ -203,8 +203,7 @@ uintptr_t DevicePools::malloc(size_t size, Stream stream, uint64_t context) {
   }
   try {
     // Not yet the caller's error: counted below, once, if it is the one raised.
-    Allocator::OomDeferral deferred;
-    return general_->malloc(size, stream, context);
+    return general_->malloc(size, stream, context, /*caller_counts_oom=*/true);
   } catch (const OutOfMemoryError& e) {
     // Graph pools with no use left and the buffer pool's cache may still
     // hold memory: give it back and retry once.
@@ -285,8 +284,7 @@ bool DevicePools::segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const
 uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) {
   try {
     // Not yet the caller's error: counted below, once, if it is the one raised.
-    Allocator::OomDeferral deferred;
-    return buffers_->malloc(size, stream);
+    return buffers_->malloc(size, stream, 0, /*caller_counts_oom=*/true);
   } catch (const OutOfMemoryError& e) {
     if (release_others(*buffers_) > 0) {
       try {

@@ -142,7 +142,9 @@ void bind_core(py::module_& m) {
              return std::make_unique<A>(make_backend(backend, capacity), parse_config(conf));
            }),
            py::arg("backend"), py::arg("conf") = "", py::arg("capacity") = 0)
-      .def("malloc", &A::malloc, py::arg("size"), py::arg("stream") = 0, py::arg("context") = 0, nogil,
+      .def(
+          "malloc", [](A& a, size_t size, Stream stream, uint64_t context) { return a.malloc(size, stream, context); },
+          py::arg("size"), py::arg("stream") = 0, py::arg("context") = 0, nogil,
            "Allocates size bytes for use on stream; returns the address (0 for size 0). "
            "context: an opaque tag the history carries for this allocation.")
       .def("free", &A::free, py::arg("ptr"), py::arg("context") = 0, nogil)
