@@ -337,7 +337,8 @@ def markdown(results: List[ReplayResult], meta: Dict[str, Any], strategies: str 
         f"calls: the device calls of the replay with no cap in the second half of the trace "
         f"(num_device_alloc + num_device_free: segments reserved and released, page ranges mapped and "
         f"unmapped). driver calls: num_driver_calls over the same half, the CUDA driver calls behind them "
-        f"(cuMemAlloc or cuMemFree per segment; cuMemCreate, cuMemMap and cuMemSetAccess per handle mapped, "
+        f"(cuMemAlloc or cuMemFree per segment; cuMemCreate and cuMemMap per handle mapped, one cuMemSetAccess "
+        f"per range mapped at once, "
         f"cuMemUnmap and cuMemRelease per handle unmapped).",
         "",
         strategies,

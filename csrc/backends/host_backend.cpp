@@ -3,7 +3,8 @@
 //
 // Segments are anonymous private mappings. Virtual memory is real too: a
 // range is reserved with PROT_NONE, and "physical pages" are pages of one
-// memfd, mapped into the range with mmap(MAP_FIXED | MAP_SHARED) and taken out
+// memfd, mapped into the range with mmap(MAP_FIXED | MAP_SHARED), PROT_NONE
+// until vmm_access() makes them readable and writable, and taken out
 // by mapping the reservation back over them. A page that moves to another
 // address keeps its bytes, as a cuMemCreate handle does. Pages are committed
 // only when written (MAP_NORESERVE), so a large pool costs nothing until used.
@@ -12,6 +13,7 @@
 #include <unistd.h>
 
 #include <mutex>
+#include <stdexcept>
 #include <unordered_map>
 #include <vector>
 
@@ -94,8 +96,9 @@ class HostBackend final : public Backend {
         file_size_ += page_;
       }
       void* want = reinterpret_cast<void*>(addr + off);
-      void* got = mmap(want, page_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd_,
-                       static_cast<off_t>(phys));
+      // Not accessible until vmm_access(), as cuMemMap's pages are not until
+      // cuMemSetAccess: a core that forgot it faults in the tests.
+      void* got = mmap(want, page_, PROT_NONE, MAP_SHARED | MAP_FIXED, fd_, static_cast<off_t>(phys));
       if (got != want) {
         spare_.push_back(phys);
         unmap_locked(addr, off);
@@ -105,6 +108,15 @@ class HostBackend final : public Backend {
     }
     used_ += size;
     return true;
+  }
+
+  bool vmm_access(uintptr_t addr, size_t size) override {
+    std::lock_guard<std::mutex> g(mu_);
+    // As cuMemSetAccess: only over pages that are all mapped.
+    for (size_t off = 0; off < size; off += page_)
+      if (page_of_.count(addr + off) == 0)
+        throw std::logic_error("vmm_access over a page that is not mapped");
+    return mprotect(reinterpret_cast<void*>(addr), size, PROT_READ | PROT_WRITE) == 0;
   }
 
   void vmm_unmap(uintptr_t addr, size_t size) override {

@@ -65,6 +65,8 @@ class VirtualBackend final : public Backend {
     return true;
   }
 
+  bool vmm_access(uintptr_t, size_t) override { return true; }
+
   void vmm_unmap(uintptr_t, size_t size) override {
     std::lock_guard<std::mutex> g(mu_);
     used_ -= size;

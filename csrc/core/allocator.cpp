@@ -913,7 +913,7 @@ size_t Allocator::empty_cache() {
   size_t want = keep - reserved;
   std::string why;
   if (vmm_) {
-    map_for(want, 0, &why);
+    map_for(want, 0, &why, kUnknownRoom, /*exact=*/true);
   } else if (uintptr_t base = device_reserve(want); base != 0) {
     add_segment(base, want, 0);
   }
@@ -933,7 +933,7 @@ size_t Allocator::reserve(size_t nbytes) {
   if (vmm_) {
     int64_t before = stats_.reserved_bytes.all.current;
     std::string why;
-    if (map_for(round_up(nbytes, kGranularity), 0, &why) == nullptr)
+    if (map_for(round_up(nbytes, kGranularity), 0, &why, kUnknownRoom, /*exact=*/true) == nullptr)
       throw OutOfMemoryError("out of memory: reserve(" + format_bytes(nbytes) + "): " + why);
     return static_cast<size_t>(stats_.reserved_bytes.all.current - before);
   }

@@ -284,7 +284,8 @@ class Allocator {
   void take_place_of(Block* b, Block* n);
   // Virtual memory (strategy vmm)
   void init_vmm();
-  Block* map_for(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom);
+  // exact: nothing mapped ahead (pool_size, reserve()).
+  Block* map_for(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom, bool exact = false);
   Block* usable_neighbour(Block* n, Stream s);
   // Unmaps up to `want` bytes of whole free pages outside [keep_lo, keep_hi)
   // that every stream is done with (waiting for the streams if asked), in
@@ -295,7 +296,8 @@ class Allocator {
   Block* unmap_range(Block* f, uintptr_t lo, uintptr_t hi);
   // Handles: the physical allocations under the mapped pages (one
   // cuMemCreate each), mapped and unmapped whole, one backend call each.
-  // map_handles() maps [lo, lo+size) as handles, or nothing and false;
+  // map_handles() maps [lo, lo+size) as handles and makes them accessible
+  // in one call, or maps nothing and returns false;
   // unmap_handles() unmaps the handles tiling [lo, hi).
   bool map_handles(uintptr_t lo, size_t size);
   void unmap_handles(uintptr_t lo, uintptr_t hi);

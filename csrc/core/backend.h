@@ -23,10 +23,13 @@
 //   range is reserved without memory (vmm_reserve), and physical memory is
 //   mapped into page-aligned parts of it: vmm_map maps one physical
 //   allocation (a handle) of the given size, a multiple of the page (false
-//   when no memory is left; nothing is mapped then), and vmm_unmap takes one
-//   such handle out whole (the addr and size vmm_map was given) and returns
-//   its memory to the backend. The core unmaps only pages no queued work can
-//   still touch.
+//   when no memory is left; nothing is mapped then), not yet accessible;
+//   vmm_access then makes a range of consecutive handles vmm_map mapped
+//   accessible at once (one cuMemSetAccess for all of them, as PyTorch's
+//   expandable segments call it; false when no memory is left: the core then
+//   unmaps those handles); vmm_unmap takes one such handle out whole (the
+//   addr and size vmm_map was given) and returns its memory to the backend.
+//   The core unmaps only pages no queued work can still touch.
 // - The core calls a backend with its own lock held, from any thread; a
 //   backend needs a lock of its own only for state that tests or other
 //   callers touch from outside the core.
@@ -72,6 +75,8 @@ class Backend {
   virtual uintptr_t vmm_reserve(size_t /*size*/) { return 0; }
   virtual void vmm_release(uintptr_t /*base*/, size_t /*size*/) {}
   virtual bool vmm_map(uintptr_t /*addr*/, size_t /*size*/) { return false; }
+  // No default: a backend that wraps another must pass this call on.
+  virtual bool vmm_access(uintptr_t addr, size_t size) = 0;
   virtual void vmm_unmap(uintptr_t /*addr*/, size_t /*size*/) {}
 
   /// The test-controllable streams of a simulated backend; null on a device.

@@ -99,9 +99,10 @@ struct Stats {
   int64_t num_device_free = 0;
   // The driver calls the CUDA backend makes for the device calls above, the
   // same count on every backend: cuMemAlloc or cuMemFree per segment (refused
-  // ones too); per mapped handle cuMemCreate, cuMemMap and cuMemSetAccess (a
-  // refused mapping: one cuMemCreate), per unmapped handle cuMemUnmap and
-  // cuMemRelease; cuMemAddressReserve for the virtual range. Not in torch.
+  // ones too); per mapped handle cuMemCreate and cuMemMap (a refused mapping:
+  // one cuMemCreate), one cuMemSetAccess per range of handles mapped at once,
+  // per unmapped handle cuMemUnmap and cuMemRelease; cuMemAddressReserve for
+  // the virtual range. Not in torch.
   int64_t num_driver_calls = 0;
   int64_t num_oom_rejections = 0;  // OOMs refused at once (OutOfMemoryError::rejected())
   int64_t max_split_size = 0;

@@ -349,8 +349,9 @@ class CudaBackend final : public Backend {
   bool grows_while_capturing() override { return d_.ThreadExchangeStreamCaptureMode != nullptr; }
 
   // Virtual memory: each vmm_map() is one physical allocation (cuMemCreate
-  // handle) of its size, mapped and given access in one call each; each
-  // vmm_unmap() unmaps and releases one such handle whole. The core decides
+  // handle) of its size, mapped (cuMemMap); vmm_access() gives access to a
+  // run of them in one cuMemSetAccess; each vmm_unmap() unmaps and releases
+  // one such handle whole. The core decides
   // the handles (and counts these calls: num_driver_calls).
   size_t vmm_page_size() override { return sh_->vmm_page; }
 
@@ -394,13 +395,18 @@ class CudaBackend final : public Backend {
       check(r, "cuMemMap");
     }
     handles_[addr] = Mapped{h, size};
-    // Peers too: their kernels and cudaMemcpyAsync read these pages directly.
-    r = set_access(d_, *sh_, addr, size);
-    if (r != CUDA_SUCCESS) {
-      unmap_handle(addr);
-      if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
-      check(r, "cuMemSetAccess");
-    }
+    return true;
+  }
+
+  bool vmm_access(uintptr_t addr, size_t size) override {
+    // One call for every handle mapped in [addr, addr+size), peers too: their
+    // kernels and cudaMemcpyAsync read these pages directly. On failure the
+    // core unmaps those handles.
+    RelaxedCaptureMode relaxed(d_);
+    ContextGuard g(d_, sh_->ctx);
+    CUresult r = set_access(d_, *sh_, addr, size);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
+    check(r, "cuMemSetAccess");
     return true;
   }
 

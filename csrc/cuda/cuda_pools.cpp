@@ -120,6 +120,7 @@ class DevicePools::PoolBackend final : public Backend {
     if (!mapped) budget_.give(size);
     return mapped;
   }
+  bool vmm_access(uintptr_t addr, size_t size) override { return inner_->vmm_access(addr, size); }
   void vmm_unmap(uintptr_t addr, size_t size) override {
     inner_->vmm_unmap(addr, size);
     budget_.give(size);

@@ -55,6 +55,8 @@ class FakeBackend final : public Backend {
   bool is_capturing(Stream s) override { return captures_.blocks(s); }
   bool capture_underway() override { return captures_.underway(); }
   SimStreams* sim_streams() override { return host_->sim_streams(); }
+  // No virtual memory (vmm_page_size() is 0): never called.
+  bool vmm_access(uintptr_t, size_t) override { return false; }
 
  private:
   std::unique_ptr<Backend> host_;

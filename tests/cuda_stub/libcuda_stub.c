@@ -258,6 +258,8 @@ CUresult cuGetErrorName(CUresult r, const char** name) {
  * mapping makes the range read-write (contents are not kept across remaps). */
 #define PAGE (2u << 20)
 static int64_t handle_device[1 << 16], handle_size[1 << 16];
+/* Where each handle is mapped (0: nowhere), for cuMemSetAccess's check. */
+static unsigned long long handle_at[1 << 16];
 static int next_handle = 1;
 
 CUresult cuDeviceGetAttribute(int* value, int attribute, int device) {
@@ -311,9 +313,10 @@ CUresult cuMemMap(unsigned long long p, size_t size, size_t offset, unsigned lon
   allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   if (h == 0 || h >= (unsigned long long)next_handle || (int64_t)size != handle_size[h]) return INVALID_VALUE;
-  void* m = mmap((void*)(uintptr_t)p, size, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+  /* No access until cuMemSetAccess, as on a device. */
+  void* m = mmap((void*)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
   if (m == MAP_FAILED) return INVALID_VALUE;
+  handle_at[h] = p;
   stub.mapped[handle_device[h]] += (int64_t)size;
   stub.mem_map++;
   return SUCCESS;
@@ -325,13 +328,24 @@ CUresult cuMemUnmap(unsigned long long p, size_t size) {
        -1, 0);
   stub.mapped[current != 0 ? current->device : 0] -= (int64_t)size;
   stub.mem_unmap++;
+  for (int h = 1; h < next_handle; ++h)
+    if (handle_at[h] >= p && handle_at[h] < p + size) handle_at[h] = 0;
   return SUCCESS;
 }
 struct AccessDesc { int type; int id; int flags; };
 CUresult cuMemSetAccess(unsigned long long p, size_t size, const void* desc, size_t count) {
-  (void)p; (void)size;
   allocating();
   stub.mem_set_access++;
+  /* The range must be mapped whole, by handles lying inside it. */
+  int64_t covered = 0;
+  for (int h = 1; h < next_handle; ++h) {
+    if (handle_at[h] == 0 || handle_at[h] + (unsigned long long)handle_size[h] <= p ||
+        handle_at[h] >= p + size)
+      continue;
+    if (handle_at[h] < p || handle_at[h] + (unsigned long long)handle_size[h] > p + size) return INVALID_VALUE;
+    covered += handle_size[h];
+  }
+  if (size == 0 || covered != (int64_t)size) return INVALID_VALUE;
   const struct AccessDesc* a = desc;
   if (count < 1 || count > DEVICES) return INVALID_VALUE;
   if (count > 1 && stub.refuse_peers) return NOT_SUPPORTED;
@@ -343,6 +357,7 @@ CUresult cuMemSetAccess(unsigned long long p, size_t size, const void* desc, siz
   }
   stub.access_count = (int64_t)count;
   stub.access_mask = mask;
+  mprotect((void*)(uintptr_t)p, size, PROT_READ | PROT_WRITE);
   return SUCCESS;
 }
 
