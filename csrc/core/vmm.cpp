@@ -236,7 +236,11 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
   bool merged = false;
   if (roomy_ && ext_hi > ext_lo && need <= room) {
     uintptr_t a = std::min(lo, ext_lo);
-    merged = map_handles(a, need + ext_hi - ext_lo);
+    try {  // an error here only maps none ahead: the request alone is tried below
+      merged = map_handles(a, need + ext_hi - ext_lo);
+    } catch (const std::exception&) {
+      merged = false;
+    }
     if (merged) {
       need += ext_hi - ext_lo;
       lo = a;
