@@ -59,10 +59,14 @@ void Allocator::init_vmm() {
     mappable = backend_->vmm_map(base, page);
     stats_.num_driver_calls += mappable ? 2 : 1;  // cuMemCreate (refused), cuMemMap
     if (mappable) {
-      stats_.num_driver_calls++;  // cuMemSetAccess
-      mappable = backend_->vmm_access(base, page);
+      stats_.num_driver_calls += 3;  // cuMemSetAccess; cuMemUnmap, cuMemRelease
+      try {
+        mappable = backend_->vmm_access(base, page);
+      } catch (...) {
+        backend_->vmm_unmap(base, page);  // the page goes back (and a pool's budget with it)
+        throw;
+      }
       backend_->vmm_unmap(base, page);
-      stats_.num_driver_calls += 2;
     }
   } catch (const std::exception&) {
     mappable = false;
@@ -236,8 +240,10 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
   bool merged = false;
   if (roomy_ && ext_hi > ext_lo && need <= room) {
     uintptr_t a = std::min(lo, ext_lo);
-    try {  // an error here only maps none ahead: the request alone is tried below
+    try {  // a driver error here only maps none ahead: the request alone is tried below
       merged = map_handles(a, need + ext_hi - ext_lo);
+    } catch (const std::logic_error&) {
+      throw;  // a range the core got wrong is no driver's error
     } catch (const std::exception&) {
       merged = false;
     }

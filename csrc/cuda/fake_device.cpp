@@ -55,8 +55,8 @@ class FakeBackend final : public Backend {
   bool is_capturing(Stream s) override { return captures_.blocks(s); }
   bool capture_underway() override { return captures_.underway(); }
   SimStreams* sim_streams() override { return host_->sim_streams(); }
-  // No virtual memory (vmm_page_size() is 0): never called.
-  bool vmm_access(uintptr_t, size_t) override { return false; }
+  // No virtual memory (vmm_page_size() is 0): never called; passed on all the same.
+  bool vmm_access(uintptr_t addr, size_t size) override { return host_->vmm_access(addr, size); }
 
  private:
   std::unique_ptr<Backend> host_;

@@ -35,7 +35,7 @@ class Stub(c.Structure):
         ("destroyed_stream", c.c_uint64), ("destroyed_queries", c.c_int64),
         ("mode_exchanges", c.c_int64), ("relaxed_during_capture", c.c_int64),
         ("mem_get_info", c.c_int64), ("mem_alloc_refused", c.c_int64), ("mem_create_refused", c.c_int64),
-        ("mem_set_access", c.c_int64), ("mem_address_reserve", c.c_int64),
+        ("mem_set_access", c.c_int64), ("mem_address_reserve", c.c_int64), ("set_access_oom", c.c_int),
     ]
 
 
@@ -736,6 +736,32 @@ def vmm_check_impossible_requests_fail_at_once():
     assert made.get("mem_create") == new_pages and made.get("mem_map") == new_pages, made
     free(keep)
     free(keep2)
+    hooks.pyalloc_empty_cache()
+    _C.cuda_check_invariants(0)
+
+
+def vmm_check_a_refused_set_access_gives_the_pages_back():
+    """cuMemSetAccess refused (out of memory): the handles mapped for the range are
+    unmapped and released, nothing is reserved, the error is an out-of-memory one,
+    and every call made is counted."""
+    hooks.pyalloc_empty_cache()
+    reserved, mapped, used = stats()["reserved_bytes.all.current"], stub.mapped[0], stub.used[0]
+
+    def work():
+        stub.set_access_oom = 1
+        try:
+            malloc(40 * MiB)
+            raise AssertionError("allocated pages no device may access")
+        except RuntimeError as e:
+            assert str(e).startswith("CUDA out of memory."), str(e)
+        finally:
+            stub.set_access_oom = 0
+    counted_as_made(work)
+    assert (stub.mapped[0], stub.used[0]) == (mapped, used)
+    assert stats()["reserved_bytes.all.current"] == reserved
+    p = malloc(40 * MiB)  # served once access is granted again
+    c.memset(p, 5, 40 * MiB)
+    free(p)
     hooks.pyalloc_empty_cache()
     _C.cuda_check_invariants(0)
 

@@ -68,6 +68,7 @@ struct Stub {
   int64_t mem_get_info;                        /* cuMemGetInfo calls */
   int64_t mem_alloc_refused, mem_create_refused; /* cuMemAlloc / cuMemCreate answered OUT_OF_MEMORY */
   int64_t mem_set_access, mem_address_reserve;  /* cuMemSetAccess / cuMemAddressReserve calls */
+  int set_access_oom;        /* cuMemSetAccess answers OUT_OF_MEMORY (after its checks) */
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -355,6 +356,7 @@ CUresult cuMemSetAccess(unsigned long long p, size_t size, const void* desc, siz
     if (a[i].id != a[0].id && !stub.peer_access) return INVALID_VALUE;
     mask |= (int64_t)1 << a[i].id;
   }
+  if (stub.set_access_oom) return OUT_OF_MEMORY;
   stub.access_count = (int64_t)count;
   stub.access_mask = mask;
   mprotect((void*)(uintptr_t)p, size, PROT_READ | PROT_WRITE);
