@@ -300,8 +300,8 @@ MISS_REASONS = {
     "second_half_calls": "Second-half device calls: growths of a workload whose shapes creep up.",
     "driver_calls": (
         "Driver calls: a pool under 128 MiB grows in 8 MiB steps (cuMemCreate, cuMemMap, cuMemSetAccess "
-        "each) where expandable segments map 20 MiB pages, and each pool maps and unmaps one trial page at "
-        "start (5 calls); the small steps keep its reserved lower (see the table). 16 MiB steps met this "
+        "each) where expandable segments map 20 MiB pages; the small steps keep its reserved lower (see the "
+        "table). 16 MiB steps met this "
         "target on these traces but took tiny-gpt-varlen's reserved from 1.108 to 1.167 x peak live, over "
         "its 15%."),
 }

@@ -183,8 +183,11 @@ def test_driver_calls_follow_the_cuda_backends_pattern(backend):
     cuMemRelease; bestfit one cuMemAlloc or
     cuMemFree per segment (the stand-in driver checks the CUDA backend's calls)."""
     a = vmm(backend)
-    start = a.stats()["num_driver_calls"]  # the range reserved, one page tried
-    assert start == 1 + 3 + 2
+    # The range reserved; the host backend's pool tries one page first (map,
+    # access, unmap), the virtual one's needs no trial (vmm_proven, as the CUDA
+    # backend once its own trial mapping has passed).
+    start = a.stats()["num_driver_calls"]
+    assert start == (1 + 3 + 2 if backend == "host" else 1)
     p = a.malloc(5 * MiB)  # no room known: 6 MiB in one handle
     assert a.stats()["num_driver_calls"] == start + 3
     a.free(p)

@@ -72,6 +72,9 @@ class Backend {
   virtual bool grows_while_capturing() { return false; }
 
   virtual size_t vmm_page_size() { return 0; }
+  // Mapping is known to work (the backend mapped a trial page itself, or
+  // cannot fail to): the core maps no trial page of its own per pool.
+  virtual bool vmm_proven() { return false; }
   virtual uintptr_t vmm_reserve(size_t /*size*/) { return 0; }
   virtual void vmm_release(uintptr_t /*base*/, size_t /*size*/) {}
   virtual bool vmm_map(uintptr_t /*addr*/, size_t /*size*/) { return false; }

@@ -52,24 +52,26 @@ void Allocator::init_vmm() {
   stats_.num_driver_calls++;  // cuMemAddressReserve
   uintptr_t base = backend_->vmm_reserve(range);
   if (base == 0) return;
-  // Map and unmap one page first: if the backend cannot map at all, the
-  // pool stays on plain segments rather than failing every request.
-  bool mappable = false;
-  try {
-    mappable = backend_->vmm_map(base, page);
-    stats_.num_driver_calls += mappable ? 2 : 1;  // cuMemCreate (refused), cuMemMap
-    if (mappable) {
-      stats_.num_driver_calls += 3;  // cuMemSetAccess; cuMemUnmap, cuMemRelease
-      try {
-        mappable = backend_->vmm_access(base, page);
-      } catch (...) {
-        backend_->vmm_unmap(base, page);  // the page goes back (and a pool's budget with it)
-        throw;
+  // Map and unmap one page first, unless the backend has: if it cannot map
+  // at all, the pool stays on plain segments rather than failing every request.
+  bool mappable = backend_->vmm_proven();
+  if (!mappable) {
+    try {
+      mappable = backend_->vmm_map(base, page);
+      stats_.num_driver_calls += mappable ? 2 : 1;  // cuMemCreate (refused), cuMemMap
+      if (mappable) {
+        stats_.num_driver_calls += 3;  // cuMemSetAccess; cuMemUnmap, cuMemRelease
+        try {
+          mappable = backend_->vmm_access(base, page);
+        } catch (...) {
+          backend_->vmm_unmap(base, page);  // the page goes back (and a pool's budget with it)
+          throw;
+        }
+        backend_->vmm_unmap(base, page);
       }
-      backend_->vmm_unmap(base, page);
+    } catch (const std::exception&) {
+      mappable = false;
     }
-  } catch (const std::exception&) {
-    mappable = false;
   }
   if (!mappable) {
     backend_->vmm_release(base, range);

@@ -90,6 +90,7 @@ struct CudaShared {
   CaptureTracker& captures;
   size_t vmm_page = 0;  // the device's mapping granularity; 0: no virtual memory
   std::string vmm_why;  // when vmm_page is 0: why
+  bool vmm_proven = false;  // the trial mapping was made (not skipped during a capture)
   CUmemAllocationProp prop{};  // device memory, pinned, on this device
   // Who may read and write mapped pages: this device first, then each
   // device that can access it as a peer (cuDeviceCanAccessPeer).
@@ -225,6 +226,7 @@ size_t probe_vmm(const Driver& d, CudaShared& sh) {
     sh.vmm_why = std::string("the driver refused a trial mapping: ") + step + " failed: " + error_name(r);
     return 0;
   }
+  sh.vmm_proven = true;
   return page;
 }
 
@@ -354,6 +356,7 @@ class CudaBackend final : public Backend {
   // one such handle whole. The core decides
   // the handles (and counts these calls: num_driver_calls).
   size_t vmm_page_size() override { return sh_->vmm_page; }
+  bool vmm_proven() override { return sh_->vmm_proven; }
 
   uintptr_t vmm_reserve(size_t size) override {
     ContextGuard g(d_, sh_->ctx);

@@ -102,6 +102,7 @@ class DevicePools::PoolBackend final : public Backend {
     }
   }
   size_t vmm_page_size() override { return inner_->vmm_page_size(); }
+  bool vmm_proven() override { return inner_->vmm_proven(); }
   uintptr_t vmm_reserve(size_t size) override {
     uintptr_t base = inner_->vmm_reserve(size);
     if (base != 0) budget_.saw(base, size);
