@@ -182,12 +182,14 @@ def test_the_replay_is_put_beside_the_live_runs(tmp_path, capsys):
     import json
 
     GiB = 1 << 30
+    # Recorded in one folder, replayed from another: matched by file name.
+    recorded, replayed = tmp_path / "recorded", tmp_path / "replayed"
     live = {"workloads": {"llm_train": {"traces": {
-        "native": {"path": "/tmp/x/llm_train-nvidia-h100.pickle",
+        "native": {"path": str(recorded / "llm_train-nvidia-h100.pickle"),
                    "live": {"peak_reserved": 20 * GiB, "num_device_alloc": 31}},
-        "native_expandable": {"path": "/tmp/x/llm_train-native_expandable-nvidia-h100.pickle",
+        "native_expandable": {"path": str(recorded / "llm_train-native_expandable-nvidia-h100.pickle"),
                               "live": {"peak_reserved": 16 * GiB, "num_device_alloc": 90}}}}}}
-    replay = [{"trace": "/tmp/pyalloc-session-traces/llm_train-nvidia-h100.pickle",
+    replay = [{"trace": str(replayed / "llm_train-nvidia-h100.pickle"),
                "native_peak_reserved_bytes": 19 * GiB, "pyalloc_peak_reserved_bytes": 15 * GiB,
                "device_allocs": 12, "device_frees": 3}]
     (tmp_path / "traces.json").write_text(json.dumps(live))
