@@ -236,6 +236,20 @@ def test_growth_maps_ahead_to_a_grain_of_the_pool(backend):
     capped.free(keep)
 
 
+def rise_beside_2_gib(cap, size, stat):
+    """How much `stat` rises when `size` bytes are asked of a vmm pool holding
+    2 GiB under a cap of `cap` bytes."""
+    a = vmm("virtual", max_pool_size=cap)
+    keep = a.malloc(1 << 31)
+    before = a.stats()[stat]
+    p = a.malloc(size)
+    rise = a.stats()[stat] - before
+    a.check_invariants()
+    a.free(p)
+    a.free(keep)
+    return rise
+
+
 def test_no_growth_ahead_once_the_pool_holds_a_quarter_of_its_room():
     """Pages are mapped ahead only while the room left (device or cap) is at
     least three times what the pool holds: with twice, cs336-2.7b needed a
@@ -244,14 +258,7 @@ def test_no_growth_ahead_once_the_pool_holds_a_quarter_of_its_room():
     under a 9 GiB cap it maps on to the 4 MiB boundary."""
     GiB = 1 << 30
     for cap, mapped in ((7 * GiB, 6 * MiB), (9 * GiB, 8 * MiB)):
-        a = vmm("virtual", max_pool_size=cap)
-        keep = a.malloc(2 * GiB)
-        held = a.stats()["reserved_bytes.all.current"]
-        p = a.malloc(5 * MiB)
-        assert a.stats()["reserved_bytes.all.current"] - held == mapped, cap
-        a.check_invariants()
-        a.free(p)
-        a.free(keep)
+        assert rise_beside_2_gib(cap, 5 * MiB, "reserved_bytes.all.current") == mapped, cap
 
 
 def test_handles_of_any_size_with_room_buddies_without():
@@ -264,11 +271,4 @@ def test_handles_of_any_size_with_room_buddies_without():
     call (seven)."""
     GiB = 1 << 30
     for cap, calls in ((40 * GiB, 3), (14 * GiB, 3 * 2 + 1)):
-        a = vmm("virtual", max_pool_size=cap)
-        keep = a.malloc(2 * GiB)
-        start = a.stats()["num_driver_calls"]
-        p = a.malloc(24 * MiB)
-        assert a.stats()["num_driver_calls"] - start == calls, cap
-        a.check_invariants()
-        a.free(p)
-        a.free(keep)
+        assert rise_beside_2_gib(cap, 24 * MiB, "num_driver_calls") == calls, cap
