@@ -36,9 +36,10 @@ class AllocatorRun:
     # Every cudaMalloc / cudaFree / cuMemAddressReserve / cuMemCreate / cuMemMap /
     # cuMemSetAccess / cuMemUnmap / cuMemRelease the allocator's CUDA path makes, as it
     # makes them: cuMemCreate, cuMemMap, cuMemUnmap and cuMemRelease per page (pyalloc:
-    # per handle), cuMemSetAccess once per range mapped (PyTorch's mapAndSetAccess; pyalloc:
-    # per range of handles mapped at once), cuMemAddressReserve once per virtual range (PyTorch: per (stream, pool)
-    # expandable segment; pyalloc: per pool). None if unknown.
+    # per handle), cuMemSetAccess once per range mapped (PyTorch's mapAndSetAccess;
+    # pyalloc: per range of handles mapped at once), cuMemAddressReserve once per
+    # virtual range (PyTorch: per (stream, pool) expandable segment; pyalloc: per
+    # pool). None if unknown.
     driver_calls: Optional[int]
     retries: int                    # out-of-memory retries (release cached memory and try again) taken
 

@@ -284,7 +284,7 @@ class Allocator {
   void take_place_of(Block* b, Block* n);
   // Virtual memory (strategy vmm)
   void init_vmm();
-  // exact: nothing mapped ahead (pool_size, reserve()).
+  // exact: nothing mapped ahead (pool_size, reserve(), what empty_cache() restores of pool_size).
   Block* map_for(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom, bool exact = false);
   Block* usable_neighbour(Block* n, Stream s);
   // Unmaps up to `want` bytes of whole free pages outside [keep_lo, keep_hi)
@@ -295,7 +295,8 @@ class Allocator {
                           bool all_or_none = false, bool at_most = false);
   Block* unmap_range(Block* f, uintptr_t lo, uintptr_t hi);
   // Handles: the physical allocations under the mapped pages (one
-  // cuMemCreate each), mapped and unmapped whole, one backend call each.
+  // cuMemCreate each), mapped (vmm_map, then one vmm_access per range) and
+  // unmapped (vmm_unmap) whole.
   // map_handles() maps [lo, lo+size) as handles and makes them accessible
   // in one call, or maps nothing and returns false;
   // unmap_handles() unmaps the handles tiling [lo, hi).

@@ -20,8 +20,8 @@
 // any number of pages while it has much room, aligned powers of two of pages
 // otherwise, small near a limit (holes give up their pages).
 // While the pool holds at most a quarter of what the device (and the cap)
-// could give it, growth maps ahead to a grain of the pool, in handles of
-// their own.
+// could give it, growth maps ahead to a grain of the pool: in the request's
+// handles while the device has much room, in handles of their own otherwise.
 #include <algorithm>
 #include <vector>
 
@@ -203,20 +203,19 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
   // none ahead; up to a quarter, 1.0058x, every other budget unchanged (to
   // 0.1%). Under 128 MiB reserved the grain is 8 MiB (kMinGrain), not 1/16
   // of it: a pool filling with 7.5 MiB weights mapped every one of them in
-  // handles of 2 to 8 MiB (jaspersolt-cnn: 69 driver calls against
-  // expandable segments' 29, now 45; encoder-dynbatch 45 against 29, now
-  // 27; tiny-gpt-varlen 120 against 92, now 60), every trace's reserved and
-  // smallest budget unchanged. Without room to spare the extra pages are
-  // handles of their own, so that no handle lies partly under the request's
-  // block: holes can give them up whole; with room to spare they share the
-  // request's handles (cs336-2.7b: 4051 driver calls against 6135).
+  // handles of 2 to 8 MiB (jaspersolt-cnn's driver calls fell from 69 to 45,
+  // tiny-gpt-varlen's from 120 to 60), every trace's reserved and smallest
+  // budget unchanged; 16 MiB took tiny-gpt-varlen's reserved from 1.108x to
+  // 1.167x peak live. Without room to spare the extra pages are handles of
+  // their own, so that no handle lies partly under the request's block:
+  // holes can give them up whole; with room to spare they share the
+  // request's handles (cs336-2.7b's driver calls fell from 6135 to 4051).
   //
   // With room to spare (at least kRoomyRoom times what is reserved, or the
   // room unknown) a mapping is cut into handles of the limit and one of the
   // rest, of any number of pages: a 6 MiB growth is one cuMemCreate, not a
-  // 4 and a 2 MiB buddy. In replay the driver calls fell from 11430 to 7062
-  // on cs336-2.7b and from 1872 to 981 on tinyllama (expandable segments:
-  // 7968 and 984); above a ninth of the device, aligned buddies again, whose
+  // 4 and a 2 MiB buddy (cs336-2.7b's driver calls fell from 11430 to 7062,
+  // tinyllama's from 1872 to 981); above a ninth of the device, aligned buddies again, whose
   // small ends holes can give up (room three times what is reserved cost
   // cs336-2.7b 0.1% of its smallest budget; mercuryb1-qwen2.5-7b needs
   // 1.0022x peak live against 1.0015x, its small holes inside larger handles).
