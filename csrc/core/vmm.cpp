@@ -17,11 +17,12 @@
 // Physical memory comes in handles (one cuMemCreate and one cuMemMap each),
 // mapped and unmapped whole, each range mapped at once made accessible in one
 // cuMemSetAccess: large while the device has room (fewer driver calls), of
-// any number of pages while it has much room, aligned powers of two of pages
-// otherwise, small near a limit (holes give up their pages).
+// any number of pages while the pool holds at most a quarter of what it could,
+// aligned powers of two of pages otherwise, small near a limit (holes give up
+// their pages).
 // While the pool holds at most a quarter of what the device (and the cap)
-// could give it, growth maps ahead to a grain of the pool: in the request's
-// handles while the device has much room, in handles of their own otherwise.
+// could give it, growth maps ahead to a grain of the pool, in the request's
+// handles.
 #include <algorithm>
 #include <vector>
 
@@ -35,7 +36,6 @@ constexpr size_t kHandleHeadroom = 1024;
 constexpr size_t kGrowthShare = 16;
 constexpr size_t kMinGrain = size_t(8) << 20;
 constexpr size_t kAheadRoom = 3;
-constexpr size_t kRoomyRoom = 8;
 }  // namespace
 
 void Allocator::init_vmm() {
@@ -206,22 +206,27 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
   // handles of 2 to 8 MiB (jaspersolt-cnn's driver calls fell from 69 to 45,
   // tiny-gpt-varlen's from 120 to 60), every trace's reserved and smallest
   // budget unchanged; 16 MiB took tiny-gpt-varlen's reserved from 1.108x to
-  // 1.167x peak live. Without room to spare the extra pages are handles of
-  // their own, so that no handle lies partly under the request's block:
-  // holes can give them up whole; with room to spare they share the
-  // request's handles (cs336-2.7b's driver calls fell from 6135 to 4051).
+  // 1.167x peak live. The extra pages share the request's handles (as
+  // handles of their own, cs336-2.7b made 6135 driver calls, not 4051).
   //
-  // With room to spare (at least kRoomyRoom times what is reserved, or the
-  // room unknown) a mapping is cut into handles of the limit and one of the
-  // rest, of any number of pages: a 6 MiB growth is one cuMemCreate, not a
-  // 4 and a 2 MiB buddy (cs336-2.7b's driver calls fell from 11430 to 7062,
-  // tinyllama's from 1872 to 981); above a ninth of the device, aligned buddies again, whose
-  // small ends holes can give up (room three times what is reserved cost
-  // cs336-2.7b 0.1% of its smallest budget; mercuryb1-qwen2.5-7b needs
-  // 1.0022x peak live against 1.0015x, its small holes inside larger handles).
-  roomy_ = headroom == kUnknownRoom || headroom / kRoomyRoom >= reserved;
+  // With room to spare (the pool at most a quarter of what the device and
+  // the cap could give it, as for mapping ahead; or the room unknown) a
+  // mapping is cut into handles of the limit and one of the rest, of any
+  // number of pages: a 6 MiB growth is one cuMemCreate, not a 4 and a 2 MiB
+  // buddy (cs336-2.7b's driver calls fell from 11430 to 7062, tinyllama's
+  // from 1872 to 981); beyond, aligned buddies again, whose small ends holes
+  // can give up. A pool that fills much of its device passes that limit
+  // early: in replay on an 80 GiB device, with handles of any size only up
+  // to a ninth of it,
+  // cs336-2.7b made 7860 driver calls against expandable segments' 6187, and
+  // on a 24 GiB device tinyllama 1339 against 865; up to a quarter, 5925 and
+  // 895, for cs336-2.7b's smallest budget at 1.0067x peak live against
+  // 1.0058x and constructor-sun's device 2 at 1.0068x against 1.0062x, every
+  // other budget unchanged (to 0.1%; mercuryb1-qwen2.5-7b's, the most
+  // sensitive to small holes inside larger handles, at 1.0022x either way).
+  roomy_ = headroom == kUnknownRoom || headroom / kAheadRoom >= reserved;
   uintptr_t ext_lo = 0, ext_hi = 0;
-  if (!exact && need < u->size && (headroom == kUnknownRoom || headroom / kAheadRoom >= reserved)) {
+  if (!exact && need < u->size && roomy_) {
     size_t grain = page_;
     while (grain * 2 <= handle_limit_ && (grain * 2 * kGrowthShare <= reserved || grain * 2 <= kMinGrain))
       grain *= 2;
@@ -239,7 +244,7 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
       ext_lo = ext_hi = 0;
   }
   bool merged = false;
-  if (roomy_ && ext_hi > ext_lo && need <= room) {
+  if (ext_hi > ext_lo) {  // need + the extra fit the room (above)
     uintptr_t a = std::min(lo, ext_lo);
     try {  // a driver error here only maps none ahead: the request alone is tried below
       merged = map_handles(a, need + ext_hi - ext_lo);
@@ -253,27 +258,14 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
       lo = a;
       hi = std::max(hi, ext_hi);
     }
-    ext_lo = ext_hi = 0;  // mapped, or refused: the request alone, below
   }
   if (!merged && (need > room || !map_handles(lo, need))) {
-    ext_lo = ext_hi = 0;
     if (unmap_free_pages(need, keep_lo, keep_hi, /*wait=*/true, /*all_or_none=*/true) < need ||
         !map_handles(lo, need)) {
       *why = std::string("the ") + backend_->name() + " backend could not map " + format_bytes(need);
       if (room != kUnknownRoom) *why += " (the device has " + format_bytes(room) + " free)";
       return nullptr;
     }
-  }
-  bool ahead = false;
-  try {  // the request's pages are mapped: an error here only maps none ahead
-    ahead = ext_hi > ext_lo && map_handles(ext_lo, ext_hi - ext_lo);
-  } catch (const std::exception&) {
-    ahead = false;
-  }
-  if (ahead) {
-    need += ext_hi - ext_lo;
-    lo = std::min(lo, ext_lo);
-    hi = std::max(hi, ext_hi);
   }
   // Each contiguous run of mapped large-pool memory is a segment, as in
   // PyTorch's snapshots of expandable segments: the new pages start one or
