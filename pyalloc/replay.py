@@ -452,17 +452,17 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
     checked = validate(trace, plan, calls)
     result.validation = None if checked is None else checked.to_dict()
     if budget is not None:
+        # The three allocators on a device of `budget` bytes: what each reserves, refuses,
+        # and calls the driver for there (pyalloc sizes its handles by the room left).
         result.budget_bytes = budget
-        try:
-            bounded = _C.Allocator("virtual", conf, budget)
-        except _C.OutOfMemoryError:  # pool_size alone does not fit: every request fails
-            result.budget_ooms = calls.allocs
-            result.budget_peak_reserved_bytes = 0
-        else:
-            run = _C.Replayer(bounded, calls, False, 0)
-            run.run()
-            result.budget_ooms = run.ooms
-            result.budget_peak_reserved_bytes = bounded.stats()["reserved_bytes.all.peak"]
+        for name in ALLOCATORS:
+            run = run_allocator(calls, name, capacity=budget, conf=conf if name == "pyalloc" else "")
+            result.budget_runs[name] = {
+                "ooms": run.ooms, "peak_reserved_bytes": run.peak_reserved_bytes,
+                "second_half_device_calls": run.second_half_device_calls,
+                "driver_calls": run.driver_calls, "retries": run.retries}
+        result.budget_ooms = result.budget_runs["pyalloc"]["ooms"]
+        result.budget_peak_reserved_bytes = result.budget_runs["pyalloc"]["peak_reserved_bytes"]
     return result
 
 
@@ -608,7 +608,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, metavar="CONF",
                         help="pyalloc configuration, 'key:value,...' (e.g. 'segment_size:64MiB')")
     parser.add_argument("--budget", default=None, metavar="SIZE",
-                        help="also replay on a device of SIZE (e.g. 80GiB) and count the OOMs")
+                        help="also replay the three allocators on a device of SIZE (e.g. 80GiB): reserved, OOMs, driver calls")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     parser.add_argument("--plot", default=None, metavar="OUT.png",
                         help="plot reserved and live bytes over each trace (matplotlib)")

@@ -113,30 +113,33 @@ def _row(r: ReplayResult, with_budget: bool, short: bool) -> List[str]:
         "-" if v is None else f"{v['matched_calls']}/{v['recorded_calls']}",
     ]
     if with_budget:
-        row.append(_bytes(r.budget_peak_reserved_bytes))
-        row.append("-" if r.budget_ooms is None else str(r.budget_ooms))
+        runs = [r.budget_runs.get(name, {}) for name in ALLOCATOR_NAMES]
+        row.append("/".join(_to_live(run.get("peak_reserved_bytes"), live) for run in runs))
+        row.append(_triple(*(run.get("ooms") for run in runs)))
+        row.append(_triple(*(run.get("driver_calls") for run in runs)))
     return row
 
 
 def format_table(results: Sequence[ReplayResult], markdown: bool = False) -> str:
-    """One row per trace and device, budgets first. With a budget, two more
-    columns: pyalloc's bounded replay's peak reserved bytes and the allocations
-    it refused."""
+    """One row per trace and device, budgets first. With a budget, three more
+    columns, each allocator on a device of that size: its peak reserved bytes (to
+    peak live), the allocations it refused and its driver calls."""
     with_budget = any(r.budget_bytes is not None for r in results)
     header = list(COLUMNS) if markdown else list(_SHORT)
     extra: List[str] = []
     if with_budget:
         budgets = {r.budget_bytes for r in results if r.budget_bytes is not None}
         at = f"at {format_bytes(budgets.pop())}" if len(budgets) == 1 else "at budget"
-        extra = [f"reserved {at}", f"OOMs {at}"]
-        header += extra
+        extra = [f"reserved {at} (p/n/e)", f"OOMs {at} (p/n/e)", f"driver calls {at} (p/n/e)"]
+        header += extra if markdown else ["p/n/e"] * 3
     rows = [_row(r, with_budget, not markdown) for r in results]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         return "\n".join(lines)
     widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-    groups = _GROUPS + [("pyalloc", len(extra))] if extra else _GROUPS
+    groups = (_GROUPS + [(f"reserved {at}", 1), (f"OOMs {at}", 1), (f"driver calls {at}", 1)]
+              if extra else _GROUPS)
     # Each group's heading spans its columns; a column widens if its heading needs it.
     col = 0
     for title, span in groups:
