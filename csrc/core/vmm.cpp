@@ -216,14 +216,14 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
   // buddy (cs336-2.7b's driver calls fell from 11430 to 7062, tinyllama's
   // from 1872 to 981); beyond, aligned buddies again, whose small ends holes
   // can give up. A pool that fills much of its device passes that limit
-  // early: in replay on an 80 GiB device, with handles of any size only up
-  // to a ninth of it,
-  // cs336-2.7b made 7860 driver calls against expandable segments' 6187, and
-  // on a 24 GiB device tinyllama 1339 against 865; up to a quarter, 5925 and
-  // 895, for cs336-2.7b's smallest budget at 1.0067x peak live against
-  // 1.0058x and constructor-sun's device 2 at 1.0068x against 1.0062x, every
-  // other budget unchanged (to 0.1%; mercuryb1-qwen2.5-7b's, the most
-  // sensitive to small holes inside larger handles, at 1.0022x either way).
+  // early: in replay, with handles of any size only up to a ninth of the
+  // device, cs336-2.7b made 7860 driver calls on an 80 GiB device against
+  // expandable segments' 6187, and tinyllama 1339 on a 24 GiB device against
+  // 865; up to a quarter, 5925 and 895, for cs336-2.7b's smallest budget at
+  // 1.0067x peak live against 1.0058x and constructor-sun's device 2 at
+  // 1.0068x against 1.0062x, every other budget unchanged (to 0.1%;
+  // mercuryb1-qwen2.5-7b's, the most sensitive to small holes inside larger
+  // handles, at 1.0022x either way).
   roomy_ = headroom == kUnknownRoom || headroom / kAheadRoom >= reserved;
   uintptr_t ext_lo = 0, ext_hi = 0;
   if (!exact && need < u->size && roomy_) {
