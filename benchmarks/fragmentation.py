@@ -32,6 +32,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -42,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _env import _git_commit, cpu_model  # noqa: E402
 import pyalloc.replay  # noqa: E402
 from pyalloc.replay import plan_trace, replay
-from pyalloc.replay_allocators import run_allocator
+from pyalloc.replay_allocators import ALLOCATORS, run_allocator
 from pyalloc.replay_report import LEGEND, format_table, plot_budgets
 from pyalloc.replay_result import ReplayResult
 from pyalloc.snapshot_io import load_snapshot, read_trace
@@ -311,8 +312,8 @@ MISS_REASONS = {
         "Driver calls on a device of a size (the table above): pyalloc's handles shrink as the device "
         "fills, to one 2 MiB page once the room left is under 2 GiB (a handle at most 1/1024 of the room: "
         "larger ones keep pages in holes at the cap: 1/256 took the smallest budget of constructor-sun's "
-        "device 2 from 1.0062 to 1.0198 x peak live, mercuryb1-qwen2.5-7b's from 1.0022 to 1.0089 x and "
-        "gpt2-varlen's from 1.0114 to 1.0149 x), where expandable "
+        "device 2 from 1.0068 to 1.0215 x peak live, mercuryb1-qwen2.5-7b's from 1.0022 to 1.0089 x and "
+        "gpt2-varlen's from 1.0114 to 1.0164 x), where expandable "
         "segments map 20 MiB pages on any device. The unbounded figures of the tables above are what "
         "pyalloc calls with room to spare."),
     "second_half_calls_device": (
@@ -339,7 +340,7 @@ def _calls_of(r: ReplayResult) -> Any:
 
 
 def device_rows(results: List[ReplayResult], conf: str) -> List[Dict[str, Any]]:
-    """pyalloc and expandable segments on an 80 GiB device and on a snug one, per trace."""
+    """The three allocators on an 80 GiB device and on a snug one, per trace."""
     rows = []
     for r in results:
         if not r.peak_live_bytes:
@@ -348,27 +349,26 @@ def device_rows(results: List[ReplayResult], conf: str) -> List[Dict[str, Any]]:
         for device in (DEVICE_80, snug_device(r.peak_live_bytes)):
             row: Dict[str, Any] = {"trace": r.trace, "device": r.device, "device_bytes": device,
                                    "peak_live_bytes": r.peak_live_bytes}
-            for name in ("pyalloc", "native_expandable"):
-                run = run_allocator(calls, name, capacity=device, conf=conf if name == "pyalloc" else "")
-                row[name] = {"ooms": run.ooms, "peak_reserved_bytes": run.peak_reserved_bytes,
-                             "second_half_device_calls": run.second_half_device_calls,
-                             "driver_calls": run.driver_calls, "retries": run.retries}
+            for name in ALLOCATORS:
+                row[name] = asdict(run_allocator(calls, name, capacity=device,
+                                                 conf=conf if name == "pyalloc" else ""))
             rows.append(row)
     return rows
 
 
 def device_table(rows: List[Dict[str, Any]]) -> str:
-    lines = ["| trace | device | device size | reserved / peak live (p/e) | OOMs (p/e) | driver calls (p/e) "
-             "| 2nd-half device calls (p/e) |", "|" + " --- |" * 7]
+    lines = ["| trace | device | device size | reserved / peak live (p/n/e) | OOMs (p/n/e) "
+             "| driver calls (p/n/e) | 2nd-half device calls (p/n/e) |", "|" + " --- |" * 7]
     for row in rows:
-        p, e, live = row["pyalloc"], row["native_expandable"], row["peak_live_bytes"]
+        runs, live = [row[name] for name in ALLOCATORS], row["peak_live_bytes"]
 
-        def mark(a: Any, b: Any) -> str:
-            return f"{a}/{b}" + (" ✗" if a is not None and b is not None and a > b else "")
-        lines.append(f"| {row['trace']} | {row['device']} | {row['device_bytes'] >> 30} GiB | "
-                     f"{p['peak_reserved_bytes'] / live:.3f}/{e['peak_reserved_bytes'] / live:.3f} | "
-                     f"{p['ooms']}/{e['ooms']} | {mark(p['driver_calls'], e['driver_calls'])} | "
-                     f"{mark(p['second_half_device_calls'], e['second_half_device_calls'])} |")
+        def cell(key: str, fmt: str = "d") -> str:
+            values = [run[key] for run in runs]
+            worse = None not in values[::2] and values[0] > values[2]  # pyalloc above expandable segments
+            return "/".join("-" if v is None else format(v, fmt) for v in values) + (" ✗" if worse else "")
+        reserved = "/".join(f"{run['peak_reserved_bytes'] / live:.3f}" for run in runs)
+        lines.append(f"| {row['trace']} | {row['device']} | {row['device_bytes'] >> 30} GiB | {reserved} | "
+                     f"{cell('ooms')} | {cell('driver_calls')} | {cell('second_half_device_calls')} |")
     return "\n".join(lines)
 
 
@@ -474,8 +474,11 @@ def markdown(results: List[ReplayResult], meta: Dict[str, Any], strategies: str 
         "The tables above replay with no cap on a device of unbounded size. pyalloc sizes its handles "
         "and maps ahead by the room its device has left, so here pyalloc and PyTorch's expandable "
         "segments replay each trace on an 80 GiB device and on a snug one (peak live + 10%, rounded up "
-        "to a GiB: the device a user fills by choosing the batch), each running its own out-of-memory "
-        "path. ✗ marks a figure of pyalloc's above expandable segments'.",
+        "to a GiB: the device a user fills by choosing the batch), with PyTorch's default allocator, each "
+        "running its own out-of-memory path. p/n/e as in the first table; ✗ marks a figure of pyalloc's "
+        "above expandable segments' (PyTorch's default makes one cudaMalloc per segment: fewer driver "
+        "calls than either on every trace, and it reserves more than pyalloc on every one; on "
+        "constructor-sun's device 1 it refuses an allocation on 80 GiB where the other two complete).",
         "",
         device_table(list(devices)) if devices else "(not run)",
         "",

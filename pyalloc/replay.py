@@ -44,7 +44,7 @@ import json
 import os
 import sys
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _C
@@ -456,11 +456,8 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
         # and calls the driver for there (pyalloc sizes its handles by the room left).
         result.budget_bytes = budget
         for name in ALLOCATORS:
-            run = run_allocator(calls, name, capacity=budget, conf=conf if name == "pyalloc" else "")
-            result.budget_runs[name] = {
-                "ooms": run.ooms, "peak_reserved_bytes": run.peak_reserved_bytes,
-                "second_half_device_calls": run.second_half_device_calls,
-                "driver_calls": run.driver_calls, "retries": run.retries}
+            result.budget_runs[name] = asdict(
+                run_allocator(calls, name, capacity=budget, conf=conf if name == "pyalloc" else ""))
         result.budget_ooms = result.budget_runs["pyalloc"]["ooms"]
         result.budget_peak_reserved_bytes = result.budget_runs["pyalloc"]["peak_reserved_bytes"]
     return result

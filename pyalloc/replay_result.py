@@ -63,9 +63,8 @@ class ReplayResult:
     budget_bytes: Optional[int] = None
     budget_ooms: Optional[int] = None
     budget_peak_reserved_bytes: Optional[int] = None
-    #: Each allocator on a device of budget_bytes: {allocator: {ooms, peak_reserved_bytes,
-    #: second_half_device_calls, driver_calls, retries}}; budget_ooms and
-    #: budget_peak_reserved_bytes are pyalloc's.
+    #: Each allocator on a device of budget_bytes: {allocator: its replay_allocators.AllocatorRun
+    #: as a dict}; budget_ooms and budget_peak_reserved_bytes are pyalloc's.
     budget_runs: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     replay_seconds: float = 0.0
     events_per_second: Optional[float] = None

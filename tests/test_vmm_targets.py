@@ -74,6 +74,11 @@ DEVICE_80_DRIVER_CALLS_MISSED = {
 }
 
 
+def replay_calls(path, device):
+    plan = plan_trace(read_trace(SNAPSHOTS[path], device))
+    return _C.ReplayTrace(plan.kinds, plan.ids, plan.sizes, plan.streams)
+
+
 def case_id(path, device):
     return f"{path.name}:{device}"
 
@@ -131,9 +136,8 @@ def test_smallest_budget_no_larger_than_expandable_segments(results, path, devic
     # Two bisections of the same precision from different upper ends can land
     # either way of a tie: the question is whether pyalloc serves the whole
     # trace on a device of expandable segments' budget.
-    calls = plan_trace(read_trace(SNAPSHOTS[path], device))
-    calls = _C.ReplayTrace(calls.kinds, calls.ids, calls.sizes, calls.streams)
-    fits = run_allocator(calls, "pyalloc", capacity=theirs, stop_on_oom=True, conf=CONF).completed
+    fits = run_allocator(replay_calls(path, device), "pyalloc", capacity=theirs, stop_on_oom=True,
+                         conf=CONF).completed
     assert fits, (f"pyalloc {ours / r.peak_live_bytes:.4f} x peak live, "
                   f"expandable segments {theirs / r.peak_live_bytes:.4f}")
 
@@ -180,8 +184,7 @@ def test_random_workloads_reserve_within_15_percent(streams):
 
 @pytest.mark.parametrize("path,device", cases(DEVICE_80_DRIVER_CALLS_MISSED))
 def test_driver_calls_on_an_80_gib_device_no_more_than_expandable_segments(path, device):
-    plan = plan_trace(read_trace(SNAPSHOTS[path], device))
-    calls = _C.ReplayTrace(plan.kinds, plan.ids, plan.sizes, plan.streams)
+    calls = replay_calls(path, device)
     ours = run_allocator(calls, "pyalloc", capacity=80 * GiB, conf=CONF)
     theirs = run_allocator(calls, "native_expandable", capacity=80 * GiB)
     assert ours.completed and theirs.completed
