@@ -19,14 +19,14 @@ def test_reserved_is_the_mapped_pages(backend):
     a = vmm(backend)
     ptrs = [a.malloc(5 * MiB) for _ in range(10)]
     s = a.stats()
-    # Packed, pages shared; growth maps on to the next 8 MiB boundary: 56 MiB.
-    assert s["reserved_bytes.all.current"] == 56 * MiB
+    # Packed, pages shared; growth maps on to the next 12 MiB boundary: 60 MiB.
+    assert s["reserved_bytes.all.current"] == 60 * MiB
     assert s["segment.large_pool.current"] == 1
     assert s["num_device_alloc"] >= 1
     for p in ptrs:
         a.free(p)
     a.check_invariants()
-    assert a.empty_cache() == 56 * MiB
+    assert a.empty_cache() == 60 * MiB
     assert a.stats()["reserved_bytes.all.current"] == 0
     assert a.stats()["segment.all.current"] == 0  # the empty range holds no memory
     a.check_invariants()
@@ -200,13 +200,15 @@ def test_driver_calls_follow_the_cuda_backends_pattern(backend):
 
 
 def test_large_handles_with_room_small_ones_near_the_cap(backend):
-    """With room to spare, a 256 MiB mapping is eight 32 MiB handles; near a
-    cap, 2 MiB ones, which holes can give up page by page. Either way the
+    """With room to spare, a 264 MiB mapping (256 MiB asked, on to the next
+    12 MiB boundary) is eight 32 MiB handles and one of the 8 MiB left; near
+    a cap, 2 MiB ones, which holes can give up page by page. Either way the
     range is made accessible in one cuMemSetAccess."""
     a = vmm(backend)
     start = a.stats()["num_driver_calls"]
     a.free(a.malloc(256 * MiB))
-    assert a.stats()["num_driver_calls"] - start == 8 * 2 + 1
+    assert a.stats()["reserved_bytes.all.current"] == 264 * MiB
+    assert a.stats()["num_driver_calls"] - start == 9 * 2 + 1
     capped = vmm(backend, max_pool_size=64 * MiB)
     start = capped.stats()["num_driver_calls"]
     capped.free(capped.malloc(16 * MiB))
@@ -215,19 +217,30 @@ def test_large_handles_with_room_small_ones_near_the_cap(backend):
 
 
 def test_growth_maps_ahead_to_a_grain_of_the_pool(backend):
-    """With room to spare the pool grows to the next boundary of 1/16 of what
-    it holds (a power of two of pages), so that a workload creeping up in size
-    finds the next pages mapped: 64 MiB held, 5 MiB asked, 8 MiB mapped."""
+    """With room to spare the pool grows to the next boundary of a grain (12
+    MiB in a pool under 256 MiB, 1/16 of what it holds above), so that a
+    workload creeping up in size finds the next pages mapped: 64 MiB asked,
+    72 MiB mapped; 5 MiB more is in the pages mapped ahead; another 5 MiB
+    maps on to 84 MiB, and 3 MiB more is in those."""
     a = vmm(backend)
     keep = a.malloc(64 * MiB)
     maps = a.stats()["num_device_alloc"]
-    p = a.malloc(5 * MiB)
     assert a.stats()["reserved_bytes.all.current"] == 72 * MiB
-    q = a.malloc(3 * MiB)  # in the pages mapped ahead: no device call
+    p = a.malloc(5 * MiB)  # in the pages mapped ahead: no device call
+    assert a.stats()["num_device_alloc"] == maps
+    q = a.malloc(5 * MiB)
+    assert a.stats()["reserved_bytes.all.current"] == 84 * MiB
+    r = a.malloc(3 * MiB)
     assert a.stats()["num_device_alloc"] == maps + 1
     a.check_invariants()
-    for x in (p, q, keep):
+    for x in (p, q, r, keep):
         a.free(x)
+    # Past 256 MiB the grain is 1/16 of the pool: 512 MiB held, 40 MiB more
+    # asked, mapped on to the next 32 MiB boundary.
+    big = vmm(backend)
+    held = big.malloc(512 * MiB)
+    big.malloc(40 * MiB)
+    assert big.stats()["reserved_bytes.all.current"] == 576 * MiB
     # Near a cap nothing is mapped ahead.
     capped = vmm(backend, max_pool_size=100 * MiB)
     keep = capped.malloc(64 * MiB)

@@ -34,7 +34,7 @@ namespace {
 constexpr size_t kMaxHandle = size_t(32) << 20;
 constexpr size_t kHandleHeadroom = 1024;
 constexpr size_t kGrowthShare = 16;
-constexpr size_t kMinGrain = size_t(8) << 20;
+constexpr size_t kMinGrain = size_t(12) << 20;
 constexpr size_t kAheadRoom = 3;
 }  // namespace
 
@@ -191,9 +191,9 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
     while (handle_limit_ > page_ && handle_limit_ > headroom / kHandleHeadroom) handle_limit_ /= 2;
   // Growth while the pool holds at most a quarter of what the device and
   // the cap could give it (room at least kAheadRoom times what is reserved;
-  // or the room unknown) goes on to the next boundary of a grain (a power
-  // of two of pages up to the handle limit, at most 1/16 of what is
-  // reserved or up to kMinGrain): the next growths of a
+  // or the room unknown) goes on to the next boundary of a grain (the
+  // largest power of two of pages up to the handle limit and 1/16 of what
+  // is reserved, or kMinGrain if that is larger): the next growths of a
   // workload that creeps up (varying shapes) find their pages mapped
   // already. In replay the second half's device calls fell from 33 to 13 on
   // gpt2-varlen-train and from 10 to 5 on vit-mixedres-train, for 1.046x
@@ -201,13 +201,22 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
   // ahead up to a third of the device (room twice what is reserved) cost
   // cs336-2.7b its smallest budget: 1.0075x peak live against 1.0057x with
   // none ahead; up to a quarter, 1.0058x, every other budget unchanged (to
-  // 0.1%). Under 128 MiB reserved the grain is 8 MiB (kMinGrain), not 1/16
-  // of it: a pool filling with 7.5 MiB weights mapped every one of them in
+  // 0.1%). Under 256 MiB reserved the grain is 12 MiB (kMinGrain, six
+  // pages, while the handle limit allows), not 1/16 of it: each growth is a
+  // cuMemCreate, a cuMemMap and a cuMemSetAccess, and a small pool grows
+  // often. A pool filling with 7.5 MiB weights mapped every one of them in
   // handles of 2 to 8 MiB (jaspersolt-cnn's driver calls fell from 69 to 45,
   // tiny-gpt-varlen's from 120 to 60), every trace's reserved and smallest
-  // budget unchanged; 16 MiB took tiny-gpt-varlen's reserved from 1.108x to
-  // 1.167x peak live. The extra pages share the request's handles (as
-  // handles of their own, cs336-2.7b made 6135 driver calls, not 4051).
+  // budget unchanged. 8 MiB made more driver calls than expandable segments'
+  // 20 MiB pages on three small traces (convnet-mixedres 49 against 44,
+  // bert-dynbatch 42 against 36, jaspersolt-cnn 40 against 29); 12 MiB
+  // makes 37, 36 and 28, for reserved 1.100x peak live against 1.072x,
+  // 1.301x either way and 1.046x against 1.007x (tiny-gpt-varlen 1.138x
+  // against 1.108x), every smallest budget unchanged (to 0.1%). 10 MiB left
+  // jaspersolt-cnn at 34; 14 MiB took bert-dynbatch to 1.328x and 16 MiB
+  // tiny-gpt-varlen to 1.167x, past its 15%. The extra pages share the
+  // request's handles (as handles of their own, cs336-2.7b made 6135
+  // driver calls, not 4051).
   //
   // With room to spare (the pool at most a quarter of what the device and
   // the cap could give it, as for mapping ahead; or the room unknown) a
@@ -228,8 +237,8 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
   uintptr_t ext_lo = 0, ext_hi = 0;
   if (!exact && need < u->size && roomy_) {
     size_t grain = page_;
-    while (grain * 2 <= handle_limit_ && (grain * 2 * kGrowthShare <= reserved || grain * 2 <= kMinGrain))
-      grain *= 2;
+    while (grain * 2 <= handle_limit_ && grain * 2 * kGrowthShare <= reserved) grain *= 2;
+    grain = std::max(grain, std::min(std::max(kMinGrain / page_, size_t(1)) * page_, handle_limit_));
     uintptr_t base = vmm_seg_->base;
     if (lo == u->addr) {
       ext_lo = hi;
