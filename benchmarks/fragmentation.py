@@ -216,7 +216,8 @@ def strategy_table(rows: List[Dict[str, Any]], strategies: List[str]) -> str:
 
 
 def changes_table(rows: List[Dict[str, Any]], strategies: List[str], previous: Dict[str, Any]) -> str:
-    """Per trace and strategy: the ratios and the second half's device calls, before -> now."""
+    """Per trace and strategy: the ratios, the second half's device and driver calls and the whole
+    replay's driver calls, before -> now."""
     before = {row["trace"]: row for row in previous.get("strategies", [])}
 
     def pair(old: Any, new: Any, fmt: str) -> str:
@@ -224,8 +225,9 @@ def changes_table(rows: List[Dict[str, Any]], strategies: List[str], previous: D
         mark = "" if old is None or new is None or a == b else (" (+)" if new > old else " (-)")
         return f"{a} -> {b}{mark}"
 
-    lines = ["| trace | strategy | budget | reserved | calls | driver calls |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| trace | strategy | budget | reserved | 2nd-half device calls | 2nd-half driver calls | "
+             "driver calls |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         old_row = before.get(row["trace"], {})
         for st in strategies:
@@ -233,7 +235,8 @@ def changes_table(rows: List[Dict[str, Any]], strategies: List[str], previous: D
             lines.append(f"| {row['trace']} | {st} | {pair(old.get('budget_ratio'), new['budget_ratio'], '.3f')} | "
                          f"{pair(old.get('reserved_ratio'), new['reserved_ratio'], '.3f')} | "
                          f"{pair(old.get('second_half_device_calls'), new['second_half_device_calls'], 'd')} | "
-                         f"{pair(old.get('second_half_driver_calls'), new.get('second_half_driver_calls'), 'd')} |")
+                         f"{pair(old.get('second_half_driver_calls'), new.get('second_half_driver_calls'), 'd')} | "
+                         f"{pair(old.get('driver_calls'), new.get('driver_calls'), 'd')} |")
     return "\n".join(lines)
 
 
@@ -516,7 +519,7 @@ def markdown(results: List[ReplayResult], meta: Dict[str, Any], strategies: str 
         "",
         f"Against `{meta['previous']['file']}` (`{meta['previous']['command']}` on {meta['previous']['date']}, "
         f"git {meta['previous'].get('git_commit') or 'unknown'}): budget and reserved as ratios to peak live, "
-        "calls as above; (+) marks a figure that rose, (-) one that fell.",
+        "calls as above (the strategies' own replays, no cap); (+) marks a figure that rose, (-) one that fell.",
         "",
         changes,
         "",
