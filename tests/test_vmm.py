@@ -235,12 +235,15 @@ def test_growth_maps_ahead_to_a_grain_of_the_pool(backend):
     a.check_invariants()
     for x in (p, q, r, keep):
         a.free(x)
-    # Past 256 MiB the grain is 1/16 of the pool: 512 MiB held, 40 MiB more
-    # asked, mapped on to the next 32 MiB boundary.
+    # Past 256 MiB the grain is 1/16 of the pool: 512 MiB asked (516 MiB
+    # mapped), 40 MiB more mapped on to the next 32 MiB boundary.
     big = vmm(backend)
     held = big.malloc(512 * MiB)
-    big.malloc(40 * MiB)
+    more = big.malloc(40 * MiB)
     assert big.stats()["reserved_bytes.all.current"] == 576 * MiB
+    big.check_invariants()
+    big.free(more)
+    big.free(held)
     # Near a cap nothing is mapped ahead.
     capped = vmm(backend, max_pool_size=100 * MiB)
     keep = capped.malloc(64 * MiB)
@@ -274,12 +277,12 @@ def test_no_growth_ahead_once_the_pool_holds_a_quarter_of_its_room():
         assert rise_beside_2_gib(cap, 5 * MiB, "reserved_bytes.all.current") == mapped, cap
 
 
-def test_handles_of_any_size_with_room_buddies_without():
-    """With the room left at least eight times what the pool holds, a mapping
-    is handles of the limit and one of the rest; with less, aligned powers of
-    two whose small ends holes can give up. 2 GiB held, 24 MiB asked: under a
-    40 GiB cap one 32 MiB handle, the 8 MiB mapped ahead to the 32 MiB
-    boundary in it (cuMemCreate, cuMemMap, cuMemSetAccess); under a 14 GiB
+def test_handles_of_any_size_with_room():
+    """With the room left at least three times what the pool holds, a mapping
+    is handles of the limit and one of the rest. 2 GiB held (mapped on to
+    2052 MiB, the next 12 MiB boundary), 24 MiB asked: under a 40 GiB cap
+    one handle of 28 MiB, the 20 MiB needed and 8 MiB mapped ahead to the
+    32 MiB boundary (cuMemCreate, cuMemMap, cuMemSetAccess); under a 14 GiB
     cap (handles of at most 8 MiB there) three of 8 MiB, given access in one
     call (seven)."""
     GiB = 1 << 30

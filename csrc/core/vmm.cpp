@@ -212,7 +212,9 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
   // bert-dynbatch 42 against 36, jaspersolt-cnn 40 against 29); 12 MiB
   // makes 37, 36 and 28, for reserved 1.100x peak live against 1.072x,
   // 1.301x either way and 1.046x against 1.007x (tiny-gpt-varlen 1.138x
-  // against 1.108x), every smallest budget unchanged (to 0.1%). 10 MiB left
+  // against 1.108x), every smallest budget within 0.1% of peak live of
+  // what it was (bisected to 0.1%: jaspersolt-cnn 1.0079x against 1.0073x,
+  // tiny-gpt-varlen 1.0505x against 1.0508x). 10 MiB left
   // jaspersolt-cnn at 34; 14 MiB took bert-dynbatch to 1.328x and 16 MiB
   // tiny-gpt-varlen to 1.167x, past its 15%. The extra pages share the
   // request's handles (as handles of their own, cs336-2.7b made 6135
