@@ -303,8 +303,9 @@ MISS_REASONS = {
         "for 7280 driver calls and 200 device calls in the second half, and bert-dynbatch to 1.382 x."),
     "budget": (
         "Smallest budget: near a cap every handle is one 2 MiB page, and the free bytes in pages partly "
-        "under live blocks cannot move (gpt2-varlen at 1.010 x: its 88.5 MiB request at peak live finds "
-        "40 MiB free in 14 holes)."),
+        "under live blocks cannot move (gpt2-varlen on 1.0099 x peak live: its 88.5 MiB request at peak "
+        "live is two pages short, with 14.2 MiB free in 20 blocks of under a page each, 13 MiB of it at "
+        "the ends of the 7 runs of mapped pages that earlier page moves left)."),
     "budget_vs_expandable": (
         "Smallest budget against expandable segments: pyalloc does not complete the trace on expandable "
         "segments' budget, a late large request short of a page."),
