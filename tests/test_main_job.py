@@ -17,7 +17,8 @@ def test_main_job_replays_the_bundled_traces_without_a_gpu(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr
     assert "no CUDA GPU: replaying recorded traces" in out.stdout
-    for name in ("tiny-gpt-varlen-train", "convnet-mixedres-train", "encoder-dynbatch-infer"):
+    for name in ("tiny-gpt-varlen-train", "convnet-mixedres-train", "encoder-dynbatch-infer",
+                 "random-1-stream-seed0", "random-3-streams-seed3"):
         assert name in out.stdout
     # The three allocators at equal budgets lead the table; the prose is in the markdown only.
     assert "budget / peak live" in out.stdout and "expand." in out.stdout

@@ -1,6 +1,6 @@
 """Issue 19's targets for the vmm strategy, on the recorded traces
 (benchmarks/traces, and ../shared/traces with its gpu/ where present), every
-device of each, and on random workloads.
+device of each, and on the random workloads of benchmarks/random_workloads.py.
 
 Against the model of PyTorch's allocator with expandable_segments:True that
 the replay runs beside pyalloc (pyalloc/replay_allocators.py), on every trace
@@ -18,8 +18,6 @@ benchmarks/results/fragmentation.md says why.
 """
 from __future__ import annotations
 
-import math
-import random
 from pathlib import Path
 
 import pytest
@@ -31,6 +29,9 @@ from pyalloc.replay import plan_trace, replay_devices
 from pyalloc.replay_allocators import run_allocator
 from pyalloc.snapshot_io import devices_of, load_snapshot, read_trace
 
+from benchmarks.random_workloads import WORKLOADS, random_snapshot
+from benchmarks.random_workloads import name as workload_name
+
 MiB, GiB = 1 << 20, 1 << 30
 CONF = "strategy:vmm"
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +40,10 @@ TRACES = sorted((ROOT / "benchmarks" / "traces").glob("*.pickle.gz"))
 for folder in (SHARED, SHARED / "gpu"):
     if folder.is_dir():
         TRACES += sorted(folder.glob("*.pickle"))
-SNAPSHOTS = {path: load_snapshot(path) for path in TRACES}
-CASES = [(path, device) for path in TRACES for device in devices_of(SNAPSHOTS[path])]
+# By name: the recorded traces, then benchmarks/random_workloads.py's.
+SNAPSHOTS = {path.name: load_snapshot(path) for path in TRACES}
+SNAPSHOTS.update({workload_name(streams, seed): random_snapshot(seed, streams) for streams, seed in WORKLOADS})
+CASES = [(name, device) for name in SNAPSHOTS for device in devices_of(SNAPSHOTS[name])]
 
 # Missed today, keyed "trace:device", with the figures measured (pyalloc
 # against expandable segments where the target is theirs); see fragmentation.md.
@@ -48,13 +51,22 @@ RESERVED_MISSED = {
     "bert-dynbatch-infer.pickle:0": "1.30: free bytes in pages partly under live blocks",
     "encoder-dynbatch-infer.pickle.gz:0": "1.24: free bytes in pages partly under live blocks",
     "maphsge4-select_n-llama7b-offload-infer-10streams.pickle:0": "1.055: holes of ten streams stay mapped",
-    "mercuryb1-sqattn-qwen2.5-7b-layerwise-quant-calib.pickle:0": "1.095: holes of work that does not repeat stay mapped",
+    "mercuryb1-sqattn-qwen2.5-7b-layerwise-quant-calib.pickle:0": "1.095: two 512 KiB blocks bound the hole a 1036 MiB request needs",
+    # Random workloads: 15% whatever their size; nothing repeats, holes stay mapped.
+    "random-1-stream-seed1:0": "1.224", "random-1-stream-seed2:0": "1.252", "random-1-stream-seed3:0": "1.151",
+    "random-3-streams-seed0:0": "1.181", "random-3-streams-seed1:0": "1.284", "random-3-streams-seed2:0": "1.300",
+    "random-3-streams-seed3:0": "1.218",
 }
-BUDGET_MISSED = {"gpt2-varlen-train.pickle:0": "1.011"}
+BUDGET_MISSED = {
+    "gpt2-varlen-train.pickle:0": "1.011",
+    # Free bytes in pages beside live blocks of random sizes (expandable segments: 1.13 to 1.23).
+    "random-1-stream-seed3:0": "1.034", "random-3-streams-seed0:0": "1.043", "random-3-streams-seed1:0": "1.043",
+    "random-3-streams-seed3:0": "1.043",
+}
 EXPANDABLE_BUDGET_MISSED = {
     "zidongliu-decomfl-opt125m-zo-fedlearn-windows.pickle:0": "1.0030 against 1.0018: a late 147 MiB request is 2 MiB short, the free bytes in pages under live blocks",
 }
-EXPANDABLE_CALLS_MISSED: dict = {}
+EXPANDABLE_CALLS_MISSED = {"random-1-stream-seed0:0": "2 against 1: two 32 MiB growths where expandable segments map once"}
 # Whole replay, pyalloc against expandable segments (cuMemSetAccess once per
 # mapped range for both, as PyTorch's mapAndSetAccess calls it): none missed
 # since small pools grow in 12 MiB steps (8 MiB steps made 49 against 44 on
@@ -71,21 +83,18 @@ DEVICE_80_DRIVER_CALLS_MISSED = {
 }
 
 
-def replay_calls(path, device):
-    plan = plan_trace(read_trace(SNAPSHOTS[path], device))
+def replay_calls(name, device):
+    plan = plan_trace(read_trace(SNAPSHOTS[name], device))
     return _C.ReplayTrace(plan.kinds, plan.ids, plan.sizes, plan.streams)
-
-
-def case_id(path, device):
-    return f"{path.name}:{device}"
 
 
 def cases(missed):
     params = []
-    for path, device in CASES:
-        key = case_id(path, device)
-        marks = [pytest.mark.xfail(reason=missed[key], strict=True)] if key in missed else []
-        params.append(pytest.param(path, device, id=key, marks=marks))
+    for name, device in CASES:
+        key = f"{name}:{device}"
+        marks = ([pytest.mark.xfail(reason=missed[key], raises=AssertionError, strict=True)]
+                 if key in missed else [])
+        params.append(pytest.param(name, device, id=key, marks=marks))
     return params
 
 
@@ -95,37 +104,37 @@ def results():
     0.1%), computed once for every test of the module."""
     cache = {}
 
-    def get(path, device):
-        if path not in cache:
+    def get(name, device):
+        if name not in cache:
             precision = pyalloc.replay.BUDGET_PRECISION
             pyalloc.replay.BUDGET_PRECISION = 0.001
             try:
-                cache[path] = {r.device: r for r in replay_devices(SNAPSHOTS[path], CONF, name=path.name,
+                cache[name] = {r.device: r for r in replay_devices(SNAPSHOTS[name], CONF, name=name,
                                                                    progress=False)}
             finally:
                 pyalloc.replay.BUDGET_PRECISION = precision
-        return cache[path][device]
+        return cache[name][device]
     return get
 
 
-@pytest.mark.parametrize("path,device", cases(RESERVED_MISSED))
-def test_reserved_with_no_cap_is_near_peak_live(results, path, device):
-    r = results(path, device)
-    target = 1.05 if r.peak_live_bytes >= GiB else 1.15
+@pytest.mark.parametrize("name,device", cases(RESERVED_MISSED))
+def test_reserved_with_no_cap_is_near_peak_live(results, name, device):
+    r = results(name, device)
+    target = 1.05 if r.peak_live_bytes >= GiB and not name.startswith("random-") else 1.15
     assert r.pyalloc_ratio <= target, r.pyalloc_ratio
 
 
-@pytest.mark.parametrize("path,device", cases(BUDGET_MISSED))
-def test_smallest_budget_of_a_large_trace_is_within_1_percent(results, path, device):
-    r = results(path, device)
+@pytest.mark.parametrize("name,device", cases(BUDGET_MISSED))
+def test_smallest_budget_of_a_large_trace_is_within_1_percent(results, name, device):
+    r = results(name, device)
     if r.peak_live_bytes < GiB:
         pytest.skip("under 1 GiB of peak live: no absolute budget target")
     assert r.pyalloc_min_budget_bytes <= 1.01 * r.peak_live_bytes, r.pyalloc_min_budget_bytes / r.peak_live_bytes
 
 
-@pytest.mark.parametrize("path,device", cases(EXPANDABLE_BUDGET_MISSED))
-def test_smallest_budget_no_larger_than_expandable_segments(results, path, device):
-    r = results(path, device)
+@pytest.mark.parametrize("name,device", cases(EXPANDABLE_BUDGET_MISSED))
+def test_smallest_budget_no_larger_than_expandable_segments(results, name, device):
+    r = results(name, device)
     ours, theirs = r.pyalloc_min_budget_bytes, r.native_expandable_min_budget_bytes
     assert ours and theirs
     if ours <= theirs:
@@ -133,55 +142,29 @@ def test_smallest_budget_no_larger_than_expandable_segments(results, path, devic
     # Two bisections of the same precision from different upper ends can land
     # either way of a tie: the question is whether pyalloc serves the whole
     # trace on a device of expandable segments' budget.
-    fits = run_allocator(replay_calls(path, device), "pyalloc", capacity=theirs, stop_on_oom=True,
+    fits = run_allocator(replay_calls(name, device), "pyalloc", capacity=theirs, stop_on_oom=True,
                          conf=CONF).completed
     assert fits, (f"pyalloc {ours / r.peak_live_bytes:.4f} x peak live, "
                   f"expandable segments {theirs / r.peak_live_bytes:.4f}")
 
 
-@pytest.mark.parametrize("path,device", cases(EXPANDABLE_CALLS_MISSED))
-def test_second_half_calls_no_more_than_expandable_segments(results, path, device):
-    r = results(path, device)
+@pytest.mark.parametrize("name,device", cases(EXPANDABLE_CALLS_MISSED))
+def test_second_half_calls_no_more_than_expandable_segments(results, name, device):
+    r = results(name, device)
     assert r.pyalloc_second_half_device_calls <= r.native_expandable_second_half_device_calls, (
         r.pyalloc_second_half_device_calls, r.native_expandable_second_half_device_calls)
 
 
-@pytest.mark.parametrize("path,device", cases(EXPANDABLE_DRIVER_CALLS_MISSED))
-def test_driver_calls_no_more_than_expandable_segments(results, path, device):
-    r = results(path, device)
+@pytest.mark.parametrize("name,device", cases(EXPANDABLE_DRIVER_CALLS_MISSED))
+def test_driver_calls_no_more_than_expandable_segments(results, name, device):
+    r = results(name, device)
     assert r.pyalloc_driver_calls <= r.native_expandable_driver_calls, (
         r.pyalloc_driver_calls, r.native_expandable_driver_calls)
 
 
-def random_workload(seed, streams):
-    """Log-uniform sizes from 512 B to 64 MiB, frees at random, up to 2 GiB live."""
-    rng = random.Random(seed)
-    a = pyalloc.Allocator("virtual", strategy="vmm")
-    live, cur, peak = [], 0, 0
-    for _ in range(20000):
-        if live and (rng.random() < 0.5 or cur > 2 * GiB):
-            p, size = live.pop(rng.randrange(len(live)))
-            a.free(p)
-            cur -= size
-        else:
-            size = -(-int(math.exp(rng.uniform(math.log(512), math.log(64 * MiB)))) // 512) * 512
-            live.append((a.malloc(size, rng.randrange(streams)), size))
-            cur += size
-            peak = max(peak, cur)
-    a.check_invariants()
-    return a.stats()["reserved_bytes.all.peak"] / peak
-
-
-@pytest.mark.xfail(reason="1.19 (one stream) and 1.25 (three) on average: holes stay mapped", strict=True)
-@pytest.mark.parametrize("streams", [1, 3])
-def test_random_workloads_reserve_within_15_percent(streams):
-    ratios = [random_workload(seed, streams) for seed in range(4)]
-    assert max(ratios) <= 1.15, ratios
-
-
-@pytest.mark.parametrize("path,device", cases(DEVICE_80_DRIVER_CALLS_MISSED))
-def test_driver_calls_on_an_80_gib_device_no_more_than_expandable_segments(path, device):
-    calls = replay_calls(path, device)
+@pytest.mark.parametrize("name,device", cases(DEVICE_80_DRIVER_CALLS_MISSED))
+def test_driver_calls_on_an_80_gib_device_no_more_than_expandable_segments(name, device):
+    calls = replay_calls(name, device)
     ours = run_allocator(calls, "pyalloc", capacity=80 * GiB, conf=CONF)
     theirs = run_allocator(calls, "native_expandable", capacity=80 * GiB)
     assert ours.completed and theirs.completed
