@@ -68,10 +68,6 @@ class Source:
     short: str
     load: Callable[[], Dict[str, Any]]
 
-    @property
-    def random(self) -> bool:
-        return self.short.startswith("random-")
-
 
 def trace_files() -> List[Path]:
     files: List[Path] = []
@@ -138,9 +134,12 @@ TARGET_BUDGET, TARGET_RESERVED = 1.01, 1.05
 TARGET_BUDGET_SMALL, TARGET_RESERVED_SMALL = 1.02, 1.15
 
 
+RANDOM = {random_workloads.name(streams, seed) for streams, seed in random_workloads.WORKLOADS}
+
+
 def is_random(trace: str) -> bool:
     """Whether a result's trace is one of the random workloads."""
-    return trace.startswith("random-")
+    return trace in RANDOM
 
 
 def targets(peak_live: int, trace: str = "") -> "tuple[float, float]":
@@ -354,7 +353,7 @@ MISS_REASONS = {
         "the ends of the 7 runs of mapped pages that earlier page moves left). On the random workloads "
         "the same, with many more live blocks of random sizes: on 1.043 x peak live the three-stream "
         "workload of seed 1 is refused a 4.3 MiB request with 77 MiB free in 107 large-pool blocks of "
-        "under a page and 3.4 MiB in small-pool chunks; expandable segments need 1.17 to 1.24 x there."),
+        "under a page and 3.4 MiB in small-pool chunks; expandable segments need 1.13 to 1.24 x there."),
     "budget_vs_expandable": (
         "Smallest budget against expandable segments: pyalloc does not complete the trace on expandable "
         "segments' budget, a late large request short of a page."),
@@ -542,7 +541,7 @@ def markdown(results: List[ReplayResult], meta: Dict[str, Any], found: List[Sour
         "to a GiB: the device a user fills by choosing the batch), with PyTorch's default allocator, each "
         "running its own out-of-memory path. p/n/e as in the first table; ✗ marks a figure of pyalloc's "
         "above expandable segments' (PyTorch's default makes one cudaMalloc per segment: fewer driver "
-        "calls than either on every trace, and it reserves more than pyalloc on every one; on "
+        "calls than either on every recorded trace, and it reserves more than pyalloc on every one; on "
         "constructor-sun's device 1 it refuses an allocation on 80 GiB where the other two complete).",
         "",
         device_table(list(devices)) if devices else "(not run)",

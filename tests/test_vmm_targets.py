@@ -29,10 +29,10 @@ from pyalloc.replay import plan_trace, replay_devices
 from pyalloc.replay_allocators import run_allocator
 from pyalloc.snapshot_io import devices_of, load_snapshot, read_trace
 
-from benchmarks.random_workloads import WORKLOADS, random_snapshot
+from benchmarks.random_workloads import WORKLOADS, random_ops, random_snapshot
 from benchmarks.random_workloads import name as workload_name
 
-MiB, GiB = 1 << 20, 1 << 30
+GiB = 1 << 30
 CONF = "strategy:vmm"
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "traces"
@@ -59,9 +59,9 @@ RESERVED_MISSED = {
 }
 BUDGET_MISSED = {
     "gpt2-varlen-train.pickle:0": "1.011",
-    # Free bytes in pages beside live blocks of random sizes (expandable segments: 1.13 to 1.23).
-    "random-1-stream-seed3:0": "1.034", "random-3-streams-seed0:0": "1.043", "random-3-streams-seed1:0": "1.043",
-    "random-3-streams-seed3:0": "1.043",
+    # Free bytes in pages beside live blocks of random sizes (expandable segments: 1.13 to 1.24).
+    "random-1-stream-seed3:0": "1.0341", "random-3-streams-seed0:0": "1.0432",
+    "random-3-streams-seed1:0": "1.0433", "random-3-streams-seed3:0": "1.0434",
 }
 EXPANDABLE_BUDGET_MISSED = {
     "zidongliu-decomfl-opt125m-zo-fedlearn-windows.pickle:0": "1.0030 against 1.0018: a late 147 MiB request is 2 MiB short, the free bytes in pages under live blocks",
@@ -169,3 +169,21 @@ def test_driver_calls_on_an_80_gib_device_no_more_than_expandable_segments(name,
     theirs = run_allocator(calls, "native_expandable", capacity=80 * GiB)
     assert ours.completed and theirs.completed
     assert ours.driver_calls <= theirs.driver_calls, (ours.driver_calls, theirs.driver_calls)
+
+
+@pytest.mark.parametrize("streams,seed", WORKLOADS)
+def test_random_workloads_leave_the_allocator_consistent(streams, seed):
+    # The target cases replay them; this drives an allocator call by call and checks its
+    # blocks, pages and counters after each workload.
+    a = pyalloc.Allocator("virtual", strategy="vmm")
+    ptrs = {}
+    for kind, id_, size, stream in random_ops(seed, streams):
+        if kind == "alloc":
+            ptrs[id_] = a.malloc(size, stream)
+        else:
+            a.free(ptrs.pop(id_))
+    a.check_invariants()
+    for ptr in ptrs.values():
+        a.free(ptr)
+    a.check_invariants()
+    assert a.stats()["allocated_bytes.all.current"] == 0
