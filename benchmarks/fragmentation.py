@@ -33,8 +33,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
@@ -663,7 +662,8 @@ def main() -> int:
             json.dump({**meta, "traces": rows, "strategies": by_strategy, "devices": devices,
                        "targets": {"budget_ratio": TARGET_BUDGET, "reserved_ratio": TARGET_RESERVED,
                                    "budget_ratio_small": TARGET_BUDGET_SMALL,
-                                   "reserved_ratio_small": TARGET_RESERVED_SMALL, "large_bytes": LARGE}},
+                                   "reserved_ratio_small": TARGET_RESERVED_SMALL, "large_bytes": LARGE,
+                                   "reserved_ratio_random": TARGET_RESERVED_SMALL}},
                       f, indent=1)
             f.write("\n")
         try:
