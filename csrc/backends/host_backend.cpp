@@ -12,6 +12,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <unordered_map>
@@ -125,6 +126,57 @@ class HostBackend final : public Backend {
     used_ -= size;
   }
 
+  // A detached handle keeps its pages, in order, until attached elsewhere
+  // (with its bytes, as a cuMemCreate handle mapped at another address) or
+  // dropped; its memory stays counted against the capacity meanwhile.
+  bool vmm_moves() override { return true; }
+
+  bool vmm_detach(uintptr_t addr, size_t size) override {
+    std::lock_guard<std::mutex> g(mu_);
+    std::vector<size_t> pages;
+    for (size_t off = 0; off < size; off += page_) {
+      auto it = page_of_.find(addr + off);
+      if (it == page_of_.end()) throw std::logic_error("vmm_detach over a page that is not mapped");
+      pages.push_back(it->second);
+    }
+    unmap_locked(addr, size);
+    spare_.resize(spare_.size() - pages.size());  // unmap_locked freed them: they stay the handle's
+    detached_.emplace(size, std::move(pages));
+    return true;
+  }
+
+  bool vmm_attach(uintptr_t addr, size_t size) override {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = detached_.find(size);
+    if (it == detached_.end()) return false;
+    const std::vector<size_t>& pages = it->second;
+    for (size_t i = 0; i < pages.size(); ++i) {
+      void* want = reinterpret_cast<void*>(addr + i * page_);
+      void* got = mmap(want, page_, PROT_NONE, MAP_SHARED | MAP_FIXED, fd_, static_cast<off_t>(pages[i]));
+      if (got != want) {
+        // Put back what was mapped; the handle stays a spare.
+        for (size_t j = 0; j < i; ++j) {
+          mmap(reinterpret_cast<void*>(addr + j * page_), page_, PROT_NONE,
+               MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+          page_of_.erase(addr + j * page_);
+        }
+        return false;
+      }
+      page_of_[addr + i * page_] = pages[i];
+    }
+    detached_.erase(it);
+    return true;
+  }
+
+  void vmm_drop(size_t size) override {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = detached_.find(size);
+    if (it == detached_.end()) throw std::logic_error("vmm_drop: no spare handle of that size");
+    spare_.insert(spare_.end(), it->second.begin(), it->second.end());
+    detached_.erase(it);
+    used_ -= size;
+  }
+
  private:
   bool fits(size_t size) const { return capacity_ == 0 || size <= capacity_ - used_; }
 
@@ -148,6 +200,7 @@ class HostBackend final : public Backend {
   size_t file_size_ = 0;
   std::vector<size_t> spare_;                       // memfd offsets not mapped anywhere
   std::unordered_map<uintptr_t, size_t> page_of_;   // mapped address -> memfd offset
+  std::multimap<size_t, std::vector<size_t>> detached_;  // spare handles: size -> their pages
   SimStreams streams_;
 };
 

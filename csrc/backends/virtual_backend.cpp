@@ -4,6 +4,8 @@
 // new segment. `capacity` plays the device's size (0 = unbounded): it bounds
 // segments and mapped virtual-memory pages together.
 #include <mutex>
+#include <set>
+#include <stdexcept>
 
 #include "core/backend.h"
 #include "sim_streams.h"
@@ -73,6 +75,28 @@ class VirtualBackend final : public Backend {
     used_ -= size;
   }
 
+  // A spare keeps its bytes counted against the capacity until dropped.
+  bool vmm_moves() override { return true; }
+  bool vmm_detach(uintptr_t, size_t size) override {
+    std::lock_guard<std::mutex> g(mu_);
+    spares_.insert(size);
+    return true;
+  }
+  bool vmm_attach(uintptr_t, size_t size) override {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = spares_.find(size);
+    if (it == spares_.end()) return false;
+    spares_.erase(it);
+    return true;
+  }
+  void vmm_drop(size_t size) override {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = spares_.find(size);
+    if (it == spares_.end()) throw std::logic_error("vmm_drop: no spare handle of that size");
+    spares_.erase(it);
+    used_ -= size;
+  }
+
  private:
   static constexpr uintptr_t kStart = uintptr_t(1) << 44;
   static constexpr uintptr_t kLimit = uintptr_t(1) << 62;
@@ -80,6 +104,7 @@ class VirtualBackend final : public Backend {
   size_t capacity_;
   size_t used_ = 0;
   uintptr_t next_ = kStart;
+  std::multiset<size_t> spares_;  // detached handles' sizes
   SimStreams streams_;
 };
 

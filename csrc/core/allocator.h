@@ -47,6 +47,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -302,6 +303,15 @@ class Allocator {
   // unmap_handles() unmaps the handles tiling [lo, hi).
   bool map_handles(uintptr_t lo, size_t size);
   void unmap_handles(uintptr_t lo, uintptr_t hi);
+  // Pages moving out of holes for a mapping (map_for()), where the backend
+  // can move a handle (vmm_moves()): while keep_handles_ is set,
+  // unmap_handles() detaches the handles and keeps them as spares_, which
+  // map_handles() maps again before it creates any (cuMemUnmap and cuMemMap
+  // for a handle that moves, not cuMemUnmap, cuMemRelease, cuMemCreate and
+  // cuMemMap). map_for() drops whatever is left when it returns or throws.
+  Block* map_for_moving(size_t size, Stream s, std::string* why, size_t room, bool exact);
+  size_t unmap_free_pages_kept(size_t want, uintptr_t keep_lo, uintptr_t keep_hi);
+  void drop_spares();
   // The size of the handle mapped at addr when [addr, end) is mapped.
   size_t handle_size(uintptr_t addr, uintptr_t end) const;
   // The run of whole handles inside the free mapped block b: [*lo, *hi).
@@ -396,6 +406,8 @@ class Allocator {
   size_t max_handle_ = 0;                 // the largest handle (a power-of-two number of pages)
   size_t handle_limit_ = 0;               // the largest handle of the mapping underway
   bool roomy_ = false;                    // the mapping underway has room to spare: handles of any size
+  bool keep_handles_ = false;             // unmap_handles() detaches handles as spares_
+  std::multiset<size_t> spares_;          // sizes of the handles detached for the mapping underway
 
   bool history_on_ = false;
   // The current malloc's caller_counts_oom (read by throw_oom, under mu_).

@@ -30,6 +30,14 @@
 //   unmaps those handles); vmm_unmap takes one such handle out whole (the
 //   addr and size vmm_map was given) and returns its memory to the backend.
 //   The core unmaps only pages no queued work can still touch.
+//   Moving a handle (optional; vmm_moves() false: the core never asks):
+//   vmm_detach unmaps one handle whole as vmm_unmap does but keeps its
+//   memory as a spare of its size (cuMemUnmap without cuMemRelease; false:
+//   the handle is unmapped and released, as by vmm_unmap, and kept as none);
+//   vmm_attach maps a spare of exactly `size` at addr (cuMemMap; not yet
+//   accessible, as after vmm_map; false when the backend holds no spare of
+//   that size); vmm_drop returns the memory of one spare of `size` to the
+//   backend (cuMemRelease). A spare's memory stays in use by the process.
 // - The core calls a backend with its own lock held, from any thread; a
 //   backend needs a lock of its own only for state that tests or other
 //   callers touch from outside the core.
@@ -81,6 +89,10 @@ class Backend {
   // No default: a backend that wraps another must pass this call on.
   virtual bool vmm_access(uintptr_t addr, size_t size) = 0;
   virtual void vmm_unmap(uintptr_t /*addr*/, size_t /*size*/) {}
+  virtual bool vmm_moves() { return false; }
+  virtual bool vmm_detach(uintptr_t /*addr*/, size_t /*size*/) { return false; }
+  virtual bool vmm_attach(uintptr_t /*addr*/, size_t /*size*/) { return false; }
+  virtual void vmm_drop(size_t /*size*/) {}
 
   /// The test-controllable streams of a simulated backend; null on a device.
   virtual SimStreams* sim_streams() { return nullptr; }

@@ -114,6 +114,40 @@ Block* Allocator::usable_neighbour(Block* n, Stream s) {
 }
 
 Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, bool exact) {
+  Block* m = nullptr;
+  try {
+    m = map_for_moving(size, s, why, room, exact);
+  } catch (...) {
+    keep_handles_ = false;
+    drop_spares();
+    throw;
+  }
+  drop_spares();
+  return m;
+}
+
+size_t Allocator::unmap_free_pages_kept(size_t want, uintptr_t keep_lo, uintptr_t keep_hi) {
+  keep_handles_ = backend_->vmm_moves();
+  size_t done = 0;
+  try {
+    done = unmap_free_pages(want, keep_lo, keep_hi, /*wait=*/true, /*all_or_none=*/true);
+  } catch (...) {
+    keep_handles_ = false;
+    throw;
+  }
+  keep_handles_ = false;
+  return done;
+}
+
+void Allocator::drop_spares() {
+  for (size_t size : spares_) {
+    backend_->vmm_drop(size);
+    stats_.num_driver_calls++;  // cuMemRelease
+  }
+  spares_.clear();
+}
+
+Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t room, bool exact) {
   // During a capture only fresh pages may be mapped: unmap_free_pages()
   // moves none then.
   if ((backend_->is_capturing(s) || backend_->capture_underway()) &&
@@ -166,7 +200,13 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
   size_t cap = cfg_.max_pool_size;
   size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   if (cap != 0 && reserved + need > cap) {
-    unmap_free_pages(reserved + need - cap, keep_lo, keep_hi, /*wait=*/true, /*all_or_none=*/true);
+    size_t moved = unmap_free_pages_kept(reserved + need - cap, keep_lo, keep_hi);
+    // The device has the pages back (or they wait as spares, mapped again
+    // or given back before any new handle takes memory): without this the
+    // device's room, read before, sent the mapping below into a second
+    // search of the holes, which found them emptied, and the request into
+    // the out-of-memory retry.
+    if (room != kUnknownRoom) room += moved;
     reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
     if (reserved + need > cap) {
       *why = "max_pool_size " + format_bytes(cap) + " would be exceeded";
@@ -271,7 +311,7 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
     }
   }
   if (!merged && (need > room || !map_handles(lo, need))) {
-    if (unmap_free_pages(need, keep_lo, keep_hi, /*wait=*/true, /*all_or_none=*/true) < need ||
+    if (unmap_free_pages_kept(need, keep_lo, keep_hi) < need ||
         !map_handles(lo, need)) {
       *why = std::string("the ") + backend_->name() + " backend could not map " + format_bytes(need);
       if (room != kUnknownRoom) *why += " (the device has " + format_bytes(room) + " free)";
@@ -414,6 +454,21 @@ bool Allocator::map_handles(uintptr_t lo, size_t size) {
   };
   try {
     while (a < end) {
+      // A spare handle that fits moves here; spares that fit nowhere go
+      // back to the device before any new handle takes its memory.
+      auto sp = spares_.upper_bound(end - a);
+      if (sp != spares_.begin()) {
+        size_t h = *std::prev(sp);
+        spares_.erase(std::prev(sp));
+        stats_.num_driver_calls++;  // cuMemMap
+        if (backend_->vmm_attach(a, h)) {
+          handles_.emplace(a, h);
+          a += h;
+          continue;
+        }
+        spares_.insert(h);  // refused: dropped below like any spare left
+      }
+      drop_spares();
       size_t h = handle_size(a, end);
       if (!backend_->vmm_map(a, h)) {
         stats_.num_driver_calls++;  // the refused cuMemCreate
@@ -441,8 +496,13 @@ bool Allocator::map_handles(uintptr_t lo, size_t size) {
 void Allocator::unmap_handles(uintptr_t lo, uintptr_t hi) {
   auto it = handles_.lower_bound(lo);
   while (it != handles_.end() && it->first < hi) {
-    backend_->vmm_unmap(it->first, it->second);
-    stats_.num_driver_calls += 2;  // cuMemUnmap, cuMemRelease
+    if (keep_handles_ && backend_->vmm_detach(it->first, it->second)) {
+      spares_.insert(it->second);
+      stats_.num_driver_calls++;  // cuMemUnmap
+    } else {
+      if (!keep_handles_) backend_->vmm_unmap(it->first, it->second);
+      stats_.num_driver_calls += 2;  // cuMemUnmap, cuMemRelease
+    }
     it = handles_.erase(it);
   }
 }

@@ -3,7 +3,9 @@
 
 #include <atomic>
 #include <cstdio>
+#include <map>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -377,6 +379,8 @@ class CudaBackend final : public Backend {
           ++it;
         }
       }
+      for (auto& [sz, h] : spares_) d_.MemRelease(h);  // none outside a move (the core drops them)
+      spares_.clear();
       d_.MemAddressFree(static_cast<CUdeviceptr>(base), size);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "pyalloc: releasing a virtual range failed: %s\n", e.what());
@@ -411,6 +415,66 @@ class CudaBackend final : public Backend {
     if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
     check(r, "cuMemSetAccess");
     return true;
+  }
+
+  // A handle moved out of a hole: cuMemUnmap now, cuMemMap at its new
+  // address (or cuMemRelease if it finds none), never a cuMemRelease and a
+  // cuMemCreate for memory the process keeps.
+  bool vmm_moves() override { return true; }
+
+  bool vmm_detach(uintptr_t addr, size_t size) override {
+    // As vmm_unmap: errors are reported, never thrown into the core mid-move.
+    try {
+      ContextGuard g(d_, sh_->ctx);
+      auto it = handles_.find(addr);
+      if (it == handles_.end() || it->second.size != size) {
+        std::fprintf(stderr, "pyalloc: no handle of %zu bytes is mapped at 0x%llx\n", size,
+                     static_cast<unsigned long long>(addr));
+        return false;
+      }
+      CUmemGenericAllocationHandle h = it->second.handle;
+      handles_.erase(it);
+      CUresult r = d_.MemUnmap(static_cast<CUdeviceptr>(addr), size);
+      if (r != CUDA_SUCCESS) {
+        std::fprintf(stderr, "pyalloc: cuMemUnmap failed: %s\n", error_name(r).c_str());
+        d_.MemRelease(h);
+        return false;
+      }
+      spares_.emplace(size, h);
+      return true;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "pyalloc: unmapping pages failed: %s\n", e.what());
+      return false;
+    }
+  }
+
+  bool vmm_attach(uintptr_t addr, size_t size) override {
+    if (sh_->captures.underway() && !grows_while_capturing()) return false;
+    RelaxedCaptureMode relaxed(d_);
+    ContextGuard g(d_, sh_->ctx);
+    auto it = spares_.find(size);
+    if (it == spares_.end()) return false;
+    CUresult r = d_.MemMap(static_cast<CUdeviceptr>(addr), size, 0, it->second, 0);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;  // still a spare: the core drops it
+    check(r, "cuMemMap");
+    handles_[addr] = Mapped{it->second, size};
+    spares_.erase(it);
+    return true;
+  }
+
+  void vmm_drop(size_t size) override {
+    try {
+      ContextGuard g(d_, sh_->ctx);
+      auto it = spares_.find(size);
+      if (it == spares_.end()) {
+        std::fprintf(stderr, "pyalloc: no spare handle of %zu bytes to release\n", size);
+        return;
+      }
+      d_.MemRelease(it->second);
+      spares_.erase(it);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "pyalloc: releasing a spare handle failed: %s\n", e.what());
+    }
   }
 
   void vmm_unmap(uintptr_t addr, size_t size) override {
@@ -517,6 +581,7 @@ class CudaBackend final : public Backend {
     size_t size;
   };
   std::unordered_map<uintptr_t, Mapped> handles_;  // mapped address -> its handle
+  std::multimap<size_t, CUmemGenericAllocationHandle> spares_;  // detached, kept: size -> handle
 };
 
 class CudaDevice final : public Device {

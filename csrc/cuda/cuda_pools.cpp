@@ -126,6 +126,18 @@ class DevicePools::PoolBackend final : public Backend {
     inner_->vmm_unmap(addr, size);
     budget_.give(size);
   }
+  // A spare stays on the budget until dropped.
+  bool vmm_moves() override { return inner_->vmm_moves(); }
+  bool vmm_detach(uintptr_t addr, size_t size) override {
+    bool kept = inner_->vmm_detach(addr, size);
+    if (!kept) budget_.give(size);
+    return kept;
+  }
+  bool vmm_attach(uintptr_t addr, size_t size) override { return inner_->vmm_attach(addr, size); }
+  void vmm_drop(size_t size) override {
+    inner_->vmm_drop(size);
+    budget_.give(size);
+  }
   EventId record_event(Stream s) override { return inner_->record_event(s); }
   bool event_done(EventId e) override { return inner_->event_done(e); }
   bool event_wait(EventId e) override { return inner_->event_wait(e); }

@@ -36,6 +36,7 @@ class Stub(c.Structure):
         ("mode_exchanges", c.c_int64), ("relaxed_during_capture", c.c_int64),
         ("mem_get_info", c.c_int64), ("mem_alloc_refused", c.c_int64), ("mem_create_refused", c.c_int64),
         ("mem_set_access", c.c_int64), ("mem_address_reserve", c.c_int64), ("set_access_oom", c.c_int),
+        ("bad_handle", c.c_int64),
     ]
 
 
@@ -653,8 +654,16 @@ def vmm_check_holes_back_a_large_allocation():
     ptrs = [malloc(4 * MiB) for _ in range(16)]
     for p in ptrs[::2]:
         free(p)
+    before, retries = memory_calls(), stats()["num_alloc_retries"]
     big = malloc(24 * MiB)  # only by moving pages out of the 4 MiB holes
+    assert stats()["num_alloc_retries"] == retries  # no out-of-memory retry needed for it
     assert stub.mapped[0] <= 64 * MiB
+    # The handles move: unmapped from the holes and mapped again under the
+    # request, with no memory given back to the device and taken again.
+    made = calls_since(before)
+    assert made.get("mem_create", 0) == 0 and made["mem_map"] > 0, made
+    assert made["mem_map"] + made.get("mem_release", 0) == made["mem_unmap"], made
+    assert stub.bad_handle == 0
     free(big)
     for p in ptrs[1::2]:
         free(p)
@@ -819,4 +828,5 @@ else:
 for name, fn in list(globals().items()):
     if name.startswith(prefixes) and callable(fn):
         fn()
+        assert stub.bad_handle == 0, f"{name}: a released handle was mapped or released again"
 print("OK")

@@ -69,6 +69,7 @@ struct Stub {
   int64_t mem_alloc_refused, mem_create_refused; /* cuMemAlloc / cuMemCreate answered OUT_OF_MEMORY */
   int64_t mem_set_access, mem_address_reserve;  /* cuMemSetAccess / cuMemAddressReserve calls */
   int set_access_oom;        /* cuMemSetAccess answers OUT_OF_MEMORY (after its checks) */
+  int64_t bad_handle;        /* cuMemMap or cuMemRelease of a handle released already */
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -261,6 +262,7 @@ CUresult cuGetErrorName(CUresult r, const char** name) {
 static int64_t handle_device[1 << 16], handle_size[1 << 16];
 /* Where each handle is mapped (0: nowhere), for cuMemSetAccess's check. */
 static unsigned long long handle_at[1 << 16];
+static char handle_released[1 << 16];
 static int next_handle = 1;
 
 CUresult cuDeviceGetAttribute(int* value, int attribute, int device) {
@@ -304,6 +306,8 @@ CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsig
 }
 CUresult cuMemRelease(unsigned long long h) {
   during_capture();
+  if (h == 0 || h >= (unsigned long long)next_handle || handle_released[h]) { stub.bad_handle++; return INVALID_VALUE; }
+  handle_released[h] = 1;
   stub.used[handle_device[h]] -= handle_size[h];
   stub.mem_release++;
   return SUCCESS;
@@ -314,6 +318,7 @@ CUresult cuMemMap(unsigned long long p, size_t size, size_t offset, unsigned lon
   allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   if (h == 0 || h >= (unsigned long long)next_handle || (int64_t)size != handle_size[h]) return INVALID_VALUE;
+  if (handle_released[h]) { stub.bad_handle++; return INVALID_HANDLE; }
   /* No access until cuMemSetAccess, as on a device. */
   void* m = mmap((void*)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
   if (m == MAP_FAILED) return INVALID_VALUE;
