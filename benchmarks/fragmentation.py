@@ -387,7 +387,7 @@ MISS_REASONS = {
         "handles and with nothing mapped ahead once the pool holds a quarter of what it could have; "
         "random-1-stream-seed0's two 32 MiB growths on any device. On expandable segments' smallest "
         "device, constructor-sun's device 2 moves pages out of holes in its second half (25 mappings and "
-        "19 unmappings; expandable segments make 29 device calls there on a device 0.5% larger)."),
+        "19 unmappings)."),
 }
 
 
@@ -565,9 +565,9 @@ def markdown(results: List[ReplayResult], meta: Dict[str, Any], found: List[Sour
         "to a GiB: the device a user fills by choosing the batch) and on the smallest device expandable "
         "segments complete on (e's smallest: equal budgets where a user of expandable segments runs out "
         "of room), with PyTorch's default allocator, each running its own out-of-memory path. p/n/e as in the first table; ✗ marks a figure of pyalloc's "
-        "above expandable segments' (PyTorch's default makes one cudaMalloc per segment: fewer driver "
-        "calls than either on every recorded trace, and on the 80 GiB and snug devices it reserves more "
-        "than pyalloc on every one; on constructor-sun's device 1 it refuses an allocation on 80 GiB where "
+        "above expandable segments' (PyTorch's default makes one cudaMalloc per segment: on the 80 GiB "
+        "and snug devices of every recorded trace it makes fewer driver calls than either and reserves "
+        "more than pyalloc; on constructor-sun's device 1 it refuses an allocation on 80 GiB where "
         "the other two complete, and on expandable segments' smallest device it refuses allocations on "
         "most: its OOMs column).",
         "",

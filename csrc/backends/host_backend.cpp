@@ -154,13 +154,13 @@ class HostBackend final : public Backend {
       void* want = reinterpret_cast<void*>(addr + i * page_);
       void* got = mmap(want, page_, PROT_NONE, MAP_SHARED | MAP_FIXED, fd_, static_cast<off_t>(pages[i]));
       if (got != want) {
-        // Put back what was mapped; the handle stays a spare.
+        // Put back what was mapped; the handle stays a spare (backend.h).
         for (size_t j = 0; j < i; ++j) {
           mmap(reinterpret_cast<void*>(addr + j * page_), page_, PROT_NONE,
                MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
           page_of_.erase(addr + j * page_);
         }
-        return false;
+        throw std::runtime_error("mmap of a moved page failed");
       }
       page_of_[addr + i * page_] = pages[i];
     }

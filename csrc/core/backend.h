@@ -35,9 +35,11 @@
 //   memory as a spare of its size (cuMemUnmap without cuMemRelease; false:
 //   the handle is unmapped and released, as by vmm_unmap, and kept as none);
 //   vmm_attach maps a spare of exactly `size` at addr (cuMemMap; not yet
-//   accessible, as after vmm_map; false when the backend holds no spare of
-//   that size); vmm_drop returns the memory of one spare of `size` to the
-//   backend (cuMemRelease). A spare's memory stays in use by the process.
+//   accessible, as after vmm_map; false, with no driver call made, when it
+//   may not map now (a capture underway) or holds no spare of that size; a
+//   failed mapping throws, the handle still a spare); vmm_drop returns the
+//   memory of one spare of `size` to the backend (cuMemRelease). A spare's
+//   memory stays in use by the process.
 // - The core calls a backend with its own lock held, from any thread; a
 //   backend needs a lock of its own only for state that tests or other
 //   callers touch from outside the core.

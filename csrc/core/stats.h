@@ -101,8 +101,10 @@ struct Stats {
   // same count on every backend: cuMemAlloc or cuMemFree per segment (refused
   // ones too); per mapped handle cuMemCreate and cuMemMap (a refused mapping:
   // one cuMemCreate), one cuMemSetAccess per range of handles mapped at once,
-  // per unmapped handle cuMemUnmap and cuMemRelease; cuMemAddressReserve for
-  // the virtual range. Not in torch.
+  // per unmapped handle cuMemUnmap and cuMemRelease (a handle moving out of a
+  // hole: cuMemUnmap, then cuMemMap at its new address, or cuMemRelease if
+  // the new range has no use for it); cuMemAddressReserve for the virtual
+  // range. Not in torch.
   int64_t num_driver_calls = 0;
   int64_t num_oom_rejections = 0;  // OOMs refused at once (OutOfMemoryError::rejected())
   int64_t max_split_size = 0;

@@ -456,17 +456,23 @@ bool Allocator::map_handles(uintptr_t lo, size_t size) {
     while (a < end) {
       // A spare handle that fits moves here; spares that fit nowhere go
       // back to the device before any new handle takes its memory.
+      // A moved handle keeps its size, whatever the handle limit now: its
+      // memory is the process's either way (in replay, every smallest
+      // budget as it was, to 0.5%).
       auto sp = spares_.upper_bound(end - a);
       if (sp != spares_.begin()) {
         size_t h = *std::prev(sp);
-        spares_.erase(std::prev(sp));
-        stats_.num_driver_calls++;  // cuMemMap
+        // Still the core's spare while the backend may throw: dropped then
+        // like the others (map_for()).
         if (backend_->vmm_attach(a, h)) {
+          spares_.erase(spares_.find(h));
+          stats_.num_driver_calls++;  // cuMemMap
           handles_.emplace(a, h);
           a += h;
           continue;
         }
-        spares_.insert(h);  // refused: dropped below like any spare left
+        // Refused, with no driver call made (backend.h): the spares go back
+        // below like any that fit nowhere.
       }
       drop_spares();
       size_t h = handle_size(a, end);

@@ -454,9 +454,9 @@ class CudaBackend final : public Backend {
     ContextGuard g(d_, sh_->ctx);
     auto it = spares_.find(size);
     if (it == spares_.end()) return false;
-    CUresult r = d_.MemMap(static_cast<CUdeviceptr>(addr), size, 0, it->second, 0);
-    if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;  // still a spare: the core drops it
-    check(r, "cuMemMap");
+    // The handle's memory is held already: any failure is an error (thrown;
+    // the handle stays a spare, which the core drops).
+    check(d_.MemMap(static_cast<CUdeviceptr>(addr), size, 0, it->second, 0), "cuMemMap");
     handles_[addr] = Mapped{it->second, size};
     spares_.erase(it);
     return true;

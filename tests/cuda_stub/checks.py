@@ -36,7 +36,7 @@ class Stub(c.Structure):
         ("mode_exchanges", c.c_int64), ("relaxed_during_capture", c.c_int64),
         ("mem_get_info", c.c_int64), ("mem_alloc_refused", c.c_int64), ("mem_create_refused", c.c_int64),
         ("mem_set_access", c.c_int64), ("mem_address_reserve", c.c_int64), ("set_access_oom", c.c_int),
-        ("bad_handle", c.c_int64),
+        ("bad_handle", c.c_int64), ("fail_remap", c.c_int),
     ]
 
 
@@ -668,6 +668,37 @@ def vmm_check_holes_back_a_large_allocation():
     for p in ptrs[1::2]:
         free(p)
     hooks.pyalloc_set_memory_fraction(1.0, 0)
+    _C.cuda_check_invariants(0)
+
+
+def vmm_check_a_failed_move_keeps_no_handle():
+    """cuMemMap failing for a handle moving out of a hole: the request fails with
+    the driver's error, every handle moved is released once (none kept, none
+    twice), and the pool serves the request once the driver maps again."""
+    hooks.pyalloc_empty_cache()
+    hooks.pyalloc_set_memory_fraction(64 / 256, 0)
+    ptrs = [malloc(4 * MiB) for _ in range(16)]
+    for p in ptrs[::2]:
+        free(p)
+    held = stub.used[0] - stub.mapped[0]  # memory of handles mapped nowhere
+    stub.fail_remap = 1
+    try:
+        malloc(24 * MiB)
+        raise AssertionError("a request served by a mapping that failed")
+    except RuntimeError as e:
+        assert "cuMemMap" in str(e), str(e)
+    finally:
+        stub.fail_remap = 0
+    assert stub.used[0] - stub.mapped[0] == held and stub.bad_handle == 0
+    assert stats()["reserved_bytes.all.current"] <= 64 * MiB
+    _C.cuda_check_invariants(0)
+    big = malloc(24 * MiB)
+    c.memset(big, 3, 24 * MiB)
+    free(big)
+    for p in ptrs[1::2]:
+        free(p)
+    hooks.pyalloc_set_memory_fraction(1.0, 0)
+    hooks.pyalloc_empty_cache()
     _C.cuda_check_invariants(0)
 
 

@@ -70,6 +70,7 @@ struct Stub {
   int64_t mem_set_access, mem_address_reserve;  /* cuMemSetAccess / cuMemAddressReserve calls */
   int set_access_oom;        /* cuMemSetAccess answers OUT_OF_MEMORY (after its checks) */
   int64_t bad_handle;        /* cuMemMap or cuMemRelease of a handle released already */
+  int fail_remap;            /* cuMemMap of a handle mapped before answers STUB_FAILURE */
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -262,7 +263,7 @@ CUresult cuGetErrorName(CUresult r, const char** name) {
 static int64_t handle_device[1 << 16], handle_size[1 << 16];
 /* Where each handle is mapped (0: nowhere), for cuMemSetAccess's check. */
 static unsigned long long handle_at[1 << 16];
-static char handle_released[1 << 16];
+static char handle_released[1 << 16], handle_was_mapped[1 << 16];
 static int next_handle = 1;
 
 CUresult cuDeviceGetAttribute(int* value, int attribute, int device) {
@@ -319,10 +320,12 @@ CUresult cuMemMap(unsigned long long p, size_t size, size_t offset, unsigned lon
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   if (h == 0 || h >= (unsigned long long)next_handle || (int64_t)size != handle_size[h]) return INVALID_VALUE;
   if (handle_released[h]) { stub.bad_handle++; return INVALID_HANDLE; }
+  if (stub.fail_remap && handle_was_mapped[h]) return STUB_FAILURE;
   /* No access until cuMemSetAccess, as on a device. */
   void* m = mmap((void*)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
   if (m == MAP_FAILED) return INVALID_VALUE;
   handle_at[h] = p;
+  handle_was_mapped[h] = 1;
   stub.mapped[handle_device[h]] += (int64_t)size;
   stub.mem_map++;
   return SUCCESS;

@@ -58,6 +58,30 @@ def main():
     small = torch.empty(int(0.1 * total), dtype=torch.uint8, device="cuda")
     assert torch.cuda.memory_reserved() <= 0.25 * total
     del small
+
+    # Under the cap, a request that fits no hole takes the holes' pages (strategy
+    # vmm): their handles move (cuMemUnmap, cuMemMap at the new address,
+    # cuMemSetAccess), and the live tensors between the holes keep their values.
+    torch.cuda.empty_cache()
+    chunk = 64 * MiB
+    n = int(0.2 * total) // chunk
+    blocks = [torch.full((chunk,), i % 251, dtype=torch.uint8, device="cuda") for i in range(n)]
+    for i in range(0, n, 2):
+        blocks[i] = None
+    want = 4 * chunk * (n // 8)
+    reserved = torch.cuda.memory_reserved()
+    moves = pyalloc._C.cuda_config()["strategy"] == "vmm"
+    if moves:
+        assert reserved + want > 0.25 * total, (reserved, want)  # so only moved pages can hold it
+        big = torch.full((want,), 7, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_reserved() <= 0.25 * total
+        assert bool(big.eq(7).all())
+        del big
+    for i in range(1, n, 2):
+        assert bool(blocks[i].eq(i % 251).all()), i
+    del blocks
+    torch.cuda.set_per_process_memory_fraction(1.0)
     pyalloc._C.cuda_check_invariants(0)
     print("OK")
 
