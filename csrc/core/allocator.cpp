@@ -412,12 +412,24 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
   if (!may_grow(size, &room, &why)) throw_oom(request, size, s, why, true);
   b = vmm_ ? map_for(size, s, &why, room) : grow(size, s, &why, room);
   if (b == nullptr && !backend_->is_capturing(s) && !backend_->capture_underway()) {
-    // Give back everything cached and try once more, as PyTorch does.
+    // Give back everything cached and try once more, as PyTorch does. The
+    // handles unmapped wait as spares (as pages moving out of holes do:
+    // map_for()), so the retry maps them again rather than create new ones;
+    // what it has no use for is released at the end.
     stats_.num_alloc_retries++;
-    release_cached();
-    b = find_free(kLargePool, size, s);
-    if (b == nullptr && may_grow(size, &room, &why))
-      b = vmm_ ? map_for(size, s, &why, room) : grow(size, s, &why, room);
+    try {
+      keep_handles_ = vmm_ && backend_->vmm_moves();
+      release_cached();
+      keep_handles_ = false;
+      b = find_free(kLargePool, size, s);
+      if (b == nullptr && may_grow(size, &room, &why))
+        b = vmm_ ? map_for(size, s, &why, room) : grow(size, s, &why, room);
+    } catch (...) {
+      keep_handles_ = false;
+      drop_spares();
+      throw;
+    }
+    drop_spares();
   }
   if (b == nullptr) throw_oom(request, size, s, why);
   return take(b, size, s);
@@ -439,6 +451,8 @@ bool Allocator::may_grow(size_t size, size_t* room, std::string* why) {
   backend_->mem_info(&dev_free, &dev_total);
   *room = kUnknownRoom;
   if (dev_total == 0) return true;  // unbounded, or not known during a capture
+  // Spare handles (an out-of-memory retry's) hold memory the mapping takes first.
+  for (size_t h : spares_) dev_free += h;
   *room = dev_free;
   size_t give_back = reserved - std::min(held, reserved);
   if (size > dev_free && size - dev_free > give_back) {

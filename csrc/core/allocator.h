@@ -308,7 +308,9 @@ class Allocator {
   // unmap_handles() detaches the handles and keeps them as spares_, which
   // map_handles() maps again before it creates any (cuMemUnmap and cuMemMap
   // for a handle that moves, not cuMemUnmap, cuMemRelease, cuMemCreate and
-  // cuMemMap). map_for() drops whatever is left when it returns or throws.
+  // cuMemMap). map_for() drops whatever is left when it returns or throws;
+  // so does the out-of-memory retry (alloc_large()), whose release_cached()
+  // keeps the handles it unmaps for the mapping it retries.
   Block* map_for_moving(size_t size, Stream s, std::string* why, size_t room, bool exact);
   size_t unmap_free_pages_kept(size_t want, uintptr_t keep_lo, uintptr_t keep_hi);
   void drop_spares();
