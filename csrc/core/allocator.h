@@ -275,7 +275,8 @@ class Allocator {
   // backend does not say (unbounded, or a capture is underway).
   static constexpr size_t kUnknownRoom = SIZE_MAX;
   // Whether the pool could grow by size (the cap; the device's free memory
-  // plus what the pool could give back); *room: the device's free bytes.
+  // plus what the pool could give back); *room: the device's free bytes, and
+  // those of the spare handles an out-of-memory retry holds.
   bool may_grow(size_t size, size_t* room, std::string* why);
   Block* grow(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom);
   Block* add_segment(uintptr_t base, size_t size, Stream s);
@@ -328,7 +329,8 @@ class Allocator {
   void poll_syncs(StreamState& st, bool wait);
   void process_pending(bool wait);
   size_t reclaim_free_chunks();
-  // Everything cached above `keep` reserved bytes goes back to the backend.
+  // Everything cached above `keep` reserved bytes goes back to the backend
+  // (unmapped handles wait as spares instead while keep_handles_ is set).
   size_t release_cached(size_t keep = 0);
   void merge_ready_neighbours();
   void release_segment(Segment* seg);

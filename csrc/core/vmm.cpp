@@ -140,11 +140,13 @@ size_t Allocator::unmap_free_pages_kept(size_t want, uintptr_t keep_lo, uintptr_
 }
 
 void Allocator::drop_spares() {
-  for (size_t size : spares_) {
+  // Forgotten first: a backend that throws midway is not asked twice.
+  std::multiset<size_t> spares;
+  spares.swap(spares_);
+  for (size_t size : spares) {
     backend_->vmm_drop(size);
     stats_.num_driver_calls++;  // cuMemRelease
   }
-  spares_.clear();
 }
 
 Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t room, bool exact) {

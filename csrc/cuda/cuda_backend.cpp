@@ -379,7 +379,8 @@ class CudaBackend final : public Backend {
           ++it;
         }
       }
-      for (auto& [sz, h] : spares_) d_.MemRelease(h);  // none outside a move (the core drops them)
+      // None outside a move or an out-of-memory retry: the core drops them.
+      for (auto& [sz, h] : spares_) d_.MemRelease(h);
       spares_.clear();
       d_.MemAddressFree(static_cast<CUdeviceptr>(base), size);
     } catch (const std::exception& e) {
