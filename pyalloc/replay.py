@@ -83,6 +83,13 @@ _COVER_STREAM = (1 << 64) - 1
 #: The budget search stops once the bracket is this fraction of its upper end.
 BUDGET_PRECISION = 0.005
 
+#: An allocator can complete a trace on a device and fail on a slightly larger
+#: one (its choices depend on the room it has: pyalloc's handle sizes, PyTorch's
+#: out-of-memory retries). The smallest budget is checked on devices this much
+#: larger too, and searched again above any of them that fails: the budget
+#: reported is one from which every device checked completes.
+BUDGET_CHECKS_ABOVE = (0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05)
+
 #: Traces with at least this many events get a progress bar on a terminal.
 PROGRESS_MIN_EVENTS = 200_000
 
@@ -516,16 +523,27 @@ def _min_budget(calls: Any, conf: str, peak_live: int, peak_reserved: int,
     lo, hi = peak_live - 1, peak_reserved
     replays = 0
     bar = bars.search()
-    while hi - lo > hi * BUDGET_PRECISION:
-        mid = max((lo + hi) // 2, 1)  # a device holds at least a byte
-        replays += 1
-        if _fits(calls, conf, mid, allocator):
-            hi = mid
-        else:
-            lo = mid
-        if bar is not None:
-            bar.update(1)
-    return hi, replays
+    while True:
+        while hi - lo > hi * BUDGET_PRECISION:
+            mid = max((lo + hi) // 2, 1)  # a device holds at least a byte
+            replays += 1
+            if _fits(calls, conf, mid, allocator):
+                hi = mid
+            else:
+                lo = mid
+            if bar is not None:
+                bar.update(1)
+        # Larger devices must complete too (BUDGET_CHECKS_ABOVE): else the
+        # search goes on above the largest that failed, below the next that
+        # completes (or the unbounded replay's peak reserved).
+        checked = [int(hi * (1 + above)) for above in BUDGET_CHECKS_ABOVE]
+        fits = {size: _fits(calls, conf, size, allocator) for size in checked if size < peak_reserved}
+        replays += len(fits)
+        failed = [size for size, ok in fits.items() if not ok]
+        if not failed:
+            return hi, replays
+        lo = max(failed)
+        hi = min([size for size, ok in fits.items() if ok and size > lo], default=peak_reserved)
 
 
 def _ratio(num: Optional[int], den: int) -> Optional[float]:

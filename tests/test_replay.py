@@ -538,3 +538,24 @@ def test_table_formats(tmp_path):
                           f"{runs['native_expandable']['driver_calls']} |")
     assert md[2].split(" | ")[-2] == "0/0/0"  # the OOMs at 1 GiB: nobody refuses 100 B
     assert md[2].startswith("| b.pickle | 0 | 100 B |")
+
+
+def test_the_smallest_budget_is_one_every_larger_device_checked_completes_from(monkeypatch):
+    """An allocator that completes on a device and fails on one slightly larger:
+    the budget reported is above the failures, and every device checked above
+    it completes."""
+    import pyalloc.replay as replay_mod
+
+    def fits(calls, conf, capacity, allocator="pyalloc"):
+        return capacity >= 100_000 and not 100_150 <= capacity <= 100_400
+
+    monkeypatch.setattr(replay_mod, "_fits", fits)
+    budget, replays = replay_mod._min_budget(None, "", 90_000, 200_000, replay_mod._Bars(False, "t"))
+    assert budget > 100_400 and replays > 0
+    assert budget <= 100_400 * (1 + replay_mod.BUDGET_CHECKS_ABOVE[0]) + 200_000 * replay_mod.BUDGET_PRECISION
+    for above in replay_mod.BUDGET_CHECKS_ABOVE:
+        assert fits(None, "", int(budget * (1 + above)))
+    # A monotonic allocator: the bisection's answer, within its precision.
+    monkeypatch.setattr(replay_mod, "_fits", lambda calls, conf, capacity, allocator="pyalloc": capacity >= 100_000)
+    budget, _ = replay_mod._min_budget(None, "", 90_000, 200_000, replay_mod._Bars(False, "t"))
+    assert 100_000 <= budget <= 100_000 * (1 + replay_mod.BUDGET_PRECISION)
