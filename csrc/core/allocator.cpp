@@ -418,14 +418,14 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
     // what it has no use for is released at the end.
     stats_.num_alloc_retries++;
     try {
-      keep_handles_ = vmm_ && backend_->vmm_moves();
-      release_cached();
-      keep_handles_ = false;
+      {
+        KeepHandles keep(keep_handles_, vmm_ && backend_->vmm_moves());
+        release_cached();
+      }
       b = find_free(kLargePool, size, s);
       if (b == nullptr && may_grow(size, &room, &why))
         b = vmm_ ? map_for(size, s, &why, room) : grow(size, s, &why, room);
     } catch (...) {
-      keep_handles_ = false;
       drop_spares();
       throw;
     }

@@ -313,6 +313,12 @@ class Allocator {
   // so does the out-of-memory retry (alloc_large()), whose release_cached()
   // keeps the handles it unmaps for the mapping it retries.
   Block* map_for_moving(size_t size, Stream s, std::string* why, size_t room, bool exact);
+  // keep_handles_ set for a scope, cleared however it ends.
+  struct KeepHandles {
+    bool& flag;
+    KeepHandles(bool& f, bool on) : flag(f) { flag = on; }
+    ~KeepHandles() { flag = false; }
+  };
   size_t unmap_free_pages_kept(size_t want, uintptr_t keep_lo, uintptr_t keep_hi);
   void drop_spares();
   // The size of the handle mapped at addr when [addr, end) is mapped.

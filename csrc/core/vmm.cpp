@@ -118,7 +118,6 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
   try {
     m = map_for_moving(size, s, why, room, exact);
   } catch (...) {
-    keep_handles_ = false;
     drop_spares();
     throw;
   }
@@ -127,16 +126,8 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
 }
 
 size_t Allocator::unmap_free_pages_kept(size_t want, uintptr_t keep_lo, uintptr_t keep_hi) {
-  keep_handles_ = backend_->vmm_moves();
-  size_t done = 0;
-  try {
-    done = unmap_free_pages(want, keep_lo, keep_hi, /*wait=*/true, /*all_or_none=*/true);
-  } catch (...) {
-    keep_handles_ = false;
-    throw;
-  }
-  keep_handles_ = false;
-  return done;
+  KeepHandles keep(keep_handles_, backend_->vmm_moves());
+  return unmap_free_pages(want, keep_lo, keep_hi, /*wait=*/true, /*all_or_none=*/true);
 }
 
 void Allocator::drop_spares() {
@@ -467,7 +458,7 @@ bool Allocator::map_handles(uintptr_t lo, size_t size) {
         // Still the core's spare while the backend may throw: dropped then
         // like the others (map_for()).
         if (backend_->vmm_attach(a, h)) {
-          spares_.erase(spares_.find(h));
+          spares_.erase(std::prev(sp));
           stats_.num_driver_calls++;  // cuMemMap
           handles_.emplace(a, h);
           a += h;
@@ -508,6 +499,7 @@ void Allocator::unmap_handles(uintptr_t lo, uintptr_t hi) {
       spares_.insert(it->second);
       stats_.num_driver_calls++;  // cuMemUnmap
     } else {
+      // A detach that failed has released the handle already (backend.h).
       if (!keep_handles_) backend_->vmm_unmap(it->first, it->second);
       stats_.num_driver_calls += 2;  // cuMemUnmap, cuMemRelease
     }
