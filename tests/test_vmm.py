@@ -300,6 +300,30 @@ def test_no_growth_ahead_once_the_pool_holds_a_quarter_of_its_room():
         assert rise_beside_2_gib(cap, 5 * MiB, "reserved_bytes.all.current") == mapped, cap
 
 
+def test_growth_maps_ahead_in_one_page_handles_past_a_quarter_of_the_room():
+    """Past a quarter, once handles are one page, growth maps on to a 20 MiB
+    boundary while the room left is at least 16 times the growth and the
+    grain: 2 GiB held under a 3 GiB cap (1 GiB of room), a 5 MiB request maps
+    its 6 MiB and on to 2060 MiB, a handle a page (cuMemCreate and cuMemMap
+    each, one cuMemSetAccess), and the next 5 MiB is served with no device
+    call; under a 2.3 GiB cap only its 6 MiB."""
+    GiB = 1 << 30
+    a = vmm("virtual", max_pool_size=3 * GiB)
+    keep = a.malloc(2 * GiB)
+    assert a.stats()["reserved_bytes.all.current"] == 2 * GiB
+    calls = a.stats()["num_driver_calls"]
+    p = a.malloc(5 * MiB)
+    assert a.stats()["reserved_bytes.all.current"] == 2 * GiB + 12 * MiB
+    assert a.stats()["num_driver_calls"] - calls == 6 * 2 + 1
+    maps = a.stats()["num_device_alloc"]
+    q = a.malloc(5 * MiB)
+    assert a.stats()["num_device_alloc"] == maps
+    a.check_invariants()
+    for x in (q, p, keep):
+        a.free(x)
+    assert rise_beside_2_gib(int(2.3 * GiB), 5 * MiB, "reserved_bytes.all.current") == 6 * MiB
+
+
 def test_handles_of_any_size_with_room():
     """With the room left at least three times what the pool holds, a mapping
     is handles of the limit and one of the rest. 2 GiB held (mapped on to
