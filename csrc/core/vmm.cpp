@@ -290,9 +290,12 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   uintptr_t ext_lo = 0, ext_hi = 0;
   if (!exact && need < u->size && (roomy_ || snug_ahead)) {
     size_t grain = page_;
-    while (grain * 2 <= handle_limit_ && grain * 2 * kGrowthShare <= reserved) grain *= 2;
-    grain = std::max(grain, std::min(std::max(kMinGrain / page_, size_t(1)) * page_, handle_limit_));
-    if (snug_ahead) grain = round_up(kSnugGrain, page_);
+    if (snug_ahead) {
+      grain = round_up(kSnugGrain, page_);
+    } else {
+      while (grain * 2 <= handle_limit_ && grain * 2 * kGrowthShare <= reserved) grain *= 2;
+      grain = std::max(grain, std::min(std::max(kMinGrain / page_, size_t(1)) * page_, handle_limit_));
+    }
     uintptr_t base = vmm_seg_->base;
     if (lo == u->addr) {
       ext_lo = hi;

@@ -724,7 +724,7 @@ def vmm_check_an_out_of_memory_retry_maps_again_the_handles_it_unmaps():
     made = calls_since(before)
     assert stats()["num_alloc_retries"] == retries + 1
     # p1's three pages unmapped and mapped again; one page made for the rest.
-    assert made == {"mem_unmap": 3, "mem_map": 4, "mem_create": 1, "mem_get_info": made.get("mem_get_info")}, made
+    assert {k: n for k, n in made.items() if k != "mem_get_info"} == {"mem_unmap": 3, "mem_map": 4, "mem_create": 1}, made
     free(p2)
     hooks.pyalloc_set_memory_fraction(1.0, 0)
     hooks.pyalloc_empty_cache()
