@@ -47,6 +47,9 @@ class Allocator:
         conf: configuration as ``"key:value,..."`` (sizes in bytes or with
             KiB/MiB/GiB), e.g. ``"pool_size:2GiB,max_pool_size:40GiB"``.
         capacity: bytes the simulated device holds (0: unbounded).
+        page_size: ``"virtual"`` only: the size of the pages the vmm strategy maps
+            (0: CUDA's 2 MiB; a power of two from 4 KiB to 1 GiB), to ask what a
+            device with other pages would have done.
         **config: the same keys as keyword arguments; they override ``conf``.
 
     All sizes are in bytes; streams are integer handles.
@@ -58,11 +61,13 @@ class Allocator:
         conf: Optional[str] = None,
         *,
         capacity: Size = 0,
+        page_size: Size = 0,
         **config: Size,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
-        self._core = _C.Allocator(backend, conf_string(conf, config), as_size(capacity, "capacity"))
+        self._core = _C.Allocator(backend, conf_string(conf, config), as_size(capacity, "capacity"),
+                                  page_size=as_size(page_size, "page_size"))
 
     # -- allocation -----------------------------------------------------------------------
 

@@ -507,17 +507,19 @@ def _replay_models(result: ReplayResult, calls: Any, plan: ReplayPlan, search: b
     return replays
 
 
-def _fits(calls: Any, conf: str, capacity: int, allocator: str = "pyalloc") -> bool:
+def _fits(calls: Any, conf: str, capacity: int, allocator: str = "pyalloc",
+          page_size: Optional[int] = None) -> bool:
     """Whether the whole trace replays within `capacity` bytes without an OOM."""
-    return run_allocator(calls, allocator, capacity=capacity, stop_on_oom=True, conf=conf).completed
+    return run_allocator(calls, allocator, capacity=capacity, stop_on_oom=True, conf=conf,
+                         page_size=page_size).completed
 
 
 def _min_budget(calls: Any, conf: str, peak_live: int, peak_reserved: int,
-                bars: "_Bars", allocator: str = "pyalloc") -> Tuple[int, int]:
+                bars: "_Bars", allocator: str = "pyalloc", page_size: Optional[int] = None) -> Tuple[int, int]:
     """Bisection on the device's capacity, between peak live (too little: the
     live bytes alone need that much) and the unbounded replay's peak reserved
     (enough: the same replay never reserved more), to BUDGET_PRECISION.
-    Returns (budget, replays)."""
+    `page_size`: pyalloc's what-if page size (run_allocator()). Returns (budget, replays)."""
     if peak_live == 0:
         return 0, 0
     lo, hi = peak_live - 1, peak_reserved
@@ -527,7 +529,7 @@ def _min_budget(calls: Any, conf: str, peak_live: int, peak_reserved: int,
         while hi - lo > hi * BUDGET_PRECISION:
             mid = max((lo + hi) // 2, 1)  # a device holds at least a byte
             replays += 1
-            if _fits(calls, conf, mid, allocator):
+            if _fits(calls, conf, mid, allocator, page_size):
                 hi = mid
             else:
                 lo = mid
@@ -537,7 +539,7 @@ def _min_budget(calls: Any, conf: str, peak_live: int, peak_reserved: int,
         # search goes on above the largest that failed, below the next that
         # completes (or the unbounded replay's peak reserved).
         checked = [int(hi * (1 + above)) for above in BUDGET_CHECKS_ABOVE]
-        fits = {size: _fits(calls, conf, size, allocator) for size in checked if size < peak_reserved}
+        fits = {size: _fits(calls, conf, size, allocator, page_size) for size in checked if size < peak_reserved}
         replays += len(fits)
         failed = [size for size, ok in fits.items() if not ok]
         if not failed:

@@ -45,17 +45,23 @@ class AllocatorRun:
 
 
 def run_allocator(calls: Any, allocator: str, *, capacity: Optional[int] = None,
-                  stop_on_oom: bool = False, conf: str = "", plan: Any = None) -> AllocatorRun:
+                  stop_on_oom: bool = False, conf: str = "", plan: Any = None,
+                  page_size: Optional[int] = None) -> AllocatorRun:
     """Replays `calls` (a _C.ReplayTrace) through `allocator` on a device of
     `capacity` bytes (None: unbounded). `conf` is pyalloc's configuration (pyalloc only).
     `plan` is the ReplayPlan the calls came from (the PyTorch models may use its
-    pre-trace blocks / segments). Raises ValueError for an unknown allocator name."""
+    pre-trace blocks / segments). `page_size` (pyalloc only; None: CUDA's 2 MiB) replays
+    on a device whose virtual-memory pages have that size: a what-if, no GPU maps less.
+    Raises ValueError for an unknown allocator name, or a page_size for another allocator."""
     if allocator not in ALLOCATORS:
         raise ValueError(f"unknown allocator {allocator!r}; valid allocators: {', '.join(ALLOCATORS)}")
     if capacity is not None and capacity < 1:
         raise ValueError(f"capacity must be at least 1 byte, got {capacity}")
     if allocator == "pyalloc":
-        return _run_pyalloc(calls, capacity, stop_on_oom, conf)
+        return _run_pyalloc(calls, capacity, stop_on_oom, conf, page_size or 0)
+    if page_size is not None:
+        raise ValueError(f"page_size applies to pyalloc only, not to {allocator!r} (a model of PyTorch's "
+                         "allocator, whose pages are CUDA's)")
     # Every allocator starts from an empty device, the blocks live before the
     # trace allocated first: the same start for all three. (Validation against a
     # snapshot's own calls starts the model from the recorded segments instead:
@@ -74,9 +80,10 @@ def run_allocator(calls: Any, allocator: str, *, capacity: Optional[int] = None,
     )
 
 
-def _run_pyalloc(calls: Any, capacity: Optional[int], stop_on_oom: bool, conf: str) -> AllocatorRun:
+def _run_pyalloc(calls: Any, capacity: Optional[int], stop_on_oom: bool, conf: str,
+                 page_size: int = 0) -> AllocatorRun:
     try:
-        allocator = _C.Allocator("virtual", conf, capacity or 0)
+        allocator = _C.Allocator("virtual", conf, capacity or 0, page_size=page_size)
     except _C.OutOfMemoryError:  # pool_size alone does not fit: every request fails
         # A valid trace opens with an alloc (a free needs a live allocation), so op 0 is the first refused.
         refused = min(calls.allocs, 1) if stop_on_oom else calls.allocs

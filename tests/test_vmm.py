@@ -335,3 +335,57 @@ def test_handles_of_any_size_with_room():
     GiB = 1 << 30
     for cap, calls in ((40 * GiB, 3), (14 * GiB, 3 * 2 + 1)):
         assert rise_beside_2_gib(cap, 24 * MiB, "num_driver_calls") == calls, cap
+
+
+def test_a_device_with_smaller_pages_takes_pages_out_of_holes_2mib_pages_cannot():
+    """What-if pages (virtual backend): 1.5 MiB holes between live blocks hold
+    no whole 2 MiB page, but 24 whole 64 KiB pages each. Under the same cap only
+    the smaller pages serve the large request."""
+    def fill(page_size):
+        a = pyalloc.Allocator("virtual", strategy="vmm", max_pool_size=26 * MiB, page_size=page_size)
+        ptrs = [a.malloc(3 * MiB // 2) for _ in range(16)]
+        for p in ptrs[::2]:
+            a.free(p)  # 12 MiB free in eight holes, each sharing 2 MiB pages with live blocks
+        return a
+    a = fill(0)
+    with pytest.raises(pyalloc.OutOfMemoryError):
+        a.malloc(10 * MiB)
+    a.check_invariants()
+    a = fill(64 * KiB)
+    p = a.malloc(10 * MiB)
+    s = a.stats()
+    assert s["num_device_free"] > 0  # pages moved out of the holes
+    assert s["reserved_bytes.all.peak"] <= 26 * MiB
+    assert s["reserved_bytes.all.current"] % (64 * KiB) == 0
+    a.free(p)
+    a.check_invariants()
+
+
+def test_page_size_is_validated():
+    for bad in (1000, 2 * KiB, 3 * 64 * KiB, 2 << 30):
+        with pytest.raises(ValueError, match="power of two from 4 KiB to 1 GiB"):
+            pyalloc.Allocator("virtual", page_size=bad)
+    with pytest.raises(ValueError, match="virtual backend only"):
+        pyalloc.Allocator("host", page_size=64 * KiB)
+    assert pyalloc.Allocator("virtual", page_size="1GiB").malloc(5 * MiB) % 512 == 0
+
+
+def test_replay_on_a_device_with_smaller_pages():
+    from array import array
+
+    from pyalloc import _C
+    from pyalloc.replay_allocators import run_allocator
+
+    # The holes above, as a trace: 16 blocks of 1.5 MiB, every other freed, then 10 MiB.
+    kinds, ids, sizes = [], [], []
+    for i in range(16):
+        kinds.append(1), ids.append(i), sizes.append(3 * MiB // 2)
+    for i in range(0, 16, 2):
+        kinds.append(2), ids.append(i), sizes.append(0)
+    kinds.append(1), ids.append(16), sizes.append(10 * MiB)
+    calls = _C.ReplayTrace(array("B", kinds), array("I", ids), array("Q", sizes), array("Q", [0] * len(kinds)))
+    assert not run_allocator(calls, "pyalloc", capacity=26 * MiB).completed
+    run = run_allocator(calls, "pyalloc", capacity=26 * MiB, page_size=64 * KiB)
+    assert run.completed and run.peak_reserved_bytes <= 26 * MiB
+    with pytest.raises(ValueError, match="pyalloc only"):
+        run_allocator(calls, "native_expandable", page_size=64 * KiB)

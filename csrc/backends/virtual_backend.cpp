@@ -3,9 +3,11 @@
 // ranges are never handed out twice, so a stale pointer can never alias a
 // new segment. `capacity` plays the device's size (0 = unbounded): it bounds
 // segments and mapped virtual-memory pages together.
+#include <algorithm>
 #include <mutex>
 #include <set>
 #include <stdexcept>
+#include <string>
 
 #include "core/backend.h"
 #include "sim_streams.h"
@@ -15,7 +17,7 @@ namespace {
 
 class VirtualBackend final : public Backend {
  public:
-  explicit VirtualBackend(size_t capacity) : capacity_(capacity) {}
+  VirtualBackend(size_t capacity, size_t page) : capacity_(capacity), page_(page) {}
 
   const char* name() const override { return "virtual"; }
 
@@ -50,13 +52,15 @@ class VirtualBackend final : public Backend {
   void event_free(EventId e) override { streams_.release(e); }
   SimStreams* sim_streams() override { return &streams_; }
 
-  size_t vmm_page_size() override { return kSegmentAlign; }
+  size_t vmm_page_size() override { return page_; }
 
   uintptr_t vmm_reserve(size_t size) override {
     std::lock_guard<std::mutex> g(mu_);
-    if (size > kLimit - next_) return 0;
-    uintptr_t base = next_;
-    next_ += round_up(size, kSegmentAlign) + kSegmentAlign;
+    // Page-aligned, like a range cuMemAddressReserve gives.
+    size_t align = std::max(page_, kSegmentAlign);
+    uintptr_t base = round_up(next_, align);
+    if (base > kLimit || size > kLimit - base) return 0;
+    next_ = base + round_up(size, align) + align;
     return base;
   }
 
@@ -102,6 +106,7 @@ class VirtualBackend final : public Backend {
   static constexpr uintptr_t kLimit = uintptr_t(1) << 62;
   std::mutex mu_;
   size_t capacity_;
+  size_t page_;
   size_t used_ = 0;
   uintptr_t next_ = kStart;
   std::multiset<size_t> spares_;  // detached handles' sizes
@@ -110,8 +115,11 @@ class VirtualBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_virtual_backend(size_t capacity) {
-  return std::make_unique<VirtualBackend>(capacity);
+std::unique_ptr<Backend> make_virtual_backend(size_t capacity, size_t page_size) {
+  if (page_size < (size_t(4) << 10) || page_size > (size_t(1) << 30) || (page_size & (page_size - 1)) != 0)
+    throw std::invalid_argument("page_size must be a power of two from 4 KiB to 1 GiB, got " +
+                                std::to_string(page_size) + " bytes");
+  return std::make_unique<VirtualBackend>(capacity, page_size);
 }
 
 }  // namespace pyalloc

@@ -105,6 +105,9 @@ std::unique_ptr<Backend> make_host_backend(size_t capacity);
 
 /// Addresses only: nothing is mapped, nothing is touched. `capacity` bounds
 /// the bytes reserved at once (0 = unbounded). For trace replay of any size.
-std::unique_ptr<Backend> make_virtual_backend(size_t capacity);
+/// `page_size`: the granularity of its virtual-memory pages, CUDA's 2 MiB
+/// unless asked otherwise (a power of two from 4 KiB to 1 GiB: what-if
+/// replays of a device with other pages); std::invalid_argument otherwise.
+std::unique_ptr<Backend> make_virtual_backend(size_t capacity, size_t page_size = kSegmentAlign);
 
 }  // namespace pyalloc

@@ -12,9 +12,12 @@ namespace py = pybind11;
 namespace pyalloc {
 namespace {
 
-std::unique_ptr<Backend> make_backend(const std::string& name, size_t capacity) {
+std::unique_ptr<Backend> make_backend(const std::string& name, size_t capacity, size_t page_size) {
+  if (name == "virtual") return make_virtual_backend(capacity, page_size != 0 ? page_size : kSegmentAlign);
+  if (page_size != 0)
+    throw std::invalid_argument("page_size applies to the virtual backend only (the " + name +
+                                " backend maps " + format_bytes(kSegmentAlign) + " pages)");
   if (name == "host") return make_host_backend(capacity);
-  if (name == "virtual") return make_virtual_backend(capacity);
   throw std::invalid_argument("unknown backend '" + name +
                               "'; valid backends here: 'host', 'virtual'");
 }
@@ -138,10 +141,12 @@ void bind_core(py::module_& m) {
   using A = Allocator;
   auto nogil = py::call_guard<py::gil_scoped_release>();
   py::class_<A>(m, "Allocator", "The allocator core over a host or virtual backend.")
-      .def(py::init([](const std::string& backend, const std::string& conf, size_t capacity) {
-             return std::make_unique<A>(make_backend(backend, capacity), parse_config(conf));
+      .def(py::init([](const std::string& backend, const std::string& conf, size_t capacity, size_t page_size) {
+             return std::make_unique<A>(make_backend(backend, capacity, page_size), parse_config(conf));
            }),
-           py::arg("backend"), py::arg("conf") = "", py::arg("capacity") = 0)
+           py::arg("backend"), py::arg("conf") = "", py::arg("capacity") = 0, py::arg("page_size") = 0,
+           "page_size (virtual backend only; 0: CUDA's 2 MiB): the granularity of the pages the "
+           "vmm strategy maps, a power of two from 4 KiB to 1 GiB, for what-if replays.")
       .def(
           "malloc", [](A& a, size_t size, Stream stream, uint64_t context) { return a.malloc(size, stream, context); },
           py::arg("size"), py::arg("stream") = 0, py::arg("context") = 0, nogil,
