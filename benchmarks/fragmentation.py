@@ -364,10 +364,19 @@ MISS_REASONS = {
         "the ends of the 7 runs of mapped pages that earlier page moves left). On the random workloads "
         "the same, with many more live blocks of random sizes: on 1.043 x peak live the three-stream "
         "workload of seed 1 is refused a 4.3 MiB request with 77 MiB free in 107 large-pool blocks of "
-        "under a page and 3.4 MiB in small-pool chunks; expandable segments need 1.13 to 1.24 x there."),
+        "under a page and 3.4 MiB in small-pool chunks; expandable segments need 1.13 to 1.24 x there. "
+        "The last figure of each line below is a what-if: the same replay on a device whose pages are "
+        "64 KiB (pyalloc.replay_allocators.run_allocator(page_size=...); CUDA's granularity is 2 MiB "
+        "on every current GPU). With pages that small the free bytes in pages partly under live blocks "
+        "shrink, and the misses with them: the part of a miss that goes is the 2 MiB page's, the part "
+        "that stays is placement. Moving pages out of holes that border unmapped memory first, so that "
+        "moves shrink runs rather than cut them, left every smallest budget as it was (bisected to 0.1%)."),
     "budget_vs_expandable": (
         "Smallest budget against expandable segments: pyalloc does not complete the trace on expandable "
-        "segments' budget, a late large request short of a page."),
+        "segments' budget, a late large request short of a page (zidongliu-opt125m at peak live: its "
+        "147.3 MiB request finds 0.5 MiB free at the end of the mapped run and needs 74 new pages, one more "
+        "than the device has left; the other 3.7 MiB free are in holes that hold no whole page, each "
+        "sharing its pages with live blocks)."),
     "second_half_calls": (
         "Second-half device calls: growths of a workload whose shapes creep up; on random-1-stream-seed0, "
         "two 32 MiB growths where expandable segments map once."),
@@ -467,6 +476,21 @@ def _completes_on(r: ReplayResult, budget: int, conf: str, found: List[Source]) 
     return run_allocator(_calls_of(r, found), "pyalloc", capacity=budget, stop_on_oom=True, conf=conf).completed
 
 
+#: The page size of the what-if replay beside each smallest budget missed: how much of
+#: the miss is CUDA's 2 MiB page (free bytes in pages partly under live blocks).
+WHAT_IF_PAGE = 64 << 10
+
+
+def budget_with_pages(r: ReplayResult, conf: str, found: List[Source], page_size: int) -> int:
+    """pyalloc's smallest budget for r's trace on a device whose pages are `page_size`
+    bytes (a what-if: CUDA maps 2 MiB), bisected as the table's budgets are."""
+    calls = _calls_of(r, found)
+    unbounded = run_allocator(calls, "pyalloc", conf=conf, page_size=page_size)
+    budget, _ = pyalloc.replay._min_budget(calls, conf, r.peak_live_bytes, unbounded.peak_reserved_bytes,
+                                           pyalloc.replay._Bars(False, ""), page_size=page_size)
+    return budget
+
+
 def target_misses(results: List[ReplayResult], conf: str, traces: List[Source],
                   devices: List[Dict[str, Any]] = ()) -> str:
     """pyalloc's misses of its targets (absolute, and against expandable segments): the figures trace
@@ -492,12 +516,16 @@ def target_misses(results: List[ReplayResult], conf: str, traces: List[Source],
             found.setdefault("reserved", []).append(
                 f"{name}: {r.pyalloc_peak_reserved_bytes / live:.3f} x peak live, target {reserved_target}")
         if live >= LARGE and ours_b is not None and ours_b / live > budget_target:
+            small_pages = budget_with_pages(r, conf, traces, WHAT_IF_PAGE)
             found.setdefault("budget", []).append(
                 f"{name}: {ours_b / live:.4f} x peak live, target {budget_target}; expandable segments "
-                f"{(theirs_b or 0) / live:.4f}")
+                f"{(theirs_b or 0) / live:.4f}; pyalloc with {WHAT_IF_PAGE >> 10} KiB pages "
+                f"{small_pages / live:.4f}")
         if ours_b is not None and theirs_b is not None and ours_b > theirs_b and not _completes_on(r, theirs_b, conf, traces):
+            small_pages = budget_with_pages(r, conf, traces, WHAT_IF_PAGE)
             found.setdefault("budget_vs_expandable", []).append(
-                f"{name}: {ours_b / live:.4f} x peak live against {theirs_b / live:.4f}")
+                f"{name}: {ours_b / live:.4f} x peak live against {theirs_b / live:.4f}; pyalloc with "
+                f"{WHAT_IF_PAGE >> 10} KiB pages {small_pages / live:.4f}")
         if (r.pyalloc_second_half_device_calls or 0) > (r.native_expandable_second_half_device_calls or 0):
             found.setdefault("second_half_calls", []).append(
                 f"{name}: {r.pyalloc_second_half_device_calls} against "
