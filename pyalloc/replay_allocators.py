@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from . import _C
+from ._config import as_size
 
 __all__ = ["ALLOCATORS", "AllocatorRun", "run_allocator"]
 
@@ -50,16 +51,19 @@ def run_allocator(calls: Any, allocator: str, *, capacity: Optional[int] = None,
     """Replays `calls` (a _C.ReplayTrace) through `allocator` on a device of
     `capacity` bytes (None: unbounded). `conf` is pyalloc's configuration (pyalloc only).
     `plan` is the ReplayPlan the calls came from (the PyTorch models may use its
-    pre-trace blocks / segments). `page_size` (pyalloc only; None: CUDA's 2 MiB) replays
-    on a device whose virtual-memory pages have that size: a what-if, no GPU maps less.
+    pre-trace blocks / segments). `page_size` (pyalloc only; None or 0: CUDA's 2 MiB)
+    replays on a device whose virtual-memory pages have that size, a what-if: the pages
+    the vmm strategy maps (bestfit's segments stay 2 MiB-aligned).
     Raises ValueError for an unknown allocator name, or a page_size for another allocator."""
     if allocator not in ALLOCATORS:
         raise ValueError(f"unknown allocator {allocator!r}; valid allocators: {', '.join(ALLOCATORS)}")
     if capacity is not None and capacity < 1:
         raise ValueError(f"capacity must be at least 1 byte, got {capacity}")
+    if page_size is not None:
+        page_size = as_size(page_size, "page_size")
     if allocator == "pyalloc":
         return _run_pyalloc(calls, capacity, stop_on_oom, conf, page_size or 0)
-    if page_size is not None:
+    if page_size:
         raise ValueError(f"page_size applies to pyalloc only, not to {allocator!r} (a model of PyTorch's "
                          "allocator, whose pages are CUDA's)")
     # Every allocator starts from an empty device, the blocks live before the

@@ -356,7 +356,6 @@ def test_a_device_with_smaller_pages_takes_pages_out_of_holes_2mib_pages_cannot(
     s = a.stats()
     assert s["num_device_free"] > 0  # pages moved out of the holes
     assert s["reserved_bytes.all.peak"] <= 26 * MiB
-    assert s["reserved_bytes.all.current"] % (64 * KiB) == 0
     a.free(p)
     a.check_invariants()
 
@@ -367,7 +366,14 @@ def test_page_size_is_validated():
             pyalloc.Allocator("virtual", page_size=bad)
     with pytest.raises(ValueError, match="virtual backend only"):
         pyalloc.Allocator("host", page_size=64 * KiB)
-    assert pyalloc.Allocator("virtual", page_size="1GiB").malloc(5 * MiB) % 512 == 0
+    with pytest.raises(ValueError, match="unknown backend 'bogus'"):
+        pyalloc._C.Allocator("bogus", "", 0, page_size=64 * KiB)
+    a = pyalloc.Allocator("virtual", strategy="vmm", page_size="1GiB")
+    p = a.malloc(5 * MiB)
+    assert a.stats()["reserved_bytes.all.current"] == 1 << 30  # one page
+    a.free(p)
+    assert a.empty_cache() == 1 << 30
+    a.check_invariants()
 
 
 def test_replay_on_a_device_with_smaller_pages():
@@ -389,3 +395,12 @@ def test_replay_on_a_device_with_smaller_pages():
     assert run.completed and run.peak_reserved_bytes <= 26 * MiB
     with pytest.raises(ValueError, match="pyalloc only"):
         run_allocator(calls, "native_expandable", page_size=64 * KiB)
+    with pytest.raises(ValueError, match="page_size must not be negative"):
+        run_allocator(calls, "pyalloc", page_size=-1)
+    # The budget search replays on the same pages.
+    import pyalloc.replay as replay_mod
+
+    bars = replay_mod._Bars(False, "")
+    small, _ = replay_mod._min_budget(calls, "", 22 * MiB, 64 * MiB, bars, page_size=64 * KiB)
+    default, _ = replay_mod._min_budget(calls, "", 22 * MiB, 64 * MiB, bars)
+    assert small < 26 * MiB < default

@@ -13,13 +13,14 @@ namespace pyalloc {
 namespace {
 
 std::unique_ptr<Backend> make_backend(const std::string& name, size_t capacity, size_t page_size) {
+  if (name != "host" && name != "virtual")
+    throw std::invalid_argument("unknown backend '" + name +
+                                "'; valid backends here: 'host', 'virtual'");
   if (name == "virtual") return make_virtual_backend(capacity, page_size != 0 ? page_size : kSegmentAlign);
   if (page_size != 0)
-    throw std::invalid_argument("page_size applies to the virtual backend only (the " + name +
-                                " backend maps " + format_bytes(kSegmentAlign) + " pages)");
-  if (name == "host") return make_host_backend(capacity);
-  throw std::invalid_argument("unknown backend '" + name +
-                              "'; valid backends here: 'host', 'virtual'");
+    throw std::invalid_argument("page_size applies to the virtual backend only (the host backend maps " +
+                                format_bytes(kSegmentAlign) + " pages)");
+  return make_host_backend(capacity);
 }
 
 SimStreams& sim_streams(Allocator& a) {
