@@ -385,11 +385,11 @@ MISS_REASONS = {
     "budget_vs_expandable": (
         "Smallest budget against expandable segments: pyalloc does not complete the trace on expandable "
         "segments' budget, a late large request short of a page; the last figure is pyalloc's budget "
-        "with 64 KiB pages, as for the smallest budget above (zidongliu-opt125m, bisected to 0.1%, at "
-        "peak live: its "
-        "147.3 MiB request finds 0.5 MiB free at the end of the mapped run and needs 74 new pages, one more "
+        "with 64 KiB pages, as for the smallest budget above. Bisected to 0.1%, zidongliu-opt125m needs "
+        "1.0030 x peak live against expandable segments' 1.0018 x (1.0010 x with 64 KiB pages): on "
+        "expandable segments' budget, at peak live, its 147.3 MiB request finds 0.5 MiB free at the end of the mapped run and needs 74 new pages, one more "
         "than the device has left; the other 3.7 MiB free are in holes that hold no whole page, each "
-        "sharing its pages with live blocks)."),
+        "sharing its pages with live blocks."),
     "second_half_calls": (
         "Second-half device calls: growths of a workload whose shapes creep up; on random-1-stream-seed0, "
         "two 32 MiB growths where expandable segments map once."),
