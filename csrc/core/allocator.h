@@ -182,6 +182,13 @@ class Allocator {
   std::vector<SnapshotSegment> snapshot() const;
   /// Throws InvariantError describing the first inconsistency found.
   void check_invariants() const;
+  /// Returns once no operation of this allocator is under way (it takes and
+  /// drops the lock). Every operation decides under the lock whether it may
+  /// touch the device (backend_->capture_underway()), so a caller that has
+  /// just declared a capture underway knows, once this returns, that no
+  /// operation begun before the declaration is still releasing memory or
+  /// querying events.
+  void quiesce() const;
 
   /// A live allocation's requested size and stream, and (context not null)
   /// the tag malloc was given: false if ptr is none.

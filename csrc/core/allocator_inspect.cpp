@@ -24,6 +24,8 @@ void Allocator::reset_accumulated_stats() {
   stats_.reset_accumulated();
 }
 
+void Allocator::quiesce() const { std::lock_guard<Lock> guard(mu_); }
+
 size_t Allocator::largest_free_block() const {
   std::lock_guard<Lock> guard(mu_);
   return std::max(largest_free_locked(kSmallPool), largest_free_locked(kLargePool));

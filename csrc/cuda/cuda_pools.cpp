@@ -314,6 +314,13 @@ uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) {
 
 void DevicePools::free_buffer(uintptr_t ptr) { buffers_->free(ptr); }
 
+void DevicePools::quiesce() const {
+  general_->quiesce();
+  buffers_->quiesce();
+  // Graph pools are reclaimed only with pools_mu_ held exclusively.
+  std::unique_lock<std::shared_mutex> g(pools_mu_);
+}
+
 size_t DevicePools::empty_cache() {
   // A capture may be underway from begin_allocate_to_pool on, before any of
   // its allocations has shown its stream: release nothing while a route is open.
@@ -1121,8 +1128,21 @@ void set_memory_fraction(double fraction, int device) {
 
 void init(int device_count) noexcept { PoolRegistry::instance().set_device_count(device_count); }
 
+namespace {
+// A capture is declared underway (capture.h) from here on; PyTorch begins it
+// once the call returns. An operation of another thread that decided before
+// the declaration that it may touch the device (release memory, query an
+// event) may still be doing so: wait for every pool of every device to
+// finish what it is doing, since CUDA's global capture mode forbids those
+// calls from any thread while any stream of the process is capturing.
+void wait_for_operations_under_way() {
+  for (DevicePools* p : PoolRegistry::instance().all()) p->quiesce();
+}
+}  // namespace
+
 void begin_allocate_to_pool(int device, DevicePools::PoolId id, DevicePools::StreamFilter filter) {
   PoolRegistry::instance().get(device).begin_allocate_to_pool(id, std::move(filter));
+  wait_for_operations_under_way();
 }
 
 void end_allocate_to_pool(int device, DevicePools::PoolId id) noexcept {
@@ -1143,8 +1163,10 @@ void release_pool(int device, DevicePools::PoolId id) noexcept {
 
 void mark_capture(int device, bool begin) {
   // A begin creates the device's pools, so that its end finds them.
-  if (begin) PoolRegistry::instance().get(device).mark_capture(true);
-  else if (DevicePools* p = PoolRegistry::instance().find(device)) p->mark_capture(false);
+  if (begin) {
+    PoolRegistry::instance().get(device).mark_capture(true);
+    wait_for_operations_under_way();
+  } else if (DevicePools* p = PoolRegistry::instance().find(device)) p->mark_capture(false);
 }
 
 }  // namespace hooks

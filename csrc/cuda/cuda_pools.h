@@ -33,7 +33,11 @@
 // as a capture underway (capture.h), on every device: from the route's
 // opening on, no pool queries events, releases or unmaps memory, or
 // reclaims graph pools. torch 2.13 also marks the capture itself
-// (mark_capture(), through the bridge), which counts the same way.
+// (mark_capture(), through the bridge), which counts the same way. Each pool
+// decides under its own lock whether it may touch the device, so the route's
+// opening (and a mark's) returns only once every pool of every device has
+// finished the operation it was in (quiesce()): another thread's release or
+// event query begun before the declaration cannot run into the capture.
 //
 // A route that never ends: torch 2.x's CUDAGraph::capture_end checks
 // cudaStreamEndCapture's result before it calls end_allocate_to_pool, so a
@@ -228,6 +232,10 @@ class DevicePools {
   /// reserved; the bytes released, net. Does nothing while a capture is
   /// underway (releasing memory then would break it).
   size_t empty_cache();
+  /// Returns once no operation of the general or the buffer pool (and no
+  /// reclaim of a graph pool) is under way (Allocator::quiesce): see "The
+  /// capture window" above.
+  void quiesce() const;
   /// Caps what all the pools of the device reserve together at fraction *
   /// the device's total memory (the general pool also at max_pool_size if
   /// that is lower). Releases nothing: a pool already past the cap only

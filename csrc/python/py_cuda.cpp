@@ -420,6 +420,7 @@ void bind_cuda(py::module_& m) {
         }
       },
       py::arg("name"), py::arg("device"), py::arg("pool_id"), py::arg("streams") = std::vector<Stream>(),
+      py::call_guard<py::gil_scoped_release>(),
       "Tests: calls a graph-pool hook (begin_allocate_to_pool, end_allocate_to_pool, "
       "release_pool) as PyTorch does; begin's filter accepts `streams`.");
   m.def(

@@ -37,6 +37,7 @@ class Stub(c.Structure):
         ("mem_get_info", c.c_int64), ("mem_alloc_refused", c.c_int64), ("mem_create_refused", c.c_int64),
         ("mem_set_access", c.c_int64), ("mem_address_reserve", c.c_int64), ("set_access_oom", c.c_int),
         ("bad_handle", c.c_int64), ("fail_remap", c.c_int),
+        ("pause_mem_free", c.c_int), ("paused", c.c_int),
     ]
 
 
@@ -497,6 +498,78 @@ def check_an_open_route_is_a_capture_underway():
     hooks.pyalloc_empty_cache()
     assert _C.cuda_graph_pools(0) == []
     _C.cuda_check_invariants(0)
+
+
+def declaring_a_capture_waits_for_releases_under_way(declare, end):
+    """A pool decides under its own lock whether it may release memory, and
+    PyTorch begins the capture as soon as the declaration (`declare`: a graph
+    pool's route, or torch 2.13's capture mark) returns. Another thread's
+    empty_cache() that had decided to free cached segments before it must not
+    go on freeing them into the capture (CUDA's global mode forbids cuMemFree
+    from any thread then): the declaration waits for it."""
+    import threading
+    import time
+
+    cap = 0x5400
+    hooks.pyalloc_empty_cache()
+    ptrs = [malloc(40 * MiB), malloc(50 * MiB)]
+    for p in ptrs:
+        free(p)  # two segments cached
+    freed = stub.mem_free
+    stub.forbidden_during_capture = 0
+    stub.pause_mem_free = 1
+    releasing = threading.Thread(target=hooks.pyalloc_empty_cache)
+    releasing.start()
+    deadline = time.monotonic() + 30
+    while not stub.paused:  # inside the first cuMemFree, the pool's lock held
+        assert time.monotonic() < deadline, "empty_cache() never reached cuMemFree"
+        time.sleep(0.001)
+    began = threading.Event()
+
+    def capture_begins():
+        declare(cap)
+        stub.capture_id, stub.capturing_stream = 92, cap  # cudaStreamBeginCapture
+        began.set()
+
+    capturing = threading.Thread(target=capture_begins)
+    capturing.start()
+    time.sleep(0.2)
+    declared_early = began.is_set()
+    stub.paused = 0
+    releasing.join(30)
+    capturing.join(30)
+    assert not releasing.is_alive() and not capturing.is_alive()
+    stub.capturing_stream = 0  # cudaStreamEndCapture
+    end()
+    assert stub.forbidden_during_capture == 0, stub.forbidden_during_capture
+    assert not declared_early, "the capture was declared while a release was under way"
+    assert stub.mem_free == freed + 2  # both segments, before the capture began
+    hooks.pyalloc_empty_cache()
+    assert _C.cuda_graph_pools(0) == []
+    _C.cuda_check_invariants(0)
+
+
+def check_opening_a_route_waits_for_releases_under_way():
+    def end():
+        pool_hook("end_allocate_to_pool", (0, 16))
+        pool_hook("release_pool", (0, 16))
+
+    declaring_a_capture_waits_for_releases_under_way(
+        lambda cap: pool_hook("begin_allocate_to_pool", (0, 16), [cap]), end)
+
+
+def check_marking_a_capture_waits_for_releases_under_way():
+    import os
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bridge_api import OK, BridgeApi  # tests/bridge_api.py
+
+    api = BridgeApi()
+
+    def mark(begin):
+        assert api.mark_capture(0, begin) == OK  # torch 2.13's markCaptureBegin / End
+
+    declaring_a_capture_waits_for_releases_under_way(lambda cap: mark(1), lambda: mark(0))
 
 
 def relaxed_check_a_route_left_open_heals_by_probing_its_stream():

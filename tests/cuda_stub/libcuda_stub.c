@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 enum { MODE_GLOBAL = 0, MODE_RELAXED = 2 };
 
@@ -71,6 +72,8 @@ struct Stub {
   int set_access_oom;        /* cuMemSetAccess answers OUT_OF_MEMORY (after its checks) */
   int64_t bad_handle;        /* cuMemMap or cuMemRelease of a handle released already */
   int fail_remap;            /* cuMemMap of a handle mapped before answers STUB_FAILURE */
+  volatile int pause_mem_free; /* the next cuMemFree sets paused and waits until the test clears it */
+  volatile int paused;
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -166,6 +169,11 @@ CUresult cuMemAlloc_v2(unsigned long long* p, size_t size) {
 }
 
 CUresult cuMemFree_v2(unsigned long long p) {
+  if (stub.pause_mem_free) {
+    stub.pause_mem_free = 0;
+    stub.paused = 1;
+    while (stub.paused) usleep(1000);
+  }
   during_capture();
   for (int i = 0; i < MAX_BLOCKS; ++i) {
     if (blocks[i].ptr != (uintptr_t)p) continue;
