@@ -49,7 +49,8 @@ class Allocator:
         capacity: bytes the simulated device holds (0: unbounded).
         page_size: ``"virtual"`` only: the size of the pages the vmm strategy maps
             (0: CUDA's 2 MiB; a power of two from 4 KiB to 1 GiB), to ask what a
-            device with other pages would have done.
+            device with other pages would have done; refused with
+            ``strategy:bestfit``, which maps no pages.
         **config: the same keys as keyword arguments; they override ``conf``.
 
     All sizes are in bytes; streams are integer handles.
@@ -144,6 +145,12 @@ class Allocator:
     def config(self) -> Dict[str, int]:
         """The effective configuration, in bytes."""
         return self._core.config()
+
+    @property
+    def page_size(self) -> int:
+        """The size of the pages the vmm strategy maps, in bytes (0: the pool
+        uses plain segments, as under ``strategy:bestfit``)."""
+        return self._core.page_size
 
     # -- simulated streams (host and virtual backends) ------------------------------------
 

@@ -368,7 +368,12 @@ def test_page_size_is_validated():
         pyalloc.Allocator("host", page_size=64 * KiB)
     with pytest.raises(ValueError, match="unknown backend 'bogus'"):
         pyalloc._C.Allocator("bogus", "", 0, page_size=64 * KiB)
+    with pytest.raises(ValueError, match="strategy vmm only"):
+        pyalloc.Allocator("virtual", strategy="bestfit", page_size=64 * KiB)
+    assert pyalloc.Allocator("virtual", strategy="bestfit").page_size == 0
+    assert pyalloc.Allocator("host").page_size == 2 * MiB
     a = pyalloc.Allocator("virtual", strategy="vmm", page_size="1GiB")
+    assert a.page_size == 1 << 30
     p = a.malloc(5 * MiB)
     assert a.stats()["reserved_bytes.all.current"] == 1 << 30  # one page
     a.free(p)

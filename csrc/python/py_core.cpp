@@ -143,7 +143,12 @@ void bind_core(py::module_& m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   py::class_<A>(m, "Allocator", "The allocator core over a host or virtual backend.")
       .def(py::init([](const std::string& backend, const std::string& conf, size_t capacity, size_t page_size) {
-             return std::make_unique<A>(make_backend(backend, capacity, page_size), parse_config(conf));
+             auto backend_ = make_backend(backend, capacity, page_size);
+             Config config = parse_config(conf);
+             if (page_size != 0 && config.strategy != Strategy::kVmm)
+               throw std::invalid_argument(std::string("page_size applies to strategy vmm only (strategy ") +
+                                           strategy_name(config.strategy) + " maps no pages)");
+             return std::make_unique<A>(std::move(backend_), config);
            }),
            py::arg("backend"), py::arg("conf") = "", py::arg("capacity") = 0, py::arg("page_size") = 0,
            "page_size (virtual backend only; 0: CUDA's 2 MiB): the granularity of the pages the "
@@ -171,6 +176,10 @@ void bind_core(py::module_& m) {
       .def("record_history", &A::record_history, py::arg("enabled"), py::arg("max_entries"))
       .def("history", [](const A& a) { return history_list(a.history()); })
       .def("config", [](const A& a) { return config_dict(a.config()); })
+      .def_property_readonly(
+          "page_size",
+          [](A& a) { return a.config().strategy == Strategy::kVmm ? a.backend().vmm_page_size() : size_t(0); },
+          "The size of the pages the vmm strategy maps (0: the pool uses plain segments).")
       .def_property_readonly("backend", [](A& a) { return std::string(a.backend().name()); })
       .def("segment_of",
            [](const A& a, uintptr_t ptr) -> py::object {
