@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <shared_mutex>
 #include <vector>
 
 #include "core/common.h"
@@ -51,6 +52,20 @@ class CaptureTracker {
   /// load while no capture has been seen or declared.
   bool underway();
 
+  /// Calls `call` (a driver call CUDA's global capture mode forbids, made
+  /// outside every pool's lock) unless a capture is underway; false if it
+  /// did not. drain() returns once no call begun this way is still running:
+  /// with the pools' locks (DevicePools::quiesce), what a declaration waits
+  /// for before PyTorch begins the capture.
+  template <class F>
+  bool unless_underway(F&& call) {
+    std::shared_lock<std::shared_mutex> g(calls_mu_);
+    if (underway()) return false;
+    call();
+    return true;
+  }
+  void drain() { std::unique_lock<std::shared_mutex> g(calls_mu_); }
+
   /// PyTorch says a capture may be underway from now on (a pool route, or
   /// torch 2.13's markCaptureBegin), until the matching close().
   void open() { declared_.fetch_add(1, std::memory_order_acq_rel); }
@@ -70,6 +85,7 @@ class CaptureTracker {
   std::vector<Stream> capturing_;
   std::atomic<size_t> count_{0};
   std::atomic<int> declared_{0};
+  std::shared_mutex calls_mu_;
 };
 
 /// Puts the calling thread in relaxed capture mode for its scope and then

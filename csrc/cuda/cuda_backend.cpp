@@ -281,8 +281,8 @@ class CudaBackend final : public Backend {
 
   void mem_info(size_t* free_bytes, size_t* total_bytes) override {
     // Out-of-memory messages during a capture go without the device's numbers.
-    if (sh_->captures.underway()) *free_bytes = *total_bytes = 0;
-    else device_mem_info(d_, sh_->ctx, free_bytes, total_bytes);
+    if (!sh_->captures.unless_underway([&] { device_mem_info(d_, sh_->ctx, free_bytes, total_bytes); }))
+      *free_bytes = *total_bytes = 0;
   }
 
   // Events. Only CUDA_SUCCESS means the work is done. CUDA_ERROR_NOT_READY
@@ -593,8 +593,10 @@ class CudaDevice final : public Device {
   std::unique_ptr<Backend> make_backend() override { return std::make_unique<CudaBackend>(sh_); }
   CaptureTracker& captures() override { return sh_->captures; }
   void mem_info(size_t* free_bytes, size_t* total_bytes) override {
-    if (sh_->captures.underway()) *free_bytes = *total_bytes = 0;
-    else device_mem_info(driver(), sh_->ctx, free_bytes, total_bytes);
+    // Also called outside every pool's lock (out-of-memory messages, cache
+    // info): the tracker's drain() waits for it.
+    if (!sh_->captures.unless_underway([&] { device_mem_info(driver(), sh_->ctx, free_bytes, total_bytes); }))
+      *free_bytes = *total_bytes = 0;
   }
   size_t total_bytes() override {
     // cuDeviceTotalMem touches no stream or memory: legal during a capture.
@@ -641,7 +643,7 @@ CudaDeviceInfo describe_cuda_device(int index) {
   char name[256] = {0};
   if (d.DeviceGetName != nullptr && d.DeviceGetName(name, sizeof(name) - 1, sh->dev) == CUDA_SUCCESS)
     info.name = name;
-  device_mem_info(d, sh->ctx, &info.free_bytes, &info.total_bytes);
+  sh->captures.unless_underway([&] { device_mem_info(d, sh->ctx, &info.free_bytes, &info.total_bytes); });
   if (info.total_bytes == 0 && d.DeviceTotalMem != nullptr) d.DeviceTotalMem(&info.total_bytes, sh->dev);
   info.vmm_page = sh->vmm_page;
   info.vmm_why = sh->vmm_why;

@@ -318,7 +318,10 @@ void DevicePools::quiesce() const {
   general_->quiesce();
   buffers_->quiesce();
   // Graph pools are reclaimed only with pools_mu_ held exclusively.
-  std::unique_lock<std::shared_mutex> g(pools_mu_);
+  { std::unique_lock<std::shared_mutex> g(pools_mu_); }
+  // Driver calls made outside every lock (cuMemGetInfo for an out-of-memory
+  // message or the cache info) go through the tracker.
+  device_->captures().drain();
 }
 
 size_t DevicePools::empty_cache() {
@@ -985,6 +988,8 @@ DevicePools& PoolRegistry::get(int device) {
   return *p;
 }
 
+void PoolRegistry::wait_for_pools_being_made() { std::lock_guard<std::mutex> g(mu_); }
+
 DevicePools* PoolRegistry::find(int device) const {
   if (device < 0 || device >= kMaxDevices) return nullptr;
   return pools_[device].load(std::memory_order_acquire);
@@ -1136,6 +1141,7 @@ namespace {
 // finish what it is doing, since CUDA's global capture mode forbids those
 // calls from any thread while any stream of the process is capturing.
 void wait_for_operations_under_way() {
+  PoolRegistry::instance().wait_for_pools_being_made();
   for (DevicePools* p : PoolRegistry::instance().all()) p->quiesce();
 }
 }  // namespace

@@ -37,7 +37,10 @@
 // decides under its own lock whether it may touch the device, so the route's
 // opening (and a mark's) returns only once every pool of every device has
 // finished the operation it was in (quiesce()): another thread's release or
-// event query begun before the declaration cannot run into the capture.
+// event query begun before the declaration cannot run into the capture. The
+// same wait covers the calls made outside the pools' locks (cuMemGetInfo for
+// an out-of-memory message or the cache info: CaptureTracker::
+// unless_underway) and a device's pools being made (their trial mapping).
 //
 // A route that never ends: torch 2.x's CUDAGraph::capture_end checks
 // cudaStreamEndCapture's result before it calls end_allocate_to_pool, so a
@@ -376,6 +379,9 @@ class PoolRegistry {
   /// The device's pools if they exist (no lock).
   DevicePools* find(int device) const;
   std::vector<DevicePools*> all() const;
+  /// Returns once no device's pools are being made (get()): a device's
+  /// first pools try a mapping, and all() lists them only once made.
+  void wait_for_pools_being_made();
   /// The pools of the one device that has them, or null if none or several do.
   DevicePools* only() const {
     DevicePools* p = only_.load(std::memory_order_acquire);

@@ -37,7 +37,7 @@ class Stub(c.Structure):
         ("mem_get_info", c.c_int64), ("mem_alloc_refused", c.c_int64), ("mem_create_refused", c.c_int64),
         ("mem_set_access", c.c_int64), ("mem_address_reserve", c.c_int64), ("set_access_oom", c.c_int),
         ("bad_handle", c.c_int64), ("fail_remap", c.c_int),
-        ("pause_mem_free", c.c_int), ("paused", c.c_int),
+        ("pause_mem_free", c.c_int), ("paused", c.c_int), ("pause_mem_get_info", c.c_int),
     ]
 
 
@@ -500,13 +500,15 @@ def check_an_open_route_is_a_capture_underway():
     _C.cuda_check_invariants(0)
 
 
-def declaring_a_capture_waits_for_releases_under_way(declare, end):
+def declaring_a_capture_waits_for_calls_under_way(declare, end, pause="pause_mem_free", work=None):
     """A pool decides under its own lock whether it may release memory, and
     PyTorch begins the capture as soon as the declaration (`declare`: a graph
     pool's route, or torch 2.13's capture mark) returns. Another thread's
-    empty_cache() that had decided to free cached segments before it must not
-    go on freeing them into the capture (CUDA's global mode forbids cuMemFree
-    from any thread then): the declaration waits for it."""
+    `work` that had decided to make a call CUDA's global capture mode forbids
+    (from any thread, while any stream is capturing) before the declaration
+    must not go on making it into the capture: the declaration waits for it.
+    The stand-in pauses inside the call named by `pause`. By default the work
+    is an empty_cache() freeing two cached segments (cuMemFree)."""
     import threading
     import time
 
@@ -517,12 +519,12 @@ def declaring_a_capture_waits_for_releases_under_way(declare, end):
         free(p)  # two segments cached
     freed = stub.mem_free
     stub.forbidden_during_capture = 0
-    stub.pause_mem_free = 1
-    releasing = threading.Thread(target=hooks.pyalloc_empty_cache)
-    releasing.start()
+    setattr(stub, pause, 1)
+    working = threading.Thread(target=work or hooks.pyalloc_empty_cache, daemon=True)
+    working.start()
     deadline = time.monotonic() + 30
-    while not stub.paused:  # inside the first cuMemFree, the pool's lock held
-        assert time.monotonic() < deadline, "empty_cache() never reached cuMemFree"
+    while not stub.paused:  # inside the call
+        assert time.monotonic() < deadline, f"the work never reached the call ({pause})"
         time.sleep(0.001)
     began = threading.Event()
 
@@ -531,45 +533,67 @@ def declaring_a_capture_waits_for_releases_under_way(declare, end):
         stub.capture_id, stub.capturing_stream = 92, cap  # cudaStreamBeginCapture
         began.set()
 
-    capturing = threading.Thread(target=capture_begins)
+    capturing = threading.Thread(target=capture_begins, daemon=True)
     capturing.start()
     time.sleep(0.2)
     declared_early = began.is_set()
     stub.paused = 0
-    releasing.join(30)
+    working.join(30)
     capturing.join(30)
-    assert not releasing.is_alive() and not capturing.is_alive()
+    assert not working.is_alive() and not capturing.is_alive(), "a thread is stuck"
     stub.capturing_stream = 0  # cudaStreamEndCapture
     end()
     assert stub.forbidden_during_capture == 0, stub.forbidden_during_capture
-    assert not declared_early, "the capture was declared while a release was under way"
-    assert stub.mem_free == freed + 2  # both segments, before the capture began
+    assert not declared_early, "the capture was declared while a call was under way"
+    if work is None:
+        assert stub.mem_free == freed + 2  # both segments, before the capture began
     hooks.pyalloc_empty_cache()
     assert _C.cuda_graph_pools(0) == []
     _C.cuda_check_invariants(0)
 
 
-def check_opening_a_route_waits_for_releases_under_way():
-    def end():
-        pool_hook("end_allocate_to_pool", (0, 16))
-        pool_hook("release_pool", (0, 16))
-
-    declaring_a_capture_waits_for_releases_under_way(
-        lambda cap: pool_hook("begin_allocate_to_pool", (0, 16), [cap]), end)
+def end_route():
+    pool_hook("end_allocate_to_pool", (0, 16))
+    pool_hook("release_pool", (0, 16))
 
 
-def check_marking_a_capture_waits_for_releases_under_way():
+def open_route(cap):
+    pool_hook("begin_allocate_to_pool", (0, 16), [cap])
+
+
+def bridge_api():
     import os
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from bridge_api import OK, BridgeApi  # tests/bridge_api.py
 
-    api = BridgeApi()
+    return OK, BridgeApi()
+
+
+def check_opening_a_route_waits_for_releases_under_way():
+    declaring_a_capture_waits_for_calls_under_way(open_route, end_route)
+
+
+def check_marking_a_capture_waits_for_releases_under_way():
+    OK, api = bridge_api()
 
     def mark(begin):
         assert api.mark_capture(0, begin) == OK  # torch 2.13's markCaptureBegin / End
 
-    declaring_a_capture_waits_for_releases_under_way(lambda cap: mark(1), lambda: mark(0))
+    declaring_a_capture_waits_for_calls_under_way(lambda cap: mark(1), lambda: mark(0))
+
+
+def check_opening_a_route_waits_for_a_device_query_under_way():
+    """cacheInfo (cuDNN's benchmark asks it) reads the device's free memory
+    outside every pool's lock."""
+    OK, api = bridge_api()
+    largest = c.c_uint64(0)
+
+    def cache_info():
+        assert api.cache_info(0, c.byref(largest)) == OK
+
+    declaring_a_capture_waits_for_calls_under_way(open_route, end_route, "pause_mem_get_info", cache_info)
+    assert largest.value > 0
 
 
 def relaxed_check_a_route_left_open_heals_by_probing_its_stream():

@@ -74,6 +74,7 @@ struct Stub {
   int fail_remap;            /* cuMemMap of a handle mapped before answers STUB_FAILURE */
   volatile int pause_mem_free; /* the next cuMemFree sets paused and waits until the test clears it */
   volatile int paused;
+  volatile int pause_mem_get_info; /* the same for the next cuMemGetInfo */
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -82,6 +83,12 @@ static __thread CUcontext current = 0;
 static struct { uintptr_t ptr; int64_t size; int device; } blocks[MAX_BLOCKS];
 
 static __thread int mode = MODE_GLOBAL;
+
+/* Inside a driver call, until the test clears stub.paused. */
+static void wait_while_paused(void) {
+  stub.paused = 1;
+  while (stub.paused) usleep(1000);
+}
 
 static void during_capture(void) {
   if (stub.capturing_stream != 0) stub.forbidden_during_capture++;
@@ -171,8 +178,7 @@ CUresult cuMemAlloc_v2(unsigned long long* p, size_t size) {
 CUresult cuMemFree_v2(unsigned long long p) {
   if (stub.pause_mem_free) {
     stub.pause_mem_free = 0;
-    stub.paused = 1;
-    while (stub.paused) usleep(1000);
+    wait_while_paused();
   }
   during_capture();
   for (int i = 0; i < MAX_BLOCKS; ++i) {
@@ -188,6 +194,10 @@ CUresult cuMemFree_v2(unsigned long long p) {
 }
 
 CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
+  if (stub.pause_mem_get_info) {
+    stub.pause_mem_get_info = 0;
+    wait_while_paused();
+  }
   during_capture();
   stub.mem_get_info++;
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
