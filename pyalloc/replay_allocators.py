@@ -53,8 +53,9 @@ def run_allocator(calls: Any, allocator: str, *, capacity: Optional[int] = None,
     `plan` is the ReplayPlan the calls came from (the PyTorch models may use its
     pre-trace blocks / segments). `page_size` (pyalloc only; None or 0: CUDA's 2 MiB)
     replays on a device whose virtual-memory pages have that size, a what-if: the pages
-    the vmm strategy maps (bestfit's segments stay 2 MiB-aligned).
-    Raises ValueError for an unknown allocator name, or a page_size for another allocator."""
+    the vmm strategy maps.
+    Raises ValueError for an unknown allocator name, or a page_size for another allocator
+    or under strategy:bestfit (which maps no pages)."""
     if allocator not in ALLOCATORS:
         raise ValueError(f"unknown allocator {allocator!r}; valid allocators: {', '.join(ALLOCATORS)}")
     if capacity is not None and capacity < 1:

@@ -235,9 +235,9 @@ class DevicePools {
   /// reserved; the bytes released, net. Does nothing while a capture is
   /// underway (releasing memory then would break it).
   size_t empty_cache();
-  /// Returns once no operation of the general or the buffer pool (and no
-  /// reclaim of a graph pool) is under way (Allocator::quiesce): see "The
-  /// capture window" above.
+  /// Returns once no operation of the general or the buffer pool, no
+  /// reclaim of a graph pool and no device query outside the pools' locks
+  /// (CaptureTracker::drain) is under way: see "The capture window" above.
   void quiesce() const;
   /// Caps what all the pools of the device reserve together at fraction *
   /// the device's total memory (the general pool also at max_pool_size if

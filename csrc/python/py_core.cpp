@@ -143,12 +143,12 @@ void bind_core(py::module_& m) {
   auto nogil = py::call_guard<py::gil_scoped_release>();
   py::class_<A>(m, "Allocator", "The allocator core over a host or virtual backend.")
       .def(py::init([](const std::string& backend, const std::string& conf, size_t capacity, size_t page_size) {
-             auto backend_ = make_backend(backend, capacity, page_size);
+             std::unique_ptr<Backend> made = make_backend(backend, capacity, page_size);
              Config config = parse_config(conf);
              if (page_size != 0 && config.strategy != Strategy::kVmm)
                throw std::invalid_argument(std::string("page_size applies to strategy vmm only (strategy ") +
                                            strategy_name(config.strategy) + " maps no pages)");
-             return std::make_unique<A>(std::move(backend_), config);
+             return std::make_unique<A>(std::move(made), config);
            }),
            py::arg("backend"), py::arg("conf") = "", py::arg("capacity") = 0, py::arg("page_size") = 0,
            "page_size (virtual backend only; 0: CUDA's 2 MiB): the granularity of the pages the "
