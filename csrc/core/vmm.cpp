@@ -57,8 +57,12 @@ void Allocator::init_vmm() {
   if (base == 0) return;
   // Map and unmap one page first, unless the backend has: if it cannot map
   // at all, the pool stays on plain segments rather than failing every request.
+  // During a capture (another device's: the backend skipped its own trial
+  // then) unmapping would break it, so the trial page stays mapped, as the
+  // pool's first (below).
   bool mappable = backend_->vmm_proven();
-  if (!mappable) {
+  bool keep_trial = !mappable && backend_->capture_underway();
+  if (!mappable && !keep_trial) {
     try {
       mappable = backend_->vmm_map(base, page);
       stats_.num_driver_calls += mappable ? 2 : 1;  // cuMemCreate (refused), cuMemMap
@@ -76,7 +80,7 @@ void Allocator::init_vmm() {
       mappable = false;
     }
   }
-  if (!mappable) {
+  if (!mappable && !keep_trial) {
     backend_->vmm_release(base, range);
     return;
   }
@@ -103,6 +107,26 @@ void Allocator::init_vmm() {
   vmm_seg_->first = b;
   unmapped_.emplace(base, b);
   segments_.emplace(base, vmm_seg_);
+  if (keep_trial) {
+    std::string why;
+    Block* m = nullptr;
+    try {
+      m = map_for(page, 0, &why, kUnknownRoom, /*exact=*/true);
+    } catch (const std::exception&) {
+      m = nullptr;
+    }
+    if (m == nullptr) {  // nothing mapped: the range goes back, the pool uses segments
+      unmapped_.clear();
+      segments_.erase(base);
+      drop_block(b);
+      delete vmm_seg_;
+      vmm_seg_ = nullptr;
+      vmm_ = false;
+      page_ = 0;
+      backend_->vmm_release(base, range);
+      return;
+    }
+  }
   if (cfg_.pool_size > 0) {
     std::string why;
     if (map_for(round_up(cfg_.pool_size, kGranularity), 0, &why, kUnknownRoom, /*exact=*/true) == nullptr)

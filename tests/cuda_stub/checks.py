@@ -5,7 +5,7 @@ the stand-in as libcuda.so.1:  checks.py PATH/TO/libcuda.so.1 [MODE] [norelax]
 Without MODE the segment checks (check_*, and relaxed_check_* or norelax_check_*)
 run; with MODE the MODE_check_* ones: "vmm" (the stand-in reports virtual
 memory management: pools map pages), "fallback" (vmm asked for where it cannot
-work). "norelax": the stand-in was built without cuThreadExchangeStreamCaptureMode,
+work), "capture" (vmm, with a device's pools made during a capture). "norelax": the stand-in was built without cuThreadExchangeStreamCaptureMode,
 so captures cannot grow the pool. A device's pools are made once per process,
 hence the modes. Prints OK when every check passed.
 """
@@ -977,8 +977,39 @@ def fallback_check_no_vmm_support():
     assert _C.cuda_config()["strategy"] == "bestfit"
 
 
-mode = next((a for a in sys.argv[2:] if a in ("vmm", "fallback")), "")
-stub.vmm = 1 if mode == "vmm" else 0
+def capture_check_a_device_opened_during_a_capture_breaks_nothing():
+    """Regression: a device's pools made while a stream of another device
+    captures (CUDA's global mode forbids unmapping from any thread) made their
+    trial mapping and unmapped it again: a cuMemUnmap and a cuMemRelease into
+    the capture for each pool. The trial page now stays mapped, as the pool's
+    first, until the capture is over."""
+    _C.cuda_configure("strategy:vmm")
+    cap, s1 = 0x5500, (1 << 32) | 0x1000
+    free(malloc(MiB))  # device 0's pools
+    pool_hook("begin_allocate_to_pool", (0, 17), [cap])
+    stub.capture_id, stub.capturing_stream = 93, cap
+    stub.forbidden_during_capture = 0
+    allocs = stub.mem_alloc
+    p = malloc(3 * MiB, 1, s1)  # device 1's pools are made now
+    c.memset(p, 4, 3 * MiB)
+    free(p, device=1)
+    hooks.pyalloc_empty_cache()  # nothing is given back during the capture
+    assert stub.forbidden_during_capture == 0, stub.forbidden_during_capture
+    assert stub.mem_alloc == allocs and stub.mapped[1] > 0  # device 1 maps pages
+    stub.capturing_stream = 0
+    pool_hook("end_allocate_to_pool", (0, 17))
+    pool_hook("release_pool", (0, 17))
+    q = malloc(5 * MiB, 1, s1)
+    c.memset(q, 6, 5 * MiB)
+    free(q, device=1)
+    hooks.pyalloc_empty_cache()  # the trial page goes back with the rest
+    assert stub.mapped[1] == 0 and stub.mem_release == stub.mem_create, (stub.mapped[1],)
+    assert _C.cuda_config()["strategy"] == "vmm"
+    _C.cuda_check_invariants(1)
+
+
+mode = next((a for a in sys.argv[2:] if a in ("vmm", "fallback", "capture")), "")
+stub.vmm = 1 if mode in ("vmm", "capture") else 0
 if mode:
     prefixes = (mode + "_check_",)
 else:
