@@ -123,7 +123,8 @@ class Allocator:
         return {
             "segments": self._core.snapshot_segments(0),
             "device_traces": [self._core.history()],
-            "allocator_settings": {"backend": self.backend, **self.config},
+            # page_size: the pages the pool mapped (0 under bestfit), a what-if on "virtual".
+            "allocator_settings": {"backend": self.backend, **self.config, "page_size": self.page_size},
         }
 
     def check_invariants(self) -> None:

@@ -374,6 +374,8 @@ def test_page_size_is_validated():
     assert pyalloc.Allocator("host").page_size == 2 * MiB
     a = pyalloc.Allocator("virtual", strategy="vmm", page_size="1GiB")
     assert a.page_size == 1 << 30
+    assert a.snapshot()["allocator_settings"]["page_size"] == 1 << 30
+    assert pyalloc.Allocator("virtual", strategy="bestfit").snapshot()["allocator_settings"]["page_size"] == 0
     p = a.malloc(5 * MiB)
     assert a.stats()["reserved_bytes.all.current"] == 1 << 30  # one page
     a.free(p)
