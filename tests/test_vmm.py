@@ -172,6 +172,27 @@ def test_pool_size_is_mapped_up_front(backend):
     assert a.stats()["num_device_alloc"] == 1
 
 
+def test_empty_cache_keeps_pool_size_whatever_the_handles():
+    """Regression: empty_cache() gave back only the handles that stopped at
+    pool_size. Once the pool_size handle had gone (freed under a live block's
+    neighbour), the 30 MiB handle left at the start of the run could not stop
+    at 6 MiB, and 24 MiB above pool_size stayed cached."""
+    a = pyalloc.Allocator("virtual", "pool_size:6MiB", strategy="vmm")
+    p = a.malloc(30 * MiB)  # the 6 MiB handle and a 30 MiB one
+    r = a.malloc(30 * MiB)  # a 24 MiB handle after them
+    assert a.stats()["reserved_bytes.all.current"] == 60 * MiB
+    a.free(p)
+    a.empty_cache()  # only the 6 MiB handle is wholly free
+    assert a.stats()["reserved_bytes.all.current"] == 54 * MiB
+    a.free(r)
+    assert a.empty_cache() == 48 * MiB
+    assert a.stats()["reserved_bytes.all.current"] == 6 * MiB
+    a.check_invariants()
+    p = a.malloc(6 * MiB)  # pool_size serves it, mapped again
+    assert a.stats()["reserved_bytes.all.current"] == 6 * MiB
+    a.free(p)
+
+
 def test_strategy_is_reported_and_validated():
     assert vmm().config["strategy"] == "vmm"
     assert pyalloc.Allocator("host").config["strategy"] in ("bestfit", "vmm")

@@ -873,6 +873,12 @@ size_t Allocator::release_cached(size_t keep) {
     size_t want = keep == 0 ? SIZE_MAX : above_keep() / page_ * page_;
     // All waited for above; above keep, never below it.
     if (want > 0) released = unmap_free_pages(want, 0, 0, /*wait=*/false, false, /*at_most=*/keep != 0);
+    // Handles too large to stop at `keep` (a run's last handle larger than
+    // what is above it) go too, and empty_cache() maps the pool back up to
+    // it: otherwise a pool whose handles fell that way kept a whole cache
+    // above pool_size.
+    if (keep != 0 && (want = above_keep() / page_ * page_) > 0)
+      released += unmap_free_pages(want, 0, 0, /*wait=*/false, false, /*at_most=*/false);
   }
   // Oldest first (the pool reserved at the start, if it is still there),
   // a free segment stays while it fits under `keep` with what stays already.
