@@ -423,6 +423,7 @@ class Allocator {
   size_t max_handle_ = 0;                 // the largest handle (a power-of-two number of pages)
   size_t handle_limit_ = 0;               // the largest handle of the mapping underway
   bool roomy_ = false;                    // the mapping underway has room to spare: handles of any size
+  bool whole_ = false;                    // the mapping underway is one handle (during a capture)
   bool keep_handles_ = false;             // unmap_handles() detaches handles as spares_
   std::multiset<size_t> spares_;          // sizes of the handles detached for the mapping underway
 

@@ -19,7 +19,7 @@
 // cuMemSetAccess: large while the device has room (fewer driver calls), of
 // any number of pages while the pool holds at most a quarter of what it could,
 // aligned powers of two of pages otherwise, small near a limit (holes give up
-// their pages).
+// their pages); one per growth during a capture (nothing to undo then).
 // While the pool holds at most a quarter of what the device (and the cap)
 // could give it, growth maps ahead to a grain of the pool, in the request's
 // handles; beyond, in one-page handles to a 20 MiB boundary while the room
@@ -310,6 +310,12 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   // snug device rose from 1.023 to 1.029x peak live on gpt2-varlen-train
   // and from 1.149 to 1.166x on random-1-stream-seed3.
   roomy_ = headroom == kUnknownRoom || headroom / kAheadRoom >= reserved;
+  // During a capture a growth is one handle: the device's free memory is
+  // not asked then, and a handle refused after others were mapped would
+  // leave them to unmap and release, which the capture forbids. A refused
+  // one-handle mapping maps nothing (the backend releases the handle it
+  // could not map, as PyTorch does).
+  whole_ = backend_->capture_underway();
   bool snug_ahead = !roomy_ && handle_limit_ == page_ && headroom / kSnugAheadRoom >= need + kSnugGrain;
   uintptr_t ext_lo = 0, ext_hi = 0;
   if (!exact && need < u->size && (roomy_ || snug_ahead)) {
@@ -479,6 +485,7 @@ size_t Allocator::handle_size(uintptr_t addr, uintptr_t end) const {
   // With room to spare, handles of the limit and the rest in one (see
   // map_for()). Otherwise aligned powers of two, as in a buddy system: a run
   // is mapped in the largest handles that fit, with the small ones at its ends.
+  if (whole_) return end - addr;
   if (roomy_) return std::min(handle_limit_, end - addr);
   size_t off = addr - vmm_seg_->base, h = page_;
   while (h < handle_limit_ && off % (2 * h) == 0 && end - addr >= 2 * h) h *= 2;

@@ -953,6 +953,40 @@ def vmm_check_pages_are_mapped_during_capture_and_none_unmapped():
     _C.cuda_check_invariants(0)
 
 
+def vmm_check_a_mapping_refused_during_capture_unmaps_nothing():
+    """Regression: during a capture (the device's free memory unknown then) a
+    growth was mapped in several handles, and when the device refused a later
+    one the earlier ones were unmapped and released again: cuMemUnmap and
+    cuMemRelease into the capture. A growth during a capture is one handle."""
+    capture_stream = 0x5600
+    hooks.pyalloc_empty_cache()
+    capacity = stub.capacity
+    stub.capacity = stub.used[0] + 40 * MiB  # 40 MiB left on device 0
+    stub.capture_id, stub.capturing_stream = 79, capture_stream
+    stub.forbidden_during_capture = 0
+    maps, refused = stub.mem_map, stub.mem_create_refused
+    try:
+        malloc(60 * MiB, 0, capture_stream)
+        raise AssertionError("60 MiB mapped on a device with 40 MiB free")
+    except RuntimeError as e:
+        assert "out of memory" in str(e).lower(), str(e)
+    assert stub.mem_create_refused > refused and stub.mem_map == maps
+    p = malloc(30 * MiB, 0, capture_stream)  # what fits is still mapped, in one handle
+    assert stub.mem_map == maps + 1
+    assert stub.forbidden_during_capture == 0, stub.forbidden_during_capture
+    stub.capturing_stream = 0
+    stub.capacity = capacity
+    free(p)
+    _C.cuda_release_graph_memory(0)  # the graph is done with it
+    hooks.pyalloc_empty_cache()
+    q = malloc(60 * MiB)  # the range is mapped again where the refusal left it
+    c.memset(q, 9, 60 * MiB)
+    free(q)
+    hooks.pyalloc_empty_cache()
+    assert stub.mapped[0] == 0 and stub.mem_release == stub.mem_create
+    _C.cuda_check_invariants(0)
+
+
 def fallback_check_vmm_refused_by_a_sandbox():
     stub.vmm = 1
     stub.vmm_refuse = 1  # cuMemCreate: CUDA_ERROR_NOT_PERMITTED
