@@ -191,6 +191,16 @@ def test_empty_cache_keeps_pool_size_whatever_the_handles():
     p = a.malloc(6 * MiB)  # pool_size serves it, mapped again
     assert a.stats()["reserved_bytes.all.current"] == 6 * MiB
     a.free(p)
+    # Mapped back in fresh pages: the free bytes beside them are not counted
+    # toward pool_size.
+    a = pyalloc.Allocator("virtual", "pool_size:26MiB", strategy="vmm")
+    for _ in range(3):
+        p, q = a.malloc(30 * MiB), a.malloc(6 * MiB)  # handles [0, 26) and [26, 36) MiB
+        a.free(p)
+        a.empty_cache()  # [0, 26) cannot stop at 26 MiB reserved: 16 MiB are mapped back
+        assert a.stats()["reserved_bytes.all.current"] == 26 * MiB
+        a.free(q)
+        a.check_invariants()
 
 
 def test_strategy_is_reported_and_validated():

@@ -933,7 +933,7 @@ size_t Allocator::empty_cache() {
   size_t want = keep - reserved;
   std::string why;
   if (vmm_) {
-    map_for(want, 0, &why, kUnknownRoom, /*exact=*/true);
+    map_for(want, 0, &why, kUnknownRoom, /*exact=*/true, /*fresh=*/true);
   } else if (uintptr_t base = device_reserve(want); base != 0) {
     add_segment(base, want, 0);
   }

@@ -294,7 +294,8 @@ class Allocator {
   // Virtual memory (strategy vmm)
   void init_vmm();
   // exact: nothing mapped ahead (pool_size, reserve(), what empty_cache() restores of pool_size).
-  Block* map_for(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom, bool exact = false);
+  Block* map_for(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom, bool exact = false,
+                 bool fresh = false);
   Block* usable_neighbour(Block* n, Stream s);
   // Unmaps up to `want` bytes of whole free pages outside [keep_lo, keep_hi)
   // that every stream is done with (waiting for the streams if asked), in
@@ -319,7 +320,7 @@ class Allocator {
   // cuMemMap). map_for() drops whatever is left when it returns or throws;
   // so does the out-of-memory retry (alloc_large()), whose release_cached()
   // keeps the handles it unmaps for the mapping it retries.
-  Block* map_for_moving(size_t size, Stream s, std::string* why, size_t room, bool exact);
+  Block* map_for_moving(size_t size, Stream s, std::string* why, size_t room, bool exact, bool fresh);
   // keep_handles_ set for a scope, cleared however it ends.
   struct KeepHandles {
     bool& flag;

@@ -107,6 +107,18 @@ void Allocator::init_vmm() {
   vmm_seg_->first = b;
   unmapped_.emplace(base, b);
   segments_.emplace(base, vmm_seg_);
+  // While nothing is mapped: the range goes back, and the pool uses plain
+  // segments (or throws).
+  auto give_back = [&]() {
+    unmapped_.clear();
+    segments_.erase(base);
+    drop_block(b);
+    delete vmm_seg_;
+    vmm_seg_ = nullptr;
+    vmm_ = false;
+    page_ = 0;
+    backend_->vmm_release(base, range);
+  };
   if (keep_trial) {
     std::string why;
     Block* m = nullptr;
@@ -115,23 +127,23 @@ void Allocator::init_vmm() {
     } catch (const std::exception&) {
       m = nullptr;
     }
-    if (m == nullptr) {  // nothing mapped: the range goes back, the pool uses segments
-      unmapped_.clear();
-      segments_.erase(base);
-      drop_block(b);
-      delete vmm_seg_;
-      vmm_seg_ = nullptr;
-      vmm_ = false;
-      page_ = 0;
-      backend_->vmm_release(base, range);
+    if (m == nullptr) {
+      give_back();
       return;
     }
   }
-  if (cfg_.pool_size > 0) {
+  // pool_size: what the kept trial page does not cover already.
+  size_t have = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  size_t want = round_up(cfg_.pool_size, kGranularity);
+  if (want > have) {
     std::string why;
-    if (map_for(round_up(cfg_.pool_size, kGranularity), 0, &why, kUnknownRoom, /*exact=*/true) == nullptr)
+    if (map_for(want - have, 0, &why, kUnknownRoom, /*exact=*/true, /*fresh=*/true) == nullptr) {
+      // Nothing was mapped for it. The kept trial page cannot be unmapped
+      // during the capture: it stays with the range.
+      if (have == 0) give_back();
       throw OutOfMemoryError("out of memory: could not map pool_size (" +
                              format_bytes(cfg_.pool_size) + "): " + why);
+    }
   }
 }
 
@@ -140,10 +152,10 @@ Block* Allocator::usable_neighbour(Block* n, Stream s) {
   return n->stream == s || is_ready(n) ? n : nullptr;
 }
 
-Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, bool exact) {
+Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, bool exact, bool fresh) {
   Block* m = nullptr;
   try {
-    m = map_for_moving(size, s, why, room, exact);
+    m = map_for_moving(size, s, why, room, exact, fresh);
   } catch (...) {
     drop_spares();
     throw;
@@ -167,7 +179,8 @@ void Allocator::drop_spares() {
   }
 }
 
-Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t room, bool exact) {
+Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t room, bool exact,
+                                 bool fresh) {
   // During a capture only fresh pages may be mapped: unmap_free_pages()
   // moves none then.
   if ((backend_->is_capturing(s) || backend_->capture_underway()) &&
@@ -180,13 +193,14 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   if (free_chunks_ > 0) reclaim_free_chunks();
 
   // The unmapped block needing the fewest new pages, mapped from the side
-  // whose usable free neighbour is larger.
+  // whose usable free neighbour is larger. `fresh`: size new bytes, whatever
+  // is free beside them (the pool filled back up to pool_size).
   Block* u = nullptr;
   uintptr_t lo = 0, hi = 0, keep_lo = 0, keep_hi = 0;
   size_t need = SIZE_MAX;
   for (auto& [addr, cand] : unmapped_) {
-    Block* left = usable_neighbour(cand->prev, s);
-    Block* right = usable_neighbour(cand->next, s);
+    Block* left = fresh ? nullptr : usable_neighbour(cand->prev, s);
+    Block* right = fresh ? nullptr : usable_neighbour(cand->next, s);
     size_t lsz = left ? left->size : 0, rsz = right ? right->size : 0;
     if (lsz + cand->size + rsz < size) continue;
     size_t from_left = size <= lsz ? 0 : round_up(size - lsz, page_);
