@@ -338,7 +338,7 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
       grain = round_up(kSnugGrain, page_);
     } else {
       while (grain * 2 <= handle_limit_ && grain * 2 * kGrowthShare <= reserved) grain *= 2;
-      grain = std::max(grain, std::min(std::max(kMinGrain / page_, size_t(1)) * page_, handle_limit_));
+      grain = std::max(grain, std::min(round_up(kMinGrain, page_), handle_limit_));
     }
     uintptr_t base = vmm_seg_->base;
     if (lo == u->addr) {
