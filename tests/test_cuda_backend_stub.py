@@ -30,7 +30,7 @@ def stub_driver(tmp_path_factory):
         out_dir = tmp_path_factory.mktemp(f"stub_driver_{name}")
         library = out_dir / "libcuda.so.1"
         subprocess.run(
-            [compiler, "-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so.1", *flags,
+            [compiler, "-shared", "-fPIC", "-O1", "-pthread", "-Wl,-soname,libcuda.so.1", *flags,
              os.path.join(STUB_DIR, "libcuda_stub.c"), "-o", str(library)],
             check=True, capture_output=True, text=True,
         )

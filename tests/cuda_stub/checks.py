@@ -596,6 +596,85 @@ def check_opening_a_route_waits_for_a_device_query_under_way():
     assert largest.value > 0
 
 
+def captures_beside_busy_threads(seconds=1.5):
+    """Stress: three threads allocate, free, share blocks between streams and
+    empty the cache while a fourth captures graph after graph. Nothing CUDA's
+    global mode forbids may reach the driver between a capture's declaration
+    and its end, whatever the interleaving."""
+    import random
+    import threading
+    import time
+
+    hooks.pyalloc_empty_cache()
+    stub.forbidden_during_capture = 0
+    stop = threading.Event()
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        streams = (0x1000, 0x2000)
+        live = []
+        try:
+            while not stop.is_set():
+                op = rng.random()
+                if (op < 0.5 or not live) and len(live) < 6:
+                    try:
+                        live.append(malloc(int(2 ** rng.uniform(9, 25)), 0, rng.choice(streams)))
+                    except RuntimeError as e:
+                        assert "out of memory" in str(e).lower(), str(e)
+                elif op < 0.85 or len(live) >= 6:
+                    free(live.pop(rng.randrange(len(live))))
+                elif op < 0.95:
+                    hooks.pyalloc_record_stream(rng.choice(live), rng.choice(streams))
+                else:
+                    hooks.pyalloc_empty_cache()
+            for p in live:
+                free(p)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    def capturer():
+        cap = 0x5700
+        n = 0
+        try:
+            while not stop.is_set():
+                n += 1
+                pool = (0, 100 + n)
+                pool_hook("begin_allocate_to_pool", pool, [cap])
+                stub.capture_id, stub.capturing_stream = 200 + n, cap
+                for _ in range(4):
+                    try:  # the workers may hold the device: nothing is released to make room
+                        free(malloc(int(2 ** random.uniform(9, 23)), 0, cap))
+                    except RuntimeError as e:
+                        assert "out of memory" in str(e).lower(), str(e)
+                time.sleep(0.003)
+                stub.capturing_stream = 0
+                pool_hook("end_allocate_to_pool", pool)
+                pool_hook("release_pool", pool)
+                time.sleep(0.001)
+        except BaseException as e:  # noqa: BLE001
+            stub.capturing_stream = 0
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(3)]
+    threads.append(threading.Thread(target=capturer, daemon=True))
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck"
+    assert not errors, errors
+    assert stub.forbidden_during_capture == 0, stub.forbidden_during_capture
+    hooks.pyalloc_empty_cache()
+    _C.cuda_check_invariants(0)
+
+
+def relaxed_check_captures_beside_busy_threads():
+    captures_beside_busy_threads()
+
+
 def relaxed_check_a_route_left_open_heals_by_probing_its_stream():
     """Regression: torch 2.x ends no route when cudaStreamEndCapture fails; the
     route's capture stream, asked with cuStreamGetCaptureInfo, is found done, and
@@ -985,6 +1064,10 @@ def vmm_check_a_mapping_refused_during_capture_unmaps_nothing():
     hooks.pyalloc_empty_cache()
     assert stub.mapped[0] == 0 and stub.mem_release == stub.mem_create
     _C.cuda_check_invariants(0)
+
+
+def vmm_check_captures_beside_busy_threads():
+    captures_beside_busy_threads()
 
 
 def fallback_check_vmm_refused_by_a_sandbox():

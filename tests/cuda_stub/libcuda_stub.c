@@ -25,6 +25,7 @@
  *
  * test_cuda_backend_stub.py compiles it as libcuda.so.1 and reads `stub` through
  * ctypes. */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,6 +84,15 @@ static __thread CUcontext current = 0;
 static struct { uintptr_t ptr; int64_t size; int device; } blocks[MAX_BLOCKS];
 
 static __thread int mode = MODE_GLOBAL;
+
+/* Calls that take or give back memory come from several threads (the stress
+ * checks): one at a time, as the driver keeps its own books consistent. */
+static pthread_mutex_t stub_mu = PTHREAD_MUTEX_INITIALIZER;
+static void stub_unlock(int* unused) { (void)unused; pthread_mutex_unlock(&stub_mu); }
+#define ONE_AT_A_TIME                                                         \
+  pthread_mutex_lock(&stub_mu);                                               \
+  int one_at_a_time __attribute__((cleanup(stub_unlock))) = 0;                \
+  (void)one_at_a_time
 
 /* Inside a driver call, until the test clears stub.paused. */
 static void wait_while_paused(void) {
@@ -155,6 +165,7 @@ CUresult cuDeviceGetName(char* name, int len, int device) {
 }
 
 CUresult cuMemAlloc_v2(unsigned long long* p, size_t size) {
+  ONE_AT_A_TIME;
   allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   if ((int64_t)size == stub.fail_alloc_size) return STUB_FAILURE;
@@ -180,6 +191,7 @@ CUresult cuMemFree_v2(unsigned long long p) {
     stub.pause_mem_free = 0;
     wait_while_paused();
   }
+  ONE_AT_A_TIME;
   during_capture();
   for (int i = 0; i < MAX_BLOCKS; ++i) {
     if (blocks[i].ptr != (uintptr_t)p) continue;
@@ -198,6 +210,7 @@ CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
     stub.pause_mem_get_info = 0;
     wait_while_paused();
   }
+  ONE_AT_A_TIME;
   during_capture();
   stub.mem_get_info++;
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
@@ -296,6 +309,7 @@ CUresult cuMemGetAllocationGranularity(size_t* g, const void* prop, int option) 
 }
 CUresult cuMemAddressReserve(unsigned long long* p, size_t size, size_t align, unsigned long long addr,
                              unsigned long long flags) {
+  ONE_AT_A_TIME;
   (void)align; (void)addr; (void)flags;
   stub.mem_address_reserve++;
   void* m = mmap(0, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -304,10 +318,12 @@ CUresult cuMemAddressReserve(unsigned long long* p, size_t size, size_t align, u
   return SUCCESS;
 }
 CUresult cuMemAddressFree(unsigned long long p, size_t size) {
+  ONE_AT_A_TIME;
   munmap((void*)(uintptr_t)p, size);
   return SUCCESS;
 }
 CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsigned long long flags) {
+  ONE_AT_A_TIME;
   (void)prop; (void)flags;
   allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
@@ -324,6 +340,7 @@ CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsig
   return SUCCESS;
 }
 CUresult cuMemRelease(unsigned long long h) {
+  ONE_AT_A_TIME;
   during_capture();
   if (h == 0 || h >= (unsigned long long)next_handle || handle_released[h]) { stub.bad_handle++; return INVALID_VALUE; }
   handle_released[h] = 1;
@@ -333,6 +350,7 @@ CUresult cuMemRelease(unsigned long long h) {
 }
 CUresult cuMemMap(unsigned long long p, size_t size, size_t offset, unsigned long long h,
                   unsigned long long flags) {
+  ONE_AT_A_TIME;
   (void)offset; (void)flags;
   allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
@@ -349,6 +367,7 @@ CUresult cuMemMap(unsigned long long p, size_t size, size_t offset, unsigned lon
   return SUCCESS;
 }
 CUresult cuMemUnmap(unsigned long long p, size_t size) {
+  ONE_AT_A_TIME;
   during_capture();
   if (current == 0) stub.wrong_context++;
   mmap((void*)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
@@ -361,6 +380,7 @@ CUresult cuMemUnmap(unsigned long long p, size_t size) {
 }
 struct AccessDesc { int type; int id; int flags; };
 CUresult cuMemSetAccess(unsigned long long p, size_t size, const void* desc, size_t count) {
+  ONE_AT_A_TIME;
   allocating();
   stub.mem_set_access++;
   /* The range must be mapped whole, by handles lying inside it. */
