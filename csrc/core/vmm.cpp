@@ -19,7 +19,8 @@
 // cuMemSetAccess: large while the device has room (fewer driver calls), of
 // any number of pages while the pool holds at most a quarter of what it could,
 // aligned powers of two of pages otherwise, small near a limit (holes give up
-// their pages); one per growth during a capture (nothing to undo then).
+// their pages); one per growth during a capture (a refused one leaves none
+// mapped to undo; a refused cuMemSetAccess still unmaps it).
 // While the pool holds at most a quarter of what the device (and the cap)
 // could give it, growth maps ahead to a grain of the pool, in the request's
 // handles; beyond, in one-page handles to a 20 MiB boundary while the room
@@ -138,9 +139,12 @@ void Allocator::init_vmm() {
   if (want > have) {
     std::string why;
     if (map_for(want - have, 0, &why, kUnknownRoom, /*exact=*/true, /*fresh=*/true) == nullptr) {
-      // Nothing was mapped for it. The kept trial page cannot be unmapped
-      // during the capture: it stays with the range.
-      if (have == 0) give_back();
+      // Nothing was mapped for it. A kept trial page cannot be unmapped
+      // during the capture, and a pool that throws here is never destroyed:
+      // the pool opens with the page, and empty_cache() maps pool_size
+      // once the capture is over.
+      if (have != 0) return;
+      give_back();
       throw OutOfMemoryError("out of memory: could not map pool_size (" +
                              format_bytes(cfg_.pool_size) + "): " + why);
     }

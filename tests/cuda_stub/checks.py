@@ -5,7 +5,8 @@ the stand-in as libcuda.so.1:  checks.py PATH/TO/libcuda.so.1 [MODE] [norelax]
 Without MODE the segment checks (check_*, and relaxed_check_* or norelax_check_*)
 run; with MODE the MODE_check_* ones: "vmm" (the stand-in reports virtual
 memory management: pools map pages), "fallback" (vmm asked for where it cannot
-work), "capture" (vmm, with a device's pools made during a capture). "norelax": the stand-in was built without cuThreadExchangeStreamCaptureMode,
+work), "capture" (vmm, with a device's pools made during a capture; "big": a
+pool_size it cannot map then). "norelax": the stand-in was built without cuThreadExchangeStreamCaptureMode,
 so captures cannot grow the pool. A device's pools are made once per process,
 hence the modes. Prints OK when every check passed.
 """
@@ -615,7 +616,8 @@ def captures_beside_busy_threads(seconds=1.5):
         streams = (0x1000, 0x2000)
         live = []
         try:
-            while not stop.is_set():
+            # The stand-in never reuses a handle's id (65535 at most): a bound.
+            while not stop.is_set() and stub.mem_create < 40000:
                 op = rng.random()
                 if (op < 0.5 or not live) and len(live) < 6:
                     try:
@@ -1099,14 +1101,21 @@ def capture_check_a_device_opened_during_a_capture_breaks_nothing():
     captures (CUDA's global mode forbids unmapping from any thread) made their
     trial mapping and unmapped it again: a cuMemUnmap and a cuMemRelease into
     the capture for each pool. The trial page now stays mapped, as the pool's
-    first, until the capture is over (pool_size, up to a page, included)."""
-    _C.cuda_configure("strategy:vmm,pool_size:2MiB")
+    first, until the capture is over: it counts toward a pool_size up to a
+    page ("capture"); a pool_size the device cannot give during the capture
+    ("capture big": 64 MiB, of 32) is mapped once the capture is over (it
+    threw, leaking the page, the range and the pool's share of the device)."""
+    pool_size = 64 * MiB if "big" in sys.argv[2:] else 2 * MiB
+    _C.cuda_configure(f"strategy:vmm,pool_size:{pool_size}")
     cap, s1 = 0x5500, (1 << 32) | 0x1000
     free(malloc(MiB))  # device 0's pools
     pool_hook("begin_allocate_to_pool", (0, 17), [cap])
     stub.capture_id, stub.capturing_stream = 93, cap
     stub.forbidden_during_capture = 0
     allocs = stub.mem_alloc
+    capacity = stub.capacity
+    if pool_size > 2 * MiB:
+        stub.capacity = 32 * MiB
     p = malloc(3 * MiB, 1, s1)  # device 1's pools are made now
     c.memset(p, 4, 3 * MiB)
     free(p, device=1)
@@ -1114,13 +1123,14 @@ def capture_check_a_device_opened_during_a_capture_breaks_nothing():
     assert stub.forbidden_during_capture == 0, stub.forbidden_during_capture
     assert stub.mem_alloc == allocs and stub.mapped[1] > 0  # device 1 maps pages
     stub.capturing_stream = 0
+    stub.capacity = capacity
     pool_hook("end_allocate_to_pool", (0, 17))
     pool_hook("release_pool", (0, 17))
     q = malloc(5 * MiB, 1, s1)
     c.memset(q, 6, 5 * MiB)
     free(q, device=1)
     hooks.pyalloc_empty_cache()  # the trial page goes back with the rest, but pool_size
-    assert stub.mapped[1] == 2 * MiB == stats(1)["reserved_bytes.all.current"], stub.mapped[1]
+    assert stub.mapped[1] == pool_size == stats(1)["reserved_bytes.all.current"], stub.mapped[1]
     assert _C.cuda_config()["strategy"] == "vmm"
     _C.cuda_check_invariants(1)
 
