@@ -20,8 +20,7 @@
 // any number of pages while the pool holds at most a quarter of what it could,
 // aligned powers of two of pages otherwise, small near a limit (holes give up
 // their pages); one per growth during a capture (a refused one leaves none
-// mapped to undo; the CUDA backend holds one whose cuMemSetAccess is refused
-// until the capture is over).
+// mapped to undo; a refused cuMemSetAccess still unmaps it).
 // While the pool holds at most a quarter of what the device (and the cap)
 // could give it, growth maps ahead to a grain of the pool, in the request's
 // handles; beyond, in one-page handles to a 20 MiB boundary while the room

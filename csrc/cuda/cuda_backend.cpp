@@ -382,7 +382,6 @@ class CudaBackend final : public Backend {
       // None outside a move or an out-of-memory retry: the core drops them.
       for (auto& [sz, h] : spares_) d_.MemRelease(h);
       spares_.clear();
-      release_held(/*now=*/true);
       d_.MemAddressFree(static_cast<CUdeviceptr>(base), size);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "pyalloc: releasing a virtual range failed: %s\n", e.what());
@@ -393,15 +392,13 @@ class CudaBackend final : public Backend {
     if (sh_->captures.underway() && !grows_while_capturing()) return false;
     RelaxedCaptureMode relaxed(d_);
     ContextGuard g(d_, sh_->ctx);
-    if (!release_held() && holds(addr, size)) return false;
     CUmemGenericAllocationHandle h = 0;
     CUresult r = d_.MemCreate(&h, size, &sh_->prop, 0);
     if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
     check(r, "cuMemCreate");
     r = d_.MemMap(static_cast<CUdeviceptr>(addr), size, 0, h, 0);
     if (r != CUDA_SUCCESS) {
-      if (sh_->captures.underway()) held_.push_back({0, Mapped{h, size}});
-      else d_.MemRelease(h);
+      d_.MemRelease(h);
       if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
       check(r, "cuMemMap");
     }
@@ -456,7 +453,6 @@ class CudaBackend final : public Backend {
     if (sh_->captures.underway() && !grows_while_capturing()) return false;
     RelaxedCaptureMode relaxed(d_);
     ContextGuard g(d_, sh_->ctx);
-    if (!release_held() && holds(addr, size)) return false;
     auto it = spares_.find(size);
     if (it == spares_.end()) return false;
     // The handle's memory is held already: any failure is an error (thrown;
@@ -486,17 +482,6 @@ class CudaBackend final : public Backend {
     // The core unmaps only pages every stream is done with (backend.h).
     try {
       ContextGuard g(d_, sh_->ctx);
-      // During a capture the core unmaps only what it has just mapped, when
-      // cuMemSetAccess refused it: held, not unmapped into the capture.
-      if (sh_->captures.underway()) {
-        auto it = handles_.find(addr);
-        if (it != handles_.end()) {
-          held_.push_back({addr, it->second});
-          handles_.erase(it);
-          return;
-        }
-      }
-      release_held();
       if (!unmap_handle(addr))
         std::fprintf(stderr, "pyalloc: no handle of %zu bytes is mapped at 0x%llx\n", size,
                      static_cast<unsigned long long>(addr));
@@ -506,28 +491,6 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  // Unmaps (where mapped: addr != 0) and releases the handles held during a
-  // capture, once none is underway (or the range goes: `now`); false while
-  // one still is and some wait.
-  bool release_held(bool now = false) {
-    if (held_.empty()) return true;
-    if (sh_->captures.underway() && !now) return false;
-    for (const auto& [addr, m] : held_) {
-      if (addr != 0) d_.MemUnmap(static_cast<CUdeviceptr>(addr), m.size);
-      d_.MemRelease(m.handle);
-    }
-    held_.clear();
-    return true;
-  }
-
-  // Whether [addr, addr + size) overlaps a held mapping: not mapped again
-  // before it is unmapped.
-  bool holds(uintptr_t addr, size_t size) const {
-    for (const auto& [a, m] : held_)
-      if (a != 0 && a < addr + size && addr < a + m.size) return true;
-    return false;
-  }
-
   bool unmap_handle(uintptr_t addr) {
     auto it = handles_.find(addr);
     if (it == handles_.end()) return false;
@@ -620,13 +583,6 @@ class CudaBackend final : public Backend {
   };
   std::unordered_map<uintptr_t, Mapped> handles_;  // mapped address -> its handle
   std::multimap<size_t, CUmemGenericAllocationHandle> spares_;  // detached, kept: size -> handle
-  // Handles given up during a capture, released after it (release_held()):
-  // address (0: never mapped) and handle.
-  struct Held {
-    uintptr_t addr;
-    Mapped mapped;
-  };
-  std::vector<Held> held_;
 };
 
 class CudaDevice final : public Device {
