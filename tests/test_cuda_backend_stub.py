@@ -49,10 +49,11 @@ STDERR = {
 STDERR["segments-norelax"] = STDERR["segments"][:1]  # no capture grows a graph pool there
 
 
-STDERR["capture"] = STDERR["capture-big"] = []
+STDERR["capture"] = STDERR["capture-big"] = STDERR["capture-error"] = []
 
 
-@pytest.mark.parametrize("mode", ["segments", "vmm", "fallback", "capture", "capture-big", "segments-norelax"])
+@pytest.mark.parametrize("mode", ["segments", "vmm", "fallback", "capture", "capture-big", "capture-error",
+                                  "segments-norelax"])
 def test_cuda_backend_against_the_stand_in_driver(stub_driver, mode):
     library = stub_driver["norelax" if mode.endswith("norelax") else "relaxed"]
     env = dict(os.environ, PYTHONPATH=REPO, LD_LIBRARY_PATH=str(library.parent))

@@ -137,12 +137,20 @@ void Allocator::init_vmm() {
   size_t have = static_cast<size_t>(stats_.reserved_bytes.all.current);
   size_t want = round_up(cfg_.pool_size, kGranularity);
   if (want > have) {
+    // Nothing is mapped for it on failure. A kept trial page cannot be
+    // unmapped during the capture, and a pool that throws here is never
+    // destroyed: the pool opens with the page, and empty_cache() maps
+    // pool_size once the capture is over.
     std::string why;
-    if (map_for(want - have, 0, &why, kUnknownRoom, /*exact=*/true, /*fresh=*/true) == nullptr) {
-      // Nothing was mapped for it. A kept trial page cannot be unmapped
-      // during the capture, and a pool that throws here is never destroyed:
-      // the pool opens with the page, and empty_cache() maps pool_size
-      // once the capture is over.
+    Block* m = nullptr;
+    try {
+      m = map_for(want - have, 0, &why, kUnknownRoom, /*exact=*/true, /*fresh=*/true);
+    } catch (const std::exception&) {
+      if (have != 0) return;
+      give_back();
+      throw;
+    }
+    if (m == nullptr) {
       if (have != 0) return;
       give_back();
       throw OutOfMemoryError("out of memory: could not map pool_size (" +

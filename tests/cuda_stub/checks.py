@@ -6,7 +6,7 @@ Without MODE the segment checks (check_*, and relaxed_check_* or norelax_check_*
 run; with MODE the MODE_check_* ones: "vmm" (the stand-in reports virtual
 memory management: pools map pages), "fallback" (vmm asked for where it cannot
 work), "capture" (vmm, with a device's pools made during a capture; "big": a
-pool_size it cannot map then). "norelax": the stand-in was built without cuThreadExchangeStreamCaptureMode,
+pool_size it cannot map then; "error": a driver error mapping it). "norelax": the stand-in was built without cuThreadExchangeStreamCaptureMode,
 so captures cannot grow the pool. A device's pools are made once per process,
 hence the modes. Prints OK when every check passed.
 """
@@ -39,6 +39,7 @@ class Stub(c.Structure):
         ("mem_set_access", c.c_int64), ("mem_address_reserve", c.c_int64), ("set_access_oom", c.c_int),
         ("bad_handle", c.c_int64), ("fail_remap", c.c_int),
         ("pause_mem_free", c.c_int), ("paused", c.c_int), ("pause_mem_get_info", c.c_int),
+        ("fail_create_size", c.c_int64),
     ]
 
 
@@ -1103,9 +1104,10 @@ def capture_check_a_device_opened_during_a_capture_breaks_nothing():
     the capture for each pool. The trial page now stays mapped, as the pool's
     first, until the capture is over: it counts toward a pool_size up to a
     page ("capture"); a pool_size the device cannot give during the capture
-    ("capture big": 64 MiB, of 32) is mapped once the capture is over (it
-    threw, leaking the page, the range and the pool's share of the device)."""
-    pool_size = 64 * MiB if "big" in sys.argv[2:] else 2 * MiB
+    ("capture big": 64 MiB, of 32; "capture error": a driver error mapping it)
+    is mapped once the capture is over (it threw, leaking the page, the range
+    and the pool's share of the device)."""
+    pool_size = 64 * MiB if {"big", "error"} & set(sys.argv[2:]) else 2 * MiB
     _C.cuda_configure(f"strategy:vmm,pool_size:{pool_size}")
     cap, s1 = 0x5500, (1 << 32) | 0x1000
     free(malloc(MiB))  # device 0's pools
@@ -1114,7 +1116,9 @@ def capture_check_a_device_opened_during_a_capture_breaks_nothing():
     stub.forbidden_during_capture = 0
     allocs = stub.mem_alloc
     capacity = stub.capacity
-    if pool_size > 2 * MiB:
+    if "error" in sys.argv[2:]:
+        stub.fail_create_size = pool_size - 2 * MiB  # a driver error, not out of memory
+    elif pool_size > 2 * MiB:
         stub.capacity = 32 * MiB
     p = malloc(3 * MiB, 1, s1)  # device 1's pools are made now
     c.memset(p, 4, 3 * MiB)
@@ -1124,6 +1128,7 @@ def capture_check_a_device_opened_during_a_capture_breaks_nothing():
     assert stub.mem_alloc == allocs and stub.mapped[1] > 0  # device 1 maps pages
     stub.capturing_stream = 0
     stub.capacity = capacity
+    stub.fail_create_size = 0
     pool_hook("end_allocate_to_pool", (0, 17))
     pool_hook("release_pool", (0, 17))
     q = malloc(5 * MiB, 1, s1)

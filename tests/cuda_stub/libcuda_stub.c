@@ -76,6 +76,7 @@ struct Stub {
   volatile int pause_mem_free; /* the next cuMemFree sets paused and waits until the test clears it */
   volatile int paused;
   volatile int pause_mem_get_info; /* the same for the next cuMemGetInfo */
+  int64_t fail_create_size;  /* cuMemCreate of exactly this size fails with STUB_FAILURE */
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -330,6 +331,7 @@ CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsig
   if (stub.vmm_refuse) return NOT_PERMITTED;
   int d = current->device;
   if (size == 0 || size % PAGE != 0) return INVALID_VALUE;
+  if ((int64_t)size == stub.fail_create_size) return STUB_FAILURE;
   if (stub.used[d] + (int64_t)size > stub.capacity) { stub.mem_create_refused++; return OUT_OF_MEMORY; }
   if (next_handle >= (1 << 16)) return OUT_OF_MEMORY;
   stub.used[d] += (int64_t)size;
