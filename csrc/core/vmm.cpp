@@ -26,6 +26,7 @@
 // handles; beyond, in one-page handles to a 20 MiB boundary while the room
 // left is ample.
 #include <algorithm>
+#include <exception>
 #include <vector>
 
 #include "allocator.h"
@@ -142,20 +143,18 @@ void Allocator::init_vmm() {
     // destroyed: the pool opens with the page, and empty_cache() maps
     // pool_size once the capture is over.
     std::string why;
+    std::exception_ptr error;
     Block* m = nullptr;
     try {
       m = map_for(want - have, 0, &why, kUnknownRoom, /*exact=*/true, /*fresh=*/true);
     } catch (const std::exception&) {
-      if (have != 0) return;
-      give_back();
-      throw;
+      error = std::current_exception();
     }
-    if (m == nullptr) {
-      if (have != 0) return;
-      give_back();
-      throw OutOfMemoryError("out of memory: could not map pool_size (" +
-                             format_bytes(cfg_.pool_size) + "): " + why);
-    }
+    if (m != nullptr || have != 0) return;
+    give_back();
+    if (error) std::rethrow_exception(error);
+    throw OutOfMemoryError("out of memory: could not map pool_size (" + format_bytes(cfg_.pool_size) +
+                           "): " + why);
   }
 }
 
