@@ -45,13 +45,13 @@ STDERR = {
     "vmm": ["cuMemSetAccess for peer devices failed: CUDA_ERROR_NOT_SUPPORTED (801)"],
     "fallback": ["device 0 cannot use strategy vmm (the driver refused a trial mapping: "
                  "cuMemCreate failed: CUDA_ERROR_NOT_PERMITTED (800)); its pools use strategy bestfit"],
-    "capture": [], "capture-big": [], "capture-error": [],
+    "capture": [], "capture-big": [], "capture-error": [], "capture-access": [],
 }
 STDERR["segments-norelax"] = STDERR["segments"][:1]  # no capture grows a graph pool there
 
 
 @pytest.mark.parametrize("mode", ["segments", "vmm", "fallback", "capture", "capture-big", "capture-error",
-                                  "segments-norelax"])
+                                  "capture-access", "segments-norelax"])
 def test_cuda_backend_against_the_stand_in_driver(stub_driver, mode):
     library = stub_driver["norelax" if mode.endswith("norelax") else "relaxed"]
     env = dict(os.environ, PYTHONPATH=REPO, LD_LIBRARY_PATH=str(library.parent))

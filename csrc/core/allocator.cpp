@@ -857,6 +857,7 @@ void Allocator::merge_ready_neighbours() {
 size_t Allocator::release_cached(size_t keep) {
   // Nothing may be waited for or returned while a graph is being captured.
   if (backend_->capture_underway()) return 0;
+  size_t released = unpark();
   // Wait for every stream so that every free block is safe anywhere.
   process_pending(true);
   for (auto& [stream, st] : streams_) poll_syncs(*st, true);
@@ -868,11 +869,10 @@ size_t Allocator::release_cached(size_t keep) {
     size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
     return reserved > keep ? reserved - keep : 0;
   };
-  size_t released = 0;
   if (vmm_) {
     size_t want = keep == 0 ? SIZE_MAX : above_keep() / page_ * page_;
     // All waited for above; above keep, never below it.
-    if (want > 0) released = unmap_free_pages(want, 0, 0, /*wait=*/false, false, /*at_most=*/keep != 0);
+    if (want > 0) released += unmap_free_pages(want, 0, 0, /*wait=*/false, false, /*at_most=*/keep != 0);
     // Handles too large to stop at `keep` (a run's last handle larger than
     // what is above it) go too, and empty_cache() maps the pool back up to
     // it: otherwise a pool whose handles fell that way kept a whole cache

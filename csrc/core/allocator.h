@@ -308,10 +308,20 @@ class Allocator {
   // cuMemCreate each), mapped (vmm_map, then one vmm_access per range) and
   // unmapped (vmm_unmap) whole.
   // map_handles() maps [lo, lo+size) as handles and makes them accessible
-  // in one call, or maps nothing and returns false;
+  // in one call, or maps nothing and returns false; except that, given
+  // `kept`, handles whose access is refused during a capture stay mapped
+  // (unmapping them would break it) and *kept says so: the caller parks them.
   // unmap_handles() unmaps the handles tiling [lo, hi).
-  bool map_handles(uintptr_t lo, size_t size);
+  bool map_handles(uintptr_t lo, size_t size, bool* kept = nullptr);
   void unmap_handles(uintptr_t lo, uintptr_t hi);
+  // The block of [lo, hi), mapped in u just now, cut out of u and counted
+  // as reserved (a segment's run, history); allocated, on stream s.
+  Block* cut_mapped(Block* u, uintptr_t lo, uintptr_t hi, Stream s);
+  // Pages mapped during a capture whose access the device refused: held as
+  // allocated blocks in no pointer map (never handed out, counted as
+  // reserved), and unmapped once no capture is underway (unpark(), at the
+  // next mapping or release of cached memory; returns the bytes unmapped).
+  size_t unpark();
   // Pages moving out of holes for a mapping (map_for()), where the backend
   // can move a handle (vmm_moves()): while keep_handles_ is set,
   // unmap_handles() detaches the handles and keeps them as spares_, which
@@ -427,6 +437,7 @@ class Allocator {
   bool whole_ = false;                    // the mapping underway is one handle (during a capture)
   bool keep_handles_ = false;             // unmap_handles() detaches handles as spares_
   std::multiset<size_t> spares_;          // sizes of the handles detached for the mapping underway
+  std::map<uintptr_t, Block*> parked_;    // mapped blocks no device may access yet (unpark())
 
   bool history_on_ = false;
   // The current malloc's caller_counts_oom (read by throw_oom, under mu_).

@@ -105,17 +105,20 @@ FragmentationInfo Allocator::fragmentation() const {
 std::vector<SnapshotSegment> Allocator::snapshot() const {
   std::lock_guard<Lock> guard(mu_);
   std::vector<SnapshotSegment> out;
-  auto add = [](SnapshotSegment& s, const Block* b) {
+  auto add = [this](SnapshotSegment& s, const Block* b) {
     s.total_size += b->size;
-    const char* st = b->state == BlockState::kFree         ? "inactive"
+    // A parked block (vmm.cpp) is reserved memory no one holds: inactive.
+    bool held = b->state != BlockState::kFree && parked_.count(b->addr) == 0;
+    const char* st = !held                                  ? "inactive"
                      : b->state == BlockState::kPendingFree ? "active_pending_free"
                                                             : "active_allocated";
     s.blocks.push_back(SnapshotBlock{b->addr, b->size, b->requested, st, b->context});
+    if (!held) return;
     if (b->state == BlockState::kAllocated) {
       s.allocated_size += b->size;
       s.requested_size += b->requested;
     }
-    if (b->state != BlockState::kFree) s.active_size += b->size;
+    s.active_size += b->size;
   };
   for (const auto& [base, seg] : segments_) {
     // One segment per run of large-pool memory: unmapped pages and chunks
@@ -166,6 +169,7 @@ struct Tally {
   size_t chunks = 0;
   size_t free_chunks = 0;
   size_t unmapped = 0;
+  size_t parked = 0;
   std::unordered_set<const Block*> free_blocks;
 };
 
@@ -246,6 +250,12 @@ void Allocator::check_invariants() const {
           }
           break;
         case BlockState::kAllocated:
+          if (auto p = parked_.find(b->addr); p != parked_.end() && p->second == b) {
+            if (pool != kLargePool || !seg->vmm || b->chunk != nullptr || live_.find(b->addr) == b)
+              fail(at + " is parked but not a plain block of a virtual-memory segment");
+            t.parked++;
+            break;
+          }
           if (b->chunk != nullptr) {
             if (pool != kLargePool || b->chunk->parent != b || b->chunk->base != b->addr ||
                 b->chunk->size != b->size)
@@ -293,6 +303,7 @@ void Allocator::check_invariants() const {
     fail(std::to_string(t.free_chunks) + " wholly free chunks, counted as at most " +
          std::to_string(free_chunks_));
   if (t.unmapped != unmapped_.size()) fail("unmapped map does not match the unmapped blocks");
+  if (t.parked != parked_.size()) fail("parked map does not match the parked blocks");
   if (vmm_) {
     // The handles tile the mapped memory of the range: none under unmapped
     // blocks, none past the ends of a run of mapped blocks.

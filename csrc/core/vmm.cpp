@@ -20,7 +20,8 @@
 // any number of pages while the pool holds at most a quarter of what it could,
 // aligned powers of two of pages otherwise, small near a limit (holes give up
 // their pages); one per growth during a capture (a refused one leaves none
-// mapped to undo; a refused cuMemSetAccess still unmaps it).
+// mapped to undo; one refused access stays mapped, parked, never handed out,
+// until no capture is underway: unpark()).
 // While the pool holds at most a quarter of what the device (and the cap)
 // could give it, growth maps ahead to a grain of the pool, in the request's
 // handles; beyond, in one-page handles to a 20 MiB boundary while the room
@@ -129,7 +130,9 @@ void Allocator::init_vmm() {
     } catch (const std::exception&) {
       m = nullptr;
     }
-    if (m == nullptr) {
+    // A page the device refused access to stays mapped, parked: the pool
+    // opens with it.
+    if (m == nullptr && parked_.empty()) {
       give_back();
       return;
     }
@@ -175,6 +178,24 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
   return m;
 }
 
+size_t Allocator::unpark() {
+  if (parked_.empty() || backend_->capture_underway()) return 0;
+  // No work was ever queued on these pages: they go back at once, as
+  // unmapped pages (a cuMemUnmap and a cuMemRelease a handle), whatever
+  // the streams are doing.
+  std::map<uintptr_t, Block*> parked;
+  parked.swap(parked_);
+  size_t bytes = 0;
+  for (auto& [addr, b] : parked) {
+    bytes += b->size;
+    b->state = BlockState::kFree;
+    state(b->stream).free[kLargePool].insert(b);
+    track_inactive_split(b, +1);
+    unmap_range(b, b->addr, b->end());
+  }
+  return bytes;
+}
+
 size_t Allocator::unmap_free_pages_kept(size_t want, uintptr_t keep_lo, uintptr_t keep_hi) {
   KeepHandles keep(keep_handles_, backend_->vmm_moves());
   return unmap_free_pages(want, keep_lo, keep_hi, /*wait=*/true, /*all_or_none=*/true);
@@ -202,6 +223,9 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   }
   // Wholly free chunks hold mapped pages the large pool can use.
   if (free_chunks_ > 0) reclaim_free_chunks();
+  // Parked pages go back first (the device has them again, as for pages
+  // moved out of holes below).
+  if (size_t unparked = unpark(); unparked != 0 && room != kUnknownRoom) room += unparked;
 
   // The unmapped block needing the fewest new pages, mapped from the side
   // whose usable free neighbour is larger. `fresh`: size new bytes, whatever
@@ -364,30 +388,56 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
         (room != kUnknownRoom && need + more > room))
       ext_lo = ext_hi = 0;
   }
+  // Pages the device mapped during a capture but refused access to stay
+  // mapped (see unpark()), cut out of u, and the request fails.
+  bool kept = false;
+  auto park = [&](uintptr_t a, size_t n) -> Block* {
+    parked_.emplace(a, cut_mapped(u, a, a + n, s));
+    *why = "the device refused access to " + format_bytes(n) +
+           " of new pages during a CUDA graph capture (cuMemSetAccess out of memory); they stay "
+           "reserved, unused, until no capture is underway";
+    return nullptr;
+  };
   bool merged = false;
   if (ext_hi > ext_lo) {  // need + the extra fit the room (above)
     uintptr_t a = std::min(lo, ext_lo);
     try {  // a driver error here only maps none ahead: the request alone is tried below
-      merged = map_handles(a, need + ext_hi - ext_lo);
+      merged = map_handles(a, need + ext_hi - ext_lo, &kept);
     } catch (const std::logic_error&) {
       throw;  // a range the core got wrong is no driver's error
     } catch (const std::exception&) {
       merged = false;
     }
+    if (kept) return park(a, need + ext_hi - ext_lo);
     if (merged) {
       need += ext_hi - ext_lo;
       lo = a;
       hi = std::max(hi, ext_hi);
     }
   }
-  if (!merged && (need > room || !map_handles(lo, need))) {
-    if (unmap_free_pages_kept(need, keep_lo, keep_hi) < need ||
-        !map_handles(lo, need)) {
+  if (!merged && (need > room || !map_handles(lo, need, &kept))) {
+    if (kept) return park(lo, need);
+    if (unmap_free_pages_kept(need, keep_lo, keep_hi) < need || !map_handles(lo, need, &kept)) {
+      if (kept) return park(lo, need);
       *why = std::string("the ") + backend_->name() + " backend could not map " + format_bytes(need);
       if (room != kUnknownRoom) *why += " (the device has " + format_bytes(room) + " free)";
       return nullptr;
     }
   }
+  Block* m = cut_mapped(u, lo, hi, s);
+  // Merge only with neighbours s may use: fresh pages are safe anywhere and
+  // would otherwise merge into (and take the label of) a block another
+  // stream may still be using.
+  while ((usable_neighbour(m->prev, s) != nullptr && merge_neighbour(m, m->prev)) ||
+         (usable_neighbour(m->next, s) != nullptr && merge_neighbour(m, m->next))) {
+  }
+  m->state = BlockState::kFree;
+  state(m->stream).free[kLargePool].insert(m);
+  track_inactive_split(m, +1);
+  return m->size >= size ? m : nullptr;
+}
+
+Block* Allocator::cut_mapped(Block* u, uintptr_t lo, uintptr_t hi, Stream s) {
   // Each contiguous run of mapped large-pool memory is a segment, as in
   // PyTorch's snapshots of expandable segments: the new pages start one or
   // join the runs beside them. The range's events and runs carry one stream
@@ -397,9 +447,9 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   int64_t runs = 1 - (lo == u->addr && large_mem(u->prev) ? 1 : 0) -
                  (hi == u->end() && large_mem(u->next) ? 1 : 0);
   if (runs != 0) stats_.segment.add(kLargePool, runs);
-  stats_.reserved_bytes.add(kLargePool, static_cast<int64_t>(need));
+  stats_.reserved_bytes.add(kLargePool, static_cast<int64_t>(hi - lo));
   stats_.num_device_alloc++;
-  if (history_on_) trace(TraceEntry::kSegmentMap, lo, need, vmm_seg_->stream);
+  if (history_on_) trace(TraceEntry::kSegmentMap, lo, hi - lo, vmm_seg_->stream);
 
   // Cut the mapped piece out of u; fresh pages are safe for every stream.
   Block* m;
@@ -424,24 +474,15 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
       if (u->next != nullptr) u->next->prev = m;
       u->next = m;
     }
-    u->size -= need;
+    u->size -= hi - lo;
   }
   m->addr = lo;
-  m->size = need;
+  m->size = hi - lo;
   m->mapped = true;
   m->stream = s;
   m->free_seq = 0;
   m->state = BlockState::kAllocated;
-  // Merge only with neighbours s may use: fresh pages are safe anywhere and
-  // would otherwise merge into (and take the label of) a block another
-  // stream may still be using.
-  while ((usable_neighbour(m->prev, s) != nullptr && merge_neighbour(m, m->prev)) ||
-         (usable_neighbour(m->next, s) != nullptr && merge_neighbour(m, m->next))) {
-  }
-  m->state = BlockState::kFree;
-  state(m->stream).free[kLargePool].insert(m);
-  track_inactive_split(m, +1);
-  return m->size >= size ? m : nullptr;
+  return m;
 }
 
 size_t Allocator::unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t keep_hi, bool wait,
@@ -517,7 +558,7 @@ size_t Allocator::handle_size(uintptr_t addr, uintptr_t end) const {
   return h;
 }
 
-bool Allocator::map_handles(uintptr_t lo, size_t size) {
+bool Allocator::map_handles(uintptr_t lo, size_t size, bool* kept) {
   uintptr_t a = lo, end = lo + size;
   auto undo = [&]() {
     unmap_handles(lo, a);
@@ -560,6 +601,10 @@ bool Allocator::map_handles(uintptr_t lo, size_t size) {
     // 2k+1 calls for k handles, not 3k.
     stats_.num_driver_calls++;
     if (!backend_->vmm_access(lo, size)) {
+      if (kept != nullptr && backend_->capture_underway()) {
+        *kept = true;
+        return false;
+      }
       undo();
       return false;
     }

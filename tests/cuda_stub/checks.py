@@ -1069,6 +1069,52 @@ def vmm_check_a_mapping_refused_during_capture_unmaps_nothing():
     _C.cuda_check_invariants(0)
 
 
+def vmm_check_a_refused_set_access_during_capture_unmaps_nothing():
+    """Regression: cuMemSetAccess refused (out of memory) during a capture
+    unmapped and released the handle it was for: two calls into the capture.
+    The pages stay mapped, parked: reserved, never handed out, and unmapped
+    once the capture is over."""
+    capture_stream = 0x5700
+    hooks.pyalloc_empty_cache()
+    before = stats()
+    stub.capture_id, stub.capturing_stream = 80, capture_stream
+    stub.forbidden_during_capture = 0
+    unmaps = stub.mem_unmap
+
+    def work():
+        stub.set_access_oom = 1
+        try:
+            malloc(40 * MiB, 0, capture_stream)
+            raise AssertionError("allocated pages no device may access")
+        except RuntimeError as e:
+            assert str(e).startswith("CUDA out of memory."), str(e)
+            assert "refused access" in str(e), str(e)
+        finally:
+            stub.set_access_oom = 0
+    counted_as_made(work)
+    assert stub.forbidden_during_capture == 0 and stub.mem_unmap == unmaps
+    st = stats()
+    parked = st["reserved_bytes.all.current"] - before["reserved_bytes.all.current"]
+    assert parked >= 40 * MiB, parked  # held, and said so
+    assert st["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+    blocks = [b for seg in _C.cuda_snapshot_segments(0) for b in seg["blocks"]]
+    assert sum(b["size"] for b in blocks if b["state"] == "inactive") >= parked, blocks
+    assert not [b for b in blocks if b["state"] != "inactive"], blocks  # no one holds them
+    _C.cuda_check_invariants(0)
+    hooks.pyalloc_empty_cache()  # nothing goes back during the capture
+    p = malloc(30 * MiB, 0, capture_stream)  # access granted again: other pages
+    c.memset(p, 3, 30 * MiB)
+    assert stub.forbidden_during_capture == 0 and stub.mem_unmap == unmaps
+    assert stats()["reserved_bytes.all.current"] >= before["reserved_bytes.all.current"] + parked
+    stub.capturing_stream = 0
+    free(p)
+    _C.cuda_release_graph_memory(0)
+    counted_as_made(hooks.pyalloc_empty_cache)  # the parked pages go back too
+    assert stub.mapped[0] == 0 and stub.mem_release == stub.mem_create
+    assert stats()["reserved_bytes.all.current"] == 0
+    _C.cuda_check_invariants(0)
+
+
 def vmm_check_captures_beside_busy_threads():
     captures_beside_busy_threads()
 
@@ -1106,7 +1152,8 @@ def capture_check_a_device_opened_during_a_capture_breaks_nothing():
     page ("capture"); a pool_size the device cannot give during the capture
     ("capture big": 64 MiB, of 32; "capture error": a driver error mapping it)
     is mapped once the capture is over (it threw, leaking the page, the range
-    and the pool's share of the device)."""
+    and the pool's share of the device). "capture access": the device refuses
+    access to the page; it stays mapped, parked, and the request fails."""
     pool_size = 64 * MiB if {"big", "error"} & set(sys.argv[2:]) else 2 * MiB
     _C.cuda_configure(f"strategy:vmm,pool_size:{pool_size}")
     cap, s1 = 0x5500, (1 << 32) | 0x1000
@@ -1116,13 +1163,21 @@ def capture_check_a_device_opened_during_a_capture_breaks_nothing():
     stub.forbidden_during_capture = 0
     allocs = stub.mem_alloc
     capacity = stub.capacity
+    access = "access" in sys.argv[2:]
     if "error" in sys.argv[2:]:
         stub.fail_create_size = pool_size - 2 * MiB  # a driver error, not out of memory
     elif pool_size > 2 * MiB:
         stub.capacity = 32 * MiB
-    p = malloc(3 * MiB, 1, s1)  # device 1's pools are made now
-    c.memset(p, 4, 3 * MiB)
-    free(p, device=1)
+    stub.set_access_oom = int(access)
+    try:
+        p = malloc(3 * MiB, 1, s1)  # device 1's pools are made now
+        assert not access, "allocated pages no device may access"
+        c.memset(p, 4, 3 * MiB)
+        free(p, device=1)
+    except RuntimeError as e:
+        assert access and "refused access" in str(e), str(e)
+    finally:
+        stub.set_access_oom = 0
     hooks.pyalloc_empty_cache()  # nothing is given back during the capture
     assert stub.forbidden_during_capture == 0, stub.forbidden_during_capture
     assert stub.mem_alloc == allocs and stub.mapped[1] > 0  # device 1 maps pages
