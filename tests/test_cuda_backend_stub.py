@@ -42,7 +42,8 @@ def stub_driver(tmp_path_factory):
 STDERR = {
     "segments": ["cuEventQuery failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)",
                  "a CUDA graph capture into pool (0, 15) on device 0 was never ended"],
-    "vmm": ["cuMemSetAccess for peer devices failed: CUDA_ERROR_NOT_SUPPORTED (801)"],
+    "vmm": ["device 1: cuMemSetAccess for peer devices failed: CUDA_ERROR_NOT_SUPPORTED (801)",
+            "device 0: cuMemSetAccess for peer devices failed: CUDA_ERROR_NOT_SUPPORTED (801)"],
     "fallback": ["device 0 cannot use strategy vmm (the driver refused a trial mapping: "
                  "cuMemCreate failed: CUDA_ERROR_NOT_PERMITTED (800)); its pools use strategy bestfit"],
     "capture": [], "capture-big": [], "capture-error": [], "capture-access": [],

@@ -40,6 +40,13 @@
 //   failed mapping throws, the handle still a spare); vmm_drop returns the
 //   memory of one spare of `size` to the backend (cuMemRelease). A spare's
 //   memory stays in use by the process.
+// - take_uncounted_calls(): the driver calls made (positive) or not made
+//   (negative) since last asked, beyond what the core counts for the vmm
+//   calls it makes: one cuMemCreate for a vmm_map that returns false, a
+//   cuMemCreate and a cuMemMap for one that maps, none for one that throws,
+//   one cuMemSetAccess per vmm_access, a cuMemMap per vmm_attach that maps,
+//   none for one that refuses or throws. The core adds them to
+//   num_driver_calls, so that it counts what the driver was asked.
 // - The core calls a backend with its own lock held, from any thread; a
 //   backend needs a lock of its own only for state that tests or other
 //   callers touch from outside the core.
@@ -95,6 +102,7 @@ class Backend {
   virtual bool vmm_detach(uintptr_t /*addr*/, size_t /*size*/) { return false; }
   virtual bool vmm_attach(uintptr_t /*addr*/, size_t /*size*/) { return false; }
   virtual void vmm_drop(size_t /*size*/) {}
+  virtual int64_t take_uncounted_calls() { return 0; }
 
   /// The test-controllable streams of a simulated backend; null on a device.
   virtual SimStreams* sim_streams() { return nullptr; }

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "cuda_driver.h"
@@ -140,10 +141,11 @@ struct CudaShared {
 
 // Sets the access of a mapped range: this device and its peers, or this
 // device alone once the driver has refused the peers.
-CUresult set_access(const Driver& d, CudaShared& sh, uintptr_t addr, size_t size) {
+CUresult set_access(const Driver& d, CudaShared& sh, uintptr_t addr, size_t size, int64_t* calls = nullptr) {
   size_t n = sh.access_count();
   CUresult r = d.MemSetAccess(static_cast<CUdeviceptr>(addr), size, sh.access.data(), n);
   if (r != CUDA_SUCCESS && n > 1 && r != CUDA_ERROR_OUT_OF_MEMORY) {
+    if (calls != nullptr) ++*calls;
     CUresult alone = d.MemSetAccess(static_cast<CUdeviceptr>(addr), size, sh.access.data(), 1);
     if (alone == CUDA_SUCCESS) sh.refuse_peers(r);
     r = alone;
@@ -389,16 +391,22 @@ class CudaBackend final : public Backend {
   }
 
   bool vmm_map(uintptr_t addr, size_t size) override {
-    if (sh_->captures.underway() && !grows_while_capturing()) return false;
+    if (sh_->captures.underway() && !grows_while_capturing()) {
+      uncounted_--;  // refused with no driver call
+      return false;
+    }
     RelaxedCaptureMode relaxed(d_);
     ContextGuard g(d_, sh_->ctx);
     CUmemGenericAllocationHandle h = 0;
     CUresult r = d_.MemCreate(&h, size, &sh_->prop, 0);
     if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
+    if (r != CUDA_SUCCESS) uncounted_++;
     check(r, "cuMemCreate");
     r = d_.MemMap(static_cast<CUdeviceptr>(addr), size, 0, h, 0);
     if (r != CUDA_SUCCESS) {
       d_.MemRelease(h);
+      // cuMemCreate, cuMemMap and cuMemRelease: one counted if refused.
+      uncounted_ += r == CUDA_ERROR_OUT_OF_MEMORY ? 2 : 3;
       if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
       check(r, "cuMemMap");
     }
@@ -412,11 +420,13 @@ class CudaBackend final : public Backend {
     // core unmaps those handles.
     RelaxedCaptureMode relaxed(d_);
     ContextGuard g(d_, sh_->ctx);
-    CUresult r = set_access(d_, *sh_, addr, size);
+    CUresult r = set_access(d_, *sh_, addr, size, &uncounted_);
     if (r == CUDA_ERROR_OUT_OF_MEMORY) return false;
     check(r, "cuMemSetAccess");
     return true;
   }
+
+  int64_t take_uncounted_calls() override { return std::exchange(uncounted_, 0); }
 
   // A handle moved out of a hole: cuMemUnmap now, cuMemMap at its new
   // address (or cuMemRelease if it finds none), never a cuMemRelease and a
@@ -457,7 +467,9 @@ class CudaBackend final : public Backend {
     if (it == spares_.end()) return false;
     // The handle's memory is held already: any failure is an error (thrown;
     // the handle stays a spare, which the core drops).
-    check(d_.MemMap(static_cast<CUdeviceptr>(addr), size, 0, it->second, 0), "cuMemMap");
+    CUresult r = d_.MemMap(static_cast<CUdeviceptr>(addr), size, 0, it->second, 0);
+    if (r != CUDA_SUCCESS) uncounted_++;
+    check(r, "cuMemMap");
     handles_[addr] = Mapped{it->second, size};
     spares_.erase(it);
     return true;
@@ -583,6 +595,7 @@ class CudaBackend final : public Backend {
   };
   std::unordered_map<uintptr_t, Mapped> handles_;  // mapped address -> its handle
   std::multimap<size_t, CUmemGenericAllocationHandle> spares_;  // detached, kept: size -> handle
+  int64_t uncounted_ = 0;  // take_uncounted_calls(); under the core's lock, as every call
 };
 
 class CudaDevice final : public Device {

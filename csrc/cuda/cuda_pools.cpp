@@ -110,7 +110,10 @@ class DevicePools::PoolBackend final : public Backend {
   }
   void vmm_release(uintptr_t base, size_t size) override { inner_->vmm_release(base, size); }
   bool vmm_map(uintptr_t addr, size_t size) override {
-    if (!budget_.take(size)) return false;
+    if (!budget_.take(size)) {
+      uncounted_--;  // refused with no driver call
+      return false;
+    }
     bool mapped = false;
     try {
       mapped = inner_->vmm_map(addr, size);
@@ -122,6 +125,9 @@ class DevicePools::PoolBackend final : public Backend {
     return mapped;
   }
   bool vmm_access(uintptr_t addr, size_t size) override { return inner_->vmm_access(addr, size); }
+  int64_t take_uncounted_calls() override {
+    return std::exchange(uncounted_, 0) + inner_->take_uncounted_calls();
+  }
   void vmm_unmap(uintptr_t addr, size_t size) override {
     inner_->vmm_unmap(addr, size);
     budget_.give(size);
@@ -152,6 +158,7 @@ class DevicePools::PoolBackend final : public Backend {
  private:
   std::unique_ptr<Backend> inner_;
   Budget& budget_;
+  int64_t uncounted_ = 0;  // take_uncounted_calls(); under the core's lock, as every call
   std::atomic<bool> held_;
 };
 

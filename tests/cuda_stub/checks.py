@@ -39,7 +39,7 @@ class Stub(c.Structure):
         ("mem_set_access", c.c_int64), ("mem_address_reserve", c.c_int64), ("set_access_oom", c.c_int),
         ("bad_handle", c.c_int64), ("fail_remap", c.c_int),
         ("pause_mem_free", c.c_int), ("paused", c.c_int), ("pause_mem_get_info", c.c_int),
-        ("fail_create_size", c.c_int64),
+        ("fail_create_size", c.c_int64), ("map_oom", c.c_int), ("mem_map_refused", c.c_int64),
     ]
 
 
@@ -203,7 +203,7 @@ def check_out_of_memory():
 
 
 MEMORY_CALLS = ("mem_alloc", "mem_alloc_refused", "mem_free", "mem_create", "mem_create_refused",
-                "mem_release", "mem_map", "mem_unmap", "mem_get_info")
+                "mem_release", "mem_map", "mem_map_refused", "mem_unmap", "mem_get_info")
 
 
 def memory_calls():
@@ -273,7 +273,8 @@ def check_impossible_requests_fail_at_once():
 
 # Every driver call about memory the stand-in counts, as the core's num_driver_calls counts them.
 DRIVER_CALLS = ("mem_alloc", "mem_alloc_refused", "mem_free", "mem_create", "mem_create_refused",
-                "mem_release", "mem_map", "mem_unmap", "mem_set_access", "mem_address_reserve")
+                "mem_release", "mem_map", "mem_map_refused", "mem_unmap", "mem_set_access",
+                "mem_address_reserve")
 
 
 def driver_calls():
@@ -1015,6 +1016,28 @@ def vmm_check_a_refused_set_access_gives_the_pages_back():
     _C.cuda_check_invariants(0)
 
 
+def vmm_check_a_refused_mapping_is_counted_as_made():
+    """cuMemMap refused (out of memory) after its cuMemCreate: the handle is
+    released, and the three calls are counted (the core counted one)."""
+    hooks.pyalloc_empty_cache()
+    creates = stub.mem_create
+
+    def work():
+        stub.map_oom = 1
+        try:
+            malloc(40 * MiB)
+            raise AssertionError("allocated pages the device did not map")
+        except RuntimeError as e:
+            assert str(e).startswith("CUDA out of memory."), str(e)
+        finally:
+            stub.map_oom = 0
+    counted_as_made(work)
+    assert stub.mem_create > creates and stub.mem_release == stub.mem_create
+    free(malloc(40 * MiB))  # mapped once the device can
+    hooks.pyalloc_empty_cache()
+    _C.cuda_check_invariants(0)
+
+
 def vmm_check_pages_are_mapped_during_capture_and_none_unmapped():
     capture_stream = 0x5000
     free(malloc(8 * MiB, 0, capture_stream))  # 8 MiB mapped and cached
@@ -1117,6 +1140,23 @@ def vmm_check_a_refused_set_access_during_capture_unmaps_nothing():
 
 def vmm_check_captures_beside_busy_threads():
     captures_beside_busy_threads()
+
+
+def vmm_check_peers_refused_by_a_pool_are_counted_as_made():
+    """Peers refused at a pool's mapping, not at the device's trial (device 0
+    was opened with them): cuMemSetAccess is asked twice, and counted twice
+    (the core counted once). Last of the checks: device 0 keeps no peers."""
+    hooks.pyalloc_empty_cache()
+    free(malloc(MiB))
+    assert stub.access_count == 2
+    stub.refuse_peers = 1
+    try:
+        counted_as_made(lambda: free(malloc(24 * MiB)))
+    finally:
+        stub.refuse_peers = 0
+    assert stub.access_count == 1 and stub.access_mask == 0b01
+    hooks.pyalloc_empty_cache()
+    _C.cuda_check_invariants(0)
 
 
 def fallback_check_vmm_refused_by_a_sandbox():

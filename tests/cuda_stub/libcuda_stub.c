@@ -77,6 +77,8 @@ struct Stub {
   volatile int paused;
   volatile int pause_mem_get_info; /* the same for the next cuMemGetInfo */
   int64_t fail_create_size;  /* cuMemCreate of exactly this size fails with STUB_FAILURE */
+  int map_oom;               /* cuMemMap answers OUT_OF_MEMORY (after its checks) */
+  int64_t mem_map_refused;   /* cuMemMap answered OUT_OF_MEMORY */
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -359,6 +361,7 @@ CUresult cuMemMap(unsigned long long p, size_t size, size_t offset, unsigned lon
   if (h == 0 || h >= (unsigned long long)next_handle || (int64_t)size != handle_size[h]) return INVALID_VALUE;
   if (handle_released[h]) { stub.bad_handle++; return INVALID_HANDLE; }
   if (stub.fail_remap && handle_was_mapped[h]) return STUB_FAILURE;
+  if (stub.map_oom) { stub.mem_map_refused++; return OUT_OF_MEMORY; }
   /* No access until cuMemSetAccess, as on a device. */
   void* m = mmap((void*)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
   if (m == MAP_FAILED) return INVALID_VALUE;
