@@ -951,11 +951,13 @@ size_t Allocator::reserve(size_t nbytes) {
   OpEnd end{this};
   if (largest_free_locked(kLargePool) >= round_up(nbytes, kGranularity)) return 0;
   if (vmm_) {
+    unpark();  // first: map_for() would, and they are no part of what this reserves
     int64_t before = stats_.reserved_bytes.all.current;
     std::string why;
     if (map_for(round_up(nbytes, kGranularity), 0, &why, kUnknownRoom, /*exact=*/true) == nullptr)
       throw OutOfMemoryError("out of memory: reserve(" + format_bytes(nbytes) + "): " + why);
-    return static_cast<size_t>(stats_.reserved_bytes.all.current - before);
+    // Under a cap, pages moved out of holes for it leave reserved as it was.
+    return static_cast<size_t>(std::max<int64_t>(0, stats_.reserved_bytes.all.current - before));
   }
   size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   if (cfg_.max_pool_size != 0 && reserved + want > cfg_.max_pool_size)

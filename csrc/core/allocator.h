@@ -309,8 +309,9 @@ class Allocator {
   // unmapped (vmm_unmap) whole.
   // map_handles() maps [lo, lo+size) as handles and makes them accessible
   // in one call, or maps nothing and returns false; except that, given
-  // `kept`, handles whose access is refused during a capture stay mapped
-  // (unmapping them would break it) and *kept says so: the caller parks them.
+  // `kept`, handles whose access is refused (or fails: it throws then)
+  // during a capture stay mapped (unmapping them would break it) and *kept
+  // says so: the caller parks them.
   // unmap_handles() unmaps the handles tiling [lo, hi).
   bool map_handles(uintptr_t lo, size_t size, bool* kept = nullptr);
   void unmap_handles(uintptr_t lo, uintptr_t hi);

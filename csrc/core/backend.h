@@ -27,7 +27,8 @@
 //   vmm_access then makes a range of consecutive handles vmm_map mapped
 //   accessible at once (one cuMemSetAccess for all of them, as PyTorch's
 //   expandable segments call it; false when no memory is left: the core then
-//   unmaps those handles); vmm_unmap takes one such handle out whole (the
+//   unmaps those handles, except during a capture, when they stay mapped,
+//   parked, until it is over); vmm_unmap takes one such handle out whole (the
 //   addr and size vmm_map was given) and returns its memory to the backend.
 //   The core unmaps only pages no queued work can still touch.
 //   Moving a handle (optional; vmm_moves() false: the core never asks):

@@ -62,7 +62,7 @@ void Allocator::init_vmm() {
   // at all, the pool stays on plain segments rather than failing every request.
   // During a capture (another device's: the backend skipped its own trial
   // then) unmapping would break it, so the trial page stays mapped, as the
-  // pool's first (below).
+  // pool's first (below), or parked if the device refuses access to it.
   bool mappable = backend_->vmm_proven();
   bool keep_trial = !mappable && backend_->capture_underway();
   if (!mappable && !keep_trial) {
@@ -390,7 +390,8 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
       ext_lo = ext_hi = 0;
   }
   // Pages the device mapped during a capture but refused access to stay
-  // mapped (see unpark()), cut out of u, and the request fails.
+  // mapped (see unpark()), cut out of u, and the request fails (with the
+  // driver's error, if it was one).
   bool kept = false;
   auto park = [&](uintptr_t a, size_t n) -> Block* {
     parked_.emplace(a, cut_mapped(u, a, a + n, s));
@@ -399,14 +400,23 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
            "reserved, unused, until no capture is underway";
     return nullptr;
   };
+  auto map_or_park = [&](uintptr_t a, size_t n) {
+    try {
+      return map_handles(a, n, &kept);
+    } catch (...) {
+      if (kept) park(a, n);
+      throw;
+    }
+  };
   bool merged = false;
   if (ext_hi > ext_lo) {  // need + the extra fit the room (above)
     uintptr_t a = std::min(lo, ext_lo);
     try {  // a driver error here only maps none ahead: the request alone is tried below
-      merged = map_handles(a, need + ext_hi - ext_lo, &kept);
+      merged = map_or_park(a, need + ext_hi - ext_lo);
     } catch (const std::logic_error&) {
       throw;  // a range the core got wrong is no driver's error
     } catch (const std::exception&) {
+      if (kept) throw;  // parked: nothing more is mapped during the capture
       merged = false;
     }
     if (kept) return park(a, need + ext_hi - ext_lo);
@@ -416,9 +426,9 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
       hi = std::max(hi, ext_hi);
     }
   }
-  if (!merged && (need > room || !map_handles(lo, need, &kept))) {
+  if (!merged && (need > room || !map_or_park(lo, need))) {
     if (kept) return park(lo, need);
-    if (unmap_free_pages_kept(need, keep_lo, keep_hi) < need || !map_handles(lo, need, &kept)) {
+    if (unmap_free_pages_kept(need, keep_lo, keep_hi) < need || !map_or_park(lo, need)) {
       if (kept) return park(lo, need);
       *why = std::string("the ") + backend_->name() + " backend could not map " + format_bytes(need);
       if (room != kUnknownRoom) *why += " (the device has " + format_bytes(room) + " free)";
@@ -606,8 +616,17 @@ bool Allocator::map_handles(uintptr_t lo, size_t size, bool* kept) {
     // One cuMemSetAccess for the whole range, as PyTorch's mapAndSetAccess:
     // 2k+1 calls for k handles, not 3k.
     stats_.num_driver_calls++;
-    if (!backend_->vmm_access(lo, size)) {
-      if (kept != nullptr && backend_->capture_underway()) {
+    // Refused (or failed) during a capture, given `kept`: the handles stay.
+    bool keep = kept != nullptr && backend_->capture_underway();
+    bool accessible = false;
+    try {
+      accessible = backend_->vmm_access(lo, size);
+    } catch (...) {
+      if (keep) *kept = true;
+      throw;
+    }
+    if (!accessible) {
+      if (keep) {
         *kept = true;
         return false;
       }
@@ -615,7 +634,7 @@ bool Allocator::map_handles(uintptr_t lo, size_t size, bool* kept) {
       return false;
     }
   } catch (...) {
-    undo();
+    if (kept == nullptr || !*kept) undo();
     throw;
   }
   return true;

@@ -6,8 +6,10 @@ Without MODE the segment checks (check_*, and relaxed_check_* or norelax_check_*
 run; with MODE the MODE_check_* ones: "vmm" (the stand-in reports virtual
 memory management: pools map pages), "fallback" (vmm asked for where it cannot
 work), "capture" (vmm, with a device's pools made during a capture; "big": a
-pool_size it cannot map then; "error": a driver error mapping it). "norelax": the stand-in was built without cuThreadExchangeStreamCaptureMode,
-so captures cannot grow the pool. A device's pools are made once per process,
+pool_size it cannot map then; "error": a driver error mapping it; "access":
+the device refuses access to its pages then). "norelax": the stand-in was
+built without cuThreadExchangeStreamCaptureMode, so captures cannot grow the
+pool. A device's pools are made once per process,
 hence the modes. Prints OK when every check passed.
 """
 import ctypes
@@ -40,6 +42,7 @@ class Stub(c.Structure):
         ("bad_handle", c.c_int64), ("fail_remap", c.c_int),
         ("pause_mem_free", c.c_int), ("paused", c.c_int), ("pause_mem_get_info", c.c_int),
         ("fail_create_size", c.c_int64), ("map_oom", c.c_int), ("mem_map_refused", c.c_int64),
+        ("set_access_fail", c.c_int),
     ]
 
 
@@ -1093,10 +1096,10 @@ def vmm_check_a_mapping_refused_during_capture_unmaps_nothing():
 
 
 def vmm_check_a_refused_set_access_during_capture_unmaps_nothing():
-    """Regression: cuMemSetAccess refused (out of memory) during a capture
-    unmapped and released the handle it was for: two calls into the capture.
-    The pages stay mapped, parked: reserved, never handed out, and unmapped
-    once the capture is over."""
+    """Regression: cuMemSetAccess refused (out of memory) or failing (another
+    error) during a capture unmapped and released the handle it was for: two
+    calls into the capture. The pages stay mapped, parked: reserved, never
+    handed out, and unmapped once the capture is over."""
     capture_stream = 0x5700
     hooks.pyalloc_empty_cache()
     before = stats()
@@ -1119,6 +1122,21 @@ def vmm_check_a_refused_set_access_during_capture_unmaps_nothing():
     st = stats()
     parked = st["reserved_bytes.all.current"] - before["reserved_bytes.all.current"]
     assert parked >= 40 * MiB, parked  # held, and said so
+
+    def failing():
+        stub.set_access_fail = 1
+        try:
+            malloc(10 * MiB, 0, capture_stream)
+            raise AssertionError("allocated pages no device may access")
+        except RuntimeError as e:
+            assert "cuMemSetAccess" in str(e) and "out of memory" not in str(e).lower(), str(e)
+        finally:
+            stub.set_access_fail = 0
+    counted_as_made(failing)
+    assert stub.forbidden_during_capture == 0 and stub.mem_unmap == unmaps
+    st = stats()
+    parked = st["reserved_bytes.all.current"] - before["reserved_bytes.all.current"]
+    assert parked >= 50 * MiB, parked
     assert st["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
     blocks = [b for seg in _C.cuda_snapshot_segments(0) for b in seg["blocks"]]
     assert sum(b["size"] for b in blocks if b["state"] == "inactive") >= parked, blocks
@@ -1226,6 +1244,9 @@ def capture_check_a_device_opened_during_a_capture_breaks_nothing():
     stub.fail_create_size = 0
     pool_hook("end_allocate_to_pool", (0, 17))
     pool_hook("release_pool", (0, 17))
+    if access:  # the parked pages are unmapped first, and not counted as reserved by it
+        got = _C.cuda_reserve(1, 8 * MiB)
+        assert 0 < got <= 8 * MiB, got
     q = malloc(5 * MiB, 1, s1)
     c.memset(q, 6, 5 * MiB)
     free(q, device=1)

@@ -79,6 +79,7 @@ struct Stub {
   int64_t fail_create_size;  /* cuMemCreate of exactly this size fails with STUB_FAILURE */
   int map_oom;               /* cuMemMap answers OUT_OF_MEMORY (after its checks) */
   int64_t mem_map_refused;   /* cuMemMap answered OUT_OF_MEMORY */
+  int set_access_fail;       /* cuMemSetAccess fails with STUB_FAILURE (after its checks) */
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -408,6 +409,7 @@ CUresult cuMemSetAccess(unsigned long long p, size_t size, const void* desc, siz
     mask |= (int64_t)1 << a[i].id;
   }
   if (stub.set_access_oom) return OUT_OF_MEMORY;
+  if (stub.set_access_fail) return STUB_FAILURE;
   stub.access_count = (int64_t)count;
   stub.access_mask = mask;
   mprotect((void*)(uintptr_t)p, size, PROT_READ | PROT_WRITE);
