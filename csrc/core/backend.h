@@ -42,8 +42,9 @@
 //   memory of one spare of `size` to the backend (cuMemRelease). A spare's
 //   memory stays in use by the process.
 // - take_uncounted_calls(): the driver calls made (positive) or not made
-//   (negative) since last asked, beyond what the core counts for the vmm
-//   calls it makes: one cuMemCreate for a vmm_map that returns false, a
+//   (negative) since last asked, beyond what the core counts for the calls
+//   it makes: one cudaMalloc per reserve(), one cuMemCreate for a vmm_map
+//   that returns false, a
 //   cuMemCreate and a cuMemMap for one that maps, none for one that throws,
 //   one cuMemSetAccess per vmm_access, a cuMemMap per vmm_attach that maps,
 //   none for one that refuses or throws. The core adds them to

@@ -570,11 +570,7 @@ size_t Allocator::handle_size(uintptr_t addr, uintptr_t end) const {
 }
 
 bool Allocator::map_handles(uintptr_t lo, size_t size, bool* kept) {
-  // What the backend asked the driver beyond what is counted below, however this ends.
-  struct Recount {
-    Allocator& a;
-    ~Recount() { a.stats_.num_driver_calls += a.backend_->take_uncounted_calls(); }
-  } recount{*this};
+  Recount recount{*this};
   uintptr_t a = lo, end = lo + size;
   auto undo = [&]() {
     unmap_handles(lo, a);

@@ -258,7 +258,10 @@ class CudaBackend final : public Backend {
   const char* name() const override { return "cuda"; }
 
   uintptr_t reserve(size_t size) override {
-    if (sh_->captures.underway() && !grows_while_capturing()) return 0;
+    if (sh_->captures.underway() && !grows_while_capturing()) {
+      uncounted_--;  // refused with no driver call
+      return 0;
+    }
     RelaxedCaptureMode relaxed(d_);  // legal whatever capture is underway
     ContextGuard g(d_, sh_->ctx);
     CUdeviceptr p = 0;

@@ -76,7 +76,10 @@ class DevicePools::PoolBackend final : public Backend {
 
   const char* name() const override { return inner_->name(); }
   uintptr_t reserve(size_t size) override {
-    if (!budget_.take(size)) return 0;
+    if (!budget_.take(size)) {
+      uncounted_--;  // refused with no driver call
+      return 0;
+    }
     uintptr_t base = 0;
     try {
       base = inner_->reserve(size);  // the CUDA backend throws on errors other than OOM

@@ -284,12 +284,13 @@ def driver_calls():
     return sum(getattr(stub, k) for k in DRIVER_CALLS)
 
 
-def counted_as_made(work, device=0):
-    """Runs work(): the core's num_driver_calls rose by the calls the stand-in saw."""
-    before, counted = driver_calls(), stats(device)["num_driver_calls"]
+def counted_as_made(work, device=0, some=True):
+    """Runs work(): the core's num_driver_calls (every pool of the device) rose by
+    the calls the stand-in saw (some, unless told otherwise)."""
+    before, counted = driver_calls(), _C.cuda_device_stats(device)["num_driver_calls"]
     work()
-    made, told = driver_calls() - before, stats(device)["num_driver_calls"] - counted
-    assert made == told and made > 0, (made, told)
+    made, told = driver_calls() - before, _C.cuda_device_stats(device)["num_driver_calls"] - counted
+    assert made == told and (made > 0 or not some), (made, told)
 
 
 def check_the_core_counts_the_driver_calls_it_makes():
@@ -674,6 +675,37 @@ def captures_beside_busy_threads(seconds=1.5):
     assert not any(t.is_alive() for t in threads), "a thread is stuck"
     assert not errors, errors
     assert stub.forbidden_during_capture == 0, stub.forbidden_during_capture
+    hooks.pyalloc_empty_cache()
+    _C.cuda_check_invariants(0)
+
+
+def relaxed_check_a_budget_refusal_is_counted_as_no_call():
+    """A graph pool refused by the device's budget (the memory fraction) during
+    a capture, when the device's free memory is not asked: no cuMemAlloc is
+    made, and none is counted (two were)."""
+    hooks.pyalloc_empty_cache()
+    hooks.pyalloc_set_memory_fraction(32 / 256, 0)  # 32 MiB for every pool of device 0
+    held = malloc(24 * MiB)
+    cap = 0x5800
+    pool_hook("begin_allocate_to_pool", (0, 21), [cap])
+    stub.capture_id, stub.capturing_stream = 81, cap
+    stub.forbidden_during_capture = 0
+
+    def refused():
+        try:
+            malloc(16 * MiB, 0, cap)
+            raise AssertionError("allocated past the device's budget")
+        except RuntimeError as e:
+            assert str(e).startswith("CUDA out of memory."), str(e)
+    try:
+        counted_as_made(refused, some=False)
+        assert stub.forbidden_during_capture == 0
+    finally:
+        stub.capturing_stream = 0
+        pool_hook("end_allocate_to_pool", (0, 21))
+        pool_hook("release_pool", (0, 21))
+        free(held)
+        hooks.pyalloc_set_memory_fraction(1.0, 0)
     hooks.pyalloc_empty_cache()
     _C.cuda_check_invariants(0)
 
