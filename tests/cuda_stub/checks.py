@@ -42,7 +42,7 @@ class Stub(c.Structure):
         ("bad_handle", c.c_int64), ("fail_remap", c.c_int),
         ("pause_mem_free", c.c_int), ("paused", c.c_int), ("pause_mem_get_info", c.c_int),
         ("fail_create_size", c.c_int64), ("map_oom", c.c_int), ("mem_map_refused", c.c_int64),
-        ("set_access_fail", c.c_int),
+        ("set_access_fail", c.c_int), ("mem_failed", c.c_int64),
     ]
 
 
@@ -277,7 +277,7 @@ def check_impossible_requests_fail_at_once():
 # Every driver call about memory the stand-in counts, as the core's num_driver_calls counts them.
 DRIVER_CALLS = ("mem_alloc", "mem_alloc_refused", "mem_free", "mem_create", "mem_create_refused",
                 "mem_release", "mem_map", "mem_map_refused", "mem_unmap", "mem_set_access",
-                "mem_address_reserve")
+                "mem_address_reserve", "mem_failed")
 
 
 def driver_calls():
@@ -330,13 +330,19 @@ def check_a_repeating_loop_allocates_nothing_after_its_first_pass():
 
 
 def check_other_driver_errors_are_not_oom():
-    stub.fail_alloc_size = 46 * MiB
-    try:
-        malloc(46 * MiB)
-        raise AssertionError("the failing cuMemAlloc succeeded")
-    except RuntimeError as e:
-        message = str(e)
-    stub.fail_alloc_size = 0
+    message = ""
+
+    def failing():  # the failed cuMemAlloc counted too
+        nonlocal message
+        stub.fail_alloc_size = 46 * MiB
+        try:
+            malloc(46 * MiB)
+            raise AssertionError("the failing cuMemAlloc succeeded")
+        except RuntimeError as e:
+            message = str(e)
+        finally:
+            stub.fail_alloc_size = 0
+    counted_as_made(failing)
     assert "cuMemAlloc failed: CUDA_ERROR_STUB_FAILURE (999)" in message, message
     assert "out of memory" not in message
     _C.cuda_check_invariants(0)
@@ -896,14 +902,17 @@ def vmm_check_a_failed_move_keeps_no_handle():
     for p in ptrs[::2]:
         free(p)
     held = stub.used[0] - stub.mapped[0]  # memory of handles mapped nowhere
-    stub.fail_remap = 1
-    try:
-        malloc(24 * MiB)
-        raise AssertionError("a request served by a mapping that failed")
-    except RuntimeError as e:
-        assert "cuMemMap" in str(e), str(e)
-    finally:
-        stub.fail_remap = 0
+
+    def failing():  # the failed cuMemMap counted too
+        stub.fail_remap = 1
+        try:
+            malloc(24 * MiB)
+            raise AssertionError("a request served by a mapping that failed")
+        except RuntimeError as e:
+            assert "cuMemMap" in str(e), str(e)
+        finally:
+            stub.fail_remap = 0
+    counted_as_made(failing)
     assert stub.used[0] - stub.mapped[0] == held and stub.bad_handle == 0
     assert stats()["reserved_bytes.all.current"] <= 64 * MiB
     _C.cuda_check_invariants(0)

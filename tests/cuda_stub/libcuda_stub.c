@@ -80,6 +80,7 @@ struct Stub {
   int map_oom;               /* cuMemMap answers OUT_OF_MEMORY (after its checks) */
   int64_t mem_map_refused;   /* cuMemMap answered OUT_OF_MEMORY */
   int set_access_fail;       /* cuMemSetAccess fails with STUB_FAILURE (after its checks) */
+  int64_t mem_failed;        /* cuMemAlloc / cuMemCreate / cuMemMap calls failing otherwise */
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -172,7 +173,7 @@ CUresult cuMemAlloc_v2(unsigned long long* p, size_t size) {
   ONE_AT_A_TIME;
   allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
-  if ((int64_t)size == stub.fail_alloc_size) return STUB_FAILURE;
+  if ((int64_t)size == stub.fail_alloc_size) { stub.mem_failed++; return STUB_FAILURE; }
   int d = current->device;
   if (stub.used[d] + (int64_t)size > stub.capacity) { stub.mem_alloc_refused++; return OUT_OF_MEMORY; }
   for (int i = 0; i < MAX_BLOCKS; ++i) {
@@ -331,10 +332,10 @@ CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsig
   (void)prop; (void)flags;
   allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
-  if (stub.vmm_refuse) return NOT_PERMITTED;
+  if (stub.vmm_refuse) { stub.mem_failed++; return NOT_PERMITTED; }
   int d = current->device;
-  if (size == 0 || size % PAGE != 0) return INVALID_VALUE;
-  if ((int64_t)size == stub.fail_create_size) return STUB_FAILURE;
+  if (size == 0 || size % PAGE != 0) { stub.mem_failed++; return INVALID_VALUE; }
+  if ((int64_t)size == stub.fail_create_size) { stub.mem_failed++; return STUB_FAILURE; }
   if (stub.used[d] + (int64_t)size > stub.capacity) { stub.mem_create_refused++; return OUT_OF_MEMORY; }
   if (next_handle >= (1 << 16)) return OUT_OF_MEMORY;
   stub.used[d] += (int64_t)size;
@@ -359,9 +360,12 @@ CUresult cuMemMap(unsigned long long p, size_t size, size_t offset, unsigned lon
   (void)offset; (void)flags;
   allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
-  if (h == 0 || h >= (unsigned long long)next_handle || (int64_t)size != handle_size[h]) return INVALID_VALUE;
+  if (h == 0 || h >= (unsigned long long)next_handle || (int64_t)size != handle_size[h]) {
+    stub.mem_failed++;
+    return INVALID_VALUE;
+  }
   if (handle_released[h]) { stub.bad_handle++; return INVALID_HANDLE; }
-  if (stub.fail_remap && handle_was_mapped[h]) return STUB_FAILURE;
+  if (stub.fail_remap && handle_was_mapped[h]) { stub.mem_failed++; return STUB_FAILURE; }
   if (stub.map_oom) { stub.mem_map_refused++; return OUT_OF_MEMORY; }
   /* No access until cuMemSetAccess, as on a device. */
   void* m = mmap((void*)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
