@@ -284,6 +284,24 @@ def driver_calls():
     return sum(getattr(stub, k) for k in DRIVER_CALLS)
 
 
+def refused(size, stream=0, device=0, says="CUDA out of memory.", **knobs):
+    """malloc(size) with the stand-in's `knobs` set for the call, which must fail
+    saying `says`; the message."""
+    for name, value in knobs.items():
+        setattr(stub, name, value)
+    try:
+        malloc(size, device, stream)
+    except RuntimeError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"{size} bytes allocated with {knobs}")
+    finally:
+        for name in knobs:
+            setattr(stub, name, 0)
+    assert says in message, message
+    return message
+
+
 def counted_as_made(work, device=0, some=True):
     """Runs work(): the core's num_driver_calls (every pool of the device) rose by
     the calls the stand-in saw (some, unless told otherwise)."""
@@ -334,14 +352,7 @@ def check_other_driver_errors_are_not_oom():
 
     def failing():  # the failed cuMemAlloc counted too
         nonlocal message
-        stub.fail_alloc_size = 46 * MiB
-        try:
-            malloc(46 * MiB)
-            raise AssertionError("the failing cuMemAlloc succeeded")
-        except RuntimeError as e:
-            message = str(e)
-        finally:
-            stub.fail_alloc_size = 0
+        message = refused(46 * MiB, says="cuMemAlloc", fail_alloc_size=46 * MiB)
     counted_as_made(failing)
     assert "cuMemAlloc failed: CUDA_ERROR_STUB_FAILURE (999)" in message, message
     assert "out of memory" not in message
@@ -1041,16 +1052,7 @@ def vmm_check_a_refused_set_access_gives_the_pages_back():
     hooks.pyalloc_empty_cache()
     reserved, mapped, used = stats()["reserved_bytes.all.current"], stub.mapped[0], stub.used[0]
 
-    def work():
-        stub.set_access_oom = 1
-        try:
-            malloc(40 * MiB)
-            raise AssertionError("allocated pages no device may access")
-        except RuntimeError as e:
-            assert str(e).startswith("CUDA out of memory."), str(e)
-        finally:
-            stub.set_access_oom = 0
-    counted_as_made(work)
+    counted_as_made(lambda: refused(40 * MiB, set_access_oom=1))
     assert (stub.mapped[0], stub.used[0]) == (mapped, used)
     assert stats()["reserved_bytes.all.current"] == reserved
     p = malloc(40 * MiB)  # served once access is granted again
@@ -1066,16 +1068,7 @@ def vmm_check_a_refused_mapping_is_counted_as_made():
     hooks.pyalloc_empty_cache()
     creates = stub.mem_create
 
-    def work():
-        stub.map_oom = 1
-        try:
-            malloc(40 * MiB)
-            raise AssertionError("allocated pages the device did not map")
-        except RuntimeError as e:
-            assert str(e).startswith("CUDA out of memory."), str(e)
-        finally:
-            stub.map_oom = 0
-    counted_as_made(work)
+    counted_as_made(lambda: refused(40 * MiB, map_oom=1))
     assert stub.mem_create > creates and stub.mem_release == stub.mem_create
     free(malloc(40 * MiB))  # mapped once the device can
     hooks.pyalloc_empty_cache()
@@ -1148,31 +1141,16 @@ def vmm_check_a_refused_set_access_during_capture_unmaps_nothing():
     stub.forbidden_during_capture = 0
     unmaps = stub.mem_unmap
 
-    def work():
-        stub.set_access_oom = 1
-        try:
-            malloc(40 * MiB, 0, capture_stream)
-            raise AssertionError("allocated pages no device may access")
-        except RuntimeError as e:
-            assert str(e).startswith("CUDA out of memory."), str(e)
-            assert "refused access" in str(e), str(e)
-        finally:
-            stub.set_access_oom = 0
-    counted_as_made(work)
+    counted_as_made(lambda: refused(40 * MiB, capture_stream, says="refused access",
+                                    set_access_oom=1))
     assert stub.forbidden_during_capture == 0 and stub.mem_unmap == unmaps
     st = stats()
     parked = st["reserved_bytes.all.current"] - before["reserved_bytes.all.current"]
     assert parked >= 40 * MiB, parked  # held, and said so
 
     def failing():
-        stub.set_access_fail = 1
-        try:
-            malloc(10 * MiB, 0, capture_stream)
-            raise AssertionError("allocated pages no device may access")
-        except RuntimeError as e:
-            assert "cuMemSetAccess" in str(e) and "out of memory" not in str(e).lower(), str(e)
-        finally:
-            stub.set_access_fail = 0
+        message = refused(10 * MiB, capture_stream, says="cuMemSetAccess", set_access_fail=1)
+        assert "out of memory" not in message.lower(), message
     counted_as_made(failing)
     assert stub.forbidden_during_capture == 0 and stub.mem_unmap == unmaps
     st = stats()
