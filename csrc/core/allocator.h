@@ -323,6 +323,10 @@ class Allocator {
   // reserved), and unmapped once no capture is underway (unpark(), at the
   // next mapping or release of cached memory; returns the bytes unmapped).
   size_t unpark();
+  bool parked(const Block* b) const {
+    auto p = parked_.find(b->addr);
+    return p != parked_.end() && p->second == b;
+  }
   // Pages moving out of holes for a mapping (map_for()), where the backend
   // can move a handle (vmm_moves()): while keep_handles_ is set,
   // unmap_handles() detaches the handles and keeps them as spares_, which
@@ -347,7 +351,7 @@ class Allocator {
   // The backend's segments, their driver calls counted (stats.h).
   uintptr_t device_reserve(size_t size) {
     Recount recount{*this};
-    stats_.num_driver_calls++;  // cudaMalloc
+    stats_.num_driver_calls++;  // cuMemAlloc
     return backend_->reserve(size);
   }
   // Adds what the backend asked the driver beyond what the core counted

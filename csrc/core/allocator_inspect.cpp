@@ -108,7 +108,7 @@ std::vector<SnapshotSegment> Allocator::snapshot() const {
   auto add = [this](SnapshotSegment& s, const Block* b) {
     s.total_size += b->size;
     // A parked block (vmm.cpp) is reserved memory no one holds: inactive.
-    bool held = b->state != BlockState::kFree && parked_.count(b->addr) == 0;
+    bool held = b->state != BlockState::kFree && !parked(b);
     const char* st = !held                                  ? "inactive"
                      : b->state == BlockState::kPendingFree ? "active_pending_free"
                                                             : "active_allocated";
@@ -250,7 +250,7 @@ void Allocator::check_invariants() const {
           }
           break;
         case BlockState::kAllocated:
-          if (auto p = parked_.find(b->addr); p != parked_.end() && p->second == b) {
+          if (parked(b)) {
             if (pool != kLargePool || !seg->vmm || b->chunk != nullptr || live_.find(b->addr) == b)
               fail(at + " is parked but not a plain block of a virtual-memory segment");
             t.parked++;
@@ -330,6 +330,9 @@ void Allocator::check_invariants() const {
       if (!covered(b->addr, hi)) fail("mapped run " + format_ptr(b->addr) + " is not tiled by handles");
       handled += hi - b->addr;
     }
+    // unpark() unmaps a parked block's handles: they lie inside it.
+    for (const auto& [addr, b] : parked_)
+      if (!covered(b->addr, b->end())) fail("parked block " + format_ptr(addr) + " is not tiled by handles");
     size_t total = 0;
     for (const auto& [addr, size] : handles_) total += size;
     if (total != handled) fail("handles map memory outside the mapped blocks");

@@ -28,7 +28,8 @@
 //   accessible at once (one cuMemSetAccess for all of them, as PyTorch's
 //   expandable segments call it; false when no memory is left: the core then
 //   unmaps those handles, except during a capture, when they stay mapped,
-//   parked, until it is over); vmm_unmap takes one such handle out whole (the
+//   parked, as they do when vmm_access throws then, until the core unmaps
+//   them after it); vmm_unmap takes one such handle out whole (the
 //   addr and size vmm_map was given) and returns its memory to the backend.
 //   The core unmaps only pages no queued work can still touch.
 //   Moving a handle (optional; vmm_moves() false: the core never asks):
@@ -43,11 +44,10 @@
 //   memory stays in use by the process.
 // - take_uncounted_calls(): the driver calls made (positive) or not made
 //   (negative) since last asked, beyond what the core counts for the calls
-//   it makes: one cudaMalloc per reserve(), one cuMemCreate for a vmm_map
-//   that returns false, a
-//   cuMemCreate and a cuMemMap for one that maps, none for one that throws,
-//   one cuMemSetAccess per vmm_access, a cuMemMap per vmm_attach that maps,
-//   none for one that refuses or throws. The core adds them to
+//   it makes: one cuMemAlloc per reserve(), one cuMemCreate for a vmm_map
+//   that returns false, a cuMemCreate and a cuMemMap for one that maps, none
+//   for one that throws, one cuMemSetAccess per vmm_access, a cuMemMap per
+//   vmm_attach that maps, none for one that refuses or throws. The core adds them to
 //   num_driver_calls, so that it counts what the driver was asked.
 // - The core calls a backend with its own lock held, from any thread; a
 //   backend needs a lock of its own only for state that tests or other

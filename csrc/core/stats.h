@@ -97,14 +97,17 @@ struct Stats {
   int64_t num_sync_all_streams = 0;
   int64_t num_device_alloc = 0;
   int64_t num_device_free = 0;
-  // The driver calls the CUDA backend makes for the device calls above, the
-  // same count on every backend: cuMemAlloc or cuMemFree per segment (refused
-  // ones too); per mapped handle cuMemCreate and cuMemMap (a refused mapping:
-  // one cuMemCreate), one cuMemSetAccess per range of handles mapped at once,
-  // per unmapped handle cuMemUnmap and cuMemRelease (a handle moving out of a
-  // hole: cuMemUnmap, then cuMemMap at its new address, or cuMemRelease if
-  // the new range has no use for it); cuMemAddressReserve for the virtual
-  // range. Not in torch.
+  // The driver calls the CUDA backend makes for the device calls above:
+  // cuMemAlloc or cuMemFree per segment (refused ones too); per mapped handle
+  // cuMemCreate and cuMemMap (a refused mapping: one cuMemCreate), one
+  // cuMemSetAccess per range of handles mapped at once, per unmapped handle
+  // cuMemUnmap and cuMemRelease (a handle moving out of a hole: cuMemUnmap,
+  // then cuMemMap at its new address, or cuMemRelease if the new range has
+  // no use for it); cuMemAddressReserve for the virtual range. The core
+  // counts by these rules on every backend, and a backend that asked the
+  // driver more or less on some path (a refused cuMemMap, peers refused, a
+  // refusal with no call) says so (Backend::take_uncounted_calls()). Not in
+  // torch.
   int64_t num_driver_calls = 0;
   int64_t num_oom_rejections = 0;  // OOMs refused at once (OutOfMemoryError::rejected())
   int64_t max_split_size = 0;

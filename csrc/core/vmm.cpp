@@ -21,7 +21,8 @@
 // aligned powers of two of pages otherwise, small near a limit (holes give up
 // their pages); one per growth during a capture (a refused one leaves none
 // mapped to undo; one refused access stays mapped, parked, never handed out,
-// until no capture is underway: unpark()).
+// until the first growth, reserve() or release of cached memory once no
+// capture is underway: unpark()).
 // While the pool holds at most a quarter of what the device (and the cap)
 // could give it, growth maps ahead to a grain of the pool, in the request's
 // handles; beyond, in one-page handles to a 20 MiB boundary while the room
@@ -142,9 +143,10 @@ void Allocator::init_vmm() {
   size_t have = static_cast<size_t>(stats_.reserved_bytes.all.current);
   size_t want = round_up(cfg_.pool_size, kGranularity);
   if (want > have) {
-    // Nothing is mapped for it on failure. A kept trial page cannot be
-    // unmapped during the capture, and a pool that throws here is never
-    // destroyed: the pool opens with the page, and empty_cache() maps
+    // Nothing is mapped for it on failure, unless the device refused access
+    // to it during a capture (parked). A kept trial page or parked pages
+    // cannot be unmapped during the capture, and a pool that throws here is
+    // never destroyed: the pool opens with them, and empty_cache() maps
     // pool_size once the capture is over.
     std::string why;
     std::exception_ptr error;
@@ -154,7 +156,7 @@ void Allocator::init_vmm() {
     } catch (const std::exception&) {
       error = std::current_exception();
     }
-    if (m != nullptr || have != 0) return;
+    if (m != nullptr || have != 0 || !parked_.empty()) return;
     give_back();
     if (error) std::rethrow_exception(error);
     throw OutOfMemoryError("out of memory: could not map pool_size (" + format_bytes(cfg_.pool_size) +
@@ -182,8 +184,8 @@ Block* Allocator::map_for(size_t size, Stream s, std::string* why, size_t room, 
 size_t Allocator::unpark() {
   if (parked_.empty() || backend_->capture_underway()) return 0;
   // No work was ever queued on these pages: they go back at once, as
-  // unmapped pages (a cuMemUnmap and a cuMemRelease a handle), whatever
-  // the streams are doing.
+  // unmapped pages (a cuMemUnmap and a cuMemRelease a handle, or a spare
+  // during the out-of-memory retry), whatever the streams are doing.
   std::map<uintptr_t, Block*> parked;
   parked.swap(parked_);
   size_t bytes = 0;
@@ -396,8 +398,8 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   auto park = [&](uintptr_t a, size_t n) -> Block* {
     parked_.emplace(a, cut_mapped(u, a, a + n, s));
     *why = "the device refused access to " + format_bytes(n) +
-           " of new pages during a CUDA graph capture (cuMemSetAccess out of memory); they stay "
-           "reserved, unused, until no capture is underway";
+           " of new pages during a CUDA graph capture (cuMemSetAccess failed); they stay reserved, "
+           "unused, until the first growth or empty_cache() after the capture";
     return nullptr;
   };
   auto map_or_park = [&](uintptr_t a, size_t n) {

@@ -420,7 +420,7 @@ class CudaBackend final : public Backend {
   bool vmm_access(uintptr_t addr, size_t size) override {
     // One call for every handle mapped in [addr, addr+size), peers too: their
     // kernels and cudaMemcpyAsync read these pages directly. On failure the
-    // core unmaps those handles (once no capture is underway: it parks them).
+    // core unmaps those handles (during a capture it parks them: vmm.cpp).
     RelaxedCaptureMode relaxed(d_);
     ContextGuard g(d_, sh_->ctx);
     CUresult r = set_access(d_, *sh_, addr, size, &uncounted_);
