@@ -106,8 +106,9 @@ struct Stats {
   // no use for it); cuMemAddressReserve for the virtual range. The core
   // counts by these rules on every backend, and a backend that asked the
   // driver more or less on some path (a refused cuMemMap, peers refused, a
-  // refusal with no call) says so (Backend::take_uncounted_calls()). Not in
-  // torch.
+  // refusal with no call; on CUDA, the device's trial mapping, once, in the
+  // first of its pools to map or reserve) says so
+  // (Backend::take_uncounted_calls()). Not in torch.
   int64_t num_driver_calls = 0;
   int64_t num_oom_rejections = 0;  // OOMs refused at once (OutOfMemoryError::rejected())
   int64_t max_split_size = 0;

@@ -94,6 +94,9 @@ struct CudaShared {
   size_t vmm_page = 0;  // the device's mapping granularity; 0: no virtual memory
   std::string vmm_why;  // when vmm_page is 0: why
   bool vmm_proven = false;  // the trial mapping was made (not skipped during a capture)
+  // The driver calls of the trial mapping (probe_vmm()) that no pool has
+  // counted yet: the first pool to collect its uncounted calls takes them.
+  std::atomic<int64_t> probe_calls{0};
   CUmemAllocationProp prop{};  // device memory, pinned, on this device
   // Who may read and write mapped pages: this device first, then each
   // device that can access it as a peer (cuDeviceCanAccessPeer).
@@ -210,22 +213,28 @@ size_t probe_vmm(const Driver& d, CudaShared& sh) {
   CUdeviceptr va = 0;
   CUmemGenericAllocationHandle h = 0;
   const char* step = "cuMemAddressReserve";
+  // Counted as the pools count theirs (stats.h): cuMemAddressFree is not.
+  int64_t calls = 1;
   r = d.MemAddressReserve(&va, page, page, 0, 0);
   if (r == CUDA_SUCCESS) {
     step = "cuMemCreate";
+    calls++;
     r = d.MemCreate(&h, page, &sh.prop, 0);
     if (r == CUDA_SUCCESS) {
       step = "cuMemMap";
+      calls += 2;  // and cuMemRelease
       r = d.MemMap(va, page, 0, h, 0);
       if (r == CUDA_SUCCESS) {
         step = "cuMemSetAccess";
-        r = set_access(d, sh, static_cast<uintptr_t>(va), page);
+        calls += 2;  // and cuMemUnmap
+        r = set_access(d, sh, static_cast<uintptr_t>(va), page, &calls);
         d.MemUnmap(va, page);
       }
       d.MemRelease(h);
     }
     d.MemAddressFree(va, page);
   }
+  sh.probe_calls.fetch_add(calls, std::memory_order_relaxed);
   if (r != CUDA_SUCCESS) {
     sh.vmm_why = std::string("the driver refused a trial mapping: ") + step + " failed: " + error_name(r);
     return 0;
@@ -429,7 +438,9 @@ class CudaBackend final : public Backend {
     return true;
   }
 
-  int64_t take_uncounted_calls() override { return std::exchange(uncounted_, 0); }
+  int64_t take_uncounted_calls() override {
+    return std::exchange(uncounted_, 0) + sh_->probe_calls.exchange(0, std::memory_order_relaxed);
+  }
 
   // A handle moved out of a hole: cuMemUnmap now, cuMemMap at its new
   // address (or cuMemRelease if it finds none), never a cuMemRelease and a

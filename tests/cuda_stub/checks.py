@@ -860,9 +860,15 @@ def vmm_check_peers_may_access_the_pages():
     assert stub.access_count == 2 and stub.access_mask == 0b11, (stub.access_count, stub.access_mask)
     free(p)
     assert _C.cuda_config()["strategy"] == "vmm"
-    # A driver that refuses peer mappings: the device alone, said on stderr once.
+    # A driver that refuses peer mappings: the device alone, said on stderr
+    # once. Device 1 opens now: its trial mapping's calls are counted too.
     stub.refuse_peers = 1
-    q = malloc(6 * MiB, device=1)
+    q = None
+
+    def opening():
+        nonlocal q
+        q = malloc(6 * MiB, device=1)
+    counted_as_made(opening, device=1)
     assert stub.access_count == 1 and stub.access_mask == 0b10
     c.memset(q, 3, 6 * MiB)
     free(q)
@@ -1196,7 +1202,12 @@ def fallback_check_vmm_refused_by_a_sandbox():
     stub.vmm = 1
     stub.vmm_refuse = 1  # cuMemCreate: CUDA_ERROR_NOT_PERMITTED
     _C.cuda_configure("strategy:vmm")
-    p = malloc(5 * MiB)
+    p = None
+
+    def opening():  # the refused trial mapping's calls counted too
+        nonlocal p
+        p = malloc(5 * MiB)
+    counted_as_made(opening)
     assert stub.mem_alloc > 0 and stub.mem_map == 0  # plain segments
     free(p)
     # Every report names the strategy in use (stderr said why, once).
