@@ -47,8 +47,8 @@
 //   it makes: one cuMemAlloc per reserve(), one cuMemCreate for a vmm_map
 //   that returns false, a cuMemCreate and a cuMemMap for one that maps, none
 //   for one that throws, one cuMemSetAccess per vmm_access, a cuMemMap per
-//   vmm_attach that maps, none for one that refuses or throws. The core adds them to
-//   num_driver_calls, so that it counts what the driver was asked.
+//   vmm_attach that maps, none for one that refuses or throws. The core adds
+//   them to num_driver_calls, so that it counts what the driver was asked.
 // - The core calls a backend with its own lock held, from any thread; a
 //   backend needs a lock of its own only for state that tests or other
 //   callers touch from outside the core.
