@@ -348,18 +348,18 @@ class Allocator {
   size_t handle_size(uintptr_t addr, uintptr_t end) const;
   // The run of whole handles inside the free mapped block b: [*lo, *hi).
   size_t whole_handles(const Block* b, uintptr_t* lo, uintptr_t* hi) const;
-  // The backend's segments, their driver calls counted (stats.h).
-  uintptr_t device_reserve(size_t size) {
-    Recount recount{*this};
-    stats_.num_driver_calls++;  // cuMemAlloc
-    return backend_->reserve(size);
-  }
   // Adds what the backend asked the driver beyond what the core counted
   // (Backend::take_uncounted_calls()) when it goes, however the call ends.
   struct Recount {
     Allocator& a;
     ~Recount() { a.stats_.num_driver_calls += a.backend_->take_uncounted_calls(); }
   };
+  // The backend's segments, their driver calls counted (stats.h).
+  uintptr_t device_reserve(size_t size) {
+    Recount recount{*this};
+    stats_.num_driver_calls++;  // cuMemAlloc
+    return backend_->reserve(size);
+  }
   void finish_free(Block* b);
   bool is_ready(const Block* b);
   void poll_syncs(StreamState& st, bool wait);

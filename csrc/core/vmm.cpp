@@ -393,22 +393,24 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   }
   // Pages the device mapped during a capture but refused access to stay
   // mapped (see unpark()), cut out of u, and the request fails (with the
-  // driver's error, if it was one).
+  // driver's error, if it was one): once `kept`, nothing more is mapped.
   bool kept = false;
-  auto park = [&](uintptr_t a, size_t n) -> Block* {
+  auto park = [&](uintptr_t a, size_t n) {
     parked_.emplace(a, cut_mapped(u, a, a + n, s));
     *why = "the device refused access to " + format_bytes(n) +
            " of new pages during a CUDA graph capture (cuMemSetAccess failed); they stay reserved, "
            "unused, until the first growth or empty_cache() after the capture";
-    return nullptr;
   };
   auto map_or_park = [&](uintptr_t a, size_t n) {
+    bool mapped = false;
     try {
-      return map_handles(a, n, &kept);
+      mapped = map_handles(a, n, &kept);
     } catch (...) {
       if (kept) park(a, n);
       throw;
     }
+    if (kept) park(a, n);
+    return mapped;
   };
   bool merged = false;
   if (ext_hi > ext_lo) {  // need + the extra fit the room (above)
@@ -418,10 +420,10 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
     } catch (const std::logic_error&) {
       throw;  // a range the core got wrong is no driver's error
     } catch (const std::exception&) {
-      if (kept) throw;  // parked: nothing more is mapped during the capture
+      if (kept) throw;
       merged = false;
     }
-    if (kept) return park(a, need + ext_hi - ext_lo);
+    if (kept) return nullptr;
     if (merged) {
       need += ext_hi - ext_lo;
       lo = a;
@@ -429,9 +431,9 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
     }
   }
   if (!merged && (need > room || !map_or_park(lo, need))) {
-    if (kept) return park(lo, need);
+    if (kept) return nullptr;
     if (unmap_free_pages_kept(need, keep_lo, keep_hi) < need || !map_or_park(lo, need)) {
-      if (kept) return park(lo, need);
+      if (kept) return nullptr;
       *why = std::string("the ") + backend_->name() + " backend could not map " + format_bytes(need);
       if (room != kUnknownRoom) *why += " (the device has " + format_bytes(room) + " free)";
       return nullptr;
@@ -624,11 +626,8 @@ bool Allocator::map_handles(uintptr_t lo, size_t size, bool* kept) {
       throw;
     }
     if (!accessible) {
-      if (keep) {
-        *kept = true;
-        return false;
-      }
-      undo();
+      if (keep) *kept = true;
+      else undo();
       return false;
     }
   } catch (...) {
