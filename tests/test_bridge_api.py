@@ -237,6 +237,51 @@ def test_a_pool_may_be_routed_to_twice_and_each_end_stops_the_first(api, fake):
         api.free(p, 0)
 
 
+def test_an_end_never_leaves_a_route_whose_filter_the_bridge_dropped(api, fake):
+    """Regression: the bridge drops the oldest filter of a pool at each
+    end_allocate_to_pool, as PyTorch ends the oldest capture into it. A capture
+    that failed (its route never ended) and healed while a retried capture into
+    the same pool went on stayed routed when the retry's end came, and pyalloc
+    went on calling its filter: after the bridge had freed it."""
+    stream = 0x77
+    capture_id = [0]
+
+    def capture(cid):
+        capture_id[0] = cid
+        _C._testing_set_capture(stream, cid)
+
+    calls = []
+
+    def accepts_capture(cid):
+        def accepts(_user, s):  # as PyTorch's filters: this capture's stream only
+            calls.append(cid)
+            return int((s or 0) == stream and capture_id[0] == cid)
+        return FILTER_FN(accepts)
+
+    failed, retried = accepts_capture(45), accepts_capture(46)
+    assert api.begin_allocate_to_pool(0, 9, 0, failed, None) == OK
+    capture(45)
+    _, g, _ = api.malloc(MiB, stream=stream)  # the failed capture's stream is seen
+    capture(0)  # cudaStreamEndCapture fails: this route's end never comes
+    assert api.begin_allocate_to_pool(0, 9, 0, retried, None) == OK  # retried at once
+    capture(46)
+    _, h, _ = api.malloc(MiB, stream=stream)
+    time.sleep(_C.cuda_route_heal_grace() + 0.1)
+    api.free(api.malloc(512, stream=1)[1], 0)  # the failed capture's route heals
+    capture(0)
+    assert api.end_allocate_to_pool(0, 9, 0) == OK  # the retry ends: the bridge drops `failed`
+    calls.clear()
+    _, k, _ = api.malloc(MiB, stream=stream)
+    assert 45 not in calls  # no route left calls the dropped filter
+    assert api.values("pool_live_blocks", 0, 9, 0) == sorted([g, h])
+    for p in (g, h, k):
+        api.free(p, 0)
+    assert api.release_pool(0, 9, 0) == OK
+    assert api.release_pool(0, 9, 0) == OK
+    assert api.empty_cache(0) == OK
+    assert _C.cuda_graph_pools(0) == []
+
+
 def test_cache_info_fraction_and_resets(api, fake):
     _, p, _ = api.malloc(4 * MiB)
     api.free(p, 0)

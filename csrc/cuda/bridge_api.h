@@ -192,7 +192,9 @@ typedef struct pyalloc_bridge_api {
   int (*contexts_in_use)(pyalloc_value_fn fn, void* user);
 
   /* PyTorch's private pools (CUDA graphs, torch.cuda.MemPool). The filter
-   * and its user pointer must stay valid until end_allocate_to_pool. */
+   * and its user pointer must stay valid until end_allocate_to_pool: at each
+   * end of a pool, the oldest filter still kept for that pool (in begin
+   * order) may be dropped, as no route begun before the one ended is left. */
   int (*begin_allocate_to_pool)(int device, uint64_t id0, uint64_t id1,
                                 pyalloc_stream_filter_fn filter, void* user);
   int (*end_allocate_to_pool)(int device, uint64_t id0, uint64_t id1);

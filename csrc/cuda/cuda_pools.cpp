@@ -565,7 +565,13 @@ void DevicePools::end_allocate_to_pool(PoolId id) {
   if (ending == routes_.end()) ending = healed;
   if (ending != routes_.end()) {
     undeclare_locked(*ending, nullptr);  // the capture, if any, ended before this call
-    routes_.erase(ending);
+    // Healed routes to the pool begun before it end with it (their captures
+    // failed: no end comes for them). The bridge drops the filter of the
+    // pool's oldest route at each end, as PyTorch ends its oldest capture:
+    // a route left behind would call a filter already freed.
+    auto last = std::next(ending);
+    routes_.erase(std::remove_if(routes_.begin(), last, [&](const PoolRoute& r) { return r.id == id; }),
+                  last);
   }
   routing_.store(!routes_.empty(), std::memory_order_release);
   auto it = pools_.find(id);

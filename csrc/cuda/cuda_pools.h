@@ -162,8 +162,10 @@ class DevicePools {
   /// routes at once. The filter is called with no lock of PyTorch's held, and
   /// must not allocate.
   void begin_allocate_to_pool(PoolId id, StreamFilter filter);
-  /// Stops the first route to pool `id` (as PyTorch's allocator does); the
-  /// pool and its blocks stay.
+  /// Stops the first route to pool `id` still counting as a capture (as
+  /// PyTorch's allocator stops the first), and with it the healed routes to
+  /// the pool begun before it (never one whose filter the bridge has dropped,
+  /// bridge_api.h); the pool and its blocks stay.
   void end_allocate_to_pool(PoolId id);
   /// torch 2.13's markCaptureBegin (begin) / markCaptureEnd: a capture on
   /// this device counts as underway in between (capture.h). An end without
