@@ -6,6 +6,7 @@
 //
 // Usage: test_core [all|threads]
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -16,6 +17,8 @@
 
 #include "core/allocator.h"
 #include "backends/sim_streams.h"
+#include "cuda/bridge_api.h"
+#include "cuda/cuda_pools.h"
 #include "replay/replay.h"
 #include "replay/torch_model.h"
 
@@ -200,6 +203,254 @@ void test_threads(const char* backend, const char* conf) {
   CHECK(s.allocation.all.freed == s.allocation.all.allocated);
 }
 
+
+// The identities torch.cuda.memory_stats() readers rely on, for any read,
+// however many threads are at work: every count's "all" is its pools' sum,
+// no count is negative or above its peak, nothing is allocated that is not
+// reserved, and every allocated block is active.
+void check_stat_identities(const Stats& s) {
+  for (const StatArray* a : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
+                             &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes,
+                             &s.requested_bytes}) {
+    CHECK(a->all.current == a->small.current + a->large.current);
+    for (const Stat* st : {&a->all, &a->small, &a->large}) {
+      CHECK(st->current >= 0);
+      CHECK(st->peak >= st->current);
+    }
+  }
+  CHECK(s.allocated_bytes.all.current <= s.reserved_bytes.all.current);
+  CHECK(s.allocated_bytes.all.current <= s.active_bytes.all.current);
+  CHECK(s.allocation.all.current <= s.active.all.current);
+  CHECK(s.requested_bytes.all.current <= s.allocated_bytes.all.current);
+}
+
+// The pools of fake devices (host memory, simulated streams) as PyTorch
+// drives them from many threads at once: allocations and frees through the
+// hooks on two devices (frees naming no device, or the wrong one),
+// record_stream, buffers; graph pools routed, ended and released while
+// other threads allocate into them; captures marked; and every reader and
+// maintenance call (stats, snapshots, history, empty_cache, peaks,
+// the memory fraction) meanwhile. Stats are read and checked throughout.
+void test_device_pools_threads() {
+  PoolRegistry& r = PoolRegistry::instance();
+  r.use_fake_devices(1024 * MiB);
+  r.configure("segment_size:4MiB");
+  DevicePools& d0 = r.get(0);
+  DevicePools& d1 = r.get(1);
+  static constexpr Stream kRouted = 1000;  // the stream graph pools' routes accept
+  static constexpr Stream kSeen = 1001;    // routed while it captures, never ended
+  // Device 2 is never told of captures (no pool calls): its allocations ask
+  // whether their stream captures, and blocks allocated during one are held.
+  DevicePools& d2 = r.get(2);
+  static constexpr Stream kCapturing = 2000;  // captures now and then on device 2
+  constexpr int kIters = 20000;
+  std::atomic<bool> stop{false};
+  std::atomic<int> routes{0};
+  std::atomic<long> mallocs{0}, ooms{0}, reads{0};
+
+  auto worker = [&](unsigned seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<std::pair<uintptr_t, int>> mine;  // (ptr, device)
+    std::vector<uintptr_t> bufs;
+    for (int i = 0; i < kIters; ++i) {
+      unsigned op = rng() % 16;
+      if (!mine.empty() && (op < 6 || mine.size() > 48)) {
+        size_t k = rng() % mine.size();
+        // No device, the right one or the wrong one: the pointer's owner frees it.
+        int hint = rng() % 3 == 0 ? -1 : rng() % 3 == 0 ? (mine[k].second + 1) % 3 : mine[k].second;
+        std::string why;
+        CHECK(hooks::free_checked(mine[k].first, hint, 0, &why));
+        mine[k] = mine.back();
+        mine.pop_back();
+      } else if (op < 8 && !mine.empty()) {
+        hooks::record_stream(mine[rng() % mine.size()].first, 1 + rng() % 3);
+      } else if (op == 8) {
+        DevicePools& d = rng() % 2 ? d0 : d1;
+        if (bufs.size() < 4) bufs.push_back(d.malloc_buffer(1 + rng() % (3 * MiB), 1));
+        else {
+          for (uintptr_t b : bufs) (d0.buffers().try_free(b) || d1.buffers().try_free(b));
+          bufs.clear();
+        }
+      } else {
+        int dev = rng() % 3;
+        Stream s = dev == 2 ? (rng() % 2 ? kCapturing : 1) : rng() % 4 == 0 ? kRouted : 1 + rng() % 3;
+        size_t size = rng() % 2 ? 1 + rng() % (64 * KiB) : 1 + rng() % (6 * MiB);
+        try {
+          mine.emplace_back(hooks::malloc(size, dev, s, seed), dev);
+          mallocs++;
+        } catch (const OutOfMemoryError&) {
+          ooms++;
+          // The cache cannot be given back while a capture is underway.
+        }
+      }
+    }
+    for (auto [p, dev] : mine) {
+      std::string why;
+      CHECK(hooks::free_checked(p, dev, 0, &why));
+    }
+    for (uintptr_t b : bufs) CHECK(d0.buffers().try_free(b) || d1.buffers().try_free(b));
+  };
+
+  // Graph pools: routes begun and ended, MemPools made and released, while
+  // the workers allocate on the routed stream.
+  // Out of memory is no failure here: while a capture is underway (most of
+  // the time), no pool gives its cache back. 0 then, which frees as a no-op.
+  auto try_malloc = [&](size_t size, int dev, Stream s) -> uintptr_t {
+    try {
+      return hooks::malloc(size, dev, s);
+    } catch (const OutOfMemoryError&) {
+      ooms++;
+      return 0;
+    }
+  };
+  auto grapher = [&](unsigned seed) {
+    std::mt19937_64 rng(seed);
+    for (int i = 0; i < kIters / 4; ++i) {
+      int dev = rng() % 2;
+      DevicePools& d = dev == 0 ? d0 : d1;
+      DevicePools::PoolId id{1 + rng() % 3, seed};
+      unsigned op = rng() % 4;
+      if (op == 0) {
+        hooks::begin_allocate_to_pool(dev, id, [](Stream s) { return s == kRouted; });
+        routes++;
+        std::vector<uintptr_t> got;
+        for (int k = 0; k < 4; ++k) got.push_back(try_malloc(1 + rng() % (2 * MiB), dev, kRouted));
+        for (size_t k = 0; k < got.size(); k += 2) hooks::free(got[k], dev);
+        hooks::end_allocate_to_pool(dev, id);
+        routes--;
+        for (size_t k = 1; k < got.size(); k += 2) hooks::free(got[k], -1);
+        hooks::release_pool(dev, id);
+      } else if (op == 1) {
+        d.create_or_incref_pool(id);
+        d.pool_use_count(id);
+        d.pool_live_blocks(id);
+        d.pool_checkpoint(id);
+        d.release_pool(id);
+      } else if (op == 2) {
+        hooks::mark_capture(dev, true);
+        uintptr_t p = try_malloc(4 * KiB, dev, 2);
+        hooks::mark_capture(dev, false);
+        hooks::free(p, dev);
+      } else if (op == 3 && rng() % 3 == 0) {
+        // A checkpoint of a graph pool restored (CUDA-graph trees), while
+        // the workers free into and allocate from the device's other pools.
+        // A pool of its own: no worker's block is live in it.
+        id.first += 100;
+        hooks::begin_allocate_to_pool(dev, id, [](Stream s) { return s == kRouted + 2; });
+        std::vector<uintptr_t> got;
+        for (int k = 0; k < 3; ++k) got.push_back(try_malloc(1 + rng() % MiB, dev, kRouted + 2));
+        std::vector<DevicePools::LiveBlock> checkpoint = d.pool_checkpoint(id);
+        hooks::free(got[1], dev);
+        got[1] = try_malloc(1 + rng() % MiB, dev, kRouted + 2);
+        std::vector<uintptr_t> freed, made;
+        try {
+          d.restore_pool(id, checkpoint, &freed, &made);
+        } catch (const std::invalid_argument&) {
+          // The freed block's memory went to the new one: the pool is as it was.
+        }
+        hooks::end_allocate_to_pool(dev, id);
+        for (uintptr_t p : d.pool_live_blocks(id)) hooks::free(p, dev);
+        hooks::release_pool(dev, id);
+      } else if (op == 3 && rng() % 2) {
+        // A capture on device 2's stream, seen by its allocations; then
+        // a route whose capture is seen and which is never ended: its
+        // pool's release ends it.
+        set_fake_capture(kCapturing, 1 + i);
+        hooks::begin_allocate_to_pool(dev, id, [](Stream s) { return s == kSeen; });
+        set_fake_capture(kSeen, 1 + i);
+        uintptr_t p = try_malloc(64 * KiB, dev, kSeen);
+        set_fake_capture(kSeen, 0);
+        set_fake_capture(kCapturing, 0);
+        d.heal_routes();
+        hooks::release_pool(dev, id);
+        hooks::free(p, -1);
+      } else {
+        d.heal_routes();
+        d.graph_pools();
+      }
+    }
+  };
+
+  auto reader = [&](unsigned seed) {
+    std::mt19937_64 rng(seed);
+    while (!stop.load()) {
+      DevicePools& d = rng() % 2 ? d0 : d1;
+      reads++;
+      switch (rng() % 13) {
+        case 0: check_stat_identities(d.stats()); break;
+        case 1: d.pool_reserved(); break;
+        case 2:
+          d.for_each_pool([](DevicePools::PoolId, Allocator& a) {
+            a.snapshot();
+            a.check_invariants();
+            check_stat_identities(a.stats());
+          });
+          break;
+        case 3: d.empty_cache(); break;
+        case 4: d.reset_peak_stats(); break;
+        case 5: d.reset_accumulated_stats(); break;
+        case 6: d.largest_free_block(); d.cache_info(); break;
+        case 7: r.record_history(rng() % 2 == 0, 256); break;
+        case 8:
+          d.for_each_pool([](DevicePools::PoolId, Allocator& a) {
+            a.history();
+            std::vector<uint64_t> tags;
+            a.contexts_in_use(&tags);
+          });
+          break;
+        case 9: d.set_memory_fraction(rng() % 2 ? 1.0 : 0.9); break;
+        case 10: hooks::empty_cache(); break;
+        case 11: {
+          // What the bridge reads, through its table.
+          const pyalloc_bridge_api* api = pyalloc_bridge_api_get(PYALLOC_BRIDGE_API_VERSION);
+          pyalloc_device_stats ds;
+          CHECK(api->device_stats(d.index(), &ds) == PYALLOC_OK);
+          CHECK(ds.allocated_bytes.all.current <= ds.reserved_bytes.all.current);
+          auto none = [](void*, const pyalloc_segment_info*, const pyalloc_block_info*, size_t) {};
+          CHECK(api->snapshot(-1, nullptr, none, nullptr) == PYALLOC_OK);
+          CHECK(api->history(d.index(), [](void*, const pyalloc_trace_entry*) {}, nullptr) == PYALLOC_OK);
+          CHECK(api->contexts_in_use([](void*, uint64_t) {}, nullptr) == PYALLOC_OK);
+          CHECK(api->pool_reserved(d.index(), [](void*, uint64_t, uint64_t, const pyalloc_stat_array*) {},
+                                   nullptr) == PYALLOC_OK);
+          break;
+        }
+        default:
+          d.quiesce();
+          d2.graph_memory();
+          if (rng() % 8 == 0) d2.release_graph_memory();
+          break;
+      }
+    }
+  };
+
+  std::vector<std::thread> pool;
+  std::thread rd(reader, 99u);
+  for (unsigned t = 0; t < 4; ++t) pool.emplace_back(worker, t + 1);
+  pool.emplace_back(grapher, 7u);
+  pool.emplace_back(grapher, 8u);
+  for (auto& th : pool) th.join();
+  stop = true;
+  rd.join();
+  CHECK(routes.load() == 0);
+  std::printf("device pools: %ld mallocs, %ld out of memory, %ld reads\n", mallocs.load(), ooms.load(),
+              reads.load());
+  d2.release_graph_memory();
+  for (DevicePools* d : {&d0, &d1, &d2}) {
+    d->set_memory_fraction(1.0);
+    d->empty_cache();
+    d->general().check_invariants();
+    d->buffers().check_invariants();
+    CHECK(d->graph_pools().empty());
+    Stats s = d->stats();
+    check_stat_identities(s);
+    CHECK(s.allocation.all.current == 0);
+    CHECK(s.active.all.current == 0);
+    CHECK(s.reserved_bytes.all.current == 0);
+    CHECK(d->device_reserved() == 0);
+  }
+  r.reset_fake();
+}
+
 }  // namespace
 
 // The model of PyTorch's allocator over a random trace of three streams, default
@@ -264,6 +515,7 @@ int main(int argc, char** argv) {
     test_threads(backend, "segment_size:8MiB");
     test_threads(backend, "strategy:vmm");
   }
+  test_device_pools_threads();
   if (what == "all") {
     test_torch_model(11, 4000);
     test_torch_model(12, 4000);
