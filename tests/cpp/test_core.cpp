@@ -308,8 +308,17 @@ void test_device_pools_threads() {
       return 0;
     }
   };
+  // A grapher's frees must all find their block.
+  auto checked_free = [&](uintptr_t p, int hint) {
+    std::string why;
+    CHECK(hooks::free_checked(p, hint, 0, &why));
+  };
   auto grapher = [&](unsigned seed) {
     std::mt19937_64 rng(seed);
+    // Streams of this grapher alone: routes accepting the same stream would
+    // take each other's allocations, as PyTorch's filters (a capture's id, a
+    // thread) never do.
+    const Stream restoring = kRouted + 2 + 16 * seed, seen = kSeen + 16 * seed;
     for (int i = 0; i < kIters / 4; ++i) {
       int dev = rng() % 2;
       DevicePools& d = dev == 0 ? d0 : d1;
@@ -320,10 +329,10 @@ void test_device_pools_threads() {
         routes++;
         std::vector<uintptr_t> got;
         for (int k = 0; k < 4; ++k) got.push_back(try_malloc(1 + rng() % (2 * MiB), dev, kRouted));
-        for (size_t k = 0; k < got.size(); k += 2) hooks::free(got[k], dev);
+        for (size_t k = 0; k < got.size(); k += 2) checked_free(got[k], dev);
         hooks::end_allocate_to_pool(dev, id);
         routes--;
-        for (size_t k = 1; k < got.size(); k += 2) hooks::free(got[k], -1);
+        for (size_t k = 1; k < got.size(); k += 2) checked_free(got[k], -1);
         hooks::release_pool(dev, id);
       } else if (op == 1) {
         d.create_or_incref_pool(id);
@@ -335,18 +344,18 @@ void test_device_pools_threads() {
         hooks::mark_capture(dev, true);
         uintptr_t p = try_malloc(4 * KiB, dev, 2);
         hooks::mark_capture(dev, false);
-        hooks::free(p, dev);
+        checked_free(p, dev);
       } else if (op == 3 && rng() % 3 == 0) {
         // A checkpoint of a graph pool restored (CUDA-graph trees), while
         // the workers free into and allocate from the device's other pools.
         // A pool of its own: no worker's block is live in it.
         id.first += 100;
-        hooks::begin_allocate_to_pool(dev, id, [](Stream s) { return s == kRouted + 2; });
+        hooks::begin_allocate_to_pool(dev, id, [restoring](Stream s) { return s == restoring; });
         std::vector<uintptr_t> got;
-        for (int k = 0; k < 3; ++k) got.push_back(try_malloc(1 + rng() % MiB, dev, kRouted + 2));
+        for (int k = 0; k < 3; ++k) got.push_back(try_malloc(1 + rng() % MiB, dev, restoring));
         std::vector<DevicePools::LiveBlock> checkpoint = d.pool_checkpoint(id);
-        hooks::free(got[1], dev);
-        got[1] = try_malloc(1 + rng() % MiB, dev, kRouted + 2);
+        checked_free(got[1], dev);
+        got[1] = try_malloc(1 + rng() % MiB, dev, restoring);
         std::vector<uintptr_t> freed, made;
         try {
           d.restore_pool(id, checkpoint, &freed, &made);
@@ -354,21 +363,21 @@ void test_device_pools_threads() {
           // The freed block's memory went to the new one: the pool is as it was.
         }
         hooks::end_allocate_to_pool(dev, id);
-        for (uintptr_t p : d.pool_live_blocks(id)) hooks::free(p, dev);
+        for (uintptr_t p : d.pool_live_blocks(id)) checked_free(p, dev);
         hooks::release_pool(dev, id);
       } else if (op == 3 && rng() % 2) {
         // A capture on device 2's stream, seen by its allocations; then
         // a route whose capture is seen and which is never ended: its
         // pool's release ends it.
         set_fake_capture(kCapturing, 1 + i);
-        hooks::begin_allocate_to_pool(dev, id, [](Stream s) { return s == kSeen; });
-        set_fake_capture(kSeen, 1 + i);
-        uintptr_t p = try_malloc(64 * KiB, dev, kSeen);
-        set_fake_capture(kSeen, 0);
+        hooks::begin_allocate_to_pool(dev, id, [seen](Stream s) { return s == seen; });
+        set_fake_capture(seen, 1 + i);
+        uintptr_t p = try_malloc(64 * KiB, dev, seen);
+        set_fake_capture(seen, 0);
         set_fake_capture(kCapturing, 0);
         d.heal_routes();
         hooks::release_pool(dev, id);
-        hooks::free(p, -1);
+        checked_free(p, -1);
       } else {
         d.heal_routes();
         d.graph_pools();
