@@ -390,6 +390,31 @@ def test_a_failed_restore_changes_nothing(api, fake):
     api.free(b, 0)
 
 
+@pytest.mark.parametrize("bad_block", [
+    lambda base: (base + 512, 1 << 63, 0),          # no device holds it
+    lambda base: (0xDEAD0000, 4096, 0),             # no memory of the pool
+    lambda base: (base + 1024, 512, 7),             # overlaps the block restored before it
+], ids=["huge", "foreign", "overlapping"])
+def test_a_restore_refused_after_a_block_on_another_stream_keeps_the_live_block(api, fake, bad_block):
+    """A restore that dropped a live block, made a block inside its memory on
+    another stream, then met a block it could not make, freed the new block
+    and could not make the dropped one again (its memory was now split by
+    stream): the pool lost a block PyTorch still held, and freeing it was
+    refused. Blocks that cannot be made are now refused before any change."""
+    filt = FILTER_FN(lambda _u, _s: 1)
+    assert api.begin_allocate_to_pool(0, 9, 0, filt, None) == OK
+    _, live, _ = api.malloc(3 * MiB)
+    assert api.end_allocate_to_pool(0, 9, 0) == OK
+    before = checkpoint(api, 0, (9, 0))
+    status, freed, allocated = restore(api, 0, (9, 0), [(live + 512, 1024, 7), bad_block(live)])
+    assert status == INVALID and api.error()
+    assert (freed, allocated) == ([], [])
+    assert checkpoint(api, 0, (9, 0)) == before
+    _C.cuda_check_invariants(0)
+    assert api.free(live, 0) == OK, api.error()
+    assert api.release_pool(0, 9, 0) == OK
+
+
 def test_restore_after_small_blocks_took_a_freed_range(api, fake):
     # A freed 1 MiB block's range is reused by small allocations; the
     # checkpoint still gets the 1 MiB block back at its address.

@@ -1,4 +1,6 @@
 """Regression tests for bugs found in the allocator core, named after the bug."""
+import pytest
+
 import pyalloc
 
 
@@ -51,3 +53,26 @@ def test_fresh_pages_merge_with_every_usable_neighbour():
         from test_stream_safety import run
 
         run(seed, "virtual", "vmm", "max_pool_size:48MiB", steps=400)
+
+
+def test_a_max_pool_size_off_the_block_granularity_makes_no_odd_sized_segment():
+    """Under bestfit, pool_size's segment was cut to max_pool_size as it stood:
+    a cap of 1001 bytes (at construction) or 1 byte (set_max_pool_size, then
+    empty_cache() restoring pool_size) made a segment of 1001 or 1 bytes, a
+    block no 512-byte granule tiles (on host memory, a crash at the next free
+    of the cache). The pool now stays within the cap in whole granules."""
+    for backend in ("host", "virtual"):
+        with pytest.raises(pyalloc.OutOfMemoryError, match="max_pool_size"):
+            pyalloc.Allocator(backend, "pool_size:1000,max_pool_size:1001", strategy="bestfit")
+        a = pyalloc.Allocator(backend, "pool_size:1000,max_pool_size:3000", strategy="bestfit")
+        assert a.stats()["reserved_bytes.all.current"] == 2560
+        a.check_invariants()
+        a = pyalloc.Allocator(backend, "pool_size:3", strategy="bestfit")
+        a.set_max_pool_size(1)
+        a.empty_cache()
+        a.check_invariants()
+        assert a.stats()["reserved_bytes.all.current"] == 0
+        a.set_max_pool_size(5000)
+        a.empty_cache()
+        a.check_invariants()
+        assert a.stats()["reserved_bytes.all.current"] == 4608

@@ -151,6 +151,16 @@ def test_expandable_maps_pages_on_demand():
     assert r["driver_calls"] == 2 + 3 * 3 and r["device_calls"] == 3
 
 
+def test_expandable_request_larger_than_a_range_is_no_crash():
+    """Unbounded, each expandable range was 1 TiB: a larger request mapped the
+    whole range and went on mapping past its end (a null block): a segfault.
+    The range now holds the request; one no address space holds is refused."""
+    r = model([("a", 0, 2 << 40), ("f", 0)], expandable=True)
+    assert r["completed"] and r["peak_reserved_bytes"] >= 2 << 40
+    r = model([("a", 0, 1 << 56)], expandable=True)
+    assert not r["completed"] and r["ooms"] == 1
+
+
 def test_expandable_driver_calls_per_mapping():
     """As PyTorch's ExpandableSegment makes them: one cuMemAddressReserve per
     (stream, pool) range; mapping k pages is k cuMemCreate, k cuMemMap and one

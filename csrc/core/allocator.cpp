@@ -63,7 +63,12 @@ Allocator::Allocator(std::unique_ptr<Backend> backend, const Config& config)
   }
   if (cfg_.pool_size > 0) {
     size_t size = round_up(cfg_.pool_size, kSegmentAlign);
-    if (cfg_.max_pool_size != 0) size = std::min(size, cfg_.max_pool_size);
+    // Blocks tile a segment in granules: a cap off the granularity cuts it down to one.
+    if (cfg_.max_pool_size != 0) size = std::min(size, cfg_.max_pool_size / kGranularity * kGranularity);
+    if (size < cfg_.pool_size)
+      throw OutOfMemoryError("out of memory: could not reserve pool_size (" + format_bytes(cfg_.pool_size) +
+                             "): max_pool_size " + format_bytes(cfg_.max_pool_size) +
+                             " would be exceeded");
     uintptr_t base = device_reserve(size);
     if (base == 0)
       throw OutOfMemoryError("out of memory: could not reserve pool_size (" + format_bytes(size) +
@@ -924,7 +929,9 @@ size_t Allocator::empty_cache() {
   size_t keep = cfg_.pool_size;
   if (keep == 0 || backend_->capture_underway()) return release_cached(0);
   keep = vmm_ ? round_up(keep, page_) : round_up(keep, kSegmentAlign);
-  if (cfg_.max_pool_size != 0) keep = std::min(keep, cfg_.max_pool_size);
+  // A segment of a cap off the granularity would hold a block no granule tiles.
+  if (cfg_.max_pool_size != 0) keep = std::min(keep, cfg_.max_pool_size / kGranularity * kGranularity);
+  if (keep == 0) return release_cached(0);
   size_t released = release_cached(keep);
   // Below pool_size (the out-of-memory path released it, or what was free
   // did not add up to it): reserve the rest again, as far as the backend lets.

@@ -709,6 +709,32 @@ std::vector<DevicePools::LiveBlock> DevicePools::pool_checkpoint(PoolId id) cons
   return out;
 }
 
+namespace {
+// What restore_pool() can tell of `blocks` before it changes anything: a
+// failure halfway is undone, but freeing a block allocated on another stream
+// leaves its memory split by stream, so the blocks it freed first might not
+// fit back. Each block has a size, none overlaps another, and each lies
+// within one segment of the pool.
+void check_restorable(const Allocator& alloc, const std::vector<DevicePools::LiveBlock>& blocks) {
+  std::vector<std::pair<uintptr_t, size_t>> ranges;
+  for (const DevicePools::LiveBlock& b : blocks) {
+    std::string where = "cannot restore a block at " + format_ptr(b.ptr) + " of " + std::to_string(b.size) + " bytes: ";
+    if (b.size == 0 || b.size > kMaxRequest) throw std::invalid_argument(where + "its size is out of range");
+    size_t rounded = round_up(b.size, kGranularity);
+    uintptr_t base;
+    size_t size;
+    if (!alloc.segment_of(b.ptr, &base, &size) || rounded > base + size - b.ptr)
+      throw std::invalid_argument(where + "it does not lie within one segment of the pool");
+    ranges.emplace_back(b.ptr, rounded);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i)
+    if (ranges[i].first < ranges[i - 1].first + ranges[i - 1].second)
+      throw std::invalid_argument("cannot restore blocks at " + format_ptr(ranges[i - 1].first) + " and " +
+                                  format_ptr(ranges[i].first) + ": they overlap, so the memory of one is not free for the other");
+}
+}  // namespace
+
 void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
                                std::vector<uintptr_t>* freed, std::vector<uintptr_t>* allocated) {
   // pools_mu_ is held throughout: no other allocation or free reaches a graph
@@ -719,6 +745,7 @@ void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
     throw std::invalid_argument("cannot restore graph pool (" + std::to_string(id.first) + ", " +
                                 std::to_string(id.second) + "): it no longer exists");
   GraphPool& pool = *it->second;
+  check_restorable(*pool.alloc, blocks);
   std::unordered_map<uintptr_t, const LiveBlock*> wanted;
   for (const LiveBlock& b : blocks) wanted.emplace(b.ptr, &b);
   // First free what the checkpoint did not hold, so that its blocks' memory is free again.

@@ -334,7 +334,10 @@ class Model {
     size_t page = pool.small ? kSmallBuffer : kLargeBuffer;
     // PyTorch reserves 9/8 of the device's memory for each range.
     size_t range = opt_.capacity != 0 ? round_up(opt_.capacity + opt_.capacity / 8, page)
-                                      : kUnboundedRange;
+                                      : std::max(kUnboundedRange, round_up(size, page));
+    // A request larger than a whole range is out of memory: alloc_expandable
+    // would run off the range's end looking for pages to map.
+    if (range < size) return nullptr;
     uintptr_t base = addresses_.take_highest(range);
     if (base == 0) return nullptr;
     driver_calls_++;  // cuMemAddressReserve, once for the range's life
