@@ -57,8 +57,9 @@ def test_core_threads_without_the_gil():
 
 def _stat_identities(s):
     """What any read of torch.cuda.memory_stats() must satisfy, however many threads are at work."""
-    for fam in ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
-                "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes"):
+    from test_stats_fidelity import FAMILIES
+
+    for fam in FAMILIES:
         cur = {p: s[f"{fam}.{p}.current"] for p in ("all", "small_pool", "large_pool")}
         assert cur["all"] == cur["small_pool"] + cur["large_pool"], fam
         assert min(cur.values()) >= 0, fam

@@ -718,13 +718,16 @@ namespace {
 void check_restorable(const Allocator& alloc, const std::vector<DevicePools::LiveBlock>& blocks) {
   std::vector<std::pair<uintptr_t, size_t>> ranges;
   for (const DevicePools::LiveBlock& b : blocks) {
-    std::string where = "cannot restore a block at " + format_ptr(b.ptr) + " of " + std::to_string(b.size) + " bytes: ";
-    if (b.size == 0 || b.size > kMaxRequest) throw std::invalid_argument(where + "its size is out of range");
+    auto refuse = [&](const char* why) {
+      throw std::invalid_argument("cannot restore a block at " + format_ptr(b.ptr) + " of " +
+                                  std::to_string(b.size) + " bytes: " + why);
+    };
+    if (b.size == 0 || b.size > kMaxRequest) refuse("its size is out of range");
     size_t rounded = round_up(b.size, kGranularity);
     uintptr_t base;
     size_t size;
     if (!alloc.segment_of(b.ptr, &base, &size) || rounded > base + size - b.ptr)
-      throw std::invalid_argument(where + "it does not lie within one segment of the pool");
+      refuse("it does not lie within one segment of the pool");
     ranges.emplace_back(b.ptr, rounded);
   }
   std::sort(ranges.begin(), ranges.end());
