@@ -2,8 +2,11 @@
 // run in CI without a GPU: its pools are host memory (host_backend.cpp, with
 // simulated streams) and its captures are whatever the test says. Its
 // backend answers for captures exactly as the CUDA backend does over a
-// driver that has relaxed capture mode.
+// driver that has relaxed capture mode. As a GPU's streams, its simulated
+// streams are the device's: every pool of the device records its events on
+// them, so a stream a test holds busy is busy for the graph pools too.
 #include <map>
+#include <memory>
 #include <mutex>
 
 #include "cuda_backend.h"
@@ -36,8 +39,9 @@ CaptureTracker& fake_tracker() {
 
 class FakeBackend final : public Backend {
  public:
-  FakeBackend(std::unique_ptr<Backend> host, CaptureTracker& captures)
-      : host_(std::move(host)), captures_(captures) {}
+  // streams: the device's backend whose simulated streams every pool's events go to.
+  FakeBackend(std::unique_ptr<Backend> host, std::shared_ptr<Backend> streams, CaptureTracker& captures)
+      : host_(std::move(host)), streams_(std::move(streams)), captures_(captures) {}
 
   const char* name() const override { return "fake-cuda"; }
   // Like the CUDA backend over a driver with relaxed capture mode, it may
@@ -48,18 +52,19 @@ class FakeBackend final : public Backend {
   void mem_info(size_t* free_bytes, size_t* total_bytes) override {
     host_->mem_info(free_bytes, total_bytes);
   }
-  EventId record_event(Stream s) override { return host_->record_event(s); }
-  bool event_done(EventId e) override { return !captures_.underway() && host_->event_done(e); }
-  bool event_wait(EventId e) override { return !captures_.underway() && host_->event_wait(e); }
-  void event_free(EventId e) override { host_->event_free(e); }
+  EventId record_event(Stream s) override { return streams_->record_event(s); }
+  bool event_done(EventId e) override { return !captures_.underway() && streams_->event_done(e); }
+  bool event_wait(EventId e) override { return !captures_.underway() && streams_->event_wait(e); }
+  void event_free(EventId e) override { streams_->event_free(e); }
   bool is_capturing(Stream s) override { return captures_.blocks(s); }
   bool capture_underway() override { return captures_.underway(); }
-  SimStreams* sim_streams() override { return host_->sim_streams(); }
+  SimStreams* sim_streams() override { return streams_->sim_streams(); }
   // No virtual memory (vmm_page_size() is 0): never called; passed on all the same.
   bool vmm_access(uintptr_t addr, size_t size) override { return host_->vmm_access(addr, size); }
 
  private:
   std::unique_ptr<Backend> host_;
+  std::shared_ptr<Backend> streams_;
   CaptureTracker& captures_;
 };
 
@@ -70,7 +75,7 @@ class FakeDevice final : public Device {
 
   int index() const override { return index_; }
   std::unique_ptr<Backend> make_backend() override {
-    return std::make_unique<FakeBackend>(make_host_backend(capacity_), captures_);
+    return std::make_unique<FakeBackend>(make_host_backend(capacity_), streams_, captures_);
   }
   CaptureTracker& captures() override { return captures_; }
   void mem_info(size_t* free_bytes, size_t* total_bytes) override {
@@ -82,6 +87,9 @@ class FakeDevice final : public Device {
  private:
   int index_;
   size_t capacity_;
+  // A backend of no memory, for its simulated streams alone: shared with
+  // every backend made (a pool may outlive the device's entry).
+  std::shared_ptr<Backend> streams_ = make_host_backend(0);
   CaptureTracker& captures_;
 };
 
