@@ -55,6 +55,51 @@ def test_a_range_inside_a_larger_free_block_is_carved_out(backend, strategy):
     a.check_invariants()
 
 
+def test_a_free_that_waited_on_a_finished_stream_leaves_its_range_free(backend, strategy):
+    """A block used on another stream (record_stream) is freed once that
+    stream's queued work is done; allocate_at took the range as in use until
+    the next malloc completed the free, so a restore of a checkpoint into it
+    failed. While the stream is busy the range is in use indeed."""
+    a = core(backend, strategy)
+    p = a.malloc(4 * MiB)
+    a.record_stream(p, 5)
+    a.stream_set_busy(5)
+    a.free(p)
+    with pytest.raises(ValueError, match="not free"):
+        a.allocate_at(p, 4 * MiB)
+    a.stream_complete(5)
+    assert a.allocate_at(p + MiB, MiB) == p + MiB
+    a.check_invariants()
+    a.free(p + MiB)
+    a.check_invariants()
+    assert a.stats()["allocated_bytes.all.current"] == 0
+
+
+def test_a_range_free_in_blocks_of_several_streams_is_made_one_block(backend, strategy):
+    """Neighbouring free blocks of streams still at work stay apart (neither is
+    safe for the other); a checkpoint's block across them was refused as "not
+    free in one block", and so was the undo of a failed restore that had made
+    a block inside a dropped one on another stream (the pool then lost the
+    dropped block). The caller orders the work on the range it restores."""
+    a = core(backend, strategy)
+    first = a.malloc(2 * MiB, 1)
+    second = a.malloc(2 * MiB, 2)
+    assert second == first + 2 * MiB, "the test needs neighbours"
+    after = a.malloc(MiB, 1)  # something live beyond them
+    a.stream_set_busy(1)
+    a.stream_set_busy(2)
+    a.free(first)
+    a.free(second)
+    assert a.allocate_at(first + MiB, 2 * MiB, 3) == first + MiB
+    a.check_invariants()
+    a.stream_complete(1)
+    a.stream_complete(2)
+    # The pieces around it kept their streams and stay usable.
+    assert a.malloc(MiB, 1) == first
+    assert a.malloc(MiB, 2) == first + 3 * MiB
+    a.check_invariants()
+
+
 def test_a_range_in_use_or_outside_the_pool_is_refused(backend, strategy):
     a = core(backend, strategy)
     p = a.malloc(2 * MiB)

@@ -164,24 +164,53 @@ uintptr_t Allocator::allocate_at(uintptr_t addr, size_t size, Stream s, uint64_t
   size_t rounded = round_up(size, kGranularity);
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
+  // Frees waiting on streams that have since finished complete first, as
+  // for malloc(): their memory is free for the block.
+  if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
   ContextScope scope(&trace_context_, context);
   Block* b = block_at(addr);
   std::string where = "allocate_at(" + format_ptr(addr) + ", " + std::to_string(size) + "): ";
   if (b == nullptr) throw std::invalid_argument(where + "no memory of this pool is there");
-  if (!b->free_mapped() || addr + rounded > b->end())
-    throw std::invalid_argument(where + "that range is not free in one block");
+  // The range must be free, in one block or in neighbours of several
+  // streams: the caller orders the work on it (a checkpoint's block, made
+  // again as it was), so the streams' labels do not keep it apart. Only the
+  // free memory around the range keeps its labels.
+  uintptr_t end_addr = addr + rounded;
+  Block* last = b;
+  bool free_run = b->free_mapped();
+  while (free_run && last->end() < end_addr) {
+    last = last->next;
+    free_run = last != nullptr && last->free_mapped();
+  }
+  if (!free_run) throw std::invalid_argument(where + "that range is not free");
   if ((addr - b->segment->base) % kGranularity != 0)
     throw std::invalid_argument(where + "the address is not on a block boundary");
   // The small pool keeps small requests: memory that moved between the pools
   // since the checkpoint cannot be given back as it was.
   if ((rounded <= cfg_.small_size) != (b->segment->pool == kSmallPool))
     throw std::invalid_argument(where + "that memory now belongs to the other size pool");
-  if (b->addr < addr) b = split_free_at(b, addr);
-  if (addr + rounded < b->end()) split_free_at(b, addr + rounded);
-  // b is exactly the range now: out of the free index, to the caller's stream.
-  state(b->stream).free[b->segment->pool].remove(b);
-  track_inactive_split(b, -1);
-  if (b->stream != s) {
+  if (b->addr < addr) {
+    Block* rest = split_free_at(b, addr);
+    if (last == b) last = rest;
+    b = rest;
+  }
+  if (end_addr < last->end()) split_free_at(last, end_addr);
+  // b to last tile the range exactly now: out of their free indexes, one
+  // block, to the caller's stream.
+  Pool pool = b->segment->pool;
+  for (Block* x = b;; x = x->next) {
+    state(x->stream).free[pool].remove(x);
+    track_inactive_split(x, -1);
+    if (x == last) break;
+  }
+  bool mixed = false;
+  while (b->end() < end_addr) {
+    Block* n = b->next;
+    mixed = mixed || n->stream != b->stream;
+    b->size += n->size;
+    take_place_of(b, n);
+  }
+  if (mixed || b->stream != s) {
     b->stream = s;
     b->free_seq = 0;
   }
@@ -652,6 +681,33 @@ bool Allocator::try_free(uintptr_t ptr, uint64_t context) {
   Block* b = live_.find(ptr);
   if (b == nullptr) return false;
   OpEnd end{this};
+  free_locked(b, context);
+  return true;
+}
+
+bool Allocator::free_at_once(uintptr_t ptr) {
+  std::lock_guard<Lock> guard(mu_);
+  Block* b = live_.find(ptr);
+  if (b == nullptr) throw InvalidPointerError(describe_bad_pointer(ptr, "free"));
+  OpEnd end{this};
+  // An event recorded on each stream the block was also used on now: done
+  // means every kernel queued there before this free has finished, which
+  // is all the pending free would wait for. A capturing stream's work runs
+  // only at replay: no event tells.
+  for (Stream u : b->uses) {
+    if (backend_->is_capturing(u)) return false;
+    EventId e = backend_->record_event(u);
+    bool done = backend_->event_done(e);
+    backend_->event_free(e);
+    if (!done) return false;
+  }
+  b->uses.clear();
+  free_locked(b, 0);
+  return true;
+}
+
+void Allocator::free_locked(Block* b, uint64_t context) {
+  uintptr_t ptr = b->addr;
   live_.erase(ptr);
   Pool pool = b->segment->pool;
   stats_.allocation.add(pool, -1);
@@ -668,10 +724,9 @@ bool Allocator::try_free(uintptr_t ptr, uint64_t context) {
     for (Stream u : b->uses) pf.events.push_back(backend_->record_event(u));
     b->state = BlockState::kPendingFree;
     pending_.push_back(std::move(pf));
-    return true;
+    return;
   }
   finish_free(b);
-  return true;
 }
 
 void Allocator::record_stream(uintptr_t ptr, Stream s) {

@@ -150,6 +150,11 @@ class Allocator {
   /// free() of a pointer that may belong to another pool: false, with
   /// nothing done, if ptr is no live allocation of this one.
   bool try_free(uintptr_t ptr, uint64_t context = 0);
+  /// free() of ptr only if it completes now: false, with nothing changed, if
+  /// a stream record_stream() named still has work queued (or is being
+  /// captured), so that the block would wait as a pending free. Throws
+  /// InvalidPointerError for anything but a live allocation.
+  bool free_at_once(uintptr_t ptr);
   /// The block of `ptr` is also used on `stream`: on free, wait for it too.
   void record_stream(uintptr_t ptr, Stream stream);
 
@@ -360,6 +365,8 @@ class Allocator {
     stats_.num_driver_calls++;  // cuMemAlloc
     return backend_->reserve(size);
   }
+  // free() of a live block, under the lock.
+  void free_locked(Block* b, uint64_t context);
   void finish_free(Block* b);
   bool is_ready(const Block* b);
   void poll_syncs(StreamState& st, bool wait);
