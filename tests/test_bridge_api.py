@@ -415,6 +415,106 @@ def test_a_restore_refused_after_a_block_on_another_stream_keeps_the_live_block(
     assert api.release_pool(0, 9, 0) == OK
 
 
+def recorded_block_in_a_pool(api, pool, size, stream):
+    """A live block of graph pool `pool` on device 0, also used on `stream` (record_stream)."""
+    filt = FILTER_FN(lambda _u, _s: 1)
+    assert api.begin_allocate_to_pool(0, *pool, filt, None) == OK
+    status, ptr, _ = api.malloc(size)
+    assert status == OK, api.error()
+    assert api.end_allocate_to_pool(0, *pool) == OK
+    assert api.record_stream(ptr, stream) == OK, api.error()
+    return ptr
+
+
+def test_a_restore_into_a_block_recorded_on_a_finished_stream(api, fake):
+    """A restore freed a block PyTorch had used on another stream
+    (record_stream), which left it a pending free until the next malloc, and
+    then failed to make a checkpointed block inside its memory; the undo could
+    not make the dropped block again either: the restore failed and the pool
+    lost a block PyTorch still held. The stream's work is done, so the restore
+    goes through."""
+    x = recorded_block_in_a_pool(api, (9, 0), 20 * MiB, 5)
+    status, freed, allocated = restore(api, 0, (9, 0), [(x + 2 * MiB, 1, 1)])
+    assert status == OK, api.error()
+    assert (freed, allocated) == ([x], [x + 2 * MiB])
+    assert checkpoint(api, 0, (9, 0)) == [(x + 2 * MiB, 1, 1)]
+    _C.cuda_check_invariants(0)
+    assert api.free(x + 2 * MiB, 0) == OK, api.error()
+    assert api.release_pool(0, 9, 0) == OK
+
+
+def test_a_restore_into_a_block_recorded_on_a_busy_stream_changes_nothing(api, fake):
+    """While stream 5 may still use the dropped block, its memory cannot be
+    given to a checkpointed block: the restore is refused before it changes
+    anything, and goes through once the stream's work is done."""
+    x = recorded_block_in_a_pool(api, (9, 0), 20 * MiB, 5)
+    before = checkpoint(api, 0, (9, 0))
+    _C._testing_stream(0, 5, True)
+    try:
+        status, freed, allocated = restore(api, 0, (9, 0), [(x + 2 * MiB, 1, 1)])
+        assert status == INVALID and "record_stream" in api.error()
+        assert (freed, allocated) == ([], [])
+        assert checkpoint(api, 0, (9, 0)) == before
+        _C.cuda_check_invariants(0)
+    finally:
+        _C._testing_stream(0, 5, False)
+    status, freed, allocated = restore(api, 0, (9, 0), [(x + 2 * MiB, 1, 1)])
+    assert status == OK, api.error()
+    assert api.free(x + 2 * MiB, 0) == OK, api.error()
+    assert api.release_pool(0, 9, 0) == OK
+
+
+def test_a_failed_restore_keeps_a_dropped_block_whose_free_would_wait(api, fake):
+    """A restore freed every dropped block first: one recorded on a busy stream
+    became a pending free, which the undo of a later failure could not make
+    again. Such blocks are freed only once every checkpointed block is made."""
+    x = recorded_block_in_a_pool(api, (9, 0), 4 * MiB, 5)
+    z = recorded_block_in_a_pool(api, (9, 0), 4 * MiB, 5)
+    _C._testing_stream(0, 5, True)
+    try:
+        assert api.free(z, 0) == OK  # a pending free: stream 5 may still use z
+        before = checkpoint(api, 0, (9, 0))
+        assert before == [(x, 4 * MiB, 0)]
+        # z's memory is not free yet: the block cannot be made, and x, which the
+        # checkpoint drops, must still be live afterwards.
+        status, freed, allocated = restore(api, 0, (9, 0), [(z, 4 * MiB, 0)])
+        assert status == INVALID and api.error()
+        assert (freed, allocated) == ([], [])
+        assert checkpoint(api, 0, (9, 0)) == before
+        _C.cuda_check_invariants(0)
+    finally:
+        _C._testing_stream(0, 5, False)
+    assert api.free(x, 0) == OK, api.error()
+    assert api.release_pool(0, 9, 0) == OK
+
+
+def test_a_failed_restore_makes_a_dropped_block_again_whatever_streams_were_made_inside_it(api, fake):
+    """The undo of a failed restore frees the blocks it made and makes the
+    dropped ones again: a block made inside a dropped one on another stream
+    left the freed memory in pieces of two streams, which did not merge while
+    neither was safe for the other, so the dropped block could not be made
+    again and the pool lost it."""
+    filt = FILTER_FN(lambda _u, _s: 1)
+    assert api.begin_allocate_to_pool(0, 9, 0, filt, None) == OK
+    _, x, _ = api.malloc(20 * MiB)
+    _, z, _ = api.malloc(4 * MiB)
+    assert api.end_allocate_to_pool(0, 9, 0) == OK
+    assert api.record_stream(z, 5) == OK
+    _C._testing_stream(0, 5, True)
+    try:
+        assert api.free(z, 0) == OK  # waits on stream 5: z's memory is not free yet
+        before = checkpoint(api, 0, (9, 0))
+        status, freed, allocated = restore(api, 0, (9, 0), [(x + 2 * MiB, MiB, 1), (z, 4 * MiB, 0)])
+        assert status == INVALID and "not free" in api.error()
+        assert (freed, allocated) == ([], [])
+        assert checkpoint(api, 0, (9, 0)) == before
+        _C.cuda_check_invariants(0)
+    finally:
+        _C._testing_stream(0, 5, False)
+    assert api.free(x, 0) == OK, api.error()
+    assert api.release_pool(0, 9, 0) == OK
+
+
 def test_restore_after_small_blocks_took_a_freed_range(api, fake):
     # A freed 1 MiB block's range is reused by small allocations; the
     # checkpoint still gets the 1 MiB block back at its address.

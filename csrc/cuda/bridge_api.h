@@ -210,7 +210,9 @@ typedef struct pyalloc_bridge_api {
    * PyTorch's allocator reports it, freed_fn is called for every allocation
    * live before and allocated_fn for every one of `blocks`: a block live
    * both before and after is in both (PyTorch then gives its storage a
-   * deleter again). */
+   * deleter again). A restore that cannot be made (INVALID, with the reason:
+   * a block's memory not free, or held by a block it drops that a stream
+   * named by record_stream may still use) changes nothing. */
   int (*pool_checkpoint)(int device, uint64_t id0, uint64_t id1, pyalloc_live_block_fn fn,
                          void* user);
   int (*pool_restore)(int device, uint64_t id0, uint64_t id1, const pyalloc_live_block* blocks,

@@ -751,7 +751,8 @@ void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
   check_restorable(*pool.alloc, blocks);
   std::unordered_map<uintptr_t, const LiveBlock*> wanted;
   for (const LiveBlock& b : blocks) wanted.emplace(b.ptr, &b);
-  // First free what the checkpoint did not hold, so that its blocks' memory is free again.
+  // What the checkpoint did not hold is freed, so that its blocks' memory
+  // is free again; the blocks to make are those not live already.
   std::vector<LiveBlock> dropped;
   // pools_mu_ held exclusively: no other thread is in any pool's blocks.
   for (uintptr_t ptr : pool.blocks) {
@@ -761,33 +762,73 @@ void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
     if (w == wanted.end() || now.size != w->second->size || now.stream != w->second->stream)
       dropped.push_back(now);
   }
-  for (const LiveBlock& b : dropped) {
-    pool.alloc->free(b.ptr);
-    pool.blocks.erase(b.ptr);
+  std::unordered_set<uintptr_t> dropped_ptrs;
+  for (const LiveBlock& d : dropped) dropped_ptrs.insert(d.ptr);
+  std::vector<const LiveBlock*> to_make;
+  std::vector<uintptr_t> kept;
+  for (const LiveBlock& b : blocks) {
+    if (pool.blocks.count(b.ptr) != 0 && dropped_ptrs.count(b.ptr) == 0) kept.push_back(b.ptr);
+    else to_make.push_back(&b);
   }
-  std::vector<uintptr_t> made, kept;
-  try {
-    for (const LiveBlock& b : blocks) {
-      if (pool.blocks.count(b.ptr) != 0) {  // live then and now
-        kept.push_back(b.ptr);
-        continue;
-      }
-      pool.alloc->allocate_at(b.ptr, b.size, b.stream);
-      pool.blocks.insert(b.ptr);
-      made.push_back(b.ptr);
-    }
-  } catch (...) {
-    // Back to the state before the call: PyTorch keeps its storages as they were.
+  // A failure halfway is undone by making the dropped blocks again, which
+  // needs their memory free: a dropped block whose memory a new block takes
+  // is freed at once, or the restore is refused before anything changes if
+  // a stream record_stream() named still has work queued on it (its free
+  // would wait, and the new block could not be made, nor the dropped one
+  // again). The other dropped blocks are freed only once every new block is
+  // made: a free that waits on a stream cannot be taken back.
+  // The new blocks overlap no other (check_restorable()): in address order,
+  // the one starting last before a dropped block's end is the only one that
+  // can overlap it.
+  std::vector<std::pair<uintptr_t, uintptr_t>> new_ranges;
+  for (const LiveBlock* b : to_make) new_ranges.emplace_back(b->ptr, b->ptr + round_up(b->size, kGranularity));
+  std::sort(new_ranges.begin(), new_ranges.end());
+  std::vector<LiveBlock> freed_first, freed_last;
+  for (const LiveBlock& d : dropped) {
+    uintptr_t end = d.ptr + round_up(d.size, kGranularity);
+    auto r = std::lower_bound(new_ranges.begin(), new_ranges.end(), std::make_pair(end, uintptr_t{0}));
+    bool needed = r != new_ranges.begin() && std::prev(r)->second > d.ptr;
+    (needed ? freed_first : freed_last).push_back(d);
+  }
+  std::vector<uintptr_t> made;
+  size_t undone = 0;  // freed_first blocks freed so far
+  auto undo = [&]() {
     for (uintptr_t ptr : made) {
       pool.alloc->free(ptr);
       pool.blocks.erase(ptr);
     }
-    for (const LiveBlock& b : dropped) {
+    for (size_t i = 0; i < undone; ++i) {
+      const LiveBlock& b = freed_first[i];
       pool.alloc->allocate_at(b.ptr, b.size, b.stream);
       pool.blocks.insert(b.ptr);
     }
+  };
+  try {
+    for (const LiveBlock& d : freed_first) {
+      if (!pool.alloc->free_at_once(d.ptr))
+        throw std::invalid_argument(
+            "cannot restore graph pool: the block at " + format_ptr(d.ptr) +
+            ", live now and not in the checkpoint, holds memory of a checkpointed block, and a stream "
+            "it was recorded on (record_stream) still has work queued that may use it");
+      pool.blocks.erase(d.ptr);
+      undone++;
+    }
+    for (const LiveBlock* b : to_make) {
+      pool.alloc->allocate_at(b->ptr, b->size, b->stream);
+      pool.blocks.insert(b->ptr);
+      made.push_back(b->ptr);
+    }
+  } catch (...) {
+    // Back to the state before the call: PyTorch keeps its storages as they were.
+    undo();
     throw;
   }
+  for (const LiveBlock& d : freed_last) {
+    pool.alloc->free(d.ptr);
+    pool.blocks.erase(d.ptr);
+  }
+  dropped = freed_first;
+  dropped.insert(dropped.end(), freed_last.begin(), freed_last.end());
   // A block live before and after is in both lists, as PyTorch's allocator
   // gives it (it frees every block and allocates every checkpointed one):
   // CUDA-graph trees give a live storage its deleter back only if its

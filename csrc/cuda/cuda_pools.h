@@ -199,8 +199,10 @@ class DevicePools {
   /// others and allocates the missing ones at their addresses (PyTorch's
   /// setCheckpointPoolState). As PyTorch's allocator reports it, *freed lists
   /// every block live before and *allocated every block of `blocks`: one live
-  /// both before and after is in both. Throws std::invalid_argument if the
-  /// pool is gone or a block's memory is no longer free.
+  /// both before and after is in both. Throws std::invalid_argument, having
+  /// changed nothing, if the pool is gone, a block's memory is no longer free,
+  /// or it lies in a block the checkpoint drops that a stream named by
+  /// record_stream may still use (its free would wait on that stream).
   void restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
                     std::vector<uintptr_t>* freed, std::vector<uintptr_t>* allocated);
   struct GraphPoolInfo {
