@@ -710,11 +710,10 @@ std::vector<DevicePools::LiveBlock> DevicePools::pool_checkpoint(PoolId id) cons
 }
 
 namespace {
-// What restore_pool() can tell of `blocks` before it changes anything: a
-// failure halfway is undone, but freeing a block allocated on another stream
-// leaves its memory split by stream, so the blocks it freed first might not
-// fit back. Each block has a size, none overlaps another, and each lies
-// within one segment of the pool.
+// What restore_pool() can tell of `blocks` before it changes anything, so
+// that bad input is refused without freeing and making blocks to undo: each
+// block has a size, none overlaps another, and each lies within one segment
+// of the pool.
 void check_restorable(const Allocator& alloc, const std::vector<DevicePools::LiveBlock>& blocks) {
   std::vector<std::pair<uintptr_t, size_t>> ranges;
   for (const DevicePools::LiveBlock& b : blocks) {
