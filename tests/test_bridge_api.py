@@ -426,6 +426,21 @@ def recorded_block_in_a_pool(api, pool, size, stream):
     return ptr
 
 
+def pool_state(api, pool):
+    """What a restore that fails must leave as it was: the pool's allocated
+    blocks as its allocator holds them (address, bytes, request, tag) and the
+    device's current counts."""
+    blocks = []
+    for seg in api.snapshot(0, pool):
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["allocated"]:
+                blocks.append((addr, b["size"], b["requested_size"], b["context"]))
+            addr += b["size"]
+    stats = api.stats()
+    return sorted(blocks), {k: v for k, v in stats.items() if k.endswith(".current")}
+
+
 def test_a_restore_into_a_block_recorded_on_a_finished_stream(api, fake):
     """A restore freed a block PyTorch had used on another stream
     (record_stream), which left it a pending free until the next malloc, and
@@ -448,13 +463,14 @@ def test_a_restore_into_a_block_recorded_on_a_busy_stream_changes_nothing(api, f
     given to a checkpointed block: the restore is refused before it changes
     anything, and goes through once the stream's work is done."""
     x = recorded_block_in_a_pool(api, (9, 0), 20 * MiB, 5)
-    before = checkpoint(api, 0, (9, 0))
+    before, state = checkpoint(api, 0, (9, 0)), pool_state(api, (9, 0))
     _C._testing_stream(0, 5, True)
     try:
         status, freed, allocated = restore(api, 0, (9, 0), [(x + 2 * MiB, 1, 1)])
         assert status == INVALID and "record_stream" in api.error()
         assert (freed, allocated) == ([], [])
         assert checkpoint(api, 0, (9, 0)) == before
+        assert pool_state(api, (9, 0)) == state
         _C.cuda_check_invariants(0)
     finally:
         _C._testing_stream(0, 5, False)
@@ -473,7 +489,7 @@ def test_a_failed_restore_keeps_a_dropped_block_whose_free_would_wait(api, fake)
     _C._testing_stream(0, 5, True)
     try:
         assert api.free(z, 0) == OK  # a pending free: stream 5 may still use z
-        before = checkpoint(api, 0, (9, 0))
+        before, state = checkpoint(api, 0, (9, 0)), pool_state(api, (9, 0))
         assert before == [(x, 4 * MiB, 0)]
         # z's memory is not free yet: the block cannot be made, and x, which the
         # checkpoint drops, must still be live afterwards.
@@ -481,6 +497,7 @@ def test_a_failed_restore_keeps_a_dropped_block_whose_free_would_wait(api, fake)
         assert status == INVALID and api.error()
         assert (freed, allocated) == ([], [])
         assert checkpoint(api, 0, (9, 0)) == before
+        assert pool_state(api, (9, 0)) == state
         _C.cuda_check_invariants(0)
     finally:
         _C._testing_stream(0, 5, False)
@@ -503,15 +520,106 @@ def test_a_failed_restore_makes_a_dropped_block_again_whatever_streams_were_made
     _C._testing_stream(0, 5, True)
     try:
         assert api.free(z, 0) == OK  # waits on stream 5: z's memory is not free yet
-        before = checkpoint(api, 0, (9, 0))
+        before, state = checkpoint(api, 0, (9, 0)), pool_state(api, (9, 0))
         status, freed, allocated = restore(api, 0, (9, 0), [(x + 2 * MiB, MiB, 1), (z, 4 * MiB, 0)])
         assert status == INVALID and "not free" in api.error()
         assert (freed, allocated) == ([], [])
         assert checkpoint(api, 0, (9, 0)) == before
+        assert pool_state(api, (9, 0)) == state
         _C.cuda_check_invariants(0)
     finally:
         _C._testing_stream(0, 5, False)
     assert api.free(x, 0) == OK, api.error()
+    assert api.release_pool(0, 9, 0) == OK
+
+
+def test_a_failed_restore_gives_a_dropped_block_back_its_tag_and_its_recorded_streams(api, fake):
+    """The undo made a dropped block again from its address, request and
+    stream alone: its tag was lost, and so were the streams record_stream had
+    named, so that its next free no longer waited for them and its memory went
+    to the next allocation while stream 5 could still be using it."""
+    filt = FILTER_FN(lambda _u, _s: 1)
+    assert api.begin_allocate_to_pool(0, 9, 0, filt, None) == OK
+    _, d, _ = api.malloc(4 * MiB, 0, 0, 1234)
+    _, z, _ = api.malloc(4 * MiB)
+    assert api.end_allocate_to_pool(0, 9, 0) == OK
+    assert api.record_stream(d, 5) == OK  # stream 5 is idle: d can be freed at once
+    assert api.record_stream(z, 6) == OK
+    _C._testing_stream(0, 6, True)
+    try:
+        assert api.free(z, 0) == OK  # waits on stream 6
+        state = pool_state(api, (9, 0))
+        status, _, _ = restore(api, 0, (9, 0), [(d + MiB, MiB, 0), (z, 4 * MiB, 0)])
+        assert status == INVALID
+        assert pool_state(api, (9, 0)) == state
+        assert api.block_context(d) == 1234
+        _C.cuda_check_invariants(0)
+        # d is still recorded on stream 5: its free waits while stream 5 works.
+        _C._testing_stream(0, 5, True)
+        assert api.free(d, 0) == OK
+        assert api.begin_allocate_to_pool(0, 9, 0, filt, None) == OK
+        _, e, _ = api.malloc(4 * MiB)
+        assert api.end_allocate_to_pool(0, 9, 0) == OK
+        assert e != d, "d's memory went to another block while stream 5 may still use it"
+        assert api.free(e, 0) == OK
+    finally:
+        _C._testing_stream(0, 5, False)
+        _C._testing_stream(0, 6, False)
+    assert api.release_pool(0, 9, 0) == OK
+
+
+@pytest.fixture
+def oversize():
+    """Fake devices whose pools never split blocks of 4 MiB or more, so that a
+    block can hold far more than its request."""
+    _C._testing_use_fake_devices(64 << 20)
+    _C.cuda_configure("max_split_size:4194304")
+    try:
+        yield
+    finally:
+        gc.collect()
+        _C._testing_reset()
+
+
+def test_a_restore_into_the_tail_of_an_oversize_block(api, oversize):
+    """A dropped block's memory reaches past its request when the pool kept
+    it whole: a checkpointed block in that tail was taken for memory of no
+    dropped block, which was then freed only after the checkpointed block
+    was refused."""
+    filt = FILTER_FN(lambda _u, _s: 1)
+    assert api.begin_allocate_to_pool(0, 9, 0, filt, None) == OK
+    _, d, _ = api.malloc(6 * MiB)  # never split: it holds its whole 20 MiB segment
+    assert api.end_allocate_to_pool(0, 9, 0) == OK
+    assert pool_state(api, (9, 0))[0][0][1] > 8 * MiB, "the test needs a block past its request"
+    status, freed, allocated = restore(api, 0, (9, 0), [(d + 8 * MiB, MiB, 0)])
+    assert status == OK, api.error()
+    assert (freed, allocated) == ([d], [d + 8 * MiB])
+    _C.cuda_check_invariants(0)
+    assert api.free(d + 8 * MiB, 0) == OK
+    assert api.release_pool(0, 9, 0) == OK
+
+
+def test_a_failed_restore_gives_an_oversize_block_back_whole(api, oversize):
+    """The undo made a dropped block again at its request's size: an oversize
+    block came back 14 MiB short, a free block in its place, and the pool's
+    counts changed."""
+    filt = FILTER_FN(lambda _u, _s: 1)
+    assert api.begin_allocate_to_pool(0, 9, 0, filt, None) == OK
+    _, d, _ = api.malloc(6 * MiB)
+    _, z, _ = api.malloc(2 * MiB)
+    assert api.end_allocate_to_pool(0, 9, 0) == OK
+    assert api.record_stream(z, 5) == OK
+    _C._testing_stream(0, 5, True)
+    try:
+        assert api.free(z, 0) == OK  # waits on stream 5
+        state = pool_state(api, (9, 0))
+        status, _, _ = restore(api, 0, (9, 0), [(d + 2 * MiB, MiB, 0), (z, 2 * MiB, 0)])
+        assert status == INVALID
+        assert pool_state(api, (9, 0)) == state
+        _C.cuda_check_invariants(0)
+    finally:
+        _C._testing_stream(0, 5, False)
+    assert api.free(d, 0) == OK
     assert api.release_pool(0, 9, 0) == OK
 
 

@@ -161,21 +161,48 @@ uintptr_t Allocator::hand_out(Block* b, size_t size, Stream s, uint64_t context)
 uintptr_t Allocator::allocate_at(uintptr_t addr, size_t size, Stream s, uint64_t context) {
   if (size == 0 || size > kMaxRequest)
     throw std::invalid_argument("allocate_at: size " + std::to_string(size) + " is out of range");
-  size_t rounded = round_up(size, kGranularity);
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
+  ContextScope scope(&trace_context_, context);
+  size_t rounded = round_up(size, kGranularity);
+  std::string where = "allocate_at(" + format_ptr(addr) + ", " + std::to_string(size) + "): ";
+  Block* b = carve_at(addr, rounded, rounded, s, where);
+  return hand_out(b, size, s, context);
+}
+
+bool Allocator::live_block_info(uintptr_t ptr, LiveBlockInfo* out) const {
+  std::lock_guard<Lock> guard(mu_);
+  const Block* b = live_.find(ptr);
+  if (b == nullptr) return false;
+  *out = LiveBlockInfo{b->size, b->requested, b->stream, b->context, b->uses};
+  return true;
+}
+
+void Allocator::reinstate(uintptr_t addr, const LiveBlockInfo& info) {
+  if (info.requested == 0 || info.size < round_up(info.requested, kGranularity) || info.size > kMaxRequest ||
+      info.size % kGranularity != 0)
+    throw std::invalid_argument("reinstate: a block of " + std::to_string(info.size) + " bytes for " +
+                                std::to_string(info.requested) + " requested is no block this pool makes");
+  std::lock_guard<Lock> guard(mu_);
+  OpEnd end{this};
+  ContextScope scope(&trace_context_, info.context);
+  std::string where = "reinstate(" + format_ptr(addr) + ", " + std::to_string(info.size) + "): ";
+  Block* b = carve_at(addr, info.size, round_up(info.requested, kGranularity), info.stream, where);
+  b->uses = info.uses;
+  hand_out(b, info.requested, info.stream, info.context);
+}
+
+Block* Allocator::carve_at(uintptr_t addr, size_t extent, size_t rounded, Stream s, const std::string& where) {
   // Frees waiting on streams that have since finished complete first, as
   // for malloc(): their memory is free for the block.
   if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
-  ContextScope scope(&trace_context_, context);
   Block* b = block_at(addr);
-  std::string where = "allocate_at(" + format_ptr(addr) + ", " + std::to_string(size) + "): ";
   if (b == nullptr) throw std::invalid_argument(where + "no memory of this pool is there");
   // The range must be free, in one block or in neighbours of several
   // streams: the caller orders the work on it (a checkpoint's block, made
   // again as it was), so the streams' labels do not keep it apart. Only the
   // free memory around the range keeps its labels.
-  uintptr_t end_addr = addr + rounded;
+  uintptr_t end_addr = addr + extent;
   Block* last = b;
   bool free_run = b->free_mapped();
   while (free_run && last->end() < end_addr) {
@@ -215,7 +242,7 @@ uintptr_t Allocator::allocate_at(uintptr_t addr, size_t size, Stream s, uint64_t
     b->free_seq = 0;
   }
   b->state = BlockState::kAllocated;
-  return hand_out(b, size, s, context);
+  return b;
 }
 
 Block* Allocator::block_at(uintptr_t ptr) const {

@@ -144,6 +144,22 @@ class Allocator {
   /// lie in one free block (restoring a checkpoint of a pool, as PyTorch's
   /// CUDA-graph trees do); std::invalid_argument if it does not.
   uintptr_t allocate_at(uintptr_t addr, size_t size, Stream stream, uint64_t context = 0);
+  /// A live allocation as the pool holds it, for making it again exactly
+  /// after a free (reinstate()).
+  struct LiveBlockInfo {
+    size_t size = 0;       // the block's bytes: its request rounded, or more (a remainder not worth splitting off)
+    size_t requested = 0;  // what the caller asked for
+    Stream stream = 0;
+    uint64_t context = 0;
+    std::vector<Stream> uses;  // the streams record_stream() added
+  };
+  /// false if ptr is no live allocation.
+  bool live_block_info(uintptr_t ptr, LiveBlockInfo* out) const;
+  /// Makes the block `info` describes live at addr again, as it was before
+  /// its free (its bytes, request, stream, tag and recorded streams), from
+  /// free memory as allocate_at() does: undoing a free exactly.
+  /// std::invalid_argument if that range is not free in this pool.
+  void reinstate(uintptr_t addr, const LiveBlockInfo& info);
   /// Throws InvalidPointerError for anything but a live allocation.
   /// `context`: the tag of this free for the history (0: the allocation's).
   void free(uintptr_t ptr, uint64_t context = 0);
@@ -260,6 +276,10 @@ class Allocator {
   uintptr_t hand_out(Block* b, size_t size, Stream s, uint64_t context);
   // The block (of either pool) whose range holds ptr, or null.
   Block* block_at(uintptr_t ptr) const;
+  // allocate_at() and reinstate(): [addr, addr + extent) out of free memory
+  // as one allocated block on stream s (rounded: the request's size, for
+  // its pool); std::invalid_argument, prefixed with `where`, if it cannot be.
+  Block* carve_at(uintptr_t addr, size_t extent, size_t rounded, Stream s, const std::string& where);
   // Splits free block b at `at`; returns the free block [at, b's old end).
   Block* split_free_at(Block* b, uintptr_t at);
   Block* alloc_small(size_t size, Stream s, size_t request);

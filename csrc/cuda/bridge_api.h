@@ -212,7 +212,7 @@ typedef struct pyalloc_bridge_api {
    * both before and after is in both (PyTorch then gives its storage a
    * deleter again). A restore that cannot be made (INVALID, with the reason:
    * a block's memory not free, or held by a block it drops that a stream
-   * named by record_stream may still use) changes nothing. */
+   * named by record_stream may still use) leaves every live block as it was. */
   int (*pool_checkpoint)(int device, uint64_t id0, uint64_t id1, pyalloc_live_block_fn fn,
                          void* user);
   int (*pool_restore)(int device, uint64_t id0, uint64_t id1, const pyalloc_live_block* blocks,

@@ -752,17 +752,22 @@ void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
   for (const LiveBlock& b : blocks) wanted.emplace(b.ptr, &b);
   // What the checkpoint did not hold is freed, so that its blocks' memory
   // is free again; the blocks to make are those not live already.
-  std::vector<LiveBlock> dropped;
+  struct Dropped {
+    uintptr_t ptr;
+    Allocator::LiveBlockInfo info;  // to make it again exactly, should the restore fail
+  };
+  std::vector<Dropped> dropped;
+  std::unordered_set<uintptr_t> dropped_ptrs;
   // pools_mu_ held exclusively: no other thread is in any pool's blocks.
   for (uintptr_t ptr : pool.blocks) {
-    LiveBlock now{ptr, 0, 0};
-    pool.alloc->live_block(ptr, &now.size, &now.stream);
+    Dropped d{ptr, {}};
+    pool.alloc->live_block_info(ptr, &d.info);
     auto w = wanted.find(ptr);
-    if (w == wanted.end() || now.size != w->second->size || now.stream != w->second->stream)
-      dropped.push_back(now);
+    if (w == wanted.end() || d.info.requested != w->second->size || d.info.stream != w->second->stream) {
+      dropped.push_back(std::move(d));
+      dropped_ptrs.insert(ptr);
+    }
   }
-  std::unordered_set<uintptr_t> dropped_ptrs;
-  for (const LiveBlock& d : dropped) dropped_ptrs.insert(d.ptr);
   std::vector<const LiveBlock*> to_make;
   std::vector<uintptr_t> kept;
   for (const LiveBlock& b : blocks) {
@@ -778,38 +783,28 @@ void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
   // made: a free that waits on a stream cannot be taken back.
   // The new blocks overlap no other (check_restorable()): in address order,
   // the one starting last before a dropped block's end is the only one that
-  // can overlap it.
+  // can overlap it. A dropped block's end is its own (an oversize block
+  // holds more than its request).
   std::vector<std::pair<uintptr_t, uintptr_t>> new_ranges;
   for (const LiveBlock* b : to_make) new_ranges.emplace_back(b->ptr, b->ptr + round_up(b->size, kGranularity));
   std::sort(new_ranges.begin(), new_ranges.end());
-  std::vector<LiveBlock> freed_first, freed_last;
-  for (const LiveBlock& d : dropped) {
-    uintptr_t end = d.ptr + round_up(d.size, kGranularity);
+  std::vector<const Dropped*> freed_first, freed_last;
+  for (const Dropped& d : dropped) {
+    uintptr_t end = d.ptr + d.info.size;
     auto r = std::lower_bound(new_ranges.begin(), new_ranges.end(), std::make_pair(end, uintptr_t{0}));
     bool needed = r != new_ranges.begin() && std::prev(r)->second > d.ptr;
-    (needed ? freed_first : freed_last).push_back(d);
+    (needed ? freed_first : freed_last).push_back(&d);
   }
   std::vector<uintptr_t> made;
   size_t undone = 0;  // freed_first blocks freed so far
-  auto undo = [&]() {
-    for (uintptr_t ptr : made) {
-      pool.alloc->free(ptr);
-      pool.blocks.erase(ptr);
-    }
-    for (size_t i = 0; i < undone; ++i) {
-      const LiveBlock& b = freed_first[i];
-      pool.alloc->allocate_at(b.ptr, b.size, b.stream);
-      pool.blocks.insert(b.ptr);
-    }
-  };
   try {
-    for (const LiveBlock& d : freed_first) {
-      if (!pool.alloc->free_at_once(d.ptr))
+    for (const Dropped* d : freed_first) {
+      if (!pool.alloc->free_at_once(d->ptr))
         throw std::invalid_argument(
-            "cannot restore graph pool: the block at " + format_ptr(d.ptr) +
+            "cannot restore graph pool: the block at " + format_ptr(d->ptr) +
             ", live now and not in the checkpoint, holds memory of a checkpointed block, and a stream "
             "it was recorded on (record_stream) still has work queued that may use it");
-      pool.blocks.erase(d.ptr);
+      pool.blocks.erase(d->ptr);
       undone++;
     }
     for (const LiveBlock* b : to_make) {
@@ -818,24 +813,54 @@ void DevicePools::restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
       made.push_back(b->ptr);
     }
   } catch (...) {
-    // Back to the state before the call: PyTorch keeps its storages as they were.
-    undo();
+    // Back to the state before the call, each dropped block as it was (its
+    // bytes, tag and recorded streams): PyTorch keeps its storages as they were.
+    for (uintptr_t ptr : made) {
+      pool.alloc->free(ptr);
+      pool.blocks.erase(ptr);
+    }
+    for (size_t i = 0; i < undone; ++i) {
+      pool.alloc->reinstate(freed_first[i]->ptr, freed_first[i]->info);
+      pool.blocks.insert(freed_first[i]->ptr);
+    }
     throw;
   }
-  for (const LiveBlock& d : freed_last) {
-    pool.alloc->free(d.ptr);
-    pool.blocks.erase(d.ptr);
+  for (const Dropped* d : freed_last) {
+    pool.alloc->free(d->ptr);
+    pool.blocks.erase(d->ptr);
   }
-  dropped = freed_first;
-  dropped.insert(dropped.end(), freed_last.begin(), freed_last.end());
+  for (const Dropped* d : freed_first) freed->push_back(d->ptr);
+  for (const Dropped* d : freed_last) freed->push_back(d->ptr);
   // A block live before and after is in both lists, as PyTorch's allocator
   // gives it (it frees every block and allocates every checkpointed one):
   // CUDA-graph trees give a live storage its deleter back only if its
   // pointer is among those allocated.
-  for (const LiveBlock& b : dropped) freed->push_back(b.ptr);
   freed->insert(freed->end(), kept.begin(), kept.end());
   *allocated = std::move(made);
   allocated->insert(allocated->end(), kept.begin(), kept.end());
+}
+
+void DevicePools::check_invariants() const {
+  general_->check_invariants();
+  buffers_->check_invariants();
+  // Exclusively: a graph-pool allocation or free holds pools_mu_ shared from
+  // its allocator's call to its entry in the pool's list.
+  std::unique_lock<std::shared_mutex> g(pools_mu_);
+  for (const auto& [id, pool] : pools_) {
+    pool->alloc->check_invariants();
+    std::string name = "graph pool (" + std::to_string(id.first) + ", " + std::to_string(id.second) + ")";
+    std::lock_guard<std::mutex> b(pool->mu);
+    for (uintptr_t ptr : pool->blocks) {
+      size_t requested;
+      Stream stream;
+      if (!pool->alloc->live_block(ptr, &requested, &stream))
+        throw InvariantError(name + " lists " + format_ptr(ptr) + ", which is no live allocation of it");
+    }
+    auto live = static_cast<size_t>(pool->alloc->stats().allocation.all.current);
+    if (live != pool->blocks.size())
+      throw InvariantError(name + " lists " + std::to_string(pool->blocks.size()) + " blocks; its allocator has " +
+                           std::to_string(live) + " live");
+  }
 }
 
 std::vector<DevicePools::GraphPoolInfo> DevicePools::graph_pools() const {

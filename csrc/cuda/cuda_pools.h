@@ -199,10 +199,12 @@ class DevicePools {
   /// others and allocates the missing ones at their addresses (PyTorch's
   /// setCheckpointPoolState). As PyTorch's allocator reports it, *freed lists
   /// every block live before and *allocated every block of `blocks`: one live
-  /// both before and after is in both. Throws std::invalid_argument, having
-  /// changed nothing, if the pool is gone, a block's memory is no longer free,
-  /// or it lies in a block the checkpoint drops that a stream named by
-  /// record_stream may still use (its free would wait on that stream).
+  /// both before and after is in both. Throws std::invalid_argument if the
+  /// pool is gone, a block's memory is no longer free, or it lies in a block
+  /// the checkpoint drops that a stream named by record_stream may still use
+  /// (its free would wait on that stream); every live block is then as it
+  /// was (bytes, request, stream, tag, recorded streams), though free memory
+  /// may lie in other pieces.
   void restore_pool(PoolId id, const std::vector<LiveBlock>& blocks,
                     std::vector<uintptr_t>* freed, std::vector<uintptr_t>* allocated);
   struct GraphPoolInfo {
@@ -214,6 +216,10 @@ class DevicePools {
   /// The graph pools that exist, read under their lock (a pool may be
   /// released by another thread at any time).
   std::vector<GraphPoolInfo> graph_pools() const;
+  /// Allocator::check_invariants() of every pool of the device, and each
+  /// graph pool's list of its blocks against its allocator's live ones (read
+  /// with no graph-pool operation midway); InvariantError if anything is off.
+  void check_invariants() const;
 
   /// Every pool of the device together (general, buffers, graph pools), as
   /// torch.cuda.memory_stats() counts a device: each peak the peak of the

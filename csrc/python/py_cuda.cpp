@@ -328,13 +328,11 @@ void bind_cuda(py::module_& m) {
   m.def(
       "cuda_check_invariants",
       [](int device) {
-        if (DevicePools* p = registry().find(device)) {
-          p->general().check_invariants();
-          p->buffers().check_invariants();
-        }
+        if (DevicePools* p = registry().find(device)) p->check_invariants();
       },
       py::arg("device"), nogil,
-      "Verifies both pools of a device; raises InvariantError if anything is off.");
+      "Verifies every pool of a device (general, buffers, graph pools); raises InvariantError "
+      "if anything is off.");
 
   m.def(
       "cuda_empty_cache",
