@@ -385,8 +385,8 @@ class Allocator {
     stats_.num_driver_calls++;  // cuMemAlloc
     return backend_->reserve(size);
   }
-  // free() of a live block, under the lock.
-  void free_locked(Block* b, uint64_t context);
+  // free() of the live block b at ptr, under the lock.
+  void free_locked(uintptr_t ptr, Block* b, uint64_t context);
   void finish_free(Block* b);
   bool is_ready(const Block* b);
   void poll_syncs(StreamState& st, bool wait);
