@@ -8,6 +8,7 @@ mirror (tests/bridge_api.py) agree byte for byte.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -441,6 +442,40 @@ def pool_state(api, pool):
     return sorted(blocks), {k: v for k, v in stats.items() if k.endswith(".current")}
 
 
+def refused_leaving_all_as_it_was(api, pool, blocks, error=""):
+    """Restores graph pool `pool` of device 0 to `blocks`, which must be
+    refused (with `error` in the reason) with every live block as it was."""
+    before, state = checkpoint(api, 0, pool), pool_state(api, pool)
+    status, freed, allocated = restore(api, 0, pool, blocks)
+    assert status == INVALID and error in api.error(), api.error()
+    assert (freed, allocated) == ([], [])
+    assert checkpoint(api, 0, pool) == before
+    assert pool_state(api, pool) == state
+    _C.cuda_check_invariants(0)
+
+
+@contextlib.contextmanager
+def a_block_and_a_free_waiting_on_stream_5(api, size, waiting_size, record_block=False):
+    """Graph pool (9, 0) of device 0 with a live block of `size` bytes (also
+    used on stream 5 if record_block) and the memory of a freed block of
+    `waiting_size` bytes whose free waits on stream 5, busy meanwhile:
+    (block, freed block)."""
+    x = recorded_block_in_a_pool(api, (9, 0), size, 5) if record_block else None
+    filt = FILTER_FN(lambda _u, _s: 1)
+    assert api.begin_allocate_to_pool(0, 9, 0, filt, None) == OK
+    if x is None:
+        _, x, _ = api.malloc(size)
+    _, z, _ = api.malloc(waiting_size)
+    assert api.end_allocate_to_pool(0, 9, 0) == OK
+    assert api.record_stream(z, 5) == OK
+    _C._testing_stream(0, 5, True)
+    try:
+        assert api.free(z, 0) == OK
+        yield x, z
+    finally:
+        _C._testing_stream(0, 5, False)
+
+
 def test_a_restore_into_a_block_recorded_on_a_finished_stream(api, fake):
     """A restore freed a block PyTorch had used on another stream
     (record_stream), which left it a pending free until the next malloc, and
@@ -463,15 +498,9 @@ def test_a_restore_into_a_block_recorded_on_a_busy_stream_changes_nothing(api, f
     given to a checkpointed block: the restore is refused before it changes
     anything, and goes through once the stream's work is done."""
     x = recorded_block_in_a_pool(api, (9, 0), 20 * MiB, 5)
-    before, state = checkpoint(api, 0, (9, 0)), pool_state(api, (9, 0))
     _C._testing_stream(0, 5, True)
     try:
-        status, freed, allocated = restore(api, 0, (9, 0), [(x + 2 * MiB, 1, 1)])
-        assert status == INVALID and "record_stream" in api.error()
-        assert (freed, allocated) == ([], [])
-        assert checkpoint(api, 0, (9, 0)) == before
-        assert pool_state(api, (9, 0)) == state
-        _C.cuda_check_invariants(0)
+        refused_leaving_all_as_it_was(api, (9, 0), [(x + 2 * MiB, 1, 1)], "record_stream")
     finally:
         _C._testing_stream(0, 5, False)
     status, freed, allocated = restore(api, 0, (9, 0), [(x + 2 * MiB, 1, 1)])
@@ -484,23 +513,11 @@ def test_a_failed_restore_keeps_a_dropped_block_whose_free_would_wait(api, fake)
     """A restore freed every dropped block first: one recorded on a busy stream
     became a pending free, which the undo of a later failure could not make
     again. Such blocks are freed only once every checkpointed block is made."""
-    x = recorded_block_in_a_pool(api, (9, 0), 4 * MiB, 5)
-    z = recorded_block_in_a_pool(api, (9, 0), 4 * MiB, 5)
-    _C._testing_stream(0, 5, True)
-    try:
-        assert api.free(z, 0) == OK  # a pending free: stream 5 may still use z
-        before, state = checkpoint(api, 0, (9, 0)), pool_state(api, (9, 0))
-        assert before == [(x, 4 * MiB, 0)]
+    with a_block_and_a_free_waiting_on_stream_5(api, 4 * MiB, 4 * MiB, record_block=True) as (x, z):
+        assert checkpoint(api, 0, (9, 0)) == [(x, 4 * MiB, 0)]
         # z's memory is not free yet: the block cannot be made, and x, which the
         # checkpoint drops, must still be live afterwards.
-        status, freed, allocated = restore(api, 0, (9, 0), [(z, 4 * MiB, 0)])
-        assert status == INVALID and api.error()
-        assert (freed, allocated) == ([], [])
-        assert checkpoint(api, 0, (9, 0)) == before
-        assert pool_state(api, (9, 0)) == state
-        _C.cuda_check_invariants(0)
-    finally:
-        _C._testing_stream(0, 5, False)
+        refused_leaving_all_as_it_was(api, (9, 0), [(z, 4 * MiB, 0)], "not free")
     assert api.free(x, 0) == OK, api.error()
     assert api.release_pool(0, 9, 0) == OK
 
@@ -511,24 +528,8 @@ def test_a_failed_restore_makes_a_dropped_block_again_whatever_streams_were_made
     left the freed memory in pieces of two streams, which did not merge while
     neither was safe for the other, so the dropped block could not be made
     again and the pool lost it."""
-    filt = FILTER_FN(lambda _u, _s: 1)
-    assert api.begin_allocate_to_pool(0, 9, 0, filt, None) == OK
-    _, x, _ = api.malloc(20 * MiB)
-    _, z, _ = api.malloc(4 * MiB)
-    assert api.end_allocate_to_pool(0, 9, 0) == OK
-    assert api.record_stream(z, 5) == OK
-    _C._testing_stream(0, 5, True)
-    try:
-        assert api.free(z, 0) == OK  # waits on stream 5: z's memory is not free yet
-        before, state = checkpoint(api, 0, (9, 0)), pool_state(api, (9, 0))
-        status, freed, allocated = restore(api, 0, (9, 0), [(x + 2 * MiB, MiB, 1), (z, 4 * MiB, 0)])
-        assert status == INVALID and "not free" in api.error()
-        assert (freed, allocated) == ([], [])
-        assert checkpoint(api, 0, (9, 0)) == before
-        assert pool_state(api, (9, 0)) == state
-        _C.cuda_check_invariants(0)
-    finally:
-        _C._testing_stream(0, 5, False)
+    with a_block_and_a_free_waiting_on_stream_5(api, 20 * MiB, 4 * MiB) as (x, z):
+        refused_leaving_all_as_it_was(api, (9, 0), [(x + 2 * MiB, MiB, 1), (z, 4 * MiB, 0)], "not free")
     assert api.free(x, 0) == OK, api.error()
     assert api.release_pool(0, 9, 0) == OK
 
@@ -548,12 +549,8 @@ def test_a_failed_restore_gives_a_dropped_block_back_its_tag_and_its_recorded_st
     _C._testing_stream(0, 6, True)
     try:
         assert api.free(z, 0) == OK  # waits on stream 6
-        state = pool_state(api, (9, 0))
-        status, _, _ = restore(api, 0, (9, 0), [(d + MiB, MiB, 0), (z, 4 * MiB, 0)])
-        assert status == INVALID
-        assert pool_state(api, (9, 0)) == state
+        refused_leaving_all_as_it_was(api, (9, 0), [(d + MiB, MiB, 0), (z, 4 * MiB, 0)], "not free")
         assert api.block_context(d) == 1234
-        _C.cuda_check_invariants(0)
         # d is still recorded on stream 5: its free waits while stream 5 works.
         _C._testing_stream(0, 5, True)
         assert api.free(d, 0) == OK
@@ -603,22 +600,8 @@ def test_a_failed_restore_gives_an_oversize_block_back_whole(api, oversize):
     """The undo made a dropped block again at its request's size: an oversize
     block came back 14 MiB short, a free block in its place, and the pool's
     counts changed."""
-    filt = FILTER_FN(lambda _u, _s: 1)
-    assert api.begin_allocate_to_pool(0, 9, 0, filt, None) == OK
-    _, d, _ = api.malloc(6 * MiB)
-    _, z, _ = api.malloc(2 * MiB)
-    assert api.end_allocate_to_pool(0, 9, 0) == OK
-    assert api.record_stream(z, 5) == OK
-    _C._testing_stream(0, 5, True)
-    try:
-        assert api.free(z, 0) == OK  # waits on stream 5
-        state = pool_state(api, (9, 0))
-        status, _, _ = restore(api, 0, (9, 0), [(d + 2 * MiB, MiB, 0), (z, 2 * MiB, 0)])
-        assert status == INVALID
-        assert pool_state(api, (9, 0)) == state
-        _C.cuda_check_invariants(0)
-    finally:
-        _C._testing_stream(0, 5, False)
+    with a_block_and_a_free_waiting_on_stream_5(api, 6 * MiB, 2 * MiB) as (d, z):
+        refused_leaving_all_as_it_was(api, (9, 0), [(d + 2 * MiB, MiB, 0), (z, 2 * MiB, 0)], "not free")
     assert api.free(d, 0) == OK
     assert api.release_pool(0, 9, 0) == OK
 
