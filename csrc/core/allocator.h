@@ -141,8 +141,10 @@ class Allocator {
   /// the user sees, one count.
   uintptr_t malloc(size_t size, Stream stream, uint64_t context = 0, bool caller_counts_oom = false);
   /// Allocates exactly [addr, addr + size rounded) for `stream`, which must
-  /// lie in one free block (restoring a checkpoint of a pool, as PyTorch's
-  /// CUDA-graph trees do); std::invalid_argument if it does not.
+  /// be free memory of this pool, in one free block or in neighbouring ones
+  /// of any streams (restoring a checkpoint of a pool, as PyTorch's
+  /// CUDA-graph trees do: the caller orders the work on it); frees whose
+  /// streams have finished complete first. std::invalid_argument if it is not.
   uintptr_t allocate_at(uintptr_t addr, size_t size, Stream stream, uint64_t context = 0);
   /// A live allocation as the pool holds it, for making it again exactly
   /// after a free (reinstate()).
