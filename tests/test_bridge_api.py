@@ -566,16 +566,11 @@ def test_a_failed_restore_gives_a_dropped_block_back_its_tag_and_its_recorded_st
 
 
 @pytest.fixture
-def oversize():
+def oversize(fake):
     """Fake devices whose pools never split blocks of 4 MiB or more, so that a
-    block can hold far more than its request."""
-    _C._testing_use_fake_devices(64 << 20)
+    block can hold far more than its request (the fake fixture's reset drops
+    the setting)."""
     _C.cuda_configure("max_split_size:4194304")
-    try:
-        yield
-    finally:
-        gc.collect()
-        _C._testing_reset()
 
 
 def test_a_restore_into_the_tail_of_an_oversize_block(api, oversize):

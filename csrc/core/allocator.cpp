@@ -225,14 +225,13 @@ Block* Allocator::carve_at(uintptr_t addr, size_t extent, size_t rounded, Stream
   // b to last tile the range exactly now: out of their free indexes, one
   // block, to the caller's stream.
   Pool pool = b->segment->pool;
-  for (Block* x = b;; x = x->next) {
-    state(x->stream).free[pool].remove(x);
-    track_inactive_split(x, -1);
-    if (x == last) break;
-  }
+  state(b->stream).free[pool].remove(b);
+  track_inactive_split(b, -1);
   bool mixed = false;
   while (b->end() < end_addr) {
     Block* n = b->next;
+    state(n->stream).free[pool].remove(n);
+    track_inactive_split(n, -1);
     mixed = mixed || n->stream != b->stream;
     b->size += n->size;
     take_place_of(b, n);
