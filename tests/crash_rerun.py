@@ -1,7 +1,7 @@
 """A GPU check that dies by a signal runs once more under a debugger (test_gpu.py).
 
 A crash in native code (a SIGSEGV inside the unwinder, say) prints nothing of
-its own, and a GPU is lent for half an hour: the check is run again at once
+its own, and a GPU is lent rarely and for minutes: the check is run again at once
 under cuda-gdb (the GPU machine's debugger; gdb where there is no cuda-gdb),
 and the native backtrace of the thread that crashed, with the shared libraries
 the process had loaded, goes into the failure's message, so one run finds

@@ -14,7 +14,7 @@ from benchmarks.gpu import session
 from benchmarks.gpu.session import Stage, Step, run_stage
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ORDER = ["doctor", "tests-bridge", "tests-hooks", "tests-bestfit", "bench", "traces", "batch"]
+ORDER = ["doctor", "tests", "speed", "steps", "traces", "batch", "diagnose"]
 
 
 def _py(code):
@@ -25,47 +25,68 @@ def _log(out, name):
     return (out / f"{name}.log").read_text().splitlines()
 
 
-def test_the_plan_lists_every_stage_in_order_and_fits_the_window(capsys):
+def test_the_plan_lists_every_stage_and_splits_a_window_into_commands_that_fit(capsys):
     assert session.main(["--plan"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines[:-1]] == ORDER
+    assert [line.split()[0] for line in lines[:len(ORDER)]] == ORDER
     for line, stage in zip(lines, session.STAGES):
         assert line.split()[1:3] == [str(stage.limit_s), "s"] and stage.what in line
-        assert stage.limit_s <= 540
-    assert sum(s.limit_s for s in session.STAGES) <= 1500
-    assert lines[-1].split()[:3] == ["total", str(sum(s.limit_s for s in session.STAGES)), "s"]
-    assert lines[-1].endswith("fits)")
+        assert session.command_cost([stage]) <= session.COMMAND_LIMIT_S, stage.name
+    # 15 minutes of device time: a bare machine's command, then one on the warm machine.
+    first, second, later = session.window_plan([s for s in session.STAGES if s.in_window])
+    assert [s.name for s in first] == ["doctor", "tests"] and [s.name for s in second] == ["speed"]
+    assert [s.name for s in later] == ["steps", "traces", "batch"]
+    assert session.command_cost(first) <= session.COMMAND_LIMIT_S
+    assert (session.START_S + session.command_cost(first) + session.TURNAROUND_S
+            + session.command_cost(second, warm=True)) <= session.DEVICE_TIME_S
+    assert lines[len(ORDER) + 1].startswith("command 1: --stages doctor,tests --limit 560 ")
+    assert lines[len(ORDER) + 2].startswith("command 2, on the warm machine within 30 s: --stages speed ")
+    assert lines[-1] == "next window: steps,traces,batch"
 
-    too_long = [Stage("a", 540, "x", lambda out: []), Stage("b", 540, "x", lambda out: []),
-                Stage("c", 540, "x", lambda out: [])]
+    # What is left, for the next window: --plan --stages.
+    assert session.main(["--plan", "--stages", "steps,traces,batch"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-3].startswith("command 1: --stages steps,traces ") and lines[-1] == "next window: nothing"
+    assert lines[-2].startswith("command 2, on the warm machine within 30 s: --stages batch ")
+
+    too_long = [Stage("a", 540, "x", lambda out: []), Stage("b", 30, "x", lambda out: [])]
     assert session.main(["--plan"], stages=too_long) == 1
-    assert capsys.readouterr().out.splitlines()[-1].endswith("DOES NOT FIT)")
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "next window: a,b", out  # nothing runs past a stage no command can hold
 
 
-def test_every_stage_builds_first_and_the_gpu_tests_take_their_route_and_strategy(tmp_path, monkeypatch):
+def test_the_gpu_tests_take_each_route_and_strategy_side_by_side_then_alone(monkeypatch):
     monkeypatch.setattr(session, "xdist_available", lambda: True)  # as on the GPU machine
-    for stage in session.STAGES:
-        steps = stage.steps(str(tmp_path))
-        assert steps[0].argv[1:] == ["setup.py", "build_ext", "--inplace"] and steps[0].needed, stage.name
-        assert int(steps[0].env["NPY_NUM_BUILD_JOBS"]) == (os.cpu_count() or 1)
-    tests = {name: [s for s in session.stage_named(name).steps(str(tmp_path)) if s.pytest]
-             for name in ("tests-bridge", "tests-hooks", "tests-bestfit")}
-    assert [s.env for s in tests["tests-bridge"]] == [{"PYALLOC_BRIDGE": "1"}] * 2
-    assert [s.env for s in tests["tests-hooks"]] == [{"PYALLOC_BRIDGE": "0"}] * 2
-    assert [s.env["PYALLOC_BRIDGE"] for s in tests["tests-bestfit"]] == ["1", "1", "0", "0"]
-    assert {s.env["PYALLOC_CONF"] for s in tests["tests-bestfit"]} == {"strategy:bestfit"}
+    steps = session.stage_named("tests").steps("unused")
+    side, alone = steps[:4], steps[4:]
+    envs = [{"PYALLOC_BRIDGE": "1"}, {"PYALLOC_BRIDGE": "0"},
+            {"PYALLOC_BRIDGE": "1", "PYALLOC_CONF": "strategy:bestfit"},
+            {"PYALLOC_BRIDGE": "0", "PYALLOC_CONF": "strategy:bestfit"}]
+    assert [s.env for s in side] == envs and [s.env for s in alone] == envs
+    assert all(s.pytest for s in steps)
+
     def marks(argv):  # pytest's -m, after python's own -m pytest
         return argv[len(argv) - argv[::-1].index("-m")]
 
-    for steps in tests.values():
-        side, alone = steps[0].argv, steps[1].argv
-        assert "-n" in side and marks(side) == "gpu and not whole_device"
-        assert "-n" not in alone and marks(alone) == "gpu and whole_device"
+    for s in side:
+        assert s.together and "-n" in s.argv and marks(s.argv) == "gpu and not whole_device"
+    for s in alone:
+        assert not s.together and "-n" not in s.argv and marks(s.argv) == "gpu and whole_device"
+    assert len({s.tag for s in side}) == 4
 
     monkeypatch.setattr(session, "xdist_available", lambda: False)
-    side = session.gpu_test_steps("bridge")[0]
+    side = session.gpu_test_steps()[0]
     assert "-n" not in side.argv and marks(side.argv) == "gpu and not whole_device"
     assert side.label == "GPU tests that share the device, one at a time: no pytest-xdist (bridge)"
+
+
+def test_the_build_comes_first_with_every_core_and_the_bridge_only_where_a_stage_needs_it():
+    steps = session.build_steps()
+    assert steps[0].argv[1:] == ["setup.py", "build_ext", "--inplace"] and steps[0].needed
+    assert int(steps[0].env["NPY_NUM_BUILD_JOBS"]) == (os.cpu_count() or 1)
+    assert steps[1].argv[1:] == ["-m", "pyalloc", "bridge", "build"] and not steps[1].needed
+    assert len(session.build_steps(bridge=False)) == 1
+    assert not session.stage_named("traces").bridge and session.stage_named("tests").bridge
 
 
 def test_the_checks_run_alone_are_those_that_need_the_whole_device():
@@ -116,17 +137,83 @@ def test_a_stage_logs_its_environment_every_output_and_a_summary(tmp_path):
     ], summary
 
 
-def test_a_failed_build_stops_the_stage_and_the_rest_did_not_run(tmp_path):
-    stage = Stage("broken", 60, "x", lambda out: [
-        Step("build pyalloc._C", _py("print('error: no compiler'); raise SystemExit(2)"), needed=True),
-        Step("tests", _py("print('never')")),
-    ])
-    assert not run_stage(stage, str(tmp_path), echo=False, describe=lambda: [])
-    lines = _log(tmp_path, "broken")
-    assert "never" not in lines
-    assert lines[-5:] == ["passed: nothing", "failed: build pyalloc._C",
+def _stamp(path, name):
+    """A step that appends its name to a file: the order the steps ran in."""
+    return Step(name, _py(f"open({str(path)!r}, 'a').write({name!r} + '\\n'); print({name!r})"))
+
+
+def test_one_command_builds_once_then_runs_each_stage_that_fits_in_order(tmp_path):
+    ran = tmp_path / "ran"
+    stages = [Stage("a", 30, "first", lambda out: [_stamp(ran, "a")]),
+              Stage("huge", 500, "does not fit", lambda out: [_stamp(ran, "huge")]),
+              Stage("b", 30, "fits after it", lambda out: [_stamp(ran, "b")], bridge=False)]
+    out = tmp_path / "out"
+    ok = session.run_command(stages, str(out), 100, echo=False, describe=lambda: ["commit: abc1234"],
+                             build=[_stamp(ran, "build")])
+    assert not ok  # a stage did not run
+    assert ran.read_text().split() == ["build", "a", "b"]
+    assert sorted(os.listdir(out)) == ["a.log", "b.log", "build.log", "huge.log"]
+    for name in ("build", "a", "huge", "b"):
+        assert _log(out, name)[3] == "commit: abc1234", name  # every log says where it ran
+    huge = _log(out, "huge")
+    assert huge[-4:-2] == ["passed: nothing", "failed: nothing"] and huge[-1] == "stage huge: NOT RUN", huge
+    assert huge[-2].startswith("did not run: huge (") and huge[-2].endswith(
+        " s of the command were left, and the stage needs 500 s)"), huge
+    assert _log(out, "b")[-1] == "stage b: PASSED"
+
+
+def test_a_failed_build_of_pyalloc_stops_every_stage_and_a_failed_bridge_stops_none(tmp_path):
+    ran = tmp_path / "ran"
+    stages = [Stage("a", 30, "x", lambda out: [_stamp(ran, "a")])]
+    broken = [Step("build pyalloc._C", _py("print('error: no compiler'); raise SystemExit(2)"), needed=True),
+              _stamp(ran, "bridge")]
+    assert not session.run_command(stages, str(tmp_path / "c"), 100, echo=False, describe=lambda: [],
+                                   build=broken)
+    assert not ran.exists()
+    build = _log(tmp_path / "c", "build")
+    assert build[-5:] == ["passed: nothing", "failed: build pyalloc._C",
                           "  build pyalloc._C: exit 2, its last line: error: no compiler",
-                          "did not run: tests ('build pyalloc._C' failed)", "stage broken: FAILED"], lines
+                          "did not run: bridge ('build pyalloc._C' failed)", "stage build: FAILED"], build
+    assert _log(tmp_path / "c", "a")[-2:] == ["did not run: a (building pyalloc._C failed)", "stage a: NOT RUN"]
+
+    no_bridge = [_stamp(ran, "pyalloc"), Step("build the bridge", _py("raise SystemExit(1)"))]
+    assert not session.run_command(stages, str(tmp_path / "b"), 100, echo=False, describe=lambda: [],
+                                   build=no_bridge)
+    assert ran.read_text().split() == ["pyalloc", "a"]
+    assert _log(tmp_path / "b", "a")[-1] == "stage a: PASSED"
+
+
+def test_steps_together_run_at_once_and_each_line_names_its_step(tmp_path):
+    # Each waits until the other has started: run one after the other, both would time out.
+    def waits_for(me, other):
+        return (f"import os, time; open({str(tmp_path / me)!r}, 'w').close(); t = time.time()\n"
+                f"while not os.path.exists({str(tmp_path / other)!r}):\n"
+                f"    assert time.time() - t < 20, 'alone'; time.sleep(0.05)\n"
+                f"print('saw {other}')")
+    stage = Stage("pair", 60, "x", lambda out: [
+        Step("left", _py(waits_for("l", "r")), together=True, tag="L"),
+        Step("right", _py(waits_for("r", "l")), together=True, tag="R"),
+        Step("after", _py("print('after both')")),
+    ])
+    assert run_stage(stage, str(tmp_path), echo=False, describe=lambda: [])
+    lines = _log(tmp_path, "pair")
+    assert "[L] saw r" in lines and "[R] saw l" in lines and "after both" in lines
+    assert lines.index("after both") > max(lines.index("[L] saw r"), lines.index("[R] saw l"))
+    assert any(line.startswith("[L] -- passed: left") for line in lines)
+
+
+def test_past_eight_files_the_results_go_into_one_archive_and_the_logs_stay(tmp_path):
+    import tarfile
+
+    for name in ["build.log", "bench.log", "bench.json", "bench.md"] + [f"p{i}.png" for i in range(4)]:
+        (tmp_path / name).write_text(name)
+    assert session.pack_results(str(tmp_path)) is None  # eight come back as they are
+    (tmp_path / "tests.log").write_text("x")
+    packed = session.pack_results(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["bench.log", "build.log", "results.tar.gz", "tests.log"]
+    with tarfile.open(packed) as tar:
+        assert sorted(tar.getnames()) == ["bench.json", "bench.md"] + [f"p{i}.png" for i in range(4)]
+        assert tar.extractfile("bench.md").read() == b"bench.md"
 
 
 def test_a_stage_past_its_limit_is_killed_with_its_children_and_says_so(tmp_path):
@@ -155,18 +242,23 @@ def test_a_stage_past_its_limit_is_killed_with_its_children_and_says_so(tmp_path
         pytest.fail(f"the step's child {grandchild} outlived the stage")
 
 
-def test_the_command_line_runs_a_named_stage_and_refuses_an_unknown_one(tmp_path, monkeypatch, capsys):
+def test_the_command_line_runs_named_stages_and_refuses_an_unknown_one(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(session, "describe_machine", lambda: ["device: none"])
-    stages = [Stage("one", 30, "x", lambda out: [Step("hello", _py("print('hello')"))])]
-    monkeypatch.setattr(session, "STAGES", stages)
-    assert session.main(["--stage", "one", "--out", str(tmp_path)], stages=stages) == 0
-    lines = _log(tmp_path, "one")
+    monkeypatch.setattr(session, "build_steps", lambda bridge=True: [Step("build", _py("print('built')"))])
+    stages = [Stage("one", 30, "x", lambda out: [Step("hello", _py("print('hello')"))]),
+              Stage("two", 30, "y", lambda out: [Step("bye", _py("print('bye')"))])]
+    assert session.main(["--stage", "one", "--out", str(tmp_path / "1")], stages=stages) == 0
+    lines = _log(tmp_path / "1", "one")
     assert lines[3] == "device: none" and lines[-1] == "stage one: PASSED", lines
+    assert sorted(os.listdir(tmp_path / "1")) == ["build.log", "one.log"]
+    assert session.main(["--stages", "two,one", "--out", str(tmp_path / "2")], stages=stages) == 0
+    assert "bye" in _log(tmp_path / "2", "two") and "hello" in _log(tmp_path / "2", "one")
+    for bad in (["--stage", "three", "--out", str(tmp_path)], ["--stages", "one,three", "--out", str(tmp_path)]):
+        with pytest.raises(SystemExit):
+            session.main(bad, stages=stages)
+        assert "no stage 'three'; stages: one, two" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        session.main(["--stage", "two", "--out", str(tmp_path)], stages=stages)
-    assert "no stage 'two'; stages: one" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        session.main(["--all"], stages=stages)
+        session.main(["--all"], stages=stages)  # no --out
 
 
 def test_the_log_names_device_driver_torch_date_and_commit(monkeypatch):

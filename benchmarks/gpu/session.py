@@ -1,23 +1,31 @@
-"""A GPU window in one command per stage: everything a GPU session runs, in order.
+"""A GPU window: everything a GPU session runs, in stages, in as few commands as fit.
 
-    python -m benchmarks.gpu.session --plan                 # the stages: name, limit (s), what
-    python -m benchmarks.gpu.session --stage NAME --out DIR # one stage
-    python -m benchmarks.gpu.session --all --out DIR        # every stage, in order
+    python -m benchmarks.gpu.session --plan                        # the stages, and how a window fits them
+    python -m benchmarks.gpu.session --stages doctor,tests --out DIR --limit 560
+    python -m benchmarks.gpu.session --stage NAME --out DIR        # one stage
+    python -m benchmarks.gpu.session --all --out DIR               # every stage, in order
 
-A GPU is lent for about 30 minutes, one command of at most 10 minutes at a time,
-and the machine starts bare for every command. So each stage builds what it
-needs first (pyalloc._C with all cores, then the bridge where it is used), fits
-its own limit (at most 9 minutes, build included; all stages together 25), and
-leaves in DIR one log, ``<stage>.log``, and at most a few result files named by
-the stage. The log begins with the device, driver, torch, date, commit and
-command, takes every output of every step as it comes (a stage stopped at its
-limit still leaves it), and ends with what passed, what failed and what did not
-run. The runner enforces each stage's limit itself: a step still running at the
-limit is killed, and the summary says so.
+A GPU task has 15 minutes of device time in all: the machine's start (a minute
+or two), each command (at most 10 minutes) and every idle wait count. A machine
+goes back 30 s after a command ends, and the next one starts bare. So one
+command builds once (pyalloc._C with all cores, then the bridge where a stage
+uses it) and runs several stages in order, each within its own limit; a stage
+that no longer fits the command's limit does not start, and the log says so.
+A second command on the warm machine finds the build done and takes the next
+stages. ``--plan`` prints how a window splits the stages into commands.
+
+Each stage leaves in DIR one log, ``<stage>.log``, and its results; the build
+leaves ``build.log``. A log begins with the device, driver, torch, date, commit
+and command, takes every output of every step as it comes (a stage stopped at
+its limit still leaves it), and ends with what passed, what failed and what did
+not run. The runner enforces the limits itself: a step still running at its
+stage's limit is killed, with the processes it started. At most 8 files come
+back from a GPU machine: past 8, the results (not the logs) go into one archive.
 
 GPU checks run side by side (pytest-xdist) where they do not need the whole
-device, and alone where they do (out-of-memory, budgets, device-wide free
-memory: the ``whole_device`` mark in tests/test_gpu.py).
+device, the four configurations (two routes, two strategies) at once, and alone
+where they do (out-of-memory, budgets, device-wide free memory: the
+``whole_device`` mark in tests/test_gpu.py).
 
 On a machine without the repository's .git, PYALLOC_GIT_COMMIT names the commit.
 """
@@ -33,6 +41,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -43,12 +52,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 PY = sys.executable
 
-#: One command on the GPU machine runs at most 600 s; a stage keeps a minute in hand.
-STAGE_LIMIT_S = 540
-#: The whole window: about 30 minutes of device time, less the machine's starts.
-TOTAL_LIMIT_S = 1500
-#: pytest-xdist workers for the checks that share the device.
-SIDE_BY_SIDE = 8
+#: One command on the GPU machine runs at most 600 s; the runner keeps 40 s in hand.
+COMMAND_LIMIT_S = 560
+#: A GPU task's device time: 15 minutes, the machine's start and idle waits included.
+DEVICE_TIME_S = 900
+#: A bare machine's start ("a minute or more"), counted in the device time.
+START_S = 120
+#: Between two commands the machine idles (and counts) while the next is sent; it goes back after 30 s.
+TURNAROUND_S = 30
+#: Building pyalloc._C with every core, then the bridge, on a bare machine (on a CPU
+#: machine: 97 s of CPU over 20 files, and 50 s for the bridge's one file); on a warm one
+#: the tree is sent again, and setup.py and ninja may compile it all again.
+BUILD_LIMIT_S = 150
+WARM_BUILD_S = 90
+#: Files that come back from a GPU machine's output folder.
+MAX_FILES = 8
+#: pytest-xdist workers for the checks that share the device, per configuration (four run at once).
+SIDE_BY_SIDE = 3
+#: The configurations of tests/test_gpu.py: route (PYALLOC_BRIDGE) and PYALLOC_CONF.
+CONFIGURATIONS = [("bridge", ""), ("hooks", ""), ("bridge", "strategy:bestfit"), ("hooks", "strategy:bestfit")]
 #: Every allocator the benchmarks compare.
 ALLOCATORS = "native,pyalloc,pyalloc_hooks,native_expandable"
 
@@ -56,21 +78,26 @@ ALLOCATORS = "native,pyalloc,pyalloc_hooks,native_expandable"
 @dataclass
 class Step:
     """One command of a stage. pytest steps have their summary read; a step marked
-    ``needed`` stops the stage when it fails (the build)."""
+    ``needed`` stops the stage when it fails (the build). Consecutive steps marked
+    ``together`` run at the same time, each line of their output tagged with ``tag``."""
 
     label: str
     argv: List[str]
     env: Dict[str, str] = field(default_factory=dict)
     pytest: bool = False
     needed: bool = False
+    together: bool = False
+    tag: str = ""
 
 
 @dataclass
 class Stage:
     name: str
-    limit_s: int
+    limit_s: int  # its steps, the build excluded (the command builds once for all its stages)
     what: str
     steps: Callable[[str], List[Step]]  # the stage's steps, given its output folder
+    bridge: bool = True  # needs the bridge built
+    in_window: bool = True  # planned in every window; else run by name when needed
 
 
 # -- the stages -------------------------------------------------------------------------
@@ -89,55 +116,65 @@ def xdist_available() -> bool:
     return importlib.util.find_spec("xdist") is not None
 
 
-def gpu_test_steps(route: str, conf: str = "") -> List[Step]:
-    """tests/test_gpu.py on one route: the checks that share the device side by side
-    (one at a time where pytest-xdist is missing), then those that need it whole,
-    one at a time."""
+def config_tag(route: str, conf: str = "") -> str:
+    return f"{route}{', ' + conf if conf else ''}"
+
+
+def _test_env(route: str, conf: str) -> Dict[str, str]:
     env = {"PYALLOC_BRIDGE": "1" if route == "bridge" else "0"}
     if conf:
         env["PYALLOC_CONF"] = conf
-    tag = f"{route}{', ' + conf if conf else ''}"
-    common = [PY, "-m", "pytest", "tests/test_gpu.py", "-v", "-rA", "-p", "no:cacheprovider"]
-    if xdist_available():
-        side = Step(f"GPU tests side by side ({tag})", common + ["-n", str(SIDE_BY_SIDE)], env, pytest=True)
-    else:
-        side = Step(f"GPU tests that share the device, one at a time: no pytest-xdist ({tag})", common, env,
-                    pytest=True)
-    side.argv += ["-m", "gpu and not whole_device"]
-    return [side, Step(f"GPU tests alone ({tag})", common + ["-m", "gpu and whole_device"], env, pytest=True)]
+    return env
+
+
+_PYTEST = [PY, "-m", "pytest", "tests/test_gpu.py", "-v", "-rA", "-p", "no:cacheprovider"]
+
+
+def gpu_test_steps(configurations=CONFIGURATIONS) -> List[Step]:
+    """tests/test_gpu.py under each configuration: first the checks that share the device,
+    every configuration at once (each with pytest-xdist workers, or one check at a time
+    where it is missing), then those that need the device whole, alone, one
+    configuration after the other."""
+    side, alone = [], []
+    for route, conf in configurations:
+        tag, env = config_tag(route, conf), _test_env(route, conf)
+        argv = list(_PYTEST)
+        if xdist_available():
+            label = f"GPU tests side by side ({tag})"
+            argv += ["-n", str(SIDE_BY_SIDE)]
+        else:
+            label = f"GPU tests that share the device, one at a time: no pytest-xdist ({tag})"
+        side.append(Step(label, argv + ["-m", "gpu and not whole_device"], env, pytest=True,
+                         together=len(configurations) > 1, tag=tag))
+        alone.append(Step(f"GPU tests alone ({tag})", _PYTEST + ["-m", "gpu and whole_device"], env,
+                          pytest=True, tag=tag))
+    return side + alone
 
 
 def _doctor(out: str) -> List[Step]:
-    return build_steps() + [
-        Step("pyalloc doctor", [PY, "-m", "pyalloc", "doctor"]),
-        Step("crash diagnosis", ["bash", "tests/gpu/diagnose_exceptions.sh"], env={"STEP_LIMIT": "60"}),
-    ]
+    return [Step("pyalloc doctor", [PY, "-m", "pyalloc", "doctor"])]
 
 
-def _tests_bridge(out: str) -> List[Step]:
-    return build_steps() + gpu_test_steps("bridge")
+def _tests(out: str) -> List[Step]:
+    return gpu_test_steps()
 
 
-def _tests_hooks(out: str) -> List[Step]:
-    return build_steps(bridge=False) + gpu_test_steps("hooks")
+def _diagnose(out: str) -> List[Step]:
+    return [Step("crash diagnosis", ["bash", "tests/gpu/diagnose_exceptions.sh"], env={"STEP_LIMIT": "60"})]
 
 
-def _tests_bestfit(out: str) -> List[Step]:
-    bestfit = "strategy:bestfit"
-    return build_steps() + gpu_test_steps("bridge", bestfit) + gpu_test_steps("hooks", bestfit)
-
-
-def _bench(out: str) -> List[Step]:
-    return build_steps() + [Step("quick benchmarks", [
-        PY, "-m", "benchmarks.gpu", "--quick", "--allocators", ALLOCATORS,
-        "--only", "alloc_speed", "control_transformer", "llm_train",
-        "--out-dir", out, "--name", "bench", "--fresh"])]
+def _bench(what: str, only: Sequence[str]) -> Callable[[str], List[Step]]:
+    def steps(out: str) -> List[Step]:
+        return [Step(f"quick benchmarks: {', '.join(only)}", [
+            PY, "-m", "benchmarks.gpu", "--quick", "--allocators", ALLOCATORS, "--only", *only,
+            "--out-dir", out, "--name", what, "--fresh"])]
+    return steps
 
 
 def _traces(out: str) -> List[Step]:
     # The traces stay outside the output folder, which takes few files: one archive goes back.
     traces = os.path.join(tempfile.gettempdir(), "pyalloc-session-traces")
-    return build_steps(bridge=False) + [
+    return [
         Step("memory histories (native, native_expandable)", [
             PY, "-m", "benchmarks.gpu", "--no-timing", "--traces", "--trace-allocators",
             "native,native_expandable", "--only", "llm_train", "bert_infer", "generate",
@@ -152,28 +189,30 @@ def _traces(out: str) -> List[Step]:
 
 
 def _batch(out: str) -> List[Step]:
-    return build_steps() + [Step("largest batch under a budget", [
+    return [Step("largest batch under a budget", [
         PY, "-m", "benchmarks.gpu", "--no-timing", "--budget-search", "--budget", "16GiB",
         "--max-probes", "4", "--search-tolerance", "0.1", "--allocators", ALLOCATORS,
         "--only", "bert_infer", "llm_train_bf16_ckpt", "--out-dir", out, "--name", "batch", "--fresh"])]
 
 
 STAGES: List[Stage] = [
-    Stage("doctor", 240, "build; pyalloc doctor; tests/gpu/diagnose_exceptions.sh (readelf, the throws with "
-          "and without torch on both routes and strategies, cuda-gdb, a rebuild with the system g++)", _doctor),
-    Stage("tests-bridge", 240, "build; tests/test_gpu.py through the bridge (PYALLOC_BRIDGE=1), default "
-          f"strategy: -n {SIDE_BY_SIDE} side by side, then the whole_device checks alone", _tests_bridge),
-    Stage("tests-hooks", 180, "build pyalloc._C; tests/test_gpu.py through the C hooks (PYALLOC_BRIDGE=0), "
-          "default strategy: side by side, then whole_device alone", _tests_hooks),
-    Stage("tests-bestfit", 300, "build; tests/test_gpu.py under PYALLOC_CONF=strategy:bestfit through the bridge, "
-          "then through the hooks", _tests_bestfit),
-    Stage("bench", 180, f"build; python -m benchmarks.gpu --quick, allocators {ALLOCATORS}: alloc_speed, "
-          "control_transformer, llm_train -> bench.json/.md/plots", _bench),
-    Stage("traces", 160, "build pyalloc._C; memory histories of llm_train, bert_infer, generate under native "
-          "and native_expandable; pyalloc replay --json -> traces.json, traces-replay.json, traces.tar.gz",
-          _traces),
-    Stage("batch", 200, f"build; largest batch under 16 GiB for bert_infer and llm_train_bf16_ckpt, allocators "
+    Stage("doctor", 45, "pyalloc doctor: ready, the route, the device's virtual memory", _doctor),
+    Stage("tests", 360, "tests/test_gpu.py on both routes (PYALLOC_BRIDGE=1, 0) under the default strategy "
+          f"and strategy:bestfit: the four side by side at once (-n {SIDE_BY_SIDE} each), then each one's "
+          "whole_device checks alone", _tests),
+    Stage("speed", 75, f"python -m benchmarks.gpu --quick, allocators {ALLOCATORS}: alloc_speed (torch.empty "
+          "pairs) -> speed.json/.md/plot", _bench("speed", ["alloc_speed"])),
+    Stage("steps", 120, f"python -m benchmarks.gpu --quick, allocators {ALLOCATORS}: control_transformer, "
+          "llm_train (step times, peak allocated and reserved) -> steps.json/.md/plots",
+          _bench("steps", ["control_transformer", "llm_train"])),
+    Stage("traces", 140, "memory histories of llm_train, bert_infer, generate under native and "
+          "native_expandable; pyalloc replay --json -> traces.json, traces-replay.json, traces.tar.gz",
+          _traces, bridge=False),
+    Stage("batch", 180, f"largest batch under 16 GiB for bert_infer and llm_train_bf16_ckpt, allocators "
           f"{ALLOCATORS} -> batch.json/.md", _batch),
+    Stage("diagnose", 240, "only when a GPU check died by a signal: tests/gpu/diagnose_exceptions.sh (the C++ "
+          "runtime of each library, throws with and without torch on both routes and strategies, cuda-gdb, a "
+          "rebuild with the system g++)", _diagnose, in_window=False),
 ]
 
 
@@ -184,16 +223,53 @@ def stage_named(name: str, stages: Sequence[Stage] = STAGES) -> Stage:
     raise KeyError(f"no stage '{name}'; stages: {', '.join(s.name for s in stages)}")
 
 
-def plan_lines(stages: Sequence[Stage] = STAGES) -> List[str]:
-    lines = [f"{s.name:<14} {s.limit_s:>4} s  {s.what}" for s in stages]
-    total = sum(s.limit_s for s in stages)
-    lines.append(f"{'total':<14} {total:>4} s  (limit per stage {STAGE_LIMIT_S} s, "
-                 f"for all {TOTAL_LIMIT_S} s: {'fits' if fits(stages) else 'DOES NOT FIT'})")
+def command_cost(stages: Sequence[Stage], warm: bool = False) -> int:
+    """Seconds one command of these stages may take: the build, then each stage's limit."""
+    return (WARM_BUILD_S if warm else BUILD_LIMIT_S) + sum(s.limit_s for s in stages)
+
+
+def window_plan(stages: Sequence[Stage]) -> List[List[Stage]]:
+    """The stages as a GPU window runs them: a first command on a bare machine takes
+    them in order while they fit its limit; a second one on the warm machine takes the
+    next while they fit what is left of the device time. What is left over is the
+    last list: for the next window. A stage too long for any command is left over."""
+    todo = list(stages)
+    first: List[Stage] = []
+    while todo and command_cost(first + todo[:1]) <= COMMAND_LIMIT_S:
+        first.append(todo.pop(0))
+    left = DEVICE_TIME_S - START_S - command_cost(first) - TURNAROUND_S
+    second: List[Stage] = []
+    while todo and command_cost(second + todo[:1], warm=True) <= min(left, COMMAND_LIMIT_S):
+        second.append(todo.pop(0))
+    return [first, second, todo]
+
+
+def _names(stages: Sequence[Stage]) -> str:
+    return ",".join(s.name for s in stages)
+
+
+def plan_lines(stages: Sequence[Stage] = STAGES, planned: Optional[Sequence[Stage]] = None) -> List[str]:
+    """Each stage (name, limit, what), then how a window runs ``planned`` (by default
+    every stage planned in every window, in order)."""
+    lines = [f"{s.name:<10} {s.limit_s:>4} s  {s.what}" for s in stages]
+    if planned is None:
+        planned = [s for s in stages if s.in_window]
+    first, second, later = window_plan(planned)
+    left = DEVICE_TIME_S - START_S - command_cost(first) - TURNAROUND_S
+    lines.append(f"a window: {DEVICE_TIME_S} s of device time, a start {START_S} s, a build {BUILD_LIMIT_S} s "
+                 f"({WARM_BUILD_S} s on a warm machine), at most {COMMAND_LIMIT_S} s a command")
+    lines.append(f"command 1: --stages {_names(first)} --limit {COMMAND_LIMIT_S} "
+                 f"({command_cost(first)} s)" if first else "command 1: nothing fits")
+    if second:
+        lines.append(f"command 2, on the warm machine within {TURNAROUND_S} s: --stages {_names(second)} "
+                     f"--limit {min(left, COMMAND_LIMIT_S)} ({command_cost(second, warm=True)} s)")
+    lines.append(f"next window: {_names(later) or 'nothing'}")
     return lines
 
 
 def fits(stages: Sequence[Stage] = STAGES) -> bool:
-    return all(s.limit_s <= STAGE_LIMIT_S for s in stages) and sum(s.limit_s for s in stages) <= TOTAL_LIMIT_S
+    """Every stage fits one command, its build included."""
+    return all(command_cost([s]) <= COMMAND_LIMIT_S for s in stages)
 
 
 # -- the replay's prediction beside the live runs ----------------------------------------
@@ -286,18 +362,21 @@ def read_pytest(output: str, result: StepResult) -> None:
 
 
 class Tee:
-    """Every line to the log file (flushed at once) and to this process's stdout."""
+    """Every line to the log file (flushed at once) and to this process's stdout; whole
+    lines, from several threads at once."""
 
     def __init__(self, path: str, echo: bool = True):
         self.file = open(path, "w", buffering=1)  # one log per run of a stage
         self.echo = echo
+        self.lock = threading.Lock()
 
     def write(self, text: str) -> None:
-        self.file.write(text)
-        self.file.flush()
-        if self.echo:
-            sys.stdout.write(text)
-            sys.stdout.flush()
+        with self.lock:
+            self.file.write(text)
+            self.file.flush()
+            if self.echo:
+                sys.stdout.write(text)
+                sys.stdout.flush()
 
     def line(self, text: str = "") -> None:
         self.write(text + "\n")
@@ -321,13 +400,16 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def run_step(step: Step, tee: Tee, deadline: float, env: Dict[str, str]) -> StepResult:
-    tee.line("$ " + " ".join([f"{k}={v}" for k, v in step.env.items()] + [shlex.join(step.argv)]))
+    """Runs one step until it ends or the deadline; each line it prints goes to the log
+    as it comes, after ``[tag] `` when the step runs beside others."""
+    prefix = f"[{step.tag}] " if step.together and step.tag else ""
+    tee.line(prefix + "$ " + " ".join([f"{k}={v}" for k, v in step.env.items()] + [shlex.join(step.argv)]))
     start = time.monotonic()
     try:
         proc = subprocess.Popen(step.argv, cwd=REPO, env=dict(env, **step.env), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
     except OSError as e:
-        tee.line(f"-- could not start: {e}")
+        tee.line(f"{prefix}-- could not start: {e}")
         return StepResult(step, "failed", why=f"could not start: {e}")
     lines: List[str] = []
 
@@ -335,7 +417,7 @@ def run_step(step: Step, tee: Tee, deadline: float, env: Dict[str, str]) -> Step
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            tee.write(line)
+            tee.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -353,7 +435,7 @@ def run_step(step: Step, tee: Tee, deadline: float, env: Dict[str, str]) -> Step
         read_pytest("".join(lines), result)
     if killed:
         result.status, result.why = "killed", "killed at the stage's limit"
-        tee.line(f"-- killed after {result.seconds:.0f} s: the stage's limit was reached")
+        tee.line(f"{prefix}-- killed after {result.seconds:.0f} s: the stage's limit was reached")
     elif proc.returncode != 0:
         result.status = "failed"
         result.why = (f"died of signal {-proc.returncode}" if proc.returncode < 0
@@ -361,25 +443,48 @@ def run_step(step: Step, tee: Tee, deadline: float, env: Dict[str, str]) -> Step
         last = [line.strip() for line in lines if line.strip()][-1:]
         if last and not step.pytest:  # a pytest step's summary names its failures
             result.why += f", its last line: {last[0][:300]}"
-    tee.line(f"-- {result.status}: {step.label} ({result.why or 'exit 0'}, {result.seconds:.0f} s)")
+    tee.line(f"{prefix}-- {result.status}: {step.label} ({result.why or 'exit 0'}, {result.seconds:.0f} s)")
     return result
+
+
+def run_together(steps: List[Step], tee: Tee, deadline: float, env: Dict[str, str]) -> List[StepResult]:
+    """Runs the steps at the same time; their results in their order."""
+    results: List[Optional[StepResult]] = [None] * len(steps)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = run_step(steps[i], tee, deadline, env)
+        except Exception as e:  # the other steps' results still count
+            results[i] = StepResult(steps[i], "failed", why=f"the runner failed: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(steps))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [r for r in results if r is not None]
 
 
 def _counts(r: StepResult) -> str:
     return ", ".join(f"{n} {what}" for what, n in r.counts.items())
 
 
-def summary_lines(stage: Stage, results: List[StepResult], seconds: float) -> List[str]:
+def summary_lines(stage: Stage, results: List[StepResult], seconds: float, limit_s: Optional[float] = None) -> List[str]:
     """What passed, what failed, what did not run (steps, then the tests pytest named);
     the last line: the stage's verdict."""
     passed = [r.step.label + (f" ({_counts(r)})" if r.counts else "") for r in results if r.status == "passed"]
     failed = [r for r in results if r.status in ("failed", "killed")]
     not_run = [f"{r.step.label} ({r.why})" for r in results if r.status == "not run"]
+    whys = {r.why for r in results if r.status == "not run"}
+    if len(not_run) > 1 and len(not_run) == len(results) and len(whys) == 1:
+        not_run = [f"all {len(not_run)} steps ({whys.pop()})"]
     failed_tests = [t for r in results for t in r.failed_tests]
     skipped_tests = [t for r in results for t in r.skipped_tests]
     killed = any(r.status == "killed" for r in results)
-    verdict = "KILLED at its limit" if killed else "FAILED" if failed or failed_tests else "PASSED"
-    lines = [f"== summary of stage {stage.name} ({seconds:.0f} s of its {stage.limit_s} s)",
+    verdict = ("KILLED at its limit" if killed else "FAILED" if failed or failed_tests
+               else "NOT RUN" if results and len(not_run) == len(results) else "PASSED")
+    limit = stage.limit_s if limit_s is None else limit_s
+    lines = [f"== summary of stage {stage.name} ({seconds:.0f} s of its {limit:.0f} s)",
              "passed: " + ("; ".join(passed) or "nothing"),
              "failed: " + ("; ".join(r.step.label for r in failed) or "nothing")]
     lines += [f"  {r.step.label}: {r.why}" + (f" ({_counts(r)})" if r.counts else "") for r in failed]
@@ -391,46 +496,123 @@ def summary_lines(stage: Stage, results: List[StepResult], seconds: float) -> Li
 
 
 def run_stage(stage: Stage, out: str, command: str = "", echo: bool = True,
-              describe: Optional[Callable[[], List[str]]] = None, env: Optional[Dict[str, str]] = None) -> bool:
-    """Runs one stage into out/<stage>.log; True when every step passed. ``describe``
-    and ``env`` replace the real ones (tests)."""
+              describe: Optional[Callable[[], List[str]]] = None, env: Optional[Dict[str, str]] = None,
+              **how) -> bool:
+    """Runs one stage into out/<stage>.log; True when every step passed (see stage_results)."""
+    results = stage_results(stage, out, command, echo, describe, env, **how)
+    return bool(results) and all(r.status == "passed" for r in results)
+
+
+def stage_results(stage: Stage, out: str, command: str = "", echo: bool = True,
+                  describe: Optional[Callable[[], List[str]]] = None, env: Optional[Dict[str, str]] = None,
+                  steps: Optional[List[Step]] = None, until: Optional[float] = None,
+                  not_run: str = "") -> List[StepResult]:
+    """Runs one stage into out/<stage>.log; what each step did. ``steps`` replaces the
+    stage's own (the build), ``until`` (time.monotonic()) ends it before its limit (the
+    command's), ``not_run`` says why none of its steps runs. ``describe`` and ``env``
+    replace the real ones (tests)."""
     os.makedirs(out, exist_ok=True)
     start = time.monotonic()
-    deadline = start + stage.limit_s
+    deadline = start + stage.limit_s if until is None else min(start + stage.limit_s, until)
     tee = Tee(os.path.join(out, f"{stage.name}.log"), echo)
     results: List[StepResult] = []
     try:
         tee.line(f"== stage {stage.name}: {stage.what}")
-        tee.line(f"limit: {stage.limit_s} s")
+        tee.line(f"limit: {deadline - start:.0f} s")
         tee.line(f"command: {command or shlex.join([PY, '-m', 'benchmarks.gpu.session'] + sys.argv[1:])}")
         try:
             for line in (describe or describe_machine)():
                 tee.line(line)
         except Exception as e:  # the stage runs whatever the description says
             tee.line(f"environment: cannot be described ({type(e).__name__}: {e})")
-        steps = stage.steps(os.path.abspath(out))
-        stop = ""
+        todo = stage.steps(os.path.abspath(out)) if steps is None else steps
+        stop = not_run
         base_env = dict(os.environ if env is None else env)
         base_env["PYTHONUNBUFFERED"] = "1"
-        for step in steps:
+        i = 0
+        while i < len(todo):
+            group = [todo[i]]
+            while todo[i].together and i + len(group) < len(todo) and todo[i + len(group)].together:
+                group.append(todo[i + len(group)])
+            i += len(group)
             if not stop and time.monotonic() >= deadline:
                 stop = "the stage's limit was reached"
             if stop:
-                results.append(StepResult(step, "not run", why=stop))
+                results += [StepResult(s, "not run", why=stop) for s in group]
                 continue
             tee.line()
-            r = run_step(step, tee, deadline, base_env)
-            results.append(r)
-            if r.status == "killed":
+            done = run_together(group, tee, deadline, base_env) if len(group) > 1 else \
+                [run_step(group[0], tee, deadline, base_env)]
+            results += done
+            if any(r.status == "killed" for r in done):
                 stop = "the stage's limit was reached"
-            elif r.status == "failed" and step.needed:
-                stop = f"'{step.label}' failed"
+            else:
+                failed = [r.step.label for r in done if r.status == "failed" and r.step.needed]
+                if failed:
+                    stop = f"'{failed[0]}' failed"
     finally:
         tee.line()
-        for line in summary_lines(stage, results, time.monotonic() - start):
+        for line in summary_lines(stage, results, time.monotonic() - start, deadline - start):
             tee.line(line)
         tee.close()
-    return all(r.status == "passed" for r in results)
+    return results
+
+
+def pack_results(out: str, max_files: int = MAX_FILES) -> Optional[str]:
+    """Past ``max_files`` files in ``out``, every one but the logs goes into one archive,
+    results.tar.gz (the logs stay readable as they are); its path, or None."""
+    names = sorted(n for n in os.listdir(out) if os.path.isfile(os.path.join(out, n)))
+    if len(names) <= max_files:
+        return None
+    path = os.path.join(out, "results.tar.gz")
+    packed = [n for n in names if not n.endswith(".log") and n != "results.tar.gz"]
+    with tarfile.open(path, "w:gz") as tar:
+        for n in packed:
+            tar.add(os.path.join(out, n), arcname=n)
+    for n in packed:
+        os.remove(os.path.join(out, n))
+    return path
+
+
+def run_command(stages: Sequence[Stage], out: str, limit_s: float, command: str = "", echo: bool = True,
+                describe: Optional[Callable[[], List[str]]] = None, env: Optional[Dict[str, str]] = None,
+                build: Optional[List[Step]] = None) -> bool:
+    """One command of a window: the build once (build.log), then each stage in order, each
+    started only while its limit fits what is left of ``limit_s``; a stage that does not
+    fit, or follows a failed build, leaves a log that says so. True when all passed.
+    ``build`` replaces the real build steps (tests)."""
+    start = time.monotonic()
+    until = start + limit_s
+    lines: Optional[List[str]] = None
+
+    def described() -> List[str]:  # once for the command: the commit and device do not change
+        nonlocal lines
+        if lines is None:
+            lines = (describe or describe_machine)()
+        return [("date: " + _now()) if line.startswith("date: ") else line for line in lines]
+
+    needs_bridge = any(s.bridge for s in stages)
+    build_stage = Stage("build", BUILD_LIMIT_S, "build pyalloc._C" + (" and the bridge" if needs_bridge else ""),
+                        lambda o: [])
+    done = stage_results(build_stage, out, command, echo, described, env,
+                         steps=build if build is not None else build_steps(needs_bridge), until=until)
+    # The stages run when pyalloc._C was built; a bridge that failed fails the checks that need it.
+    built = bool(done) and all(r.status == "passed" for r in done if r.step.needed)
+    ok = built and all(r.status == "passed" for r in done)
+    for stage in stages:
+        left = until - time.monotonic()
+        why = ("building pyalloc._C failed" if not built else
+               f"{left:.0f} s of the command were left, and the stage needs {stage.limit_s} s"
+               if left < stage.limit_s else "")
+        ok &= run_stage(stage, out, command, echo, described, env, until=until, not_run=why)
+    packed = pack_results(out)
+    if packed and echo:
+        print(f"more than {MAX_FILES} files: the results went into {packed}", flush=True)
+    return ok
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 # -- command line -----------------------------------------------------------------------
@@ -438,33 +620,51 @@ def run_stage(stage: Stage, out: str, command: str = "", echo: bool = True,
 
 def main(argv: Optional[List[str]] = None, stages: Sequence[Stage] = STAGES) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.session", description=__doc__.splitlines()[0])
-    which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--plan", action="store_true", help="print the stages: name, limit in seconds, what")
+    which = p.add_mutually_exclusive_group()
+    p.add_argument("--plan", action="store_true", help="print the stages and how a window runs them (those "
+                   "of --stages: what is left for this window)")
+    which.add_argument("--stages", metavar="A,B,...", help="run these stages in one command, in this order")
     which.add_argument("--stage", metavar="NAME", help="run one stage")
     which.add_argument("--all", action="store_true", help="run every stage, in order")
     which.add_argument("--compare-traces", metavar="DIR", help="the replay of the traces stage's histories "
                        "beside the live runs (DIR/traces.json, DIR/traces-replay.json)")
-    p.add_argument("--out", metavar="DIR", help="where each stage writes its log and results")
+    p.add_argument("--out", metavar="DIR", help="where the command writes its logs and results")
+    p.add_argument("--limit", type=float, metavar="S", help="seconds for the whole command, build included "
+                   f"(default: {COMMAND_LIMIT_S} for --stages, the stages' own limits for --stage and --all)")
     args = p.parse_args(argv)
     if args.compare_traces:
         for line in compare_traces(args.compare_traces):
             print(line)
         return 0
     if args.plan:
-        for line in plan_lines(stages):
+        if args.stage or args.all:
+            p.error("--plan takes --stages, not --stage or --all")
+        try:
+            chosen = [stage_named(n.strip(), stages) for n in (args.stages or "").split(",") if n.strip()]
+        except KeyError as e:
+            p.error(str(e.args[0]))
+        for line in plan_lines(stages, chosen or None):
             print(line)
         return 0 if fits(stages) else 1
+    if not (args.stages or args.stage or args.all):
+        p.error("one of --plan, --stages, --stage, --all or --compare-traces is needed")
     if not args.out:
-        p.error("--stage and --all need --out DIR")
+        p.error("--stages, --stage and --all need --out DIR")
     command = shlex.join([PY, "-m", "benchmarks.gpu.session"] + (sys.argv[1:] if argv is None else argv))
     try:
-        chosen = [stage_named(args.stage, stages)] if args.stage else list(stages)
+        if args.stages:
+            chosen = [stage_named(name.strip(), stages) for name in args.stages.split(",") if name.strip()]
+        elif args.stage:
+            chosen = [stage_named(args.stage, stages)]
+        else:
+            chosen = list(stages)
     except KeyError as e:
         p.error(str(e.args[0]))
-    ok = True
-    for stage in chosen:
-        ok &= run_stage(stage, args.out, command)
-    return 0 if ok else 1
+    if not chosen:
+        p.error("--stages names no stage")
+    limit = args.limit if args.limit is not None else (
+        COMMAND_LIMIT_S if args.stages else command_cost(chosen))
+    return 0 if run_command(chosen, args.out, limit, command) else 1
 
 
 if __name__ == "__main__":
