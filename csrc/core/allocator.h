@@ -182,6 +182,11 @@ class Allocator {
   /// Grows the pool so that a free range of at least nbytes exists; the
   /// bytes newly reserved.
   size_t reserve(size_t nbytes);
+  /// Unmaps the pages parked during a capture (their access refused: see
+  /// unpark()) once no capture is underway; the bytes given back (0 during a
+  /// capture). The device's pools call it when a capture ends, so that they
+  /// do not wait for the next growth or release of cached memory.
+  size_t release_parked();
   /// Changes max_pool_size (0: no cap); does not release anything.
   void set_max_pool_size(size_t bytes);
 
@@ -348,7 +353,8 @@ class Allocator {
   // Pages mapped during a capture whose access the device refused: held as
   // allocated blocks in no pointer map (never handed out, counted as
   // reserved), and unmapped once no capture is underway (unpark(), at the
-  // next mapping or release of cached memory; returns the bytes unmapped).
+  // capture's end: release_parked(), or the next mapping or release of cached
+  // memory; returns the bytes unmapped).
   size_t unpark();
   bool parked(const Block* b) const {
     auto p = parked_.find(b->addr);

@@ -21,8 +21,9 @@
 // aligned powers of two of pages otherwise, small near a limit (holes give up
 // their pages); one per growth during a capture (a refused one leaves none
 // mapped to undo; one refused access stays mapped, parked, never handed out,
-// until the first growth, reserve() or release of cached memory once no
-// capture is underway: unpark()).
+// until the capture's end (release_parked(), from the device's pools), or the
+// first growth, reserve() or release of cached memory once no capture is
+// underway: unpark()).
 // While the pool holds at most a quarter of what the device (and the cap)
 // could give it, growth maps ahead to a grain of the pool, in the request's
 // handles; beyond, in one-page handles to a 20 MiB boundary while the room
@@ -197,6 +198,12 @@ size_t Allocator::unpark() {
     unmap_range(b, b->addr, b->end());
   }
   return bytes;
+}
+
+size_t Allocator::release_parked() {
+  std::lock_guard<Lock> guard(mu_);
+  OpEnd end{this};
+  return unpark();
 }
 
 size_t Allocator::unmap_free_pages_kept(size_t want, uintptr_t keep_lo, uintptr_t keep_hi) {

@@ -576,6 +576,14 @@ void DevicePools::end_allocate_to_pool(PoolId id) {
   routing_.store(!routes_.empty(), std::memory_order_release);
   auto it = pools_.find(id);
   if (it != pools_.end()) reclaim_locked(*it->second);  // released while routed
+  release_parked_locked();
+}
+
+void DevicePools::release_parked_locked() {
+  if (device_->captures().underway()) return;
+  general_->release_parked();
+  buffers_->release_parked();
+  for (auto& [pool_id, pool] : pools_) pool->alloc->release_parked();
 }
 
 void DevicePools::mark_capture(bool begin) {
@@ -586,6 +594,7 @@ void DevicePools::mark_capture(bool begin) {
   } else if (marks_ > 0) {
     marks_--;
     device_->captures().close();
+    release_parked_locked();
   }
 }
 

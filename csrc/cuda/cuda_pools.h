@@ -165,7 +165,8 @@ class DevicePools {
   /// Stops the first route to pool `id` still counting as a capture (as
   /// PyTorch's allocator stops the first), and with it the healed routes to
   /// the pool begun before it (never one whose filter the bridge has dropped,
-  /// bridge_api.h); the pool and its blocks stay.
+  /// bridge_api.h); the pool and its blocks stay. Once no capture is underway,
+  /// pages parked during it go back (release_parked_locked).
   void end_allocate_to_pool(PoolId id);
   /// torch 2.13's markCaptureBegin (begin) / markCaptureEnd: a capture on
   /// this device counts as underway in between (capture.h). An end without
@@ -323,6 +324,9 @@ class DevicePools {
   bool pool_free(uintptr_t ptr, uint64_t context);
   GraphPool& pool_incref_locked(PoolId id);
   bool reclaim_locked(GraphPool& pool);
+  // After a capture ends, with none underway: every pool of the device gives
+  // back the pages it parked during it (Allocator::release_parked).
+  void release_parked_locked();
   /// pools_mu_ held (either way): the route's capture has been over for the grace.
   bool route_abandoned_locked(PoolRoute& route);
   /// pools_mu_ held exclusively: the route no longer counts as a capture underway.
