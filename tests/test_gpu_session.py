@@ -38,7 +38,7 @@ def test_the_plan_lists_every_stage_and_splits_a_window_into_commands_that_fit(c
     assert [s.name for s in later] == ["steps", "traces", "batch"]
     assert session.command_cost(first) <= session.COMMAND_LIMIT_S
     assert (session.START_S + session.command_cost(first) + session.TURNAROUND_S
-            + session.command_cost(second, warm=True)) <= session.DEVICE_TIME_S
+            + session.command_cost(second, warm=True) + session.END_MARGIN_S) <= session.DEVICE_TIME_S
     assert lines[len(ORDER) + 1].startswith("command 1: --stages doctor,tests --limit 560 ")
     assert lines[len(ORDER) + 2].startswith("command 2, on the warm machine within 30 s: --stages speed ")
     assert lines[-1] == "next window: steps,traces,batch"
@@ -49,6 +49,9 @@ def test_the_plan_lists_every_stage_and_splits_a_window_into_commands_that_fit(c
     assert lines[-3].startswith("command 1: --stages steps,traces ") and lines[-1] == "next window: nothing"
     assert lines[-2].startswith("command 2, on the warm machine within 30 s: --stages batch ")
 
+    # No first command: no warm machine for a second, though the stage would fit one.
+    first, second, later = session.window_plan([Stage("a", 450, "x", lambda out: [])])
+    assert first == [] and second == [] and [s.name for s in later] == ["a"]
     too_long = [Stage("a", 540, "x", lambda out: []), Stage("b", 30, "x", lambda out: [])]
     assert session.main(["--plan"], stages=too_long) == 1
     out = capsys.readouterr().out.splitlines()
@@ -77,7 +80,7 @@ def test_the_gpu_tests_take_each_route_and_strategy_side_by_side_then_alone(monk
     monkeypatch.setattr(session, "xdist_available", lambda: False)
     side = session.gpu_test_steps()[0]
     assert "-n" not in side.argv and marks(side.argv) == "gpu and not whole_device"
-    assert side.label == "GPU tests that share the device, one at a time: no pytest-xdist (bridge)"
+    assert side.label == "GPU tests that share the device, one worker: no pytest-xdist (bridge)"
 
 
 def test_the_build_comes_first_with_every_core_and_the_bridge_only_where_a_stage_needs_it():
@@ -174,7 +177,7 @@ def test_a_failed_build_of_pyalloc_stops_every_stage_and_a_failed_bridge_stops_n
     assert build[-5:] == ["passed: nothing", "failed: build pyalloc._C",
                           "  build pyalloc._C: exit 2, its last line: error: no compiler",
                           "did not run: bridge ('build pyalloc._C' failed)", "stage build: FAILED"], build
-    assert _log(tmp_path / "c", "a")[-2:] == ["did not run: a (building pyalloc._C failed)", "stage a: NOT RUN"]
+    assert _log(tmp_path / "c", "a")[-2:] == ["did not run: a (building pyalloc._C failed or ran out of time)", "stage a: NOT RUN"]
 
     no_bridge = [_stamp(ran, "pyalloc"), Step("build the bridge", _py("raise SystemExit(1)"))]
     assert not session.run_command(stages, str(tmp_path / "b"), 100, echo=False, describe=lambda: [],
@@ -207,21 +210,41 @@ def test_past_eight_files_the_results_go_into_one_archive_and_the_logs_stay(tmp_
 
     for name in ["build.log", "bench.log", "bench.json", "bench.md"] + [f"p{i}.png" for i in range(4)]:
         (tmp_path / name).write_text(name)
-    assert session.pack_results(str(tmp_path)) is None  # eight come back as they are
+    assert session.pack_results(str(tmp_path)) == []  # eight come back as they are
     (tmp_path / "tests.log").write_text("x")
-    packed = session.pack_results(str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == ["bench.log", "build.log", "results.tar.gz", "tests.log"]
-    with tarfile.open(packed) as tar:
+    (tmp_path / "traces.tar.gz").write_bytes(b"already an archive")
+    (tmp_path / "big.json").write_bytes(b"x" * (session.PACK_UP_TO + 1))  # stays a file of its own
+    said = session.pack_results(str(tmp_path))
+    assert said == ["more than 8 files: 6 results went into results.tar.gz"]
+    assert sorted(os.listdir(tmp_path)) == ["bench.log", "big.json", "build.log", "results.tar.gz", "tests.log",
+                                            "traces.tar.gz"]
+    with tarfile.open(tmp_path / "results.tar.gz") as tar:
         assert sorted(tar.getnames()) == ["bench.json", "bench.md"] + [f"p{i}.png" for i in range(4)]
         assert tar.extractfile("bench.md").read() == b"bench.md"
+
+
+def test_past_eight_files_of_logs_the_logs_are_packed_too_and_a_file_too_big_is_named(tmp_path, monkeypatch):
+    import tarfile
+
+    for name in [f"stage{i}.log" for i in range(9)] + ["r.json"]:
+        (tmp_path / name).write_text(name)
+    monkeypatch.setattr(session, "MAX_FILE_BYTES", 4)
+    said = session.pack_results(str(tmp_path))
+    assert said[0] == "still more than 8 files: the 9 logs went into logs.tar.gz"
+    assert sorted(os.listdir(tmp_path)) == ["logs.tar.gz", "r.json"]
+    assert said[1:] == ["logs.tar.gz is over 0 MiB: it will not come back from a GPU machine",
+                        "r.json is over 0 MiB: it will not come back from a GPU machine"]
+    with tarfile.open(tmp_path / "logs.tar.gz") as tar:
+        assert len(tar.getnames()) == 9
 
 
 def test_a_stage_past_its_limit_is_killed_with_its_children_and_says_so(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     # The step starts a grandchild, as pytest -n or a benchmark worker would: both must die.
-    hang = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
-            f"time.sleep(120)']); open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); "
-            "time.sleep(120)")
+    # It ignores SIGTERM, as a wedged CUDA process may: SIGKILL must follow.
+    hang = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+            f"signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(120)")
     stage = Stage("slow", 3, "hangs", lambda out: [Step("hangs", _py(hang)), Step("after", _py("print('x')"))])
     start = time.monotonic()
     assert not run_stage(stage, str(tmp_path), echo=False, describe=lambda: [])
@@ -231,15 +254,41 @@ def test_a_stage_past_its_limit_is_killed_with_its_children_and_says_so(tmp_path
     assert any(line.startswith("-- killed after ") and "the stage's limit was reached" in line for line in lines)
     assert lines[-5:] == ["passed: nothing", "failed: hangs", "  hangs: killed at the stage's limit",
                           "did not run: after (the stage's limit was reached)", "stage slow: KILLED at its limit"]
-    grandchild = int(pid_file.read_text())
+    _assert_gone(int(pid_file.read_text()))
+
+
+def _assert_gone(pid):
     for _ in range(50):
         try:
-            os.kill(grandchild, 0)
-        except ProcessLookupError:
-            break
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return  # dead, not yet reaped (a container's first process may never reap it)
+        except (FileNotFoundError, ProcessLookupError):
+            return
         time.sleep(0.1)
-    else:
-        pytest.fail(f"the step's child {grandchild} outlived the stage")
+    pytest.fail(f"the step's child {pid} outlived its step")
+
+
+def test_a_child_a_step_leaves_behind_is_killed_when_the_step_ends(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    leaves = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+              f"signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('left it', flush=True)")
+    stage = Stage("leaves", 60, "x", lambda out: [Step("leaves", _py(leaves)), Step("next", _py("print('next')"))])
+    start = time.monotonic()
+    assert run_stage(stage, str(tmp_path), echo=False, describe=lambda: [])
+    assert time.monotonic() - start < 30  # the child held the output pipe: no wait for it
+    assert "next" in _log(tmp_path, "leaves") and _log(tmp_path, "leaves")[-1] == "stage leaves: PASSED"
+    _assert_gone(int(pid_file.read_text()))
+
+
+def test_a_stage_some_of_whose_steps_did_not_run_is_not_passed():
+    stage = Stage("s", 10, "x", lambda out: [])
+    ran = session.StepResult(Step("first", []), "passed")
+    skipped = session.StepResult(Step("second", []), "not run", why="the stage's limit was reached")
+    assert session.summary_lines(stage, [ran, skipped], 10)[-1] == "stage s: INCOMPLETE"
+    assert session.summary_lines(stage, [skipped], 10)[-1] == "stage s: NOT RUN"
+    assert session.summary_lines(stage, [ran], 10)[-1] == "stage s: PASSED"
 
 
 def test_the_command_line_runs_named_stages_and_refuses_an_unknown_one(tmp_path, monkeypatch, capsys):

@@ -60,13 +60,19 @@ DEVICE_TIME_S = 900
 START_S = 120
 #: Between two commands the machine idles (and counts) while the next is sent; it goes back after 30 s.
 TURNAROUND_S = 30
+#: Kept in hand at the end: a step killed at its limit takes a few seconds more to go,
+#: and the machine counts until it is given back (give_back, at once after the last command).
+END_MARGIN_S = 20
 #: Building pyalloc._C with every core, then the bridge, on a bare machine (on a CPU
 #: machine: 97 s of CPU over 20 files, and 50 s for the bridge's one file); on a warm one
 #: the tree is sent again, and setup.py and ninja may compile it all again.
 BUILD_LIMIT_S = 150
 WARM_BUILD_S = 90
-#: Files that come back from a GPU machine's output folder.
+#: What comes back from a GPU machine's output folder: 8 files, each of at most 16 MiB.
 MAX_FILES = 8
+MAX_FILE_BYTES = 16 << 20
+#: A result larger than this stays a file of its own when the others are packed.
+PACK_UP_TO = 4 << 20
 #: pytest-xdist workers for the checks that share the device, per configuration (four run at once).
 SIDE_BY_SIDE = 3
 #: The configurations of tests/test_gpu.py: route (PYALLOC_BRIDGE) and PYALLOC_CONF.
@@ -143,7 +149,7 @@ def gpu_test_steps(configurations=CONFIGURATIONS) -> List[Step]:
             label = f"GPU tests side by side ({tag})"
             argv += ["-n", str(SIDE_BY_SIDE)]
         else:
-            label = f"GPU tests that share the device, one at a time: no pytest-xdist ({tag})"
+            label = f"GPU tests that share the device, one worker: no pytest-xdist ({tag})"
         side.append(Step(label, argv + ["-m", "gpu and not whole_device"], env, pytest=True,
                          together=len(configurations) > 1, tag=tag))
         alone.append(Step(f"GPU tests alone ({tag})", _PYTEST + ["-m", "gpu and whole_device"], env,
@@ -237,11 +243,18 @@ def window_plan(stages: Sequence[Stage]) -> List[List[Stage]]:
     first: List[Stage] = []
     while todo and command_cost(first + todo[:1]) <= COMMAND_LIMIT_S:
         first.append(todo.pop(0))
-    left = DEVICE_TIME_S - START_S - command_cost(first) - TURNAROUND_S
     second: List[Stage] = []
-    while todo and command_cost(second + todo[:1], warm=True) <= min(left, COMMAND_LIMIT_S):
+    while first and todo and command_cost(second + todo[:1], warm=True) <= second_limit(first):
         second.append(todo.pop(0))
     return [first, second, todo]
+
+
+def second_limit(first: Sequence[Stage]) -> int:
+    """The --limit of a window's second command, after a first of these stages: the
+    device time left, less the margin kept at the end. On the GPU, take it from the
+    device's budget_left_s less END_MARGIN_S instead: it counts what really happened."""
+    left = DEVICE_TIME_S - START_S - command_cost(first) - TURNAROUND_S - END_MARGIN_S
+    return max(0, min(left, COMMAND_LIMIT_S))
 
 
 def _names(stages: Sequence[Stage]) -> str:
@@ -255,14 +268,15 @@ def plan_lines(stages: Sequence[Stage] = STAGES, planned: Optional[Sequence[Stag
     if planned is None:
         planned = [s for s in stages if s.in_window]
     first, second, later = window_plan(planned)
-    left = DEVICE_TIME_S - START_S - command_cost(first) - TURNAROUND_S
     lines.append(f"a window: {DEVICE_TIME_S} s of device time, a start {START_S} s, a build {BUILD_LIMIT_S} s "
-                 f"({WARM_BUILD_S} s on a warm machine), at most {COMMAND_LIMIT_S} s a command")
+                 f"({WARM_BUILD_S} s on a warm machine), at most {COMMAND_LIMIT_S} s a command, "
+                 f"{END_MARGIN_S} s kept in hand")
     lines.append(f"command 1: --stages {_names(first)} --limit {COMMAND_LIMIT_S} "
                  f"({command_cost(first)} s)" if first else "command 1: nothing fits")
     if second:
         lines.append(f"command 2, on the warm machine within {TURNAROUND_S} s: --stages {_names(second)} "
-                     f"--limit {min(left, COMMAND_LIMIT_S)} ({command_cost(second, warm=True)} s)")
+                     f"--limit {second_limit(first)} ({command_cost(second, warm=True)} s; the limit: "
+                     f"budget_left_s less {END_MARGIN_S}), then give the machine back")
     lines.append(f"next window: {_names(later) or 'nothing'}")
     return lines
 
@@ -372,6 +386,8 @@ class Tee:
 
     def write(self, text: str) -> None:
         with self.lock:
+            if self.file.closed:  # a straggling reader after the stage ended
+                return
             self.file.write(text)
             self.file.flush()
             if self.echo:
@@ -382,21 +398,36 @@ class Tee:
         self.write(text + "\n")
 
     def close(self) -> None:
-        self.file.close()
+        with self.lock:
+            self.file.close()
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """The step and every process it started (its own session)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """The step and every process it started (its own session): SIGTERM, a few
+    seconds for the leader to go, then SIGKILL to whatever is left of the group,
+    which also takes a child that ignores SIGTERM or outlives its parent."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=3)
+    except subprocess.TimeoutExpired:
+        pass
+    _kill_group(proc)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to the step's process group: nothing it started outlives it (on the GPU
+    machine a process in a session of its own runs on after the command)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def run_step(step: Step, tee: Tee, deadline: float, env: Dict[str, str]) -> StepResult:
@@ -427,7 +458,9 @@ def run_step(step: Step, tee: Tee, deadline: float, env: Dict[str, str]) -> Step
     except subprocess.TimeoutExpired:
         killed = True
         _kill(proc)
-    reader.join(timeout=10)
+    else:
+        _kill_group(proc)  # a child left behind would hold the device, and the output pipe
+    reader.join(timeout=5)
     if not reader.is_alive():
         proc.stdout.close()  # type: ignore[union-attr]
     result = StepResult(step, "passed", rc=proc.returncode, seconds=time.monotonic() - start)
@@ -474,15 +507,16 @@ def summary_lines(stage: Stage, results: List[StepResult], seconds: float, limit
     the last line: the stage's verdict."""
     passed = [r.step.label + (f" ({_counts(r)})" if r.counts else "") for r in results if r.status == "passed"]
     failed = [r for r in results if r.status in ("failed", "killed")]
-    not_run = [f"{r.step.label} ({r.why})" for r in results if r.status == "not run"]
-    whys = {r.why for r in results if r.status == "not run"}
-    if len(not_run) > 1 and len(not_run) == len(results) and len(whys) == 1:
-        not_run = [f"all {len(not_run)} steps ({whys.pop()})"]
+    skipped = [r for r in results if r.status == "not run"]
+    not_run = [f"{r.step.label} ({r.why})" for r in skipped]
+    if len(skipped) > 1 and len(skipped) == len(results) and len({r.why for r in skipped}) == 1:
+        not_run = [f"all {len(skipped)} steps ({skipped[0].why})"]
     failed_tests = [t for r in results for t in r.failed_tests]
     skipped_tests = [t for r in results for t in r.skipped_tests]
     killed = any(r.status == "killed" for r in results)
     verdict = ("KILLED at its limit" if killed else "FAILED" if failed or failed_tests
-               else "NOT RUN" if results and len(not_run) == len(results) else "PASSED")
+               else "NOT RUN" if results and len(skipped) == len(results)
+               else "INCOMPLETE" if skipped or not results else "PASSED")
     limit = stage.limit_s if limit_s is None else limit_s
     lines = [f"== summary of stage {stage.name} ({seconds:.0f} s of its {limit:.0f} s)",
              "passed: " + ("; ".join(passed) or "nothing"),
@@ -558,20 +592,39 @@ def stage_results(stage: Stage, out: str, command: str = "", echo: bool = True,
     return results
 
 
-def pack_results(out: str, max_files: int = MAX_FILES) -> Optional[str]:
-    """Past ``max_files`` files in ``out``, every one but the logs goes into one archive,
-    results.tar.gz (the logs stay readable as they are); its path, or None."""
-    names = sorted(n for n in os.listdir(out) if os.path.isfile(os.path.join(out, n)))
-    if len(names) <= max_files:
-        return None
-    path = os.path.join(out, "results.tar.gz")
-    packed = [n for n in names if not n.endswith(".log") and n != "results.tar.gz"]
-    with tarfile.open(path, "w:gz") as tar:
-        for n in packed:
+def _pack(out: str, names: List[str], archive: str) -> None:
+    with tarfile.open(os.path.join(out, archive), "w:gz") as tar:
+        for n in names:
             tar.add(os.path.join(out, n), arcname=n)
-    for n in packed:
+    for n in names:
         os.remove(os.path.join(out, n))
-    return path
+
+
+def pack_results(out: str, max_files: int = MAX_FILES) -> List[str]:
+    """Past ``max_files`` files in ``out``: the results (not the logs, not archives, none
+    over PACK_UP_TO bytes) go into one results.tar.gz; if that is not enough, the logs
+    into logs.tar.gz too. What it did, and any file too large to come back, as lines."""
+    def files() -> List[str]:
+        return sorted(n for n in os.listdir(out) if os.path.isfile(os.path.join(out, n)))
+
+    said: List[str] = []
+    if len(files()) > max_files:
+        small = [n for n in files() if not n.endswith((".log", ".tar.gz"))
+                 and os.path.getsize(os.path.join(out, n)) <= PACK_UP_TO]
+        if len(small) > 1:
+            _pack(out, small, "results.tar.gz")
+            said.append(f"more than {max_files} files: {len(small)} results went into results.tar.gz")
+    if len(files()) > max_files:
+        logs = [n for n in files() if n.endswith(".log")]
+        if len(logs) > 1:
+            _pack(out, logs, "logs.tar.gz")
+            said.append(f"still more than {max_files} files: the {len(logs)} logs went into logs.tar.gz")
+    if len(files()) > max_files:
+        said.append(f"{len(files())} files: only {max_files} come back from a GPU machine")
+    for n in files():
+        if os.path.getsize(os.path.join(out, n)) > MAX_FILE_BYTES:
+            said.append(f"{n} is over {MAX_FILE_BYTES >> 20} MiB: it will not come back from a GPU machine")
+    return said
 
 
 def run_command(stages: Sequence[Stage], out: str, limit_s: float, command: str = "", echo: bool = True,
@@ -599,15 +652,16 @@ def run_command(stages: Sequence[Stage], out: str, limit_s: float, command: str 
     # The stages run when pyalloc._C was built; a bridge that failed fails the checks that need it.
     built = bool(done) and all(r.status == "passed" for r in done if r.step.needed)
     ok = built and all(r.status == "passed" for r in done)
-    for stage in stages:
-        left = until - time.monotonic()
-        why = ("building pyalloc._C failed" if not built else
-               f"{left:.0f} s of the command were left, and the stage needs {stage.limit_s} s"
-               if left < stage.limit_s else "")
-        ok &= run_stage(stage, out, command, echo, described, env, until=until, not_run=why)
-    packed = pack_results(out)
-    if packed and echo:
-        print(f"more than {MAX_FILES} files: the results went into {packed}", flush=True)
+    try:
+        for stage in stages:
+            left = until - time.monotonic()
+            why = ("building pyalloc._C failed or ran out of time" if not built else
+                   f"{left:.0f} s of the command were left, and the stage needs {stage.limit_s} s"
+                   if left < stage.limit_s else "")
+            ok &= run_stage(stage, out, command, echo, described, env, until=until, not_run=why)
+    finally:
+        for line in pack_results(out):
+            print(line, flush=True)
     return ok
 
 
@@ -645,7 +699,7 @@ def main(argv: Optional[List[str]] = None, stages: Sequence[Stage] = STAGES) -> 
             p.error(str(e.args[0]))
         for line in plan_lines(stages, chosen or None):
             print(line)
-        return 0 if fits(stages) else 1
+        return 0 if fits(chosen or stages) else 1
     if not (args.stages or args.stage or args.all):
         p.error("one of --plan, --stages, --stage, --all or --compare-traces is needed")
     if not args.out:
