@@ -6,7 +6,9 @@ by ``torch.cuda.memory._dump_snapshot`` (section 3 of the snapshot format:
 users, so they are read with an unpickler that refuses every class: a snapshot
 holds only dicts, lists, tuples, strings and numbers, and a pickle that names a
 class or function (``os.system``...) is rejected before anything runs. Gzip is
-detected by its magic bytes, decompressed output is capped, and every field the
+detected by its magic bytes, decompressed output is capped, memo indices no
+pickler would write are refused before CPython's unpickler sizes its memo by them
+(nine bytes could take gigabytes: csrc/replay/pickle_scan.h), and every field the
 replay uses is checked, so a bad file ends in one ``TraceError`` naming the file
 and the problem.
 
@@ -21,6 +23,7 @@ out of those and counted, rather than failing the whole replay over it.
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import pickle
 import reprlib
@@ -29,6 +32,8 @@ from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple, Union
+
+from . import _C
 
 __all__ = [
     "ACTIONS",
@@ -186,7 +191,14 @@ def load_snapshot(
         raw: Any = _Progress(f, progress) if progress is not None else f
         stream: Any = gzip.GzipFile(fileobj=raw, mode="rb") if compressed else raw
         try:
-            data = _PlainDataUnpickler(_CappedReader(stream, max_bytes)).load()
+            blob = _read_all(_CappedReader(stream, max_bytes))
+            # CPython's unpickler sizes its memo by the largest index stored: nine
+            # bytes can ask for gigabytes. Checked before it reads anything.
+            why = _C.scan_pickle_memo(blob)
+            if why:
+                raise pickle.UnpicklingError(why)
+            data = _PlainDataUnpickler(io.BytesIO(blob)).load()
+            del blob
         except _TooLarge:
             what = "decompresses to" if compressed else "is"
             raise TraceError(
@@ -210,6 +222,17 @@ def load_snapshot(
     return data
 
 
+def _read_all(reader: "_CappedReader", chunk: int = 16 << 20) -> bytes:
+    """Everything the reader holds, read a chunk at a time (one read of the cap
+    would ask for a buffer of the cap's size)."""
+    chunks = []
+    while True:
+        data = reader.read(chunk)
+        if not data:
+            return b"".join(chunks)
+        chunks.append(data)
+
+
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return text[:200] if text else type(e).__name__
@@ -217,7 +240,7 @@ def _one_line(e: BaseException) -> str:
 
 def _pickle_problem(e: pickle.UnpicklingError, head: bytes, compressed: bool) -> str:
     text = _one_line(e)
-    if text.startswith("refers to ") or text.startswith("uses persistent"):
+    if text.startswith(("refers to ", "uses persistent", "stores memo entry ")):
         return "refused: the pickle " + text
     if "truncated" in text:
         return "truncated pickle: the file ends too early"

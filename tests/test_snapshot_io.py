@@ -165,6 +165,55 @@ def test_persistent_ids_are_refused(tmp_path):
     assert_one_line_error(write_bytes(tmp_path, "p.pickle", data), "persistent")
 
 
+# Everything a pickle of plain data can hold, so that every opcode's argument is stepped over.
+RICH = {
+    "short": "x", "long": "y" * 300, "bytes": b"z" * 70000, "small_bytes": b"ab", "ints": [0, 7, 300, -2**31,
+    2**70, -(10**40)], "float": 2.5, "flags": (None, True, False), "tuple": (1,), "pair": (1, 2),
+    "triple": (1, 2, 3), "set": {1, 2}, "frozen": frozenset([3]), "array": bytearray(b"q" * 10),
+    "unicode": "\u00e9\n\u4e2d" * 100, "nested": [[{"a": [()]}]],
+}
+RICH["again"] = [RICH["nested"], RICH["long"]]  # memo gets
+
+
+def _store_at(index, protocol):
+    """A memo store at `index`: PUT for the text protocol, LONG_BINPUT for the others."""
+    return b"p%d\n" % index if protocol == 0 else b"r" + index.to_bytes(4, "little")
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_every_opcode_of_plain_data_is_stepped_over_and_a_wild_memo_index_found_after_them(protocol):
+    from pyalloc import _C
+
+    data = pickle.dumps(RICH, protocol=protocol)
+    assert _C.scan_pickle_memo(data) == ""
+    assert pickle.loads(data) == RICH
+    # A store at an index no pickler would write, after every opcode of the pickle: the
+    # pass finds it only by stepping over each of them.
+    bad = data[:-1] + _store_at(1 << 27, protocol) + b"."
+    assert _C.scan_pickle_memo(bad).startswith("stores memo entry 134217728 at byte ")
+
+
+@pytest.mark.parametrize("name", ["m.pickle", "m.pickle.gz"])
+def test_a_memo_index_far_past_the_entries_stored_is_refused_before_the_unpickler_reads_it(tmp_path, name):
+    # Nine bytes: CPython's unpickler would take 2 GiB for this memo (16 GiB at 2^30).
+    data = b"\x80\x04}r" + (1 << 27).to_bytes(4, "little") + b"."
+    if name.endswith(".gz"):
+        data = gzip.compress(data)
+    message = assert_one_line_error(write_bytes(tmp_path, name, data), "refused: the pickle stores memo entry "
+                                    "134217728 at byte 3 after 0 entries")
+    assert "pickler numbers its memo in order" in message
+
+
+def test_memo_indices_a_little_out_of_order_still_load(tmp_path):
+    # Stores at 5 first and at 0 last, a short way past the entries stored (a pickler writes
+    # 0 to 5 in order): a little slack costs nothing and refuses nothing real.
+    data = pickle.dumps({"device_traces": [[]], "segments": []}, protocol=2)
+    data = data.replace(b"}q\x00", b"}q\x05", 1).replace(b"]q\x05u", b"]q\x00u", 1)
+    assert data.count(b"q\x05") == 1 and data.index(b"q\x05") < data.index(b"q\x00")
+    assert pickle.loads(data) == {"device_traces": [[]], "segments": []}
+    assert load_snapshot(write_bytes(tmp_path, "ok.pickle", data)) == {"device_traces": [[]], "segments": []}
+
+
 @pytest.mark.parametrize(
     "obj, match",
     [

@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 
 #include "py_bindings.h"
+#include "replay/pickle_scan.h"
 #include "replay/replay.h"
 #include "replay/torch_model.h"
 
@@ -198,6 +199,22 @@ void bind_replay(py::module_& m) {
         "dict: completed, ooms, first_oom_op, peak_reserved_bytes, device_calls, "
         "second_half_device_calls, driver_calls, retries, misplaced, seconds, and calls: "
         "[(action code 3-6, op, address, bytes)] when record_calls.");
+
+  m.def(
+      "scan_pickle_memo",
+      [](const py::buffer& data) {
+        py::buffer_info info = data.request();
+        if (info.ndim != 1 || info.itemsize != 1 || info.strides[0] != 1)
+          throw std::invalid_argument("scan_pickle_memo: expected contiguous bytes");
+        const auto* bytes = static_cast<const uint8_t*>(info.ptr);
+        auto size = static_cast<size_t>(info.shape[0]);
+        py::gil_scoped_release unlocked;
+        return scan_pickle_memo(bytes, size);
+      },
+      py::arg("data"),
+      "Checks a pickle's memo indices before CPython's unpickler reads it (pickle_scan.h): an "
+      "index far past the entries stored before it would make the unpickler allocate memory "
+      "for every index up to it. Returns '' if the pickle may be read, else why not.");
 }
 
 }  // namespace pyalloc

@@ -1,0 +1,159 @@
+// The memo pass over a pickle's opcodes: see pickle_scan.h. The opcodes and
+// their arguments are those of pickle protocols 0 to 5 (CPython's
+// Lib/pickletools.py lists them).
+#include "pickle_scan.h"
+
+#include <cstring>
+
+namespace pyalloc {
+namespace {
+
+// How an opcode's argument is laid out after it.
+enum class Arg {
+  kNone,
+  kFixed,     // `width` bytes
+  kCounted,   // a little-endian length of `width` bytes, then that many bytes
+  kLine,      // up to and including '\n'
+  kTwoLines,  // GLOBAL and INST: module and name
+  kUnknown,
+};
+
+struct Op {
+  Arg arg;
+  int width;
+};
+
+Op op_of(uint8_t code) {
+  switch (code) {
+    // No argument.
+    case '(': case '.': case '0': case '1': case '2': case 'N': case 'Q': case 'R':
+    case 'a': case 'b': case 'd': case '}': case 'e': case 'l': case ']': case 'o':
+    case 's': case 't': case ')': case 'u': case 0x81: case 0x85: case 0x86: case 0x87:
+    case 0x88: case 0x89: case 0x8f: case 0x90: case 0x91: case 0x92: case 0x93:
+    case 0x94: case 0x97: case 0x98:
+      return {Arg::kNone, 0};
+    // Fixed width: BININT1, BINGET, BINPUT, PROTO, EXT1; BININT2, EXT2;
+    // BININT, LONG_BINGET, LONG_BINPUT, EXT4; BINFLOAT, FRAME.
+    case 'K': case 'h': case 'q': case 0x80: case 0x82:
+      return {Arg::kFixed, 1};
+    case 'M': case 0x83:
+      return {Arg::kFixed, 2};
+    case 'J': case 'j': case 'r': case 0x84:
+      return {Arg::kFixed, 4};
+    case 'G': case 0x95:
+      return {Arg::kFixed, 8};
+    // Counted: SHORT_BINSTRING, SHORT_BINBYTES, SHORT_BINUNICODE, LONG1;
+    // BINSTRING, BINUNICODE, BINBYTES, LONG4; BINUNICODE8, BINBYTES8, BYTEARRAY8.
+    case 'U': case 'C': case 0x8c: case 0x8a:
+      return {Arg::kCounted, 1};
+    case 'T': case 'X': case 'B': case 0x8b:
+      return {Arg::kCounted, 4};
+    case 0x8d: case 0x8e: case 0x96:
+      return {Arg::kCounted, 8};
+    // A line: FLOAT, INT, LONG, PERSID, STRING, UNICODE, GET, PUT.
+    case 'F': case 'I': case 'L': case 'P': case 'S': case 'V': case 'g': case 'p':
+      return {Arg::kLine, 0};
+    case 'c': case 'i':
+      return {Arg::kTwoLines, 0};
+    default:
+      return {Arg::kUnknown, 0};
+  }
+}
+
+uint64_t little_endian(const uint8_t* p, int width) {
+  uint64_t v = 0;
+  for (int i = width - 1; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+// The end of the line starting at `pos` (just past its '\n'), or 0 if none.
+size_t line_end(const uint8_t* data, size_t size, size_t pos) {
+  const void* nl = std::memchr(data + pos, '\n', size - pos);
+  return nl == nullptr ? 0 : static_cast<size_t>(static_cast<const uint8_t*>(nl) - data) + 1;
+}
+
+}  // namespace
+
+std::string scan_pickle_memo(const uint8_t* data, size_t size) {
+  // Entries stored so far. An index up to twice that (and a little) is let
+  // through, so the memo stays within a small multiple of the file's size.
+  uint64_t stored = 0;
+  auto refuse = [&](uint64_t index, size_t at) -> std::string {
+    return "stores memo entry " + std::to_string(index) + " at byte " + std::to_string(at) + " after " +
+           std::to_string(stored) +
+           " entries: a pickler numbers its memo in order, and the unpickler would take memory for " +
+           "every index up to it";
+  };
+  auto store = [&](uint64_t index, size_t at) -> std::string {
+    if (index > 2 * stored + 1024) return refuse(index, at);
+    stored++;
+    return "";
+  };
+  size_t pos = 0;
+  while (pos < size) {
+    size_t at = pos;
+    uint8_t code = data[pos++];
+    Op op = op_of(code);
+    size_t left = size - pos;
+    switch (op.arg) {
+      case Arg::kUnknown:
+        return "";  // the unpickler says what is wrong
+      case Arg::kNone:
+        if (code == '.') return "";  // STOP: the unpickler reads no further
+        if (code == 0x94) stored++;  // MEMOIZE: the next entry, in order
+        break;
+      case Arg::kFixed: {
+        if (left < static_cast<size_t>(op.width)) return "";
+        uint64_t v = little_endian(data + pos, op.width);
+        if (code == 'q' || code == 'r') {  // BINPUT, LONG_BINPUT
+          std::string why = store(v, at);
+          if (!why.empty()) return why;
+        }
+        pos += static_cast<size_t>(op.width);
+        break;
+      }
+      case Arg::kCounted: {
+        if (left < static_cast<size_t>(op.width)) return "";
+        uint64_t n = little_endian(data + pos, op.width);
+        pos += static_cast<size_t>(op.width);
+        if (n > size - pos) return "";  // truncated, or a negative 4-byte length
+        pos += static_cast<size_t>(n);
+        break;
+      }
+      case Arg::kLine: {
+        size_t end = line_end(data, size, pos);
+        if (end == 0) return "";
+        if (code == 'p') {  // PUT: a decimal index
+          uint64_t index = 0;
+          bool digits = end - 1 > pos;
+          for (size_t i = pos; i + 1 < end && digits; ++i) {
+            if (data[i] < '0' || data[i] > '9') {
+              digits = false;
+            } else if (index > (UINT64_MAX - 9) / 10) {
+              index = UINT64_MAX;  // past any bound: refused below
+            } else {
+              index = index * 10 + (data[i] - '0');
+            }
+          }
+          if (digits) {
+            std::string why = store(index, at);
+            if (!why.empty()) return why;
+          }
+        }
+        pos = end;
+        break;
+      }
+      case Arg::kTwoLines: {
+        size_t first = line_end(data, size, pos);
+        if (first == 0) return "";
+        size_t second = line_end(data, size, first);
+        if (second == 0) return "";
+        pos = second;
+        break;
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace pyalloc
