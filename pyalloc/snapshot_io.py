@@ -191,12 +191,9 @@ def load_snapshot(
         raw: Any = _Progress(f, progress) if progress is not None else f
         stream: Any = gzip.GzipFile(fileobj=raw, mode="rb") if compressed else raw
         try:
-            blob = _read_all(_CappedReader(stream, max_bytes))
-            # CPython's unpickler sizes its memo by the largest index stored: nine
-            # bytes can ask for gigabytes. Checked before it reads anything.
-            why = _C.scan_pickle_memo(blob)
-            if why:
-                raise pickle.UnpicklingError(why)
+            # Uncompressed, the pickle is no longer than its file.
+            limit = max_bytes if compressed else min(max_bytes, os.fstat(f.fileno()).st_size)
+            blob = _read_scanned(_CappedReader(stream, max_bytes), limit)
             data = _PlainDataUnpickler(io.BytesIO(blob)).load()
             del blob
         except _TooLarge:
@@ -222,15 +219,22 @@ def load_snapshot(
     return data
 
 
-def _read_all(reader: "_CappedReader", chunk: int = 16 << 20) -> bytes:
-    """Everything the reader holds, read a chunk at a time (one read of the cap
-    would ask for a buffer of the cap's size)."""
-    chunks = []
-    while True:
-        data = reader.read(chunk)
-        if not data:
-            return b"".join(chunks)
-        chunks.append(data)
+def _read_scanned(reader: "_CappedReader", limit: int, chunk: int = 1 << 20) -> bytearray:
+    """The pickle's bytes, read a chunk at a time up to its STOP (or an opcode the
+    unpickler will refuse), each chunk's opcodes checked first: CPython's unpickler
+    sizes its memo by the largest index stored, so nine bytes could ask for
+    gigabytes (csrc/replay/pickle_scan.h). Raises UnpicklingError saying why."""
+    data = bytearray()
+    scan = _C.PickleScan(limit)
+    while not scan.end:
+        more = reader.read(chunk)
+        if not more:
+            break  # the unpickler finds what is missing
+        data += more
+        _C.scan_pickle(data, scan)
+    if scan.why:
+        raise pickle.UnpicklingError(scan.why)
+    return data
 
 
 def _one_line(e: BaseException) -> str:
@@ -240,7 +244,7 @@ def _one_line(e: BaseException) -> str:
 
 def _pickle_problem(e: pickle.UnpicklingError, head: bytes, compressed: bool) -> str:
     text = _one_line(e)
-    if text.startswith(("refers to ", "uses persistent", "stores memo entry ")):
+    if text.startswith(("refers to ", "uses persistent", "stores memo entry ", "stores a memo entry ")):
         return "refused: the pickle " + text
     if "truncated" in text:
         return "truncated pickle: the file ends too early"

@@ -180,17 +180,85 @@ def _store_at(index, protocol):
     return b"p%d\n" % index if protocol == 0 else b"r" + index.to_bytes(4, "little")
 
 
-@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
-def test_every_opcode_of_plain_data_is_stepped_over_and_a_wild_memo_index_found_after_them(protocol):
+def scan(data, chunk=None, limit=None):
+    """The pass over `data`, fed `chunk` bytes more at each call (all at once by default)."""
     from pyalloc import _C
 
+    state = _C.PickleScan() if limit is None else _C.PickleScan(limit)
+    step = chunk or max(len(data), 1)
+    for end in range(step, len(data) + step, step):
+        _C.scan_pickle(data[:end], state)
+        if state.end:
+            break
+    return state
+
+
+WILD = 1 << 27  # a memo index no pickler writes near the start: 2 GiB of memo
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+@pytest.mark.parametrize("chunk", [None, 1, 7, 4096])
+def test_every_opcode_of_plain_data_is_stepped_over_and_a_wild_memo_index_found_after_them(protocol, chunk):
     data = pickle.dumps(RICH, protocol=protocol)
-    assert _C.scan_pickle_memo(data) == ""
+    state = scan(data, chunk)
+    assert (state.end, state.why, state.done) == (True, "", len(data))  # up to its STOP, in any chunks
     assert pickle.loads(data) == RICH
     # A store at an index no pickler would write, after every opcode of the pickle: the
     # pass finds it only by stepping over each of them.
-    bad = data[:-1] + _store_at(1 << 27, protocol) + b"."
-    assert _C.scan_pickle_memo(bad).startswith("stores memo entry 134217728 at byte ")
+    bad = data[:-1] + _store_at(WILD, protocol) + b"."
+    state = scan(bad, chunk)
+    assert state.end and state.why.startswith(f"stores memo entry {WILD} at byte {len(data) - 1} after ")
+
+
+@pytest.mark.parametrize("op", [op for op in pickletools.opcodes if op.name != "STOP"], ids=lambda op: op.name)
+def test_each_opcodes_argument_is_stepped_over_as_pickletools_lays_it_out(op):
+    # An argument of each kind pickletools knows (a byte of data where it takes a length),
+    # then a wild memo store: found only if the argument was stepped over exactly.
+    n = op.arg.n if op.arg is not None else 0
+    if n > 0:
+        arg = b"\0" * n
+    elif n == pickletools.UP_TO_NEWLINE:
+        arg = b"a\nb\n" if op.arg.name == "stringnl_noescape_pair" else b"0\n"
+    elif n == pickletools.TAKEN_FROM_ARGUMENT1:
+        arg = b"\x01A"
+    elif n in (pickletools.TAKEN_FROM_ARGUMENT4, pickletools.TAKEN_FROM_ARGUMENT4U):
+        arg = (1).to_bytes(4, "little") + b"A"
+    else:
+        assert n in (0, pickletools.TAKEN_FROM_ARGUMENT8U), op
+        arg = (1).to_bytes(8, "little") + b"A" if n else b""
+    data = b"\x80\x05" + op.code.encode("latin-1") + arg + b"r" + WILD.to_bytes(4, "little") + b"."
+    assert scan(data).why.startswith(f"stores memo entry {WILD} at byte {3 + len(arg)} after "), op.name
+
+
+@pytest.mark.parametrize("put", [b"p+16777216\n", b"p 16777216\n", b"p16_777_216\n", b"p16777216 \n",
+                                 b"p99999999999999999999999\n"])
+def test_a_text_memo_index_written_as_no_pickler_writes_it_is_refused(tmp_path, put):
+    # CPython's unpickler reads a sign, spaces and '_' in PUT's index too: 542 MB for 15 bytes.
+    data = b"\x80\x02}" + put + b"."
+    assert_one_line_error(write_bytes(tmp_path, "p.pickle", data),
+                          "refused: the pickle stores a memo entry at byte 3 whose index is not plain decimal digits")
+
+
+def test_reading_stops_at_the_pickles_stop(tmp_path):
+    # A snapshot followed by 64 MiB of zeros (64 KiB once compressed): only the chunk
+    # holding its STOP is read, as the unpickler alone read no further than STOP.
+    from pyalloc import snapshot_io
+
+    data = pickle.dumps(SNAPSHOT, protocol=4)
+    path = write_bytes(tmp_path, "s.pickle.gz", gzip.compress(data + bytes(64 << 20)))
+    assert load_snapshot(path) == SNAPSHOT
+    with gzip.open(path) as f:
+        read = snapshot_io._read_scanned(snapshot_io._CappedReader(f, 1 << 30), 1 << 30)
+    assert bytes(read[:len(data)]) == data and len(read) <= 1 << 20
+
+
+def test_an_argument_longer_than_the_file_may_be_ends_the_reading(tmp_path):
+    # BINBYTES8 of 2^40 bytes, then zeros: refused as truncated without reading to the cap.
+    data = b"\x80\x04\x8e" + (1 << 40).to_bytes(8, "little") + bytes(8 << 20)
+    state = scan(data[:1 << 20], limit=len(data))
+    assert state.end and state.why == f"an argument at byte 2 of {1 << 40} bytes is longer than the file: truncated"
+    assert_one_line_error(write_bytes(tmp_path, "t.pickle.gz", gzip.compress(data)),
+                          "truncated pickle: the file ends too early", max_bytes=64 << 20)
 
 
 @pytest.mark.parametrize("name", ["m.pickle", "m.pickle.gz"])

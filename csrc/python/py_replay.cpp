@@ -200,21 +200,34 @@ void bind_replay(py::module_& m) {
         "second_half_device_calls, driver_calls, retries, misplaced, seconds, and calls: "
         "[(action code 3-6, op, address, bytes)] when record_calls.");
 
+  py::class_<PickleScan>(m, "PickleScan",
+                         "Where a pass over a pickle's opcodes stands (csrc/replay/pickle_scan.h).")
+      .def(py::init([](uint64_t limit) {
+             PickleScan scan;
+             scan.limit = limit;
+             return scan;
+           }),
+           py::arg("limit") = UINT64_MAX, "limit: the most bytes the pickle may have.")
+      .def_readonly("stored", &PickleScan::stored, "memo stores stepped over so far")
+      .def_readonly("done", &PickleScan::done, "bytes of whole opcodes stepped over")
+      .def_readonly("end", &PickleScan::end, "a STOP or an opcode the unpickler refuses: read no further")
+      .def_readonly("why", &PickleScan::why, "why the pickle is refused; '' if it is not");
   m.def(
-      "scan_pickle_memo",
-      [](const py::buffer& data) {
+      "scan_pickle",
+      [](const py::buffer& data, PickleScan& scan) {
         py::buffer_info info = data.request();
         if (info.ndim != 1 || info.itemsize != 1 || info.strides[0] != 1)
-          throw std::invalid_argument("scan_pickle_memo: expected contiguous bytes");
+          throw std::invalid_argument("scan_pickle: expected contiguous bytes");
         const auto* bytes = static_cast<const uint8_t*>(info.ptr);
         auto size = static_cast<size_t>(info.shape[0]);
+        if (scan.done > size) throw std::invalid_argument("scan_pickle: the data is shorter than before");
         py::gil_scoped_release unlocked;
-        return scan_pickle_memo(bytes, size);
+        scan_pickle(bytes, size, &scan);
       },
-      py::arg("data"),
-      "Checks a pickle's memo indices before CPython's unpickler reads it (pickle_scan.h): an "
-      "index far past the entries stored before it would make the unpickler allocate memory "
-      "for every index up to it. Returns '' if the pickle may be read, else why not.");
+      py::arg("data"), py::arg("scan"),
+      "Steps over the whole opcodes of data[scan.done:] (the same pickle, with more appended "
+      "at each call), refusing a memo index far past the entries stored before it: CPython's "
+      "unpickler would allocate memory for every index up to it (pickle_scan.h).");
 }
 
 }  // namespace pyalloc

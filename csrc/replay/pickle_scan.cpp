@@ -72,88 +72,100 @@ size_t line_end(const uint8_t* data, size_t size, size_t pos) {
   return nl == nullptr ? 0 : static_cast<size_t>(static_cast<const uint8_t*>(nl) - data) + 1;
 }
 
+// Stores at memo index `index`, unless it lies far past the entries stored so
+// far: up to twice their number (and a little) is let through, so the memo
+// stays within a small multiple of the bytes read.
+bool store(PickleScan* scan, uint64_t index, size_t at) {
+  if (index <= 2 * scan->stored + 1024) {
+    scan->stored++;
+    return true;
+  }
+  scan->why = "stores memo entry " + std::to_string(index) + " at byte " + std::to_string(at) + " after " +
+              std::to_string(scan->stored) +
+              " entries: a pickler numbers its memo in order, and the unpickler would take memory for " +
+              "every index up to it";
+  scan->end = true;
+  return false;
+}
+
+// PUT's index: the digits of [pos, end) less the '\n'. A pickler writes plain
+// decimal digits; CPython's unpickler also takes a sign, spaces and '_',
+// which no pickler writes: refused, as they would hide an index from the pass.
+bool put_index(const uint8_t* data, size_t pos, size_t end, uint64_t* index) {
+  size_t n = end - 1 - pos;
+  if (n == 0 || n > 19) return false;  // 19 digits: below 2^64
+  *index = 0;
+  for (size_t i = pos; i + 1 < end; ++i) {
+    if (data[i] < '0' || data[i] > '9') return false;
+    *index = *index * 10 + (data[i] - '0');
+  }
+  return true;
+}
+
 }  // namespace
 
-std::string scan_pickle_memo(const uint8_t* data, size_t size) {
-  // Entries stored so far. An index up to twice that (and a little) is let
-  // through, so the memo stays within a small multiple of the file's size.
-  uint64_t stored = 0;
-  auto refuse = [&](uint64_t index, size_t at) -> std::string {
-    return "stores memo entry " + std::to_string(index) + " at byte " + std::to_string(at) + " after " +
-           std::to_string(stored) +
-           " entries: a pickler numbers its memo in order, and the unpickler would take memory for " +
-           "every index up to it";
-  };
-  auto store = [&](uint64_t index, size_t at) -> std::string {
-    if (index > 2 * stored + 1024) return refuse(index, at);
-    stored++;
-    return "";
-  };
-  size_t pos = 0;
-  while (pos < size) {
+void scan_pickle(const uint8_t* data, size_t size, PickleScan* scan) {
+  size_t pos = scan->done;
+  while (!scan->end && pos < size) {
     size_t at = pos;
     uint8_t code = data[pos++];
     Op op = op_of(code);
     size_t left = size - pos;
     switch (op.arg) {
       case Arg::kUnknown:
-        return "";  // the unpickler says what is wrong
+        scan->end = true;  // the unpickler says what is wrong
+        break;
       case Arg::kNone:
-        if (code == '.') return "";  // STOP: the unpickler reads no further
-        if (code == 0x94) stored++;  // MEMOIZE: the next entry, in order
+        if (code == '.') scan->end = true;  // STOP: the unpickler reads no further
+        if (code == 0x94) scan->stored++;   // MEMOIZE: the next entry, in order
         break;
       case Arg::kFixed: {
-        if (left < static_cast<size_t>(op.width)) return "";
+        if (left < static_cast<size_t>(op.width)) return;  // more to come
         uint64_t v = little_endian(data + pos, op.width);
-        if (code == 'q' || code == 'r') {  // BINPUT, LONG_BINPUT
-          std::string why = store(v, at);
-          if (!why.empty()) return why;
-        }
+        if ((code == 'q' || code == 'r') && !store(scan, v, at)) return;  // BINPUT, LONG_BINPUT
         pos += static_cast<size_t>(op.width);
         break;
       }
       case Arg::kCounted: {
-        if (left < static_cast<size_t>(op.width)) return "";
+        if (left < static_cast<size_t>(op.width)) return;
         uint64_t n = little_endian(data + pos, op.width);
-        pos += static_cast<size_t>(op.width);
-        if (n > size - pos) return "";  // truncated, or a negative 4-byte length
-        pos += static_cast<size_t>(n);
+        uint64_t after = pos + static_cast<uint64_t>(op.width);
+        if (after > scan->limit || n > scan->limit - after) {
+          // Longer than the pickle can be: the unpickler would ask for it all first.
+          scan->why = "an argument at byte " + std::to_string(at) + " of " + std::to_string(n) +
+                      " bytes is longer than the file: truncated";
+          scan->end = true;
+          return;
+        }
+        if (n > size - after) return;  // its bytes are still to come
+        pos += static_cast<size_t>(op.width) + static_cast<size_t>(n);
         break;
       }
       case Arg::kLine: {
         size_t end = line_end(data, size, pos);
-        if (end == 0) return "";
-        if (code == 'p') {  // PUT: a decimal index
+        if (end == 0) return;
+        if (code == 'p') {  // PUT
           uint64_t index = 0;
-          bool digits = end - 1 > pos;
-          for (size_t i = pos; i + 1 < end && digits; ++i) {
-            if (data[i] < '0' || data[i] > '9') {
-              digits = false;
-            } else if (index > (UINT64_MAX - 9) / 10) {
-              index = UINT64_MAX;  // past any bound: refused below
-            } else {
-              index = index * 10 + (data[i] - '0');
-            }
+          if (!put_index(data, pos, end, &index)) {
+            scan->why = "stores a memo entry at byte " + std::to_string(at) +
+                        " whose index is not plain decimal digits, as no pickler writes it";
+            scan->end = true;
+            return;
           }
-          if (digits) {
-            std::string why = store(index, at);
-            if (!why.empty()) return why;
-          }
+          if (!store(scan, index, at)) return;
         }
         pos = end;
         break;
       }
       case Arg::kTwoLines: {
         size_t first = line_end(data, size, pos);
-        if (first == 0) return "";
-        size_t second = line_end(data, size, first);
-        if (second == 0) return "";
-        pos = second;
+        if (first == 0 || line_end(data, size, first) == 0) return;
+        pos = line_end(data, size, first);
         break;
       }
     }
+    if (!scan->end || code == '.') scan->done = pos;
   }
-  return "";
 }
 
 }  // namespace pyalloc

@@ -9,7 +9,8 @@
 //
 // Everything else is left to the unpickler, which reports it: an unknown
 // opcode, a truncated argument, a class (pyalloc's unpickler refuses every
-// one). The pass stops at the first STOP, as the unpickler does.
+// one). The pass stops at the first STOP, as the unpickler does, so that a
+// reader feeding it chunk by chunk reads no further than the unpickler would.
 #pragma once
 
 #include <cstddef>
@@ -18,8 +19,21 @@
 
 namespace pyalloc {
 
-/// Empty if the unpickler may read `data`; else why not, with the offset of
-/// the opcode at fault.
-std::string scan_pickle_memo(const uint8_t* data, size_t size);
+/// Where a pass over a pickle stands, between calls that each see more of it.
+struct PickleScan {
+  uint64_t stored = 0;  // memo stores stepped over so far
+  size_t done = 0;      // bytes of whole opcodes stepped over
+  bool end = false;     // a STOP, or an opcode the unpickler will refuse: no need to read on
+  std::string why;      // refused: why (end is set too)
+  /// The most bytes the pickle may have: an argument longer than what is
+  /// left of it is refused as truncated, rather than waited for (or asked
+  /// of memory whole by the unpickler).
+  uint64_t limit = UINT64_MAX;
+};
+
+/// Steps over the whole opcodes of data[scan->done, size), leaving
+/// scan->done at the first one not yet whole (call again with more data
+/// appended), or setting scan->end (and scan->why if the pickle is refused).
+void scan_pickle(const uint8_t* data, size_t size, PickleScan* scan);
 
 }  // namespace pyalloc
