@@ -576,14 +576,21 @@ void DevicePools::end_allocate_to_pool(PoolId id) {
   routing_.store(!routes_.empty(), std::memory_order_release);
   auto it = pools_.find(id);
   if (it != pools_.end()) reclaim_locked(*it->second);  // released while routed
-  release_parked_locked();
+  g.unlock();
+  release_parked_everywhere();
 }
 
-void DevicePools::release_parked_locked() {
-  if (device_->captures().underway()) return;
-  general_->release_parked();
-  buffers_->release_parked();
-  for (auto& [pool_id, pool] : pools_) pool->alloc->release_parked();
+void DevicePools::release_parked() {
+  if (device_->captures().underway()) return;  // each pool checks again, under its lock
+  for_each_pool([](PoolId, Allocator& a) { a.release_parked(); });
+}
+
+void DevicePools::release_parked_everywhere() {
+  // The capture tracker is the process's: a capture on one device parks the
+  // pages of another's growth too. No pools lock is held here.
+  release_parked();
+  for (DevicePools* p : PoolRegistry::instance().all())
+    if (p != this) p->release_parked();
 }
 
 void DevicePools::mark_capture(bool begin) {
@@ -594,7 +601,8 @@ void DevicePools::mark_capture(bool begin) {
   } else if (marks_ > 0) {
     marks_--;
     device_->captures().close();
-    release_parked_locked();
+    g.unlock();
+    release_parked_everywhere();
   }
 }
 
@@ -616,6 +624,8 @@ void DevicePools::release_pool(PoolId id) {
   }
   routing_.store(!routes_.empty(), std::memory_order_release);
   reclaim_locked(pool);
+  g.unlock();
+  release_parked_everywhere();  // a route it ended may have been the last capture
 }
 
 namespace {

@@ -166,7 +166,7 @@ class DevicePools {
   /// PyTorch's allocator stops the first), and with it the healed routes to
   /// the pool begun before it (never one whose filter the bridge has dropped,
   /// bridge_api.h); the pool and its blocks stay. Once no capture is underway,
-  /// pages parked during it go back (release_parked_locked).
+  /// pages parked during it go back, on every device (release_parked()).
   void end_allocate_to_pool(PoolId id);
   /// torch 2.13's markCaptureBegin (begin) / markCaptureEnd: a capture on
   /// this device counts as underway in between (capture.h). An end without
@@ -266,6 +266,9 @@ class DevicePools {
   /// (kBufferPoolId) and every graph pool (its id), graph pools' lock held:
   /// fn may use the pool but must not call back into DevicePools.
   void for_each_pool(const std::function<void(PoolId, Allocator&)>& fn);
+  /// Unless a capture is underway, every pool of the device gives back the
+  /// pages it parked during one (Allocator::release_parked).
+  void release_parked();
   /// Every allocated / freed sum and counter of the device's pools to 0.
   void reset_accumulated_stats();
   /// The largest free block of any pool of the device (bytes).
@@ -324,9 +327,10 @@ class DevicePools {
   bool pool_free(uintptr_t ptr, uint64_t context);
   GraphPool& pool_incref_locked(PoolId id);
   bool reclaim_locked(GraphPool& pool);
-  // After a capture ends, with none underway: every pool of the device gives
-  // back the pages it parked during it (Allocator::release_parked).
-  void release_parked_locked();
+  // After a capture ends (a route's end or release, a mark's end), with no
+  // pools lock held: every pool of every device gives back the pages it
+  // parked during it, once none is underway (Allocator::release_parked).
+  void release_parked_everywhere();
   /// pools_mu_ held (either way): the route's capture has been over for the grace.
   bool route_abandoned_locked(PoolRoute& route);
   /// pools_mu_ held exclusively: the route no longer counts as a capture underway.

@@ -1181,41 +1181,43 @@ def vmm_check_parked_pages_go_back_when_the_capture_ends():
     """Pages parked during a capture (the device refused access to them) went back
     only at the next growth, reserve() or empty_cache(): a process doing none of
     these after the capture kept them, counted as reserved. The capture's end
-    gives them back now: the end of its pool's route (PyTorch calls it after
-    cudaStreamEndCapture), and torch 2.13's markCaptureEnd. Not while another
-    capture is still underway."""
+    gives them back now, on every device: the end of its pool's route (PyTorch
+    calls it after cudaStreamEndCapture), torch 2.13's markCaptureEnd, or the
+    release of a pool whose route never ended. Not while another capture is
+    still underway."""
     OK, api = bridge_api()
     cap, other = 0x5800, 0x5900
-    reserved = lambda: _C.cuda_device_stats(0)["reserved_bytes.all.current"]  # noqa: E731
-    hooks.pyalloc_empty_cache()
-    before, unmaps = reserved(), stub.mem_unmap
+    reserved = lambda device: _C.cuda_device_stats(device)["reserved_bytes.all.current"]  # noqa: E731
+    pool = (0, 31)
+    opens = {"route": lambda: pool_hook("begin_allocate_to_pool", pool, [cap]),
+             "mark": lambda: api.mark_capture(0, 1)}  # markCaptureBegin
+    ends = {"route": lambda: pool_hook("end_allocate_to_pool", pool),
+            "mark": lambda: api.mark_capture(0, 0),
+            "release": lambda: pool_hook("release_pool", pool)}  # a route never ended
     stub.forbidden_during_capture = 0
-    for end in ("route", "mark"):
-        # Parked by the general pool (graph pools take no pages), growing on a stream
-        # the route does not take while the capture is underway.
-        if end == "route":
-            pool_hook("begin_allocate_to_pool", (0, 31), [cap])
-        else:
-            assert api.mark_capture(0, 1) == OK  # markCaptureBegin
+    # (the first capture, the second, how the second ends, the device whose pages park)
+    for first, second, last, device in [("mark", "route", "route", 0), ("route", "mark", "mark", 0),
+                                        ("mark", "route", "release", 0), ("mark", "route", "route", 1),
+                                        ("route", "mark", "mark", 1)]:
+        hooks.pyalloc_empty_cache()
+        before, unmaps = reserved(device), stub.mem_unmap
+        opens[first]()
         stub.capture_id, stub.capturing_stream = 82, cap
-        counted_as_made(lambda: refused(40 * MiB, other, says="refused access", set_access_oom=1))
-        assert reserved() >= before + 40 * MiB and stub.mem_unmap == unmaps
-        # A second capture is still underway when the first ends: nothing goes back yet.
-        assert api.mark_capture(0, 1) == OK
+        # Parked by the general pool (graph pools take no pages), growing on a stream
+        # the route does not take while a capture is underway.
+        counted_as_made(lambda: refused(40 * MiB, other, device, says="refused access", set_access_oom=1),
+                        device=device)
+        assert reserved(device) >= before + 40 * MiB and stub.mem_unmap == unmaps
+        opens[second]()  # another capture, still underway when the first ends
         stub.capturing_stream = 0  # cudaStreamEndCapture of the first
-        if end == "route":
-            pool_hook("end_allocate_to_pool", (0, 31))
-        else:
-            assert api.mark_capture(0, 0) == OK
-        assert stub.mem_unmap == unmaps and reserved() >= before + 40 * MiB
+        ends[first]()
+        assert stub.mem_unmap == unmaps and reserved(device) >= before + 40 * MiB
+        counted_as_made(ends[last], device=device)  # the last capture ends: they go back
+        assert stub.mem_unmap > unmaps and reserved(device) == before, (first, last, device)
         assert stub.forbidden_during_capture == 0
-        counted_as_made(lambda: api.mark_capture(0, 0))  # the second ends: they go back
-        assert stub.mem_unmap > unmaps and reserved() == before, (reserved(), before)
-        assert stub.forbidden_during_capture == 0
-        _C.cuda_check_invariants(0)
-        unmaps = stub.mem_unmap
-        if end == "route":
-            pool_hook("release_pool", (0, 31))
+        _C.cuda_check_invariants(device)
+        if "route" in (first, second) and last != "release":
+            pool_hook("release_pool", pool)
     free(malloc(MiB, 0, other))  # the pools work on
     hooks.pyalloc_empty_cache()
     _C.cuda_check_invariants(0)
