@@ -8,7 +8,9 @@ holds only dicts, lists, tuples, strings and numbers, and a pickle that names a
 class or function (``os.system``...) is rejected before anything runs. Gzip is
 detected by its magic bytes, decompressed output is capped, memo indices no
 pickler would write are refused before CPython's unpickler sizes its memo by them
-(nine bytes could take gigabytes: csrc/replay/pickle_scan.h), and every field the
+(nine bytes could take gigabytes: csrc/replay/pickle_scan.h), a pickle whose
+objects would take more memory than is available is refused before they are
+built, and every field the
 replay uses is checked, so a bad file ends in one ``TraceError`` naming the file
 and the problem.
 
@@ -169,13 +171,15 @@ def load_snapshot(
     *,
     max_bytes: int = MAX_SNAPSHOT_BYTES,
     progress: Optional[Callable[[int], None]] = None,
+    max_memory: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Loads a memory snapshot (``.pickle`` or gzip-compressed ``.pickle.gz``).
 
     Only plain data is built; a file that names any class or function, is
-    truncated, is not a pickle, decompresses to more than ``max_bytes``, or is
-    not a snapshot dict raises TraceError("PATH: problem"). ``progress`` is
-    called with the number of file bytes read, as they are read.
+    truncated, is not a pickle, decompresses to more than ``max_bytes``, would
+    build objects taking more than ``max_memory`` bytes (by default the memory
+    available now), or is not a snapshot dict raises TraceError("PATH: problem").
+    ``progress`` is called with the number of file bytes read, as they are read.
     """
     name = os.fspath(path)
     try:
@@ -193,7 +197,8 @@ def load_snapshot(
         try:
             # Uncompressed, the pickle is no longer than its file.
             limit = max_bytes if compressed else min(max_bytes, os.fstat(f.fileno()).st_size)
-            blob = _read_scanned(_CappedReader(stream, max_bytes), limit)
+            memory = available_memory() if max_memory is None else max_memory
+            blob = _read_scanned(_CappedReader(stream, max_bytes), limit, memory)
             data = _PlainDataUnpickler(io.BytesIO(blob)).load()
             del blob
         except _TooLarge:
@@ -219,13 +224,32 @@ def load_snapshot(
     return data
 
 
-def _read_scanned(reader: "_CappedReader", limit: int, chunk: int = 1 << 20) -> bytearray:
+def available_memory() -> Optional[int]:
+    """The memory this machine has available now (Linux's MemAvailable), else its
+    physical memory; None if neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _read_scanned(reader: "_CappedReader", limit: int, memory: Optional[int] = None,
+                  chunk: int = 1 << 20) -> bytearray:
     """The pickle's bytes, read a chunk at a time up to its STOP (or an opcode the
-    unpickler will refuse), each chunk's opcodes checked first: CPython's unpickler
-    sizes its memo by the largest index stored, so nine bytes could ask for
-    gigabytes (csrc/replay/pickle_scan.h). Raises UnpicklingError saying why."""
+    unpickler will refuse), each chunk's opcodes checked first (csrc/replay/
+    pickle_scan.h): CPython's unpickler sizes its memo by the largest index stored,
+    so nine bytes could ask for gigabytes, and one byte can build a 216-byte set,
+    so a small compressed file can build more than ``memory`` bytes of objects.
+    Raises UnpicklingError saying why."""
     data = bytearray()
-    scan = _C.PickleScan(limit)
+    scan = _C.PickleScan(limit, (1 << 64) - 1 if memory is None else memory)
     while not scan.end:
         more = reader.read(chunk)
         if not more:
@@ -244,7 +268,8 @@ def _one_line(e: BaseException) -> str:
 
 def _pickle_problem(e: pickle.UnpicklingError, head: bytes, compressed: bool) -> str:
     text = _one_line(e)
-    if text.startswith(("refers to ", "uses persistent", "stores memo entry ", "stores a memo entry ")):
+    if text.startswith(("refers to ", "uses persistent", "stores memo entry ", "stores a memo entry ",
+                        "builds at least ")):
         return "refused: the pickle " + text
     if "truncated" in text:
         return "truncated pickle: the file ends too early"

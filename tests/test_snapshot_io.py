@@ -1,5 +1,6 @@
 """Loading memory snapshots safely: round trips, and every kind of bad file
 ending in one TraceError that names the file, with nothing in the file run."""
+import glob
 import gzip
 import os
 import pickle
@@ -259,6 +260,50 @@ def test_an_argument_longer_than_the_file_may_be_ends_the_reading(tmp_path):
     assert state.end and state.why == f"an argument at byte 2 of {1 << 40} bytes is longer than the file: truncated"
     assert_one_line_error(write_bytes(tmp_path, "t.pickle.gz", gzip.compress(data)),
                           "truncated pickle: the file ends too early", max_bytes=64 << 20)
+
+
+@pytest.mark.parametrize("name", ["sets.pickle.gz", "dicts.pickle.gz"])
+def test_a_small_file_that_would_build_more_objects_than_memory_allows_is_refused_early(tmp_path, name):
+    # 4 MiB of EMPTY_SET (or EMPTY_DICT) compresses to 4 KiB and builds 900 MB (270 MB)
+    # of objects on the unpickler's stack: refused once the least they take passes
+    # max_memory, a few hundred thousand opcodes in.
+    op = b"\x8f" if name.startswith("sets") else b"}"
+    path = write_bytes(tmp_path, name, gzip.compress(b"\x80\x04" + op * (4 << 20) + b"."))
+    assert os.path.getsize(path) < 16 << 10
+    message = assert_one_line_error(path, "refused: the pickle builds at least ", max_memory=64 << 20)
+    assert message.endswith(", more than the 67108864 bytes of memory it may take"), message
+    at = int(message.split(" by byte ")[1].split(",")[0])
+    assert at < 2 << 20, at  # in the first chunks read
+
+
+SHARED_TRACES = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
+                                              "shared", "traces", "**", "*.pickle"), recursive=True))
+
+
+@pytest.mark.parametrize("source", ["rich-%d" % p for p in range(pickle.HIGHEST_PROTOCOL + 1)] +
+                         [os.path.basename(p) for p in SHARED_TRACES])
+def test_the_least_memory_the_pass_counts_is_no_more_than_loading_takes(source):
+    # A lower bound: a snapshot that loads in the memory there is is never refused for it.
+    import tracemalloc
+
+    from pyalloc import _C
+
+    if source.startswith("rich-"):
+        data = pickle.dumps(RICH, protocol=int(source.split("-")[1]))
+    else:
+        with open(next(p for p in SHARED_TRACES if os.path.basename(p) == source), "rb") as f:
+            data = f.read()
+    state = _C.PickleScan()
+    _C.scan_pickle(data, state)
+    assert state.end and not state.why and state.objects > 0
+    tracemalloc.start()
+    try:
+        loaded = pickle.loads(data)
+        _, peak = tracemalloc.get_traced_memory()  # the memo's slots are gone once loaded
+    finally:
+        tracemalloc.stop()
+    del loaded
+    assert state.objects <= peak, (state.objects, peak)
 
 
 @pytest.mark.parametrize("name", ["m.pickle", "m.pickle.gz"])

@@ -202,12 +202,15 @@ void bind_replay(py::module_& m) {
 
   py::class_<PickleScan>(m, "PickleScan",
                          "Where a pass over a pickle's opcodes stands (csrc/replay/pickle_scan.h).")
-      .def(py::init([](uint64_t limit) {
+      .def(py::init([](uint64_t limit, uint64_t memory) {
              PickleScan scan;
              scan.limit = limit;
+             scan.memory = memory;
              return scan;
            }),
-           py::arg("limit") = UINT64_MAX, "limit: the most bytes the pickle may have.")
+           py::arg("limit") = UINT64_MAX, py::arg("memory") = UINT64_MAX,
+           "limit: the most bytes the pickle may have; memory: the most bytes its objects may take.")
+      .def_readonly("objects", &PickleScan::objects, "the least memory its objects take so far (bytes)")
       .def_readonly("stored", &PickleScan::stored, "memo stores stepped over so far")
       .def_readonly("done", &PickleScan::done, "bytes of whole opcodes stepped over")
       .def_readonly("end", &PickleScan::end, "a STOP or an opcode the unpickler refuses: read no further")

@@ -102,6 +102,33 @@ bool put_index(const uint8_t* data, size_t pos, size_t end, uint64_t* index) {
   return true;
 }
 
+// The least memory, in bytes, that CPython (64-bit) takes for what the
+// opcode builds, given its argument's value or length `n`: a new object, a
+// memo slot, or a container's slot for one more item. A lower bound: small
+// ints are shared, a string's characters may take more than a byte, and
+// containers over-allocate.
+uint64_t builds(uint8_t code, uint64_t n) {
+  switch (code) {
+    case '}': case 'd': return 64;                         // dict
+    case ']': case 'l': return 56;                         // list
+    case 0x8f: case 0x91: return 216;                      // set, frozenset
+    case 't': return 40;                                   // tuple from a mark
+    case 0x85: return 48;                                  // TUPLE1
+    case 0x86: return 56;                                  // TUPLE2
+    case 0x87: return 64;                                  // TUPLE3
+    case 'a': case 's': return 8;                          // one more item
+    case 'q': case 'r': case 'p': case 0x94: return 8;    // a memo slot
+    case 'G': case 'F': return 24;                         // float
+    case 'J': return n >= 257 && n < 0xFFFFFFFBull ? 28 : 0;  // ints from -5 to 256 are shared
+    case 'M': return n >= 257 ? 28 : 0;
+    case 'X': case 0x8c: case 0x8d: case 'V': return 40 + n;   // str
+    case 'T': case 'U': case 'S': case 'B': case 'C': case 0x8e: return 33 + n;  // bytes (or str)
+    case 0x96: return 56 + n;                              // bytearray
+    case 0x8a: case 0x8b: case 'L': return 24 + n;         // int of n bytes (or digits)
+    default: return 0;
+  }
+}
+
 }  // namespace
 
 void scan_pickle(const uint8_t* data, size_t size, PickleScan* scan) {
@@ -111,6 +138,7 @@ void scan_pickle(const uint8_t* data, size_t size, PickleScan* scan) {
     uint8_t code = data[pos++];
     Op op = op_of(code);
     size_t left = size - pos;
+    uint64_t arg = 0;  // the argument's value, or its length
     switch (op.arg) {
       case Arg::kUnknown:
         scan->end = true;  // the unpickler says what is wrong
@@ -123,6 +151,7 @@ void scan_pickle(const uint8_t* data, size_t size, PickleScan* scan) {
         if (left < static_cast<size_t>(op.width)) return;  // more to come
         uint64_t v = little_endian(data + pos, op.width);
         if ((code == 'q' || code == 'r') && !store(scan, v, at)) return;  // BINPUT, LONG_BINPUT
+        arg = v;
         pos += static_cast<size_t>(op.width);
         break;
       }
@@ -138,6 +167,7 @@ void scan_pickle(const uint8_t* data, size_t size, PickleScan* scan) {
           return;
         }
         if (n > size - after) return;  // its bytes are still to come
+        arg = n;
         pos += static_cast<size_t>(op.width) + static_cast<size_t>(n);
         break;
       }
@@ -154,6 +184,7 @@ void scan_pickle(const uint8_t* data, size_t size, PickleScan* scan) {
           }
           if (!store(scan, index, at)) return;
         }
+        arg = end - pos - 1;
         pos = end;
         break;
       }
@@ -164,7 +195,16 @@ void scan_pickle(const uint8_t* data, size_t size, PickleScan* scan) {
         break;
       }
     }
-    if (!scan->end || code == '.') scan->done = pos;
+    if (scan->end && code != '.') return;
+    scan->done = pos;
+    scan->objects += builds(code, arg);
+    if (scan->objects > scan->memory) {
+      scan->why = "builds at least " + std::to_string(scan->objects) + " bytes of objects by byte " +
+                  std::to_string(at) + ", more than the " + std::to_string(scan->memory) +
+                  " bytes of memory it may take";
+      scan->end = true;
+      return;
+    }
   }
 }
 

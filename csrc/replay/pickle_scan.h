@@ -7,6 +7,9 @@
 // the memo's length at each store), so an index past the number of entries
 // stored before it never comes from one: the pass refuses it.
 //
+// It also adds up the least memory the objects take, and refuses the pickle
+// once that passes what the caller allows (the machine's available memory).
+//
 // Everything else is left to the unpickler, which reports it: an unknown
 // opcode, a truncated argument, a class (pyalloc's unpickler refuses every
 // one). The pass stops at the first STOP, as the unpickler does, so that a
@@ -29,6 +32,12 @@ struct PickleScan {
   /// left of it is refused as truncated, rather than waited for (or asked
   /// of memory whole by the unpickler).
   uint64_t limit = UINT64_MAX;
+  /// A lower bound of the memory the unpickler's objects take (bytes), and
+  /// the most they may: past it the pickle is refused, before the unpickler
+  /// builds them. One byte of pickle can build 216 bytes of objects (a set),
+  /// so a small compressed file can ask for more memory than a machine has.
+  uint64_t objects = 0;
+  uint64_t memory = UINT64_MAX;
 };
 
 /// Steps over the whole opcodes of data[scan->done, size), leaving
