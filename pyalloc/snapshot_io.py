@@ -10,9 +10,8 @@ detected by its magic bytes, decompressed output is capped, memo indices no
 pickler would write are refused before CPython's unpickler sizes its memo by them
 (nine bytes could take gigabytes: csrc/replay/pickle_scan.h), a pickle whose
 objects would take more memory than is available is refused before they are
-built, and every field the
-replay uses is checked, so a bad file ends in one ``TraceError`` naming the file
-and the problem.
+built, and every field the replay uses is checked, so a bad file ends in one
+``TraceError`` naming the file and the problem.
 
 ``read_trace`` reduces a snapshot to what a replay needs: the events of one
 device as flat integer arrays, the blocks that are live in its final
