@@ -244,10 +244,7 @@ def test_past_eight_files_of_logs_the_logs_are_packed_too_and_a_file_too_big_is_
 def test_a_stage_past_its_limit_is_killed_with_its_children_and_says_so(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     # The step starts a grandchild, as pytest -n or a benchmark worker would: both must die.
-    # It ignores SIGTERM, as a wedged CUDA process may: SIGKILL must follow.
-    hang = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-            f"signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)']); "
-            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(120)")
+    hang = _starts_a_stubborn_child(pid_file, "started") + "; time.sleep(120)"
     stage = Stage("slow", 3, "hangs", lambda out: [Step("hangs", _py(hang)), Step("after", _py("print('x')"))])
     start = time.monotonic()
     assert not run_stage(stage, str(tmp_path), echo=False, describe=lambda: [])
@@ -258,6 +255,14 @@ def test_a_stage_past_its_limit_is_killed_with_its_children_and_says_so(tmp_path
     assert lines[-5:] == ["passed: nothing", "failed: hangs", "  hangs: killed at the stage's limit",
                           "did not run: after (the stage's limit was reached)", "stage slow: KILLED at its limit"]
     _assert_gone(int(pid_file.read_text()))
+
+
+def _starts_a_stubborn_child(pid_file, says):
+    """Code that starts a child ignoring SIGTERM (as a wedged CUDA process may: SIGKILL
+    must follow), writes its pid to pid_file and prints `says`."""
+    return (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+            f"signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print({says!r}, flush=True)")
 
 
 def _assert_gone(pid):
@@ -274,9 +279,7 @@ def _assert_gone(pid):
 
 def test_a_child_a_step_leaves_behind_is_killed_when_the_step_ends(tmp_path):
     pid_file = tmp_path / "child.pid"
-    leaves = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-              f"signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)']); "
-              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('left it', flush=True)")
+    leaves = _starts_a_stubborn_child(pid_file, "left it")
     stage = Stage("leaves", 60, "x", lambda out: [Step("leaves", _py(leaves)), Step("next", _py("print('next')"))])
     start = time.monotonic()
     assert run_stage(stage, str(tmp_path), echo=False, describe=lambda: [])

@@ -404,32 +404,32 @@ class Tee:
             self.file.close()
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """The step and every process it started (its own session): SIGTERM, a few
-    seconds for the leader to go, then SIGKILL to whatever is left of the group,
-    which also takes a child that ignores SIGTERM or outlives its parent."""
+def _signal_group(proc: subprocess.Popen, sig: int, wait_s: float) -> bool:
+    """Sends sig to the step's process group (the step and all it started) and waits up
+    to wait_s for the step itself to end; False if the group was gone already."""
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, sig)
     except ProcessLookupError:
-        return
+        return False
     try:
-        proc.wait(timeout=3)
+        proc.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
         pass
-    _kill_group(proc)
+    return True
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """The step and every process it started: SIGTERM, a few seconds for the step to
+    go, then SIGKILL to whatever is left of the group, which also takes a child that
+    ignores SIGTERM or outlives its parent."""
+    if _signal_group(proc, signal.SIGTERM, 3):
+        _kill_group(proc)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL to the step's process group: nothing it started outlives it (on the GPU
     machine a process in a session of its own runs on after the command)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
+    _signal_group(proc, signal.SIGKILL, 5)
 
 
 def run_step(step: Step, tee: Tee, deadline: float, env: Dict[str, str]) -> StepResult:
