@@ -198,8 +198,9 @@ def load_snapshot(
             limit = max_bytes if compressed else min(max_bytes, os.fstat(f.fileno()).st_size)
             memory = available_memory() if max_memory is None else max_memory
             blob = _read_scanned(_CappedReader(stream, max_bytes), limit, memory)
-            data = _PlainDataUnpickler(io.BytesIO(blob)).load()
+            unread = io.BytesIO(blob)  # a copy: the reader's goes before any object is built
             del blob
+            data = _PlainDataUnpickler(unread).load()
         except _TooLarge:
             what = "decompresses to" if compressed else "is"
             raise TraceError(
@@ -212,7 +213,10 @@ def load_snapshot(
             kind = "gzip stream" if compressed else "pickle"
             raise TraceError(f"{name}: truncated {kind}: the file ends too early") from None
         except pickle.UnpicklingError as e:
-            raise TraceError(f"{name}: {_pickle_problem(e, head, compressed)}") from None
+            problem = _pickle_problem(e, head, compressed)
+            if max_memory is None and "bytes of memory to load" in problem:
+                problem += " (the memory available now; load_snapshot(max_memory=...) sets another)"
+            raise TraceError(f"{name}: {problem}") from None
         except MemoryError:
             raise TraceError(f"{name}: the pickle asks for more memory than there is") from None
         except Exception as e:  # the unpickler's other complaints about malformed input
@@ -224,19 +228,31 @@ def load_snapshot(
 
 
 def available_memory() -> Optional[int]:
-    """The memory this machine has available now (Linux's MemAvailable), else its
-    physical memory; None if neither is known."""
+    """The memory this process may still take: the machine's available memory
+    (Linux's MemAvailable, else its physical memory), or less where a cgroup (a
+    container) caps it; None if none of these is known."""
+    found: List[int] = []
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    found.append(int(line.split()[1]) * 1024)
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
+    if not found:
+        try:
+            found.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (AttributeError, OSError, ValueError):
+            pass
+    try:  # cgroup v2: the cap, less what the group holds
+        with open("/sys/fs/cgroup/memory.max") as f:
+            cap = f.read().strip()
+        if cap != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                found.append(max(0, int(cap) - int(f.read().strip())))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
 
 
 def _read_scanned(reader: "_CappedReader", limit: int, memory: Optional[int] = None,
@@ -268,7 +284,7 @@ def _one_line(e: BaseException) -> str:
 def _pickle_problem(e: pickle.UnpicklingError, head: bytes, compressed: bool) -> str:
     text = _one_line(e)
     if text.startswith(("refers to ", "uses persistent", "stores memo entry ", "stores a memo entry ",
-                        "builds at least ")):
+                        "takes at least ")):
         return "refused: the pickle " + text
     if "truncated" in text:
         return "truncated pickle: the file ends too early"

@@ -181,11 +181,11 @@ def _store_at(index, protocol):
     return b"p%d\n" % index if protocol == 0 else b"r" + index.to_bytes(4, "little")
 
 
-def scan(data, chunk=None, limit=None):
+def scan(data, chunk=None, limit=None, memory=None):
     """The pass over `data`, fed `chunk` bytes more at each call (all at once by default)."""
     from pyalloc import _C
 
-    state = _C.PickleScan() if limit is None else _C.PickleScan(limit)
+    state = _C.PickleScan(*([(1 << 64) - 1 if limit is None else limit] + ([memory] if memory else [])))
     step = chunk or max(len(data), 1)
     for end in range(step, len(data) + step, step):
         _C.scan_pickle(data[:end], state)
@@ -270,17 +270,50 @@ def test_a_small_file_that_would_build_more_objects_than_memory_allows_is_refuse
     op = b"\x8f" if name.startswith("sets") else b"}"
     path = write_bytes(tmp_path, name, gzip.compress(b"\x80\x04" + op * (4 << 20) + b"."))
     assert os.path.getsize(path) < 16 << 10
-    message = assert_one_line_error(path, "refused: the pickle builds at least ", max_memory=64 << 20)
-    assert message.endswith(", more than the 67108864 bytes of memory it may take"), message
-    at = int(message.split(" by byte ")[1].split(",")[0])
+    message = assert_one_line_error(path, "refused: the pickle takes at least ", max_memory=64 << 20)
+    assert message.endswith("), more than the 67108864 bytes it may take"), message
+    at = int(message.split(" by byte ")[1].split(")")[0])
     assert at < 2 << 20, at  # in the first chunks read
+
+
+def test_an_argument_too_large_for_the_memory_is_refused_before_its_bytes_are_read(tmp_path):
+    # 400 MiB of bytes in one argument (400 KB once compressed), 10 MB allowed.
+    from pyalloc import snapshot_io
+
+    data = b"\x80\x04\x8e" + (400 << 20).to_bytes(8, "little") + bytes(400 << 20) + b"."
+    path = write_bytes(tmp_path, "big.pickle.gz", gzip.compress(data, compresslevel=1))
+    assert_one_line_error(path, "refused: the pickle takes at least ", max_memory=10 << 20)
+    with gzip.open(path) as f:
+        with pytest.raises(pickle.UnpicklingError, match="takes at least "):
+            snapshot_io._read_scanned(snapshot_io._CappedReader(f, 1 << 40), 1 << 40, 10 << 20)
+        assert f.tell() <= 1 << 20  # the first chunk: its length alone was too much
+
+
+def test_a_memo_grown_by_repeated_stores_counts_as_cpython_sizes_it():
+    # Stores at 0, a million times (2 MB), then one at 2 million: CPython's memo takes
+    # 32 MB for it, which the pass counts, so 16 MiB refuses it and 64 MiB does not.
+    data = b"\x80\x02N" + b"q\x00" * 1_000_000 + b"r" + (2_000_000).to_bytes(4, "little") + b"."
+    assert scan(data, limit=len(data)).why == ""
+    refused = scan(data, 1 << 20, memory=16 << 20)
+    assert refused.why.startswith("takes at least ") and refused.why.endswith(" more than the 16777216 bytes it may take")
+    assert scan(data, 1 << 20, memory=64 << 20).why == ""
 
 
 SHARED_TRACES = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
                                               "shared", "traces", "**", "*.pickle"), recursive=True))
 
 
+# Objects CPython takes less memory for than their pickle's bytes suggest: characters
+# of two or three UTF-8 bytes (one or two in memory), escapes of a text pickle, ints
+# written as digits, objects it shares (strings and bytes of one character, the empty
+# tuple, small ints).
+EDGE = {"latin": ["\u00e9" * k for k in range(1, 200, 7)], "cjk": ["\u4e2d" * k for k in range(1, 200, 7)],
+        "big": [2**47 + k for k in range(50)] + [10**200, -(10**90)], "shared": ["", "a", "\u00e9", b"", b"b", (),
+        0, 1, 255, -5, 300], "empty": [[(), ()] for _ in range(50)]}
+
+
 @pytest.mark.parametrize("source", ["rich-%d" % p for p in range(pickle.HIGHEST_PROTOCOL + 1)] +
+                         ["edge-%d" % p for p in range(pickle.HIGHEST_PROTOCOL + 1)] +
                          [os.path.basename(p) for p in SHARED_TRACES])
 def test_the_least_memory_the_pass_counts_is_no_more_than_loading_takes(source):
     # A lower bound: a snapshot that loads in the memory there is is never refused for it.
@@ -288,8 +321,8 @@ def test_the_least_memory_the_pass_counts_is_no_more_than_loading_takes(source):
 
     from pyalloc import _C
 
-    if source.startswith("rich-"):
-        data = pickle.dumps(RICH, protocol=int(source.split("-")[1]))
+    if source.startswith(("rich-", "edge-")):
+        data = pickle.dumps(RICH if source.startswith("rich") else EDGE, protocol=int(source.split("-")[1]))
     else:
         with open(next(p for p in SHARED_TRACES if os.path.basename(p) == source), "rb") as f:
             data = f.read()

@@ -587,10 +587,19 @@ void DevicePools::release_parked() {
 
 void DevicePools::release_parked_everywhere() {
   // The capture tracker is the process's: a capture on one device parks the
-  // pages of another's growth too. No pools lock is held here.
-  release_parked();
+  // pages of another's growth too. No pools lock is held here. One device's
+  // failure is said and leaves the others to go on.
+  auto release = [](DevicePools* p) {
+    try {
+      p->release_parked();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "pyalloc: device %d: releasing pages parked during a capture failed: %s\n",
+                   p->index(), e.what());
+    }
+  };
+  release(this);
   for (DevicePools* p : PoolRegistry::instance().all())
-    if (p != this) p->release_parked();
+    if (p != this) release(p);
 }
 
 void DevicePools::mark_capture(bool begin) {

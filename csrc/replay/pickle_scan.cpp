@@ -72,20 +72,26 @@ size_t line_end(const uint8_t* data, size_t size, size_t pos) {
   return nl == nullptr ? 0 : static_cast<size_t>(static_cast<const uint8_t*>(nl) - data) + 1;
 }
 
-// Stores at memo index `index`, unless it lies far past the entries stored so
-// far: up to twice their number (and a little) is let through, so the memo
-// stays within a small multiple of the bytes read.
+// A memo store at `index`, unless it lies far past the entries stored so
+// far: up to twice their number (and a little) is let through. What the
+// unpickler's memo array grows by is counted as memory: CPython sizes it at
+// 32 slots, and at twice an index that does not fit (8 bytes a slot).
 bool store(PickleScan* scan, uint64_t index, size_t at) {
-  if (index <= 2 * scan->stored + 1024) {
-    scan->stored++;
-    return true;
+  if (index > 2 * scan->stored + 1024) {
+    scan->why = "stores memo entry " + std::to_string(index) + " at byte " + std::to_string(at) + " after " +
+                std::to_string(scan->stored) +
+                " entries: a pickler numbers its memo in order, and the unpickler would take memory for " +
+                "every index up to it";
+    scan->end = true;
+    return false;
   }
-  scan->why = "stores memo entry " + std::to_string(index) + " at byte " + std::to_string(at) + " after " +
-              std::to_string(scan->stored) +
-              " entries: a pickler numbers its memo in order, and the unpickler would take memory for " +
-              "every index up to it";
-  scan->end = true;
-  return false;
+  scan->stored++;
+  if (scan->memo_slots == 0) scan->memo_slots = 32;
+  if (index >= scan->memo_slots) {
+    scan->objects += 8 * (2 * index - scan->memo_slots);
+    scan->memo_slots = 2 * index;
+  }
+  return true;
 }
 
 // PUT's index: the digits of [pos, end) less the '\n'. A pickler writes plain
@@ -103,30 +109,54 @@ bool put_index(const uint8_t* data, size_t pos, size_t end, uint64_t* index) {
 }
 
 // The least memory, in bytes, that CPython (64-bit) takes for what the
-// opcode builds, given its argument's value or length `n`: a new object, a
-// memo slot, or a container's slot for one more item. A lower bound: small
-// ints are shared, a string's characters may take more than a byte, and
-// containers over-allocate.
+// opcode builds, given its argument's value or length `n` (memo slots are
+// counted by store()). A lower bound: objects CPython shares (small ints,
+// strings and bytes of at most one character, the empty tuple) count 0, a
+// character takes at least half its UTF-8 bytes (a third of its escape in a
+// text pickle), and containers over-allocate.
 uint64_t builds(uint8_t code, uint64_t n) {
   switch (code) {
     case '}': case 'd': return 64;                         // dict
     case ']': case 'l': return 56;                         // list
     case 0x8f: case 0x91: return 216;                      // set, frozenset
-    case 't': return 40;                                   // tuple from a mark
     case 0x85: return 48;                                  // TUPLE1
     case 0x86: return 56;                                  // TUPLE2
     case 0x87: return 64;                                  // TUPLE3
     case 'a': case 's': return 8;                          // one more item
-    case 'q': case 'r': case 'p': case 0x94: return 8;    // a memo slot
     case 'G': case 'F': return 24;                         // float
     case 'J': return n >= 257 && n < 0xFFFFFFFBull ? 28 : 0;  // ints from -5 to 256 are shared
     case 'M': return n >= 257 ? 28 : 0;
-    case 'X': case 0x8c: case 0x8d: case 'V': return 40 + n;   // str
-    case 'T': case 'U': case 'S': case 'B': case 'C': case 0x8e: return 33 + n;  // bytes (or str)
+    case 0x8a: case 0x8b: return n <= 2 ? 0 : 24 + n;      // int of n bytes
+    case 'L': return n <= 4 ? 0 : 24 + 2 * n / 5;          // int of n digits (and an 'L')
+    case 'X': case 0x8c: case 0x8d: return n <= 2 ? 0 : 40 + n / 2;  // str, n bytes of UTF-8
+    case 'V': return n <= 2 ? 0 : 40 + n / 3;              // str, escaped
+    case 'T': case 'U': case 'B': case 'C': case 0x8e: return n <= 1 ? 0 : 33 + n;  // bytes (or str)
+    case 'S': return n <= 4 ? 0 : 33 + n / 4;              // quoted, escaped
     case 0x96: return 56 + n;                              // bytearray
-    case 0x8a: case 0x8b: case 'L': return 24 + n;         // int of n bytes (or digits)
     default: return 0;
   }
+}
+
+// Memory the pass can already tell the load takes, counting `held` bytes of
+// pickle: they are read into memory, copied once for the unpickler, and the
+// reader's copy dropped before it builds anything.
+uint64_t need(const PickleScan* scan, uint64_t held) {
+  uint64_t twice = held > UINT64_MAX / 2 ? UINT64_MAX : 2 * held;
+  uint64_t built = scan->objects > UINT64_MAX - held ? UINT64_MAX : held + scan->objects;
+  return twice > built ? twice : built;
+}
+
+bool over_memory(PickleScan* scan, uint64_t extra, uint64_t held, size_t at) {
+  uint64_t objects = scan->objects;
+  scan->objects = objects > UINT64_MAX - extra ? UINT64_MAX : objects + extra;
+  uint64_t want = need(scan, held);
+  scan->objects = objects;
+  if (want <= scan->memory) return false;
+  scan->why = "takes at least " + std::to_string(want) + " bytes of memory to load (its " +
+              std::to_string(held) + " bytes and the objects built by byte " + std::to_string(at) +
+              "), more than the " + std::to_string(scan->memory) + " bytes it may take";
+  scan->end = true;
+  return true;
 }
 
 }  // namespace
@@ -145,7 +175,7 @@ void scan_pickle(const uint8_t* data, size_t size, PickleScan* scan) {
         break;
       case Arg::kNone:
         if (code == '.') scan->end = true;  // STOP: the unpickler reads no further
-        if (code == 0x94) scan->stored++;   // MEMOIZE: the next entry, in order
+        if (code == 0x94 && !store(scan, scan->stored, at)) return;  // MEMOIZE: the next entry
         break;
       case Arg::kFixed: {
         if (left < static_cast<size_t>(op.width)) return;  // more to come
@@ -166,14 +196,21 @@ void scan_pickle(const uint8_t* data, size_t size, PickleScan* scan) {
           scan->end = true;
           return;
         }
+        // Refused before its bytes are read, if holding them is too much already.
+        if (over_memory(scan, builds(code, n), after + n, at)) return;
         if (n > size - after) return;  // its bytes are still to come
         arg = n;
         pos += static_cast<size_t>(op.width) + static_cast<size_t>(n);
         break;
       }
       case Arg::kLine: {
-        size_t end = line_end(data, size, pos);
-        if (end == 0) return;
+        // A line not ended yet is searched on from where the last call stopped.
+        size_t end = line_end(data, size, pos > scan->line_from ? pos : scan->line_from);
+        if (end == 0) {
+          scan->line_from = size;
+          over_memory(scan, 0, size, at);
+          return;
+        }
         if (code == 'p') {  // PUT
           uint64_t index = 0;
           if (!put_index(data, pos, end, &index)) {
@@ -189,22 +226,25 @@ void scan_pickle(const uint8_t* data, size_t size, PickleScan* scan) {
         break;
       }
       case Arg::kTwoLines: {
-        size_t first = line_end(data, size, pos);
-        if (first == 0 || line_end(data, size, first) == 0) return;
-        pos = line_end(data, size, first);
+        size_t first = scan->first_line != 0
+                           ? scan->first_line
+                           : line_end(data, size, pos > scan->line_from ? pos : scan->line_from);
+        size_t second = first == 0 ? 0 : line_end(data, size, first > scan->line_from ? first : scan->line_from);
+        if (second == 0) {
+          scan->first_line = first;
+          scan->line_from = size;
+          over_memory(scan, 0, size, at);
+          return;
+        }
+        pos = second;
         break;
       }
     }
     if (scan->end && code != '.') return;
     scan->done = pos;
+    scan->line_from = scan->first_line = 0;
     scan->objects += builds(code, arg);
-    if (scan->objects > scan->memory) {
-      scan->why = "builds at least " + std::to_string(scan->objects) + " bytes of objects by byte " +
-                  std::to_string(at) + ", more than the " + std::to_string(scan->memory) +
-                  " bytes of memory it may take";
-      scan->end = true;
-      return;
-    }
+    if (over_memory(scan, 0, pos, at)) return;
   }
 }
 

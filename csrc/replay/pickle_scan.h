@@ -32,12 +32,19 @@ struct PickleScan {
   /// left of it is refused as truncated, rather than waited for (or asked
   /// of memory whole by the unpickler).
   uint64_t limit = UINT64_MAX;
-  /// A lower bound of the memory the unpickler's objects take (bytes), and
-  /// the most they may: past it the pickle is refused, before the unpickler
-  /// builds them. One byte of pickle can build 216 bytes of objects (a set),
-  /// so a small compressed file can ask for more memory than a machine has.
+  /// A lower bound of the memory the unpickler's objects and memo take
+  /// (bytes), and the most the load may take, the pickle's own bytes
+  /// included: past it the pickle is refused, before the unpickler builds
+  /// them. One byte of pickle can build 216 bytes of objects (a set), so a
+  /// small compressed file can ask for more memory than a machine has.
   uint64_t objects = 0;
   uint64_t memory = UINT64_MAX;
+  /// The unpickler's memo array, in slots, as CPython grows it.
+  uint64_t memo_slots = 0;
+  /// The opcode at `done` waits for its line's end: no '\n' lies before
+  /// line_from (and its first line ends at first_line, for GLOBAL and INST).
+  size_t line_from = 0;
+  size_t first_line = 0;
 };
 
 /// Steps over the whole opcodes of data[scan->done, size), leaving
