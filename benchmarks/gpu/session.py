@@ -19,8 +19,10 @@ leaves ``build.log``. A log begins with the device, driver, torch, date, commit
 and command, takes every output of every step as it comes (a stage stopped at
 its limit still leaves it), and ends with what passed, what failed and what did
 not run. The runner enforces the limits itself: a step still running at its
-stage's limit is killed, with the processes it started. At most 8 files come
-back from a GPU machine: past 8, the results (not the logs) go into one archive.
+stage's limit is killed, with the processes it started; when a step ends, what
+it left running is killed too. At most 8 files come back from a GPU machine:
+past 8, the results (not the logs) go into one archive, and the logs into
+another if that is not enough.
 
 GPU checks run side by side (pytest-xdist) where they do not need the whole
 device, the four configurations (two routes, two strategies) at once, and alone
