@@ -111,34 +111,18 @@ class _TooLarge(Exception):
 
 
 class _CappedReader:
-    """A read-only view of a binary stream that fails past `limit` bytes and
-    reports the bytes read from the underlying file to `progress`."""
+    """A read-only view of a binary stream that raises _TooLarge past `limit` bytes."""
 
     def __init__(self, f: BinaryIO, limit: int) -> None:
         self._f = f
         self._left = limit
 
-    def _took(self, n: int) -> None:
-        self._left -= n
-        if self._left < 0:
-            raise _TooLarge()
-
     def read(self, n: Optional[int] = -1) -> bytes:
         want = self._left + 1 if n is None or n < 0 else min(n, self._left + 1)
         data = self._f.read(want)
-        self._took(len(data))
-        return data
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        n = self._f.readinto(view[: self._left + 1]) or 0
-        self._took(n)
-        return n
-
-    def readline(self, size: Optional[int] = -1) -> bytes:
-        want = self._left + 1 if size is None or size < 0 else min(size, self._left + 1)
-        data = self._f.readline(want)
-        self._took(len(data))
+        self._left -= len(data)
+        if self._left < 0:
+            raise _TooLarge()
         return data
 
 
@@ -154,15 +138,6 @@ class _Progress:
         self._report(len(data))
         return data
 
-    def readinto(self, b: Any) -> int:
-        n = self._f.readinto(b) or 0
-        self._report(n)
-        return n
-
-    def readline(self, size: int = -1) -> bytes:
-        data = self._f.readline(size)
-        self._report(len(data))
-        return data
 
 
 def load_snapshot(
@@ -176,8 +151,8 @@ def load_snapshot(
 
     Only plain data is built; a file that names any class or function, is
     truncated, is not a pickle, decompresses to more than ``max_bytes``, would
-    build objects taking more than ``max_memory`` bytes (by default the memory
-    available now), or is not a snapshot dict raises TraceError("PATH: problem").
+    take more than ``max_memory`` bytes to load (by default the memory available
+    now), or is not a snapshot dict raises TraceError("PATH: problem").
     ``progress`` is called with the number of file bytes read, as they are read.
     """
     name = os.fspath(path)

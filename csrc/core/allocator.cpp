@@ -170,14 +170,6 @@ uintptr_t Allocator::allocate_at(uintptr_t addr, size_t size, Stream s, uint64_t
   return hand_out(b, size, s, context);
 }
 
-bool Allocator::live_block_info(uintptr_t ptr, LiveBlockInfo* out) const {
-  std::lock_guard<Lock> guard(mu_);
-  const Block* b = live_.find(ptr);
-  if (b == nullptr) return false;
-  *out = LiveBlockInfo{b->size, b->requested, b->stream, b->context, b->uses};
-  return true;
-}
-
 void Allocator::reinstate(uintptr_t addr, const LiveBlockInfo& info) {
   if (info.requested == 0 || info.size < round_up(info.requested, kGranularity) || info.size > kMaxRequest ||
       info.size % kGranularity != 0)

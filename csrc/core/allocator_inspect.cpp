@@ -42,6 +42,14 @@ bool Allocator::live_block(uintptr_t ptr, size_t* requested, Stream* stream,
   return true;
 }
 
+bool Allocator::live_block_info(uintptr_t ptr, LiveBlockInfo* out) const {
+  std::lock_guard<Lock> guard(mu_);
+  const Block* b = live_.find(ptr);
+  if (b == nullptr || b->state != BlockState::kAllocated) return false;
+  *out = LiveBlockInfo{b->size, b->requested, b->stream, b->context, b->uses};
+  return true;
+}
+
 void Allocator::set_stats_sink(StatsSink* sink) {
   std::lock_guard<Lock> guard(mu_);
   sink_ = sink;

@@ -209,8 +209,8 @@ void bind_replay(py::module_& m) {
              return scan;
            }),
            py::arg("limit") = UINT64_MAX, py::arg("memory") = UINT64_MAX,
-           "limit: the most bytes the pickle may have; memory: the most bytes its objects may take.")
-      .def_readonly("objects", &PickleScan::objects, "the least memory its objects take so far (bytes)")
+           "limit: the most bytes the pickle may have; memory: the most bytes its load may take.")
+      .def_readonly("objects", &PickleScan::objects, "the least memory its objects and memo take so far (bytes)")
       .def_readonly("stored", &PickleScan::stored, "memo stores stepped over so far")
       .def_readonly("done", &PickleScan::done, "bytes of whole opcodes stepped over")
       .def_readonly("end", &PickleScan::end, "a STOP or an opcode the unpickler refuses: read no further")
@@ -229,8 +229,9 @@ void bind_replay(py::module_& m) {
       },
       py::arg("data"), py::arg("scan"),
       "Steps over the whole opcodes of data[scan.done:] (the same pickle, with more appended "
-      "at each call), refusing a memo index far past the entries stored before it: CPython's "
-      "unpickler would allocate memory for every index up to it (pickle_scan.h).");
+      "at each call), refusing (scan.why) a memo index far past the entries stored before it, an "
+      "argument longer than scan.limit, or a load needing more than scan.memory bytes "
+      "(pickle_scan.h).");
 }
 
 }  // namespace pyalloc

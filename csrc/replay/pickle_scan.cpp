@@ -1,4 +1,4 @@
-// The memo pass over a pickle's opcodes: see pickle_scan.h. The opcodes and
+// The pass over a pickle's opcodes before the unpickler's: see pickle_scan.h. The opcodes and
 // their arguments are those of pickle protocols 0 to 5 (CPython's
 // Lib/pickletools.py lists them).
 #include "pickle_scan.h"
@@ -140,17 +140,15 @@ uint64_t builds(uint8_t code, uint64_t n) {
 // Memory the pass can already tell the load takes, counting `held` bytes of
 // pickle: they are read into memory, copied once for the unpickler, and the
 // reader's copy dropped before it builds anything.
-uint64_t need(const PickleScan* scan, uint64_t held) {
-  uint64_t twice = held > UINT64_MAX / 2 ? UINT64_MAX : 2 * held;
-  uint64_t built = scan->objects > UINT64_MAX - held ? UINT64_MAX : held + scan->objects;
-  return twice > built ? twice : built;
-}
+uint64_t saturating_add(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
 
+// Refuses the pickle if its load needs more than scan->memory: its `held`
+// bytes twice (the reader's and the unpickler's copy), or once beside the
+// objects built so far and `extra` more.
 bool over_memory(PickleScan* scan, uint64_t extra, uint64_t held, size_t at) {
-  uint64_t objects = scan->objects;
-  scan->objects = objects > UINT64_MAX - extra ? UINT64_MAX : objects + extra;
-  uint64_t want = need(scan, held);
-  scan->objects = objects;
+  uint64_t twice = saturating_add(held, held);
+  uint64_t built = saturating_add(held, saturating_add(scan->objects, extra));
+  uint64_t want = twice > built ? twice : built;
   if (want <= scan->memory) return false;
   scan->why = "takes at least " + std::to_string(want) + " bytes of memory to load (its " +
               std::to_string(held) + " bytes and the objects built by byte " + std::to_string(at) +

@@ -1,14 +1,15 @@
-// A pass over a pickle's opcodes before CPython's unpickler reads it, for the
-// one thing in a pickle of plain data that costs memory out of all proportion
-// to the file: a memo index. CPython's unpickler keeps its memo in an array
+// A pass over a pickle's opcodes before CPython's unpickler reads them, for
+// what in a pickle of plain data costs memory out of all proportion to the
+// file. First, a memo index: CPython's unpickler keeps its memo in an array
 // as long as the largest index stored (PUT, BINPUT, LONG_BINPUT), so nine
 // bytes storing at index 2^27 take 2 GiB, and at 2^31 more memory than most
 // machines have. A pickler numbers its memo entries in order (0, 1, 2, ...:
 // the memo's length at each store), so an index past the number of entries
-// stored before it never comes from one: the pass refuses it.
-//
-// It also adds up the least memory the objects take, and refuses the pickle
-// once that passes what the caller allows (the machine's available memory).
+// stored before it never comes from one: the pass refuses it. Then the
+// objects: one byte can build a 216-byte set, so the pass adds up the least
+// memory the load takes (the pickle's bytes, the memo, the objects) and
+// refuses the pickle once that passes what the caller allows (the memory
+// available), and an argument longer than the file before it is read.
 //
 // Everything else is left to the unpickler, which reports it: an unknown
 // opcode, a truncated argument, a class (pyalloc's unpickler refuses every
