@@ -574,9 +574,13 @@ def test_report_names_the_strategy_pyalloc_really_used():
     assert gpu_report.pyalloc_strategies({"workloads": {}}) == []
 
 
-def test_traces_are_recorded_only_under_native_allocators(capsys):
-    from benchmarks.gpu.__main__ import _parser, main
+def test_traces_are_recorded_only_under_native_allocators_and_pyalloc_runs_live(capsys):
+    from benchmarks.gpu.__main__ import TRACE_ALLOCATORS, _parser, main
 
     assert _parser().get_default("trace_allocators") == "native"
-    assert main(["--device", "cpu", "--smoke", "--no-timing", "--traces", "--trace-allocators", "native,pyalloc"]) == 2
-    assert "--trace-allocators: 'pyalloc' records no memory history" in capsys.readouterr().err
+    # cudaMallocAsync keeps no memory history: nothing to replay.
+    assert main(["--device", "cpu", "--smoke", "--no-timing", "--traces", "--trace-allocators",
+                 "native,native_async"]) == 2
+    assert "--trace-allocators: 'native_async' records no memory history" in capsys.readouterr().err
+    # pyalloc's run of the same workload is made live only, for the replay's prediction.
+    assert {"pyalloc", "pyalloc_hooks"} <= set(TRACE_ALLOCATORS)

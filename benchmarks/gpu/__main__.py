@@ -30,11 +30,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
 from . import report
 from .search import largest_passing
-from .worker import ALLOCATORS
+from .worker import ALLOCATORS, NATIVE_CONF, PYALLOC_ALLOCATORS
 from .workloads import GROUPS, SPECS, Spec, select
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -47,6 +48,9 @@ README = os.path.join(HERE, "README.md")
 DEFAULT_ALLOCATORS = ("native", "pyalloc")
 # Settings the harness owns: inherited values would change what "native" means, or which
 # route "pyalloc" takes (its default one; "pyalloc_hooks" asks for the C hooks itself).
+#: --trace-allocators: the native allocator records a memory history under these settings
+#: (cudaMallocAsync keeps none); under pyalloc the same run is made live only.
+TRACE_ALLOCATORS = ("native", "native_expandable") + PYALLOC_ALLOCATORS
 OWNED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYALLOC_CONF", "PYALLOC_BRIDGE")
 
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
@@ -76,8 +80,8 @@ def child_env(allocator: str) -> Dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
-    if allocator == "native_expandable":
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if allocator in NATIVE_CONF:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = NATIVE_CONF[allocator]
     return env
 
 
@@ -206,6 +210,12 @@ class Harness:
             self.save()
 
     def search(self, spec: Spec) -> None:
+        """The largest size of `spec` that runs under the budget, for each allocator.
+
+        With --parallel N, N allocators search at the same time, each in processes of its
+        own: every process is capped at the budget, so on a device with room for N budgets
+        (and N CUDA contexts) the answers are those of searches one after the other; only
+        the probes' wall time grows."""
         a = self.args
         hi = min(spec.search_hi, 4) if a.smoke else spec.search_hi
         max_probes = 3 if a.smoke else a.max_probes
@@ -213,15 +223,16 @@ class Harness:
         entry = report.workload_entry(self.results, spec.name, spec.title, spec.kind, spec.size_name)
         searches = entry.setdefault("search", {})
         searches["budget"] = self.budget
-        for allocator in self.allocators_for(spec):
-            cap = f"a {self.budget / 2**30:.1f} GiB budget" if self.budget else "no memory cap"
+        cap = f"a {self.budget / 2**30:.1f} GiB budget" if self.budget else "no memory cap"
+
+        def one(allocator: str) -> Dict[str, Any]:
             print(f"== {spec.name} / {allocator}: searching the {spec.size_name} under {cap}", flush=True)
 
-            def probe(size: int, allocator: str = allocator):
+            def probe(size: int):
                 worker_args = self._common(spec) + ["--probe", "--size", str(size), "--probe-steps",
                                                     str(probe_steps), "--budget", str(self.budget or 0)]
                 r = spawn(worker_args, allocator, a.worker_timeout)
-                print(f"   probe {size}: {r['status']}"
+                print(f"   {allocator}: probe {size}: {r['status']} in {r.get('wall_s', 0):.0f} s"
                       + (f" (peak reserved {r['peak_reserved'] / 2**30:.2f} GiB)" if r.get("peak_reserved") else ""),
                       flush=True)
                 keep = {k: r.get(k) for k in ("peak_allocated", "peak_reserved", "error", "wall_s", "at_step")
@@ -231,11 +242,16 @@ class Harness:
             start = spec.smoke_size if a.smoke else spec.search_start
             found = largest_passing(probe, start=start, hi=hi, max_probes=max_probes, rel_tol=a.search_tolerance)
             found.update(budget=self.budget, probe_steps=probe_steps, invocation=self.command)
-            searches[allocator] = found
-            if found["stopped"] == "error":
-                self.failures += 1
-            print(f"   largest that runs: {found['largest']} ({found['stopped']})", flush=True)
-            self.save()
+            print(f"   {allocator}: largest that runs: {found['largest']} ({found['stopped']})", flush=True)
+            return found
+
+        allocators = self.allocators_for(spec)
+        with ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
+            for allocator, found in zip(allocators, pool.map(one, allocators)):
+                searches[allocator] = found
+                if found["stopped"] == "error":
+                    self.failures += 1
+        self.save()
 
     def trace(self, spec: Spec) -> None:
         for allocator in self.args.trace_allocators.split(","):
@@ -248,15 +264,19 @@ class Harness:
             print(f"== {spec.name}: memory history needs CUDA; no trace on a CPU")
             return
         os.makedirs(self.trace_dir, exist_ok=True)
-        # The native allocator's traces keep their names; another's names it.
-        tag = "" if allocator == "native" else f"-{allocator}"
-        path = os.path.join(self.trace_dir,
-                            f"{spec.name}{tag}-{report.slug(self.device.get('name', 'gpu'))}.pickle")
-        print(f"== {spec.name} / {allocator}: recording the memory history into {_show(path)}", flush=True)
         steps = 2 if a.smoke else a.trace_steps or spec.trace_steps
-        worker_args = self._common(spec) + ["--size", str(self.size(spec)), "--steps", str(steps),
-                                            "--warmup", "0", "--trace", path,
-                                            "--trace-max-entries", str(a.trace_max_entries)]
+        worker_args = self._common(spec) + ["--size", str(self.size(spec)), "--steps", str(steps), "--warmup", "0"]
+        if allocator in PYALLOC_ALLOCATORS:
+            # pyalloc records no history of its own here: the same run (steps, seed, size),
+            # live only, is what the replay's prediction for pyalloc is judged against.
+            print(f"== {spec.name} / {allocator}: the traced run, live, for the replay's prediction", flush=True)
+        else:
+            # The native allocator's traces keep their names; another's names it.
+            tag = "" if allocator == "native" else f"-{allocator}"
+            path = os.path.join(self.trace_dir,
+                                f"{spec.name}{tag}-{report.slug(self.device.get('name', 'gpu'))}.pickle")
+            print(f"== {spec.name} / {allocator}: recording the memory history into {_show(path)}", flush=True)
+            worker_args += ["--trace", path, "--trace-max-entries", str(a.trace_max_entries)]
         r = spawn(worker_args, allocator, a.worker_timeout)
         info = dict(r.get("trace") or {}, status=r["status"], steps=steps, seed=a.seed, size=self.size(spec),
                     max_entries=a.trace_max_entries, device=self.device.get("name"),
@@ -276,7 +296,8 @@ class Harness:
         if allocator == "native":
             entry["trace"] = info
         entry.setdefault("traces", {})[allocator] = info
-        self._write_trace_index(spec.name, info)
+        if allocator not in PYALLOC_ALLOCATORS:
+            self._write_trace_index(spec.name, info)
         print(f"   {info['status']}: {info.get('entries', '?')} entries, "
               f"{(info.get('bytes') or 0) / 2**20:.1f} MiB", flush=True)
         self.save()
@@ -322,7 +343,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allocators", default=None,
                    help="comma-separated: native, pyalloc (its default route: the bridge where it builds), "
-                        "pyalloc_hooks (through the C hooks), native_expandable (default: native,pyalloc, "
+                        "pyalloc_hooks (through the C hooks), native_expandable, native_async "
+                        "(backend:cudaMallocAsync) (default: native,pyalloc, "
                         "and pyalloc_hooks too for alloc_speed)")
     p.add_argument("--pyalloc-conf", default="", help="extra pyalloc.install() config, 'key:value,...'")
     p.add_argument("--no-timing", action="store_true", help="skip the timed runs (with --budget-search/--traces)")
@@ -331,13 +353,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-probes", type=int, default=8, help="probes per allocator in the batch search")
     p.add_argument("--search-tolerance", type=float, default=0.03,
                    help="stop the search when the answer is known to this fraction (default 0.03)")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="allocators searched at the same time (each probe still a process of its own, "
+                        "capped at the budget; the device needs room for this many budgets)")
     p.add_argument("--probe-steps", type=int, default=0,
                    help="drawn steps before the worst shape in a probe (default: the workload's)")
     p.add_argument("--traces", action="store_true", help="record native memory histories (workloads 2-5)")
     p.add_argument("--trace-dir", default=TRACES_DIR)
     p.add_argument("--trace-allocators", default="native",
-                   help="comma-separated native allocators to record under (default native; "
-                        "native_expandable: with expandable_segments:True)")
+                   help="comma-separated allocators to record under (default native; "
+                        "native_expandable: with expandable_segments:True; pyalloc, pyalloc_hooks: "
+                        "the same run without a history, its live figures only)")
     p.add_argument("--trace-steps", type=int, default=0, help="steps per trace (default: the workload's)")
     p.add_argument("--trace-max-entries", type=int, default=200_000,
                    help="events kept per trace; past this the oldest are dropped (about 50 bytes each)")
@@ -406,10 +432,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         unknown = [a for a in (args.allocators or "").split(",") if a.strip() and a.strip() not in ALLOCATORS]
         if unknown:
             raise ValueError(f"unknown allocator '{unknown[0]}'; allocators: {', '.join(ALLOCATORS)}")
-        bad = [a for a in args.trace_allocators.split(",") if a.strip() not in ("native", "native_expandable")]
+        bad = [a for a in args.trace_allocators.split(",") if a.strip() not in TRACE_ALLOCATORS]
         if bad:
-            raise ValueError(f"--trace-allocators: '{bad[0]}' records no memory history; "
-                             "give native and/or native_expandable")
+            raise ValueError(f"--trace-allocators: '{bad[0]}' records no memory history; give "
+                             f"{', '.join(TRACE_ALLOCATORS)} (pyalloc's: the same run, live only)")
         if args.no_timing and not (args.budget_search or args.traces):
             raise ValueError("--no-timing leaves nothing to run: add --budget-search or --traces")
     except ValueError as exc:

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 SCHEMA = 1
 BASELINE = "native"
-ALLOCATOR_ORDER = ("native", "pyalloc", "pyalloc_hooks", "native_expandable")
+ALLOCATOR_ORDER = ("native", "pyalloc", "pyalloc_hooks", "native_expandable", "native_async")
 #: The allocators that are pyalloc: by its default route (the bridge where it builds),
 #: and through CUDAPluggableAllocator's C hooks.
 PYALLOC_ALLOCATORS = ("pyalloc", "pyalloc_hooks")
@@ -394,7 +394,7 @@ def _plot_title(path: str) -> str:
 # Plots
 # ---------------------------------------------------------------------------
 
-COLORS = {"native": "#4c72b0", "pyalloc": "#dd8452", "pyalloc_hooks": "#c44e52", "native_expandable": "#55a868"}
+COLORS = {"native": "#4c72b0", "pyalloc": "#dd8452", "pyalloc_hooks": "#c44e52", "native_expandable": "#55a868", "native_async": "#8172b3"}
 
 
 def _pyplot():

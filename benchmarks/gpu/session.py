@@ -80,7 +80,7 @@ SIDE_BY_SIDE = 3
 #: The configurations of tests/test_gpu.py: route (PYALLOC_BRIDGE) and PYALLOC_CONF.
 CONFIGURATIONS = [("bridge", ""), ("hooks", ""), ("bridge", "strategy:bestfit"), ("hooks", "strategy:bestfit")]
 #: Every allocator the benchmarks compare.
-ALLOCATORS = "native,pyalloc,pyalloc_hooks,native_expandable"
+ALLOCATORS = "native,pyalloc,pyalloc_hooks,native_expandable,native_async"
 
 
 @dataclass
@@ -185,9 +185,9 @@ def _traces(out: str) -> List[Step]:
     # The traces stay outside the output folder, which takes few files: one archive goes back.
     traces = os.path.join(tempfile.gettempdir(), "pyalloc-session-traces")
     return [
-        Step("memory histories (native, native_expandable)", [
+        Step("memory histories (native, native_expandable), and pyalloc's live run of each", [
             PY, "-m", "benchmarks.gpu", "--no-timing", "--traces", "--trace-allocators",
-            "native,native_expandable", "--only", "llm_train", "bert_infer", "generate",
+            "native,native_expandable,pyalloc", "--only", "bert_infer", "llm_train", "generate",
             "--trace-dir", traces, "--out-dir", out, "--name", "traces", "--fresh"]),
         Step("replay of the histories", ["bash", "-c",
              f'{shlex.quote(PY)} -m pyalloc replay --no-search --json "$0"/traces-replay.json "$1"/*.pickle',
@@ -202,7 +202,8 @@ def _batch(out: str) -> List[Step]:
     return [Step("largest batch under a budget", [
         PY, "-m", "benchmarks.gpu", "--no-timing", "--budget-search", "--budget", "16GiB",
         "--max-probes", "4", "--search-tolerance", "0.1", "--allocators", ALLOCATORS,
-        "--only", "bert_infer", "llm_train_bf16_ckpt", "--out-dir", out, "--name", "batch", "--fresh"])]
+        "--parallel", str(len(ALLOCATORS.split(","))),
+        "--only", "bert_infer", "llm_train_bf16_ckpt", "generate", "--out-dir", out, "--name", "batch", "--fresh"])]
 
 
 STAGES: List[Stage] = [
@@ -215,11 +216,12 @@ STAGES: List[Stage] = [
     Stage("steps", 120, f"python -m benchmarks.gpu --quick, allocators {ALLOCATORS}: control_transformer, "
           "llm_train (step times, peak allocated and reserved) -> steps.json/.md/plots",
           _bench("steps", ["control_transformer", "llm_train"])),
-    Stage("traces", 140, "memory histories of llm_train, bert_infer, generate under native and "
-          "native_expandable; pyalloc replay --json -> traces.json, traces-replay.json, traces.tar.gz",
+    Stage("traces", 160, "memory histories of llm_train, bert_infer, generate under native and "
+          "native_expandable, and pyalloc's live run of each; pyalloc replay --json -> traces.json, traces-replay.json, traces.tar.gz",
           _traces, bridge=False),
-    Stage("batch", 180, f"largest batch under 16 GiB for bert_infer and llm_train_bf16_ckpt, allocators "
-          f"{ALLOCATORS} -> batch.json/.md", _batch),
+    Stage("batch", 200, f"largest batch under 16 GiB for bert_infer, llm_train_bf16_ckpt and generate, "
+          f"allocators {ALLOCATORS}, searched side by side (each probe capped at 16 GiB) -> batch.json/.md",
+          _batch),
     Stage("diagnose", 240, "only when a GPU check died by a signal: tests/gpu/diagnose_exceptions.sh (the C++ "
           "runtime of each library, throws with and without torch on both routes and strategies, cuda-gdb, a "
           "rebuild with the system g++)", _diagnose, in_window=False),

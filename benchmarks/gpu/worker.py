@@ -1,6 +1,6 @@
 """One workload under one allocator, in a process of its own.
 
-    python -m benchmarks.gpu.worker --workload NAME --allocator native|pyalloc|pyalloc_hooks|native_expandable
+    python -m benchmarks.gpu.worker --workload NAME --allocator native|pyalloc|pyalloc_hooks|native_expandable|native_async
         --device cuda|cpu --result OUT.json [--size N] [--steps N] [--warmup N] [--seed N]
         [--budget BYTES] [--probe --probe-steps N] [--trace FILE] [--smoke] [--quick]
     python -m benchmarks.gpu.worker --info  --device cuda --result OUT.json
@@ -12,8 +12,8 @@ lets a process swap its CUDA allocator only before the first allocation:
 builds, else the C hooks), ``pyalloc_hooks`` via ``install(bridge=False)``
 (CUDAPluggableAllocator's C hooks); the result records the route really used
 (``pyalloc_route``). ``native_expandable`` is the native allocator with
-``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which the parent sets in
-this process's environment. A budget caps the native allocator with
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` and ``native_async`` PyTorch's
+``backend:cudaMallocAsync``, each set by the parent in this process's environment. A budget caps the native allocator with
 ``torch.cuda.set_per_process_memory_fraction(budget / total)`` and pyalloc with
 ``install(max_pool_size=budget)``.
 
@@ -42,9 +42,11 @@ import torch
 
 from .._env import cpu_model
 
-ALLOCATORS = ("native", "pyalloc", "pyalloc_hooks", "native_expandable")
+ALLOCATORS = ("native", "pyalloc", "pyalloc_hooks", "native_expandable", "native_async")
 #: pyalloc by its default route, and pyalloc through the C hooks.
 PYALLOC_ALLOCATORS = ("pyalloc", "pyalloc_hooks")
+#: PyTorch's own allocator under another setting: the PYTORCH_CUDA_ALLOC_CONF each needs.
+NATIVE_CONF = {"native_expandable": "expandable_segments:True", "native_async": "backend:cudaMallocAsync"}
 
 # memory_stats() keys worth keeping beside the peaks (same keys under both allocators).
 STAT_KEYS = (
@@ -104,9 +106,9 @@ def install_allocator(allocator: str, budget: int, conf: Dict[str, str]) -> None
         if allocator == "pyalloc_hooks":
             config["bridge"] = False
         pyalloc.install(**config)
-    elif allocator == "native_expandable":
-        if "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-            raise RuntimeError("native_expandable needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    elif allocator in NATIVE_CONF:
+        if NATIVE_CONF[allocator] not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+            raise RuntimeError(f"{allocator} needs PYTORCH_CUDA_ALLOC_CONF={NATIVE_CONF[allocator]}")
 
 
 class Memory:
@@ -226,7 +228,10 @@ def run_steps(args, spec, device, result: Dict[str, Any]) -> None:
     result["size"] = args.size
     result["phase"] = "build"
     t0 = time.perf_counter()
-    runner = spec.build(device, args.size, args.smoke)
+    # Built on the device itself: GPT-2 medium's random initialisation took 15-19 s of a
+    # 20 s run on the CPU (H200, 2026-11-28), and each batch-search probe pays it again.
+    with device:
+        runner = spec.build(device, args.size, args.smoke)
     _sync(device)
     result.update(build_s=time.perf_counter() - t0, params=runner.params, config=runner.config)
     rng = random.Random(f"{args.seed}:{spec.name}")
