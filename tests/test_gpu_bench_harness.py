@@ -139,6 +139,23 @@ def test_parse_budget():
             parse_budget(bad, 80 * GiB)
 
 
+def test_the_native_cap_names_the_device_by_index_as_torch_requires(monkeypatch):
+    """The first batch search on an H200 lost every native probe: the worker passed
+    torch.device("cuda"), which torch's own device check refuses. The fake below runs that
+    check (pure Python, the same on a CPU build) and records what it was given."""
+    from torch.cuda._utils import _get_device_index
+
+    calls = []
+    props = type("Props", (), {"total_memory": 64 * GiB})()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: (_get_device_index(d), props)[1])
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda f, d=None: calls.append((f, _get_device_index(d))))
+    assert worker.cap_native(torch.device("cuda"), 16 * GiB) == 0.25
+    assert worker.cap_native(torch.device("cuda", 0), 128 * GiB) == 1.0  # never above the device
+    assert calls == [(0.25, 0), (1.0, 0)]
+
+
 def test_select_names_and_groups():
     assert workloads.select(None) == list(workloads.SPECS)
     assert workloads.select(["control_transformer", "alloc_speed"]) == ["alloc_speed", "control_transformer"]

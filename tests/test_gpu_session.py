@@ -34,23 +34,23 @@ def test_the_plan_lists_every_stage_and_splits_a_window_into_commands_that_fit(c
         assert session.command_cost([stage]) <= session.COMMAND_LIMIT_S, stage.name
     # 15 minutes of device time: a bare machine's command, then one on the warm machine.
     first, second, later = session.window_plan([s for s in session.STAGES if s.in_window])
-    assert [s.name for s in first] == ["doctor", "tests"] and [s.name for s in second] == ["speed"]
-    assert [s.name for s in later] == ["steps", "traces", "batch"]
+    assert [s.name for s in first] == ["doctor", "tests", "speed"] and [s.name for s in second] == ["steps"]
+    assert [s.name for s in later] == ["traces", "batch"]
     assert session.command_cost(first) <= session.COMMAND_LIMIT_S
     assert (session.START_S + session.command_cost(first) + session.TURNAROUND_S
             + session.command_cost(second, warm=True) + session.END_MARGIN_S) <= session.DEVICE_TIME_S
-    assert lines[len(ORDER) + 1].startswith("command 1: --stages doctor,tests --limit 560 ")
-    assert lines[len(ORDER) + 2].startswith("command 2, on the warm machine within 30 s: --stages speed ")
-    assert lines[-1] == "next window: steps,traces,batch"
+    assert lines[len(ORDER) + 1].startswith("command 1: --stages doctor,tests,speed --limit 560 ")
+    assert lines[len(ORDER) + 2].startswith("command 2, on the warm machine within 30 s: --stages steps ")
+    assert lines[-1] == "next window: traces,batch"
 
     # What is left, for the next window: --plan --stages.
-    assert session.main(["--plan", "--stages", "steps,traces,batch"]) == 0
+    assert session.main(["--plan", "--stages", "traces,batch"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-3].startswith("command 1: --stages steps,traces ") and lines[-1] == "next window: nothing"
+    assert lines[-3].startswith("command 1: --stages traces ") and lines[-1] == "next window: nothing"
     assert lines[-2].startswith("command 2, on the warm machine within 30 s: --stages batch ")
 
     # No first command: no warm machine for a second, though the stage would fit one.
-    first, second, later = session.window_plan([Stage("a", 450, "x", lambda out: [])])
+    first, second, later = session.window_plan([Stage("a", 500, "x", lambda out: [])])
     assert first == [] and second == [] and [s.name for s in later] == ["a"]
     too_long = [Stage("a", 540, "x", lambda out: []), Stage("b", 30, "x", lambda out: [])]
     assert session.main(["--plan"], stages=too_long) == 1
@@ -255,6 +255,28 @@ def test_a_stage_past_its_limit_is_killed_with_its_children_and_says_so(tmp_path
     assert lines[-5:] == ["passed: nothing", "failed: hangs", "  hangs: killed at the stage's limit",
                           "did not run: after (the stage's limit was reached)", "stage slow: KILLED at its limit"]
     _assert_gone(int(pid_file.read_text()))
+
+
+def test_a_step_with_time_kept_for_the_next_is_killed_early_and_the_next_still_run(tmp_path):
+    # The first H200 window lost every memory history it recorded: the recording ran to the
+    # stage's limit and the archive step after it never ran.
+    stage = Stage("kept", 4, "records, then archives", lambda out: [
+        Step("records", _py("import time; time.sleep(120)"), reserve_s=2),
+        Step("archives", _py("print('archived')"))])
+    start = time.monotonic()
+    assert not run_stage(stage, str(tmp_path), echo=False, describe=lambda: [])
+    assert time.monotonic() - start < 30
+    lines = _log(tmp_path, "kept")
+    assert "archived" in lines
+    assert any(line.startswith("-- killed after ") and "its limit (2 s of the stage's kept" in line for line in lines)
+    assert "  records: killed at its limit (2 s of the stage's kept for the steps after it)" in lines
+    assert "passed: archives" in lines
+
+
+def test_the_traces_stage_keeps_time_for_its_replay_and_archive():
+    steps = session.stage_named("traces").steps("/tmp/out")
+    assert steps[0].reserve_s > 0 and [s.reserve_s for s in steps[1:]] == [0] * (len(steps) - 1)
+    assert any("tar" in s.argv for s in steps[1:])
 
 
 def _starts_a_stubborn_child(pid_file, says):

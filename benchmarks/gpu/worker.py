@@ -270,6 +270,18 @@ def run_steps(args, spec, device, result: Dict[str, Any]) -> None:
     )
 
 
+def cap_native(device: torch.device, budget: int) -> float:
+    """Caps PyTorch's own allocator (native, expandable segments, cudaMallocAsync) at
+    `budget` bytes of `device`; returns the fraction set. torch wants the device's index:
+    a bare torch.device("cuda") is refused ("Expected a torch.device with a specified
+    index"), which ended every native probe of the first batch search on an H200."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    fraction = min(1.0, budget / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return fraction
+
+
 def run(args, result: Dict[str, Any]) -> None:
     """Everything after the allocator is in place; fills `result`."""
     from .workloads import SPECS, alloc_speed
@@ -281,8 +293,7 @@ def run(args, result: Dict[str, Any]) -> None:
         result.update(device_info(device))
         return
     if device.type == "cuda" and args.budget and args.allocator not in PYALLOC_ALLOCATORS:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget / total), device)
+        cap_native(device, args.budget)
     torch.set_float32_matmul_precision("high")  # TF32 matmuls, as most GPU training runs
     if device.type == "cpu" and args.smoke:
         torch.set_num_threads(1)  # tiny models gain nothing from threads and lose a lot on a busy machine
