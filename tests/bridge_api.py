@@ -155,6 +155,7 @@ class BridgeApi:
         ptr = get(version)
         if not ptr:
             raise RuntimeError(f"pyalloc offers no bridge API of version {version}")
+        self.pointer = ptr  # the table's address, as the bridge holds it
         self.table = ptr.contents
 
     def __getattr__(self, name):

@@ -798,3 +798,71 @@ def test_block_context_is_the_tag_malloc_was_given(api, fake):
     for ptr in (p, q, g):
         assert api.free(ptr, 0) == OK
     assert api.block_context(p) == 0  # freed
+
+
+# -- the bridge's allocation step (csrc/torch_bridge/allocate.h), built without torch --------
+
+ALLOCATE_HARNESS = r'''
+#include <cstdio>
+#include "torch_bridge/allocate.h"
+
+// The bridge's alloc() with the OOM observers replaced by `observer`.
+extern "C" int harness_alloc(const pyalloc_bridge_api* api, uint64_t size, void (*observer)(void),
+                             char* message, size_t len, uint64_t* requested) {
+  void* out = nullptr;
+  pyalloc_bridge::AllocFailure failure;
+  int status = pyalloc_bridge::allocate(api, 0, size, nullptr, 0, &out, &failure,
+                                        [&](const pyalloc_bridge::AllocFailure&) { observer(); });
+  std::snprintf(message, len, "%s", failure.message.c_str());
+  *requested = failure.oom.requested;
+  if (status == PYALLOC_OK && out != nullptr) api->free(out, 0);
+  return status;
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def allocate_step(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the bridge's allocation step")
+    d = tmp_path_factory.mktemp("allocate")
+    (d / "harness.cpp").write_text(ALLOCATE_HARNESS)
+    lib = d / "harness.so"
+    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-Wall", "-Werror", "-I", HEADER_DIR,
+                    str(d / "harness.cpp"), "-o", str(lib)], check=True, capture_output=True, text=True)
+    harness = ctypes.CDLL(str(lib)).harness_alloc
+    harness.restype = ctypes.c_int
+    harness.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
+                        ctypes.POINTER(ctypes.c_uint64)]
+    return harness
+
+
+def test_bridge_oom_message_survives_an_observer_that_calls_pyalloc(api, fake, allocate_step):
+    # Regression: through the bridge, torch.cuda.OutOfMemoryError('') on the
+    # GPU. PyTorch's OOM observer (the dump of _record_memory_history) takes a
+    # snapshot, the next call into pyalloc on the thread; it succeeds and so
+    # clears the thread's last error before the bridge read it.
+    _, live, _ = api.malloc(8 * MiB)
+    seen = []
+
+    def observer():
+        seen.append(len(api.snapshot(0)))
+        seen.append(api.error())  # what the thread's last error is now
+
+    callback = ctypes.CFUNCTYPE(None)(observer)
+    message = ctypes.create_string_buffer(4096)
+    requested = ctypes.c_uint64()
+    status = allocate_step(ctypes.cast(api.pointer, ctypes.c_void_p), 10 * CAPACITY,
+                           ctypes.cast(callback, ctypes.c_void_p), message, len(message), ctypes.byref(requested))
+    assert status == OUT_OF_MEMORY
+    assert seen and seen[0] >= 1 and seen[1] == "", seen  # the observer ran, and cleared the error
+    assert message.value.decode().startswith("CUDA out of memory. Tried to allocate "), message.value
+    assert requested.value == 10 * CAPACITY
+    # Only an out-of-memory error runs the observers; another error keeps its message too.
+    seen.clear()
+    status = allocate_step(ctypes.cast(api.pointer, ctypes.c_void_p), MiB,
+                           ctypes.cast(callback, ctypes.c_void_p), message, len(message), ctypes.byref(requested))
+    assert (status, seen, message.value) == (OK, [], b"")
+    assert api.free(live, 0) == OK
+

@@ -55,6 +55,7 @@
 #include <torch/version.h>
 
 #include "cuda/bridge_api.h"
+#include "torch_bridge/allocate.h"
 
 #define PYALLOC_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||          \
@@ -86,15 +87,15 @@ std::string last_error() { return api->last_error(); }
 
 // An error from pyalloc as PyTorch's exception: out of memory as
 // c10::OutOfMemoryError (torch.cuda.OutOfMemoryError in Python), the rest
-// as c10::Error (RuntimeError). The message is pyalloc's own.
-[[noreturn]] void raise(int status) {
-  std::string msg = last_error();
+// as c10::Error (RuntimeError). The message is pyalloc's own, read by the
+// caller right after the failed call (the next call on this thread clears it).
+[[noreturn]] void raise(int status, const std::string& msg) {
   if (status == PYALLOC_OUT_OF_MEMORY) TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
   TORCH_CHECK(false, msg.rfind("pyalloc", 0) == 0 ? msg : "pyalloc: " + msg);
 }
 
 void check(int status) {
-  if (status != PYALLOC_OK) raise(status);
+  if (status != PYALLOC_OK) raise(status, last_error());
 }
 
 // For callers that must not throw (deleters, destructors): said on stderr.
@@ -181,11 +182,11 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
     uint64_t tag = 0;
     if (recording(cca::RecordContext::STATE)) tag = contexts_.add(gather());
     void* out = nullptr;
-    pyalloc_oom_info oom{};
-    int status = api->malloc(device, size, stream, tag, &out, &oom);
-    if (status == PYALLOC_OK) return out;
-    if (status == PYALLOC_OUT_OF_MEMORY) tell_observers(device, oom);
-    raise(status);
+    AllocFailure failure;
+    int status = pyalloc_bridge::allocate(api, device, size, stream, tag, &out, &failure,
+                                          [&](const AllocFailure& f) { tell_observers(device, f.oom); });
+    if (status != PYALLOC_OK) raise(failure.status, failure.message);
+    return out;
   }
 
   // As PyTorch's allocator does, before the error. A request refused at once
