@@ -23,7 +23,7 @@ from pyalloc import _C
 
 from bridge_api import INVALID, OK, OUT_OF_MEMORY, Api, BlockInfo, BridgeApi, DeviceStats
 from bridge_api import FILTER_FN, LiveBlock, OomInfo, SegmentInfo, TraceEntry, checkpoint, restore
-from bridge_api import OWNER_NONE, OWNER_OTHER, OWNER_POOLS, VERSION
+from bridge_api import OWNER_NONE, OWNER_OTHER, OWNER_POOLS, VERSION, MemoryUsage
 
 MiB = 1 << 20
 CAPACITY = 64 * MiB
@@ -68,6 +68,7 @@ def test_the_header_and_its_ctypes_mirror_agree(tmp_path):
         "pyalloc_oom_info": OomInfo, "pyalloc_device_stats": DeviceStats,
         "pyalloc_block_info": BlockInfo, "pyalloc_segment_info": SegmentInfo,
         "pyalloc_trace_entry": TraceEntry, "pyalloc_live_block": LiveBlock,
+        "pyalloc_memory_usage": MemoryUsage,
         "pyalloc_bridge_api": Api,
     }
     lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "cuda/bridge_api.h"',
@@ -866,3 +867,32 @@ def test_bridge_oom_message_survives_an_observer_that_calls_pyalloc(api, fake, a
     assert (status, seen, message.value) == (OK, [], b"")
     assert api.free(live, 0) == OK
 
+
+# -- what the bridge tells PyTorch's profiler ---------------------------------------------
+
+
+def test_memory_usage_gives_the_profiler_what_pytorchs_allocator_reports(api, fake):
+    # PyTorch's allocator reports (ptr, block bytes, allocated, reserved, device)
+    # at each malloc and (ptr, -block bytes, ...) at each free: the bridge asks
+    # memory_usage for those figures.
+    assert api.size >= Api.memory_usage.offset + ctypes.sizeof(ctypes.c_void_p)
+    _, p, _ = api.malloc(3 * MiB + 1)
+    _, q, _ = api.malloc(1000)
+    stats = api.stats(0)
+    u = api.memory_usage(p, device=0)
+    assert u.device == 0 and u.size >= 3 * MiB + 1
+    assert (u.allocated, u.reserved) == (stats["allocated_bytes.all.current"], stats["reserved_bytes.all.current"])
+    small = api.memory_usage(q)  # device -1: the allocation's device
+    assert small.device == 0 and 1000 <= small.size < MiB
+    assert u.size + small.size == stats["allocated_bytes.all.current"]  # the bytes allocated_bytes counts
+    assert api.free(p, 0) == OK
+    after = api.memory_usage(device=0)  # the free's report: the device's figures after it
+    assert (after.size, after.allocated) == (0, stats["allocated_bytes.all.current"] - u.size)
+    assert after.reserved == api.stats(0)["reserved_bytes.all.current"]
+    gone = api.memory_usage(p)  # freed: no allocation, no device to ask about
+    assert (gone.device, gone.size, gone.allocated, gone.reserved) == (-1, 0, 0, 0)
+    assert api.memory_usage(0xDEAD0000).size == 0
+    assert api.memory_usage(device=5).allocated == 0  # a device without pools
+    assert api.table.memory_usage(-7, None, ctypes.byref(MemoryUsage())) == INVALID
+    assert api.free(q, 0) == OK
+    assert not BridgeApi(1).table.memory_usage  # not in version 1's table

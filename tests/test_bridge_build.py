@@ -57,11 +57,16 @@ def test_check_build_compiles_and_links_against_the_installed_torch(tmp_path, re
     if shutil.which("nm") is not None:
         # What only a GPU can show working, seen here in what the bridge links to:
         # it registers itself for the CUDA device type (torch.accelerator's
-        # memory calls), and recordStream tells storages that own nothing apart.
+        # memory calls), recordStream tells storages that own nothing apart, and
+        # it reports allocations, frees and out-of-memory errors to PyTorch's
+        # profiler (tests/gpu/profiler_memory.py sees them).
         imports = subprocess.run(["nm", "-D", "-C", "--undefined-only", built[0]], capture_output=True,
                                  text=True, check=True).stdout
         assert "c10::SetAllocator(" in imports and "c10::GetAllocator(" in imports
         assert "c10::detail::deleteNothing(" in imports
+        assert "c10::memoryProfilingEnabled()" in imports
+        assert "c10::reportMemoryUsageToProfiler(" in imports
+        assert "c10::reportOutOfMemoryToProfiler(" in imports
 
 
 @pytest.mark.skipif(shutil.which("cc") is None or shutil.which("nm") is None,
