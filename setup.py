@@ -11,6 +11,7 @@ import sys
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
 from setuptools import setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 VERSION = "0.1.0"
@@ -33,10 +34,14 @@ def _toolchain():
 
 # The compiler must use the C++ runtime torch uses (the system g++'s), or an exception
 # unwound from pyalloc through torch's frames crashes: pyalloc/_toolchain.py says why.
-# CC and CXX set in the environment still win.
+# CC and CXX set in the environment win unless they link a private copy of it; the
+# library built is checked too (PYALLOC_ALLOW_PRIVATE_RUNTIME=1 turns both off).
 toolchain = _toolchain()
-CXX, CXX_WHY = toolchain.use_for_setup(os.environ)
-print(f"pyalloc: C++ compiler: {toolchain.identity(CXX) if CXX else 'none'} ({CXX_WHY})", file=sys.stderr)
+CHOICE = toolchain.use_for_setup(os.environ)
+if CHOICE.notice:
+    print(CHOICE.notice, file=sys.stderr)
+print(f"pyalloc: C++ compiler: {toolchain.identity(CHOICE.cxx) if CHOICE.cxx else 'none'} ({CHOICE.why})",
+      file=sys.stderr)
 # csrc/ holds one folder per layer (csrc/README.md). Everything but the bridge,
 # which is built later against the installed torch, goes into pyalloc._C.
 LAYERS = ("core", "backends", "cuda", "replay", "python")
@@ -69,7 +74,7 @@ ext = Pybind11Extension(
 
 # The bridge is compiled later, against the torch the user has (pyalloc/bridge.py):
 # its sources travel inside the package, where an installed pyalloc finds them.
-BRIDGE_SOURCES = ("torch_bridge/bridge.cpp", "cuda/bridge_api.h")
+BRIDGE_SOURCES = ("torch_bridge/bridge.cpp", "torch_bridge/allocate.h", "cuda/bridge_api.h")
 
 
 class BuildPyWithBridgeSources(build_py):
@@ -81,4 +86,5 @@ class BuildPyWithBridgeSources(build_py):
             self.copy_file(os.path.join(here, "csrc", rel), target)
 
 
-setup(version=VERSION, ext_modules=[ext], cmdclass={"build_py": BuildPyWithBridgeSources})
+setup(version=VERSION, ext_modules=[ext],
+      cmdclass={"build_py": BuildPyWithBridgeSources, "build_ext": toolchain.checked_build_ext(build_ext, CHOICE.refused)})

@@ -11,8 +11,10 @@ It is compiled against the installed torch with ``torch.utils.cpp_extension``
 version and per compiler. It needs a C++ compiler and the CUDA runtime's
 headers, from a CUDA toolkit or from the CUDA runtime wheel a CUDA build of
 torch depends on. The compiler is the system g++ unless $CXX names another
-(pyalloc/_toolchain.py: the bridge throws c10 exceptions into torch's frames,
-which must share torch's C++ runtime).
+that links the shared C++ runtime (pyalloc/_toolchain.py: the bridge throws c10
+exceptions into torch's frames, which must share torch's C++ runtime); the
+library built is read before it is used, and one with a private runtime is
+deleted and refused (PYALLOC_ALLOW_PRIVATE_RUNTIME=1 allows both).
 
 The command line: ``pyalloc bridge build [--check]`` and ``pyalloc bridge status``.
 """
@@ -121,10 +123,17 @@ def _import_torch():
     return torch
 
 
-def compiler() -> Tuple[Optional[str], str]:
-    """(compiler, why) the bridge is built with: $CXX, else the system g++, else g++ or
-    c++ on PATH (pyalloc/_toolchain.py)."""
+def compiler_choice() -> "_toolchain.Choice":
+    """The compiler the bridge is built with, how it was chosen, and any compiler set
+    aside for linking a private C++ runtime (pyalloc/_toolchain.py)."""
     return _toolchain.choose_cxx()
+
+
+def compiler() -> Tuple[Optional[str], str]:
+    """(compiler, why) the bridge is built with: $CXX unless it links a private C++
+    runtime, else the system g++, else g++ or c++ on PATH (pyalloc/_toolchain.py)."""
+    choice = compiler_choice()
+    return choice.cxx, choice.why
 
 
 def compiler_identity() -> str:
@@ -224,9 +233,12 @@ def missing_prerequisite(torch: Any = None, check: bool = False) -> Optional[str
         return ("the CUDA runtime's headers (cuda_runtime_api.h) were found neither in a CUDA toolkit "
                 "(CUDA_HOME, nvcc, /usr/local/cuda) nor in an nvidia CUDA runtime wheel; install "
                 "the CUDA toolkit, or the CUDA runtime wheel torch names (pip show torch)")
-    cxx, why = compiler()
+    choice = compiler_choice()
+    cxx, why = choice.cxx, choice.why
     if cxx is None or shutil.which(cxx) is None:
         return "no C++ compiler to build the bridge with: " + (why if cxx is None else f"$CXX={cxx} is not found")
+    if choice.refused:
+        return choice.refused
     try:
         import ninja  # noqa: F401
     except ImportError:
@@ -278,7 +290,10 @@ def build(check: bool = False, verbose: bool = False) -> BuildResult:
     if not os.path.isfile(os.path.join(torch_include, "c10", "cuda", "impl", "cuda_cmake_macros.h")):
         cflags.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
     # torch.utils.cpp_extension compiles and links with $CXX.
-    cxx, _ = compiler()
+    choice = compiler_choice()
+    cxx = choice.cxx
+    if choice.notice and _built_library(build_dir) is None:
+        print(choice.notice, file=sys.stderr, flush=True)
     saved_cxx = os.environ.get("CXX")
     os.environ["CXX"] = cxx
     try:
@@ -297,6 +312,7 @@ def build(check: bool = False, verbose: bool = False) -> BuildResult:
         library = _built_library(build_dir)
         if not check or library is None:
             raise BridgeUnavailable(f"the bridge was built but cannot be loaded: {e}") from e
+        _refuse_a_private_runtime(library)
         missing = _unresolved_outside_cuda(library)
         if missing:
             raise BridgeUnavailable(
@@ -315,12 +331,26 @@ def build(check: bool = False, verbose: bool = False) -> BuildResult:
         else:
             os.environ["CXX"] = saved_cxx
     library = _built_library(build_dir) or getattr(module, "__file__", "")
+    _refuse_a_private_runtime(library)
     if check:
         return BuildResult(library, module, cuda, torch.__version__,
                            f"the bridge compiles, links and loads against torch {torch.__version__}")
     return BuildResult(library, module, cuda, torch.__version__,
                        f"the bridge is built for torch {torch.__version__} with {_toolchain.identity(cxx)}: "
                        f"{library}")
+
+
+def _refuse_a_private_runtime(library: str) -> None:
+    """Deletes a bridge built with a private C++ runtime (an LDFLAGS or a compiler
+    the probe missed) and says why: it must never be used, nor found in the cache."""
+    problem = _toolchain.private_runtime_problem(library, "the bridge")
+    if problem is None:
+        return
+    try:
+        os.remove(library)
+    except OSError:
+        pass
+    raise BridgeUnavailable(problem)
 
 
 _loaded: Any = None

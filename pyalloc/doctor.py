@@ -4,7 +4,9 @@ It reports whether a C++ exception thrown inside pyalloc._C reaches Python (in a
 child process: a build whose exceptions crash would crash on every error); for
 pyalloc._C, the bridge and torch's libraries, the compiler that built each, any
 RUNPATH, and whether one holds a private copy of the C++ runtime (readelf: a mix
-is not ready, since exceptions cross from pyalloc into torch's frames); the
+is not ready, since exceptions cross from pyalloc into torch's frames), with the
+compiler a build would take now and any CC or CXX it sets aside for linking a
+private runtime (or PYALLOC_ALLOW_PRIVATE_RUNTIME=1, which keeps them); the
 CUDA driver and its version; each device with its memory, virtual memory support
 and peers; the installed PyTorch (a CUDA build or not, the hooks its pluggable
 allocator offers, whether CUDA is already initialised in this process); the
@@ -337,9 +339,17 @@ def check_runtime(r: Report, libraries: Optional[List[Any]] = None, readelf: str
     C++ runtime: pyalloc's exceptions unwind through torch's frames, so pyalloc's
     libraries must use the C++ runtime torch uses. ``libraries`` ((label, path)
     pairs) and ``readelf`` replace the real ones (tests)."""
-    cxx, why = _toolchain.choose_cxx()
-    r.line("compiler: " + (f"{_toolchain.identity(cxx)} ({why})" if cxx else why)
+    choice = _toolchain.choose_cxx()
+    r.line("compiler: " + (f"{_toolchain.identity(choice.cxx)} ({choice.why})" if choice.cxx else choice.why)
            + " builds pyalloc._C and the bridge")
+    if choice.notice:
+        r.line(f"          {choice.notice[len('pyalloc: '):]}")
+    if choice.refused:
+        r.line(f"          refused: {choice.refused}")
+    allowed = _toolchain.allow_private()
+    if allowed:
+        r.line(f"          {_toolchain.ALLOW_PRIVATE_ENV}=1: compilers and the libraries they build are "
+               "not checked for a private C++ runtime")
     found = shutil.which(readelf)
     if found is None:
         r.line(f"runtime:  {readelf} is not found (binutils): which C++ runtime each library uses "
@@ -362,8 +372,9 @@ def check_runtime(r: Report, libraries: Optional[List[Any]] = None, readelf: str
                                                if info.private else "the shared one"))
     problems = _toolchain.runtime_problems(ours, theirs)
     for text in problems:
-        r.problem(f"{text}: rebuild with the system g++ (unset CC and CXX, or CXX=/usr/bin/g++; "
-                  "python setup.py build_ext --inplace --force; pyalloc bridge build)")
+        r.problem(f"{text}: rebuild with the system g++ (python setup.py build_ext --inplace --force; "
+                  "pyalloc bridge build: both set aside a CC or CXX that links a private C++ runtime"
+                  + (f", once {_toolchain.ALLOW_PRIVATE_ENV} is unset)" if allowed else ")"))
     if problems:
         r.line("          a mix: an exception from pyalloc would unwind through torch's frames under "
                "another runtime and crash")

@@ -89,6 +89,10 @@ class TraceEntry(c.Structure):
     ]
 
 
+class MemoryUsage(c.Structure):
+    _fields_ = [("device", c.c_int), ("size", c.c_uint64), ("allocated", c.c_uint64), ("reserved", c.c_uint64)]
+
+
 class LiveBlock(c.Structure):
     _fields_ = [("ptr", c.c_uint64), ("size", c.c_uint64), ("stream", c.c_void_p)]
 
@@ -140,6 +144,7 @@ class Api(c.Structure):
         ("record_stream_owned", c.CFUNCTYPE(i32, c.c_void_p, c.c_void_p, i32)),
         ("block_context", c.CFUNCTYPE(i32, c.c_void_p, c.POINTER(u64))),
         ("mark_capture", c.CFUNCTYPE(i32, i32, i32)),
+        ("memory_usage", c.CFUNCTYPE(i32, i32, c.c_void_p, c.POINTER(MemoryUsage))),
     ]
 
 
@@ -155,6 +160,7 @@ class BridgeApi:
         ptr = get(version)
         if not ptr:
             raise RuntimeError(f"pyalloc offers no bridge API of version {version}")
+        self.pointer = ptr  # the table's address, as the bridge holds it
         self.table = ptr.contents
 
     def __getattr__(self, name):
@@ -169,6 +175,11 @@ class BridgeApi:
         oom = OomInfo()
         status = self.table.malloc(device, size, stream, context, c.byref(out), c.byref(oom))
         return status, out.value or 0, oom
+
+    def memory_usage(self, ptr: int = 0, device: int = -1) -> MemoryUsage:
+        out = MemoryUsage()
+        assert self.table.memory_usage(device, ptr or None, c.byref(out)) == OK, self.error()
+        return out
 
     def block_context(self, ptr: int) -> int:
         out = u64()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
+import shutil
 
 import pytest
 
@@ -75,3 +77,31 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+#: A compiler like one that brings its own C++ runtime (/opt/gcc/bin/g++ on some GPU
+#: images): the system g++, linking libstdc++ and libgcc statically into what it links.
+STATIC_RUNTIME_CXX = """#!/bin/sh
+case " $* " in
+  *" -c "*) exec {cxx} "$@" ;;
+esac
+exec {cxx} -static-libstdc++ -static-libgcc "$@"
+"""
+
+
+@pytest.fixture(scope="session")
+def static_runtime_cxx(tmp_path_factory):
+    """The path of a compiler wrapper whose link takes the C++ runtime statically."""
+    cxx = "/usr/bin/g++" if os.path.exists("/usr/bin/g++") else shutil.which("g++")
+    if cxx is None or shutil.which("readelf") is None:
+        pytest.skip("needs g++ and readelf")
+    folder = tmp_path_factory.mktemp("static-runtime") / "bin"
+    folder.mkdir()
+    path = folder / "g++"
+    path.write_text(STATIC_RUNTIME_CXX.format(cxx=cxx))
+    path.chmod(0o755)
+    from pyalloc._toolchain import probe_runtime
+
+    if probe_runtime(str(path)).runtime == "unknown":
+        pytest.skip(f"g++ cannot link the C++ runtime statically here: {probe_runtime(str(path)).detail}")
+    return str(path)

@@ -23,7 +23,7 @@ from pyalloc import _C
 
 from bridge_api import INVALID, OK, OUT_OF_MEMORY, Api, BlockInfo, BridgeApi, DeviceStats
 from bridge_api import FILTER_FN, LiveBlock, OomInfo, SegmentInfo, TraceEntry, checkpoint, restore
-from bridge_api import OWNER_NONE, OWNER_OTHER, OWNER_POOLS, VERSION
+from bridge_api import OWNER_NONE, OWNER_OTHER, OWNER_POOLS, VERSION, MemoryUsage
 
 MiB = 1 << 20
 CAPACITY = 64 * MiB
@@ -68,6 +68,7 @@ def test_the_header_and_its_ctypes_mirror_agree(tmp_path):
         "pyalloc_oom_info": OomInfo, "pyalloc_device_stats": DeviceStats,
         "pyalloc_block_info": BlockInfo, "pyalloc_segment_info": SegmentInfo,
         "pyalloc_trace_entry": TraceEntry, "pyalloc_live_block": LiveBlock,
+        "pyalloc_memory_usage": MemoryUsage,
         "pyalloc_bridge_api": Api,
     }
     lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "cuda/bridge_api.h"',
@@ -798,3 +799,100 @@ def test_block_context_is_the_tag_malloc_was_given(api, fake):
     for ptr in (p, q, g):
         assert api.free(ptr, 0) == OK
     assert api.block_context(p) == 0  # freed
+
+
+# -- the bridge's allocation step (csrc/torch_bridge/allocate.h), built without torch --------
+
+ALLOCATE_HARNESS = r'''
+#include <cstdio>
+#include "torch_bridge/allocate.h"
+
+// The bridge's alloc() with the OOM observers replaced by `observer`.
+extern "C" int harness_alloc(const pyalloc_bridge_api* api, uint64_t size, void (*observer)(void),
+                             char* message, size_t len, uint64_t* requested) {
+  void* out = nullptr;
+  pyalloc_bridge::AllocFailure failure;
+  int status = pyalloc_bridge::allocate(api, 0, size, nullptr, 0, &out, &failure,
+                                        [&](const pyalloc_bridge::AllocFailure&) { observer(); });
+  std::snprintf(message, len, "%s", failure.message.c_str());
+  *requested = failure.oom.requested;
+  if (status == PYALLOC_OK && out != nullptr) api->free(out, 0);
+  return status;
+}
+'''
+
+
+@pytest.fixture(scope="module")
+def allocate_step(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the bridge's allocation step")
+    d = tmp_path_factory.mktemp("allocate")
+    (d / "harness.cpp").write_text(ALLOCATE_HARNESS)
+    lib = d / "harness.so"
+    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-Wall", "-Werror", "-I", HEADER_DIR,
+                    str(d / "harness.cpp"), "-o", str(lib)], check=True, capture_output=True, text=True)
+    harness = ctypes.CDLL(str(lib)).harness_alloc
+    harness.restype = ctypes.c_int
+    harness.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
+                        ctypes.POINTER(ctypes.c_uint64)]
+    return harness
+
+
+def test_bridge_oom_message_survives_an_observer_that_calls_pyalloc(api, fake, allocate_step):
+    # Regression: through the bridge, torch.cuda.OutOfMemoryError('') on the
+    # GPU. PyTorch's OOM observer (the dump of _record_memory_history) takes a
+    # snapshot, the next call into pyalloc on the thread; it succeeds and so
+    # clears the thread's last error before the bridge read it.
+    _, live, _ = api.malloc(8 * MiB)
+    seen = []
+
+    def observer():
+        seen.append(len(api.snapshot(0)))
+        seen.append(api.error())  # what the thread's last error is now
+
+    callback = ctypes.CFUNCTYPE(None)(observer)
+    message = ctypes.create_string_buffer(4096)
+    requested = ctypes.c_uint64()
+    status = allocate_step(ctypes.cast(api.pointer, ctypes.c_void_p), 10 * CAPACITY,
+                           ctypes.cast(callback, ctypes.c_void_p), message, len(message), ctypes.byref(requested))
+    assert status == OUT_OF_MEMORY
+    assert seen and seen[0] >= 1 and seen[1] == "", seen  # the observer ran, and cleared the error
+    assert message.value.decode().startswith("CUDA out of memory. Tried to allocate "), message.value
+    assert requested.value == 10 * CAPACITY
+    # Only an out-of-memory error runs the observers; another error keeps its message too.
+    seen.clear()
+    status = allocate_step(ctypes.cast(api.pointer, ctypes.c_void_p), MiB,
+                           ctypes.cast(callback, ctypes.c_void_p), message, len(message), ctypes.byref(requested))
+    assert (status, seen, message.value) == (OK, [], b"")
+    assert api.free(live, 0) == OK
+
+
+# -- what the bridge tells PyTorch's profiler ---------------------------------------------
+
+
+def test_memory_usage_gives_the_profiler_what_pytorchs_allocator_reports(api, fake):
+    # PyTorch's allocator reports (ptr, block bytes, allocated, reserved, device)
+    # at each malloc and (ptr, -block bytes, ...) at each free: the bridge asks
+    # memory_usage for those figures.
+    assert api.size >= Api.memory_usage.offset + ctypes.sizeof(ctypes.c_void_p)
+    _, p, _ = api.malloc(3 * MiB + 1)
+    _, q, _ = api.malloc(1000)
+    stats = api.stats(0)
+    u = api.memory_usage(p, device=0)
+    assert u.device == 0 and u.size >= 3 * MiB + 1
+    assert (u.allocated, u.reserved) == (stats["allocated_bytes.all.current"], stats["reserved_bytes.all.current"])
+    small = api.memory_usage(q)  # device -1: the allocation's device
+    assert small.device == 0 and 1000 <= small.size < MiB
+    assert u.size + small.size == stats["allocated_bytes.all.current"]  # the bytes allocated_bytes counts
+    assert api.free(p, 0) == OK
+    after = api.memory_usage(device=0)  # the free's report: the device's figures after it
+    assert (after.size, after.allocated) == (0, stats["allocated_bytes.all.current"] - u.size)
+    assert after.reserved == api.stats(0)["reserved_bytes.all.current"]
+    gone = api.memory_usage(p)  # freed: no allocation, no device to ask about
+    assert (gone.device, gone.size, gone.allocated, gone.reserved) == (-1, 0, 0, 0)
+    assert api.memory_usage(0xDEAD0000).size == 0
+    assert api.memory_usage(device=5).allocated == 0  # a device without pools
+    assert api.table.memory_usage(-7, None, ctypes.byref(MemoryUsage())) == INVALID
+    assert api.free(q, 0) == OK
+    assert not BridgeApi(1).table.memory_usage  # not in version 1's table

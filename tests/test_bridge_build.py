@@ -26,24 +26,47 @@ def _headers_or_skip():
     return cuda
 
 
-def test_check_build_compiles_and_links_against_the_installed_torch(tmp_path):
+def test_check_build_compiles_and_links_against_the_installed_torch(tmp_path, request):
     pytest.importorskip("torch")
     _headers_or_skip()
     env = dict(os.environ, PYALLOC_BRIDGE_CACHE=str(tmp_path))
+    env.pop(ALLOW, None)
+    try:
+        static = request.getfixturevalue("static_runtime_cxx")
+    except pytest.skip.Exception:
+        static = None
+    if static is not None and os.path.exists(SYSTEM_GXX):
+        # As on a GPU image whose CXX links the C++ runtime statically: set aside.
+        env["CXX"] = static
+    else:
+        static = None
     out = subprocess.run([sys.executable, "-m", "pyalloc", "bridge", "build", "--check"],
                          capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "compiles and links against torch" in out.stdout
     built = [os.path.join(d, f) for d, _, files in os.walk(tmp_path) for f in files if f.endswith(".so")]
     assert built, "no shared object was written"
+    if static is not None:
+        assert f"pyalloc: $CXX={static} would give pyalloc a private copy of the C++ runtime" in out.stderr, \
+            out.stderr
+    if shutil.which("readelf") is not None:
+        from pyalloc._toolchain import read_runtime
+
+        info = read_runtime(built[0])
+        assert not info.is_private and "libstdc++.so.6" in info.needed, info
     if shutil.which("nm") is not None:
         # What only a GPU can show working, seen here in what the bridge links to:
         # it registers itself for the CUDA device type (torch.accelerator's
-        # memory calls), and recordStream tells storages that own nothing apart.
+        # memory calls), recordStream tells storages that own nothing apart, and
+        # it reports allocations, frees and out-of-memory errors to PyTorch's
+        # profiler (tests/gpu/profiler_memory.py sees them).
         imports = subprocess.run(["nm", "-D", "-C", "--undefined-only", built[0]], capture_output=True,
                                  text=True, check=True).stdout
         assert "c10::SetAllocator(" in imports and "c10::GetAllocator(" in imports
         assert "c10::detail::deleteNothing(" in imports
+        assert "c10::memoryProfilingEnabled()" in imports
+        assert "c10::reportMemoryUsageToProfiler(" in imports
+        assert "c10::reportOutOfMemoryToProfiler(" in imports
 
 
 @pytest.mark.skipif(shutil.which("cc") is None or shutil.which("nm") is None,
@@ -111,6 +134,9 @@ def test_bridge_command_line(capsys):
 
 # -- the compiler: the one whose C++ runtime torch uses ---------------------------------
 
+SYSTEM_GXX = "/usr/bin/g++"
+ALLOW = "PYALLOC_ALLOW_PRIVATE_RUNTIME"
+
 
 def _fake_compiler(folder, name, version):
     folder.mkdir(parents=True, exist_ok=True)
@@ -120,25 +146,110 @@ def _fake_compiler(folder, name, version):
     return str(path)
 
 
+def _no_probe(cxx):
+    raise AssertionError(f"{cxx} was probed")
+
+
 def test_the_system_compiler_is_chosen_over_one_first_on_path(tmp_path):
     from pyalloc._toolchain import choose_cxx
 
     opt = _fake_compiler(tmp_path / "opt" / "gcc" / "bin", "g++", "g++ (GCC) 14.1.0")
     system = _fake_compiler(tmp_path / "usr" / "bin", "g++", "g++ (Ubuntu 13.3.0) 13.3.0")
     path = str(tmp_path / "opt" / "gcc" / "bin")
-    assert choose_cxx({"PATH": path}, system=(system,)) == (system, "the system compiler")
-    assert choose_cxx({"PATH": path, "CXX": "/x/clang++"}, system=(system,)) == ("/x/clang++", "$CXX")
-    cxx, why = choose_cxx({"PATH": path}, system=(str(tmp_path / "none" / "g++"),))
-    assert cxx == opt and why.startswith("found on PATH (no system compiler at "), why
-    assert choose_cxx({"PATH": str(tmp_path / "empty")}, system=())[0] is None
+    # The system compiler is trusted: no probe.
+    choice = choose_cxx({"PATH": path}, system=(system,), probe=_no_probe)
+    assert (choice.cxx, choice.why, choice.notice, choice.refused) == (system, "the system compiler", None, None)
+    # Another on PATH is probed: one that cannot even link is kept, and its build will say why.
+    choice = choose_cxx({"PATH": path}, system=(str(tmp_path / "none" / "g++"),))
+    assert choice.cxx == opt and choice.why.startswith("found on PATH (no system compiler at "), choice
+    assert choice.refused is None
+    assert choose_cxx({"PATH": str(tmp_path / "empty")}, system=()).cxx is None
 
 
-def test_setup_py_takes_the_system_compiler_and_leaves_cc_and_cxx_to_the_user(tmp_path):
+def test_cxx_wins_only_with_the_shared_cxx_runtime(tmp_path):
+    # Regression: on a GPU image CXX=/opt/gcc/bin/g++ named a compiler whose link
+    # takes libstdc++ statically, and $CXX always won: pyalloc._C and the bridge got
+    # a private C++ runtime. $CXX now wins only when its probe shows the shared one.
+    from pyalloc._toolchain import Probe, choose_cxx
+
+    system = _fake_compiler(tmp_path / "usr" / "bin", "g++", "g++ 13")
+    found = {"/x/clang++": Probe("/x/clang++", "shared", "NEEDED libstdc++.so.6"),
+             "/opt/gcc/bin/g++": Probe("/opt/gcc/bin/g++", "private", "__cxa_throw defined in it"),
+             "/x/broken": Probe("/x/broken", "unknown", "it failed to link a test library (exit 1)")}
+    probe = found.__getitem__
+    assert choose_cxx({"CXX": "/x/clang++"}, system=(system,), probe=probe).cxx == "/x/clang++"
+    choice = choose_cxx({"CXX": "/opt/gcc/bin/g++"}, system=(system,), probe=probe)
+    assert choice.cxx == system and choice.refused is None
+    assert choice.why == "the system compiler, not $CXX=/opt/gcc/bin/g++, which links a private C++ runtime"
+    assert choice.notice == (f"pyalloc: $CXX=/opt/gcc/bin/g++ would give pyalloc a private copy of the C++ "
+                             f"runtime (__cxa_throw defined in it); building with {system} instead ({ALLOW}=1 "
+                             "keeps it)")
+    choice = choose_cxx({"CXX": "/opt/gcc/bin/g++", ALLOW: "1"}, system=(system,), probe=_no_probe)
+    assert (choice.cxx, choice.notice) == ("/opt/gcc/bin/g++", None)
+    assert choice.why == f"$CXX; {ALLOW}=1: its C++ runtime is not checked"
+    choice = choose_cxx({"CXX": "/x/broken"}, system=(system,), probe=probe)
+    assert choice.cxx == "/x/broken" and "could not be probed: it failed to link" in choice.why
+    # Nothing to fall back to: refused, with what to do.
+    choice = choose_cxx({"CXX": "/opt/gcc/bin/g++", "PATH": ""}, system=(str(tmp_path / "none"),), probe=probe)
+    assert choice.cxx == "/opt/gcc/bin/g++" and choice.refused.startswith(
+        "$CXX=/opt/gcc/bin/g++ links a private copy of the C++ runtime (__cxa_throw defined in it) and there "
+        "is no system compiler"), choice
+    assert f"set {ALLOW}=1 to build with it anyway" in choice.refused
+    # The only compiler on PATH links a private runtime: refused as well.
+    opt = _fake_compiler(tmp_path / "opt" / "bin", "g++", "g++ 14")
+    choice = choose_cxx({"PATH": str(tmp_path / "opt" / "bin")}, system=(str(tmp_path / "none"),),
+                        probe=lambda cxx: Probe(cxx, "private", "__cxa_throw defined in it"))
+    assert choice.cxx == opt and choice.refused and choice.refused.startswith(f"{opt} (found on PATH")
+
+
+def test_the_probe_tells_a_static_runtime_from_the_shared_one(static_runtime_cxx, tmp_path):
+    from pyalloc._toolchain import probe_runtime
+
+    if not os.path.exists(SYSTEM_GXX):
+        pytest.skip(f"no {SYSTEM_GXX}")
+    shared = probe_runtime(SYSTEM_GXX)
+    assert shared.runtime == "shared" and shared.detail.startswith("NEEDED libstdc++.so"), shared
+    private = probe_runtime(static_runtime_cxx)
+    assert private.runtime == "private", private
+    assert private.detail == ("__cxa_throw, _Unwind_RaiseException defined in it, no NEEDED libstdc++.so"), private
+    c = probe_runtime(shutil.which("gcc") or "gcc")  # a C driver links no C++ runtime
+    assert c.runtime in ("none", "unknown"), c
+    broken = probe_runtime(_fake_compiler(tmp_path, "g++", "g++ 1"))
+    assert broken.runtime == "unknown" and broken.detail.startswith("it failed to link a test library"), broken
+
+
+def test_a_static_runtime_compiler_is_set_aside_for_the_system_one(static_runtime_cxx):
+    from pyalloc._toolchain import choose_cxx, use_for_setup
+
+    if not os.path.exists(SYSTEM_GXX):
+        pytest.skip(f"no {SYSTEM_GXX}")
+    choice = choose_cxx({"CXX": static_runtime_cxx})
+    assert choice.cxx == SYSTEM_GXX and choice.refused is None, choice
+    assert choice.notice.startswith(f"pyalloc: $CXX={static_runtime_cxx} would give pyalloc a private copy of "
+                                    "the C++ runtime (__cxa_throw, _Unwind_RaiseException defined in it"), choice
+    assert choose_cxx({"CXX": static_runtime_cxx, ALLOW: "1"}).cxx == static_runtime_cxx  # the opt-out keeps it
+
+    # setup.py: CC too, as the GPU image set both.
+    env = {"CXX": static_runtime_cxx, "CC": static_runtime_cxx}
+    choice = use_for_setup(env)
+    assert env == {"CXX": SYSTEM_GXX, "CC": SYSTEM_GXX}
+    assert choice.notice.startswith(f"pyalloc: $CXX={static_runtime_cxx} and $CC={static_runtime_cxx} would "
+                                    "give pyalloc a private copy"), choice
+    assert choice.notice.endswith(f"building with {SYSTEM_GXX} instead ({ALLOW}=1 keeps them)"), choice
+    env = {"CXX": static_runtime_cxx, "CC": static_runtime_cxx, ALLOW: "1"}
+    use_for_setup(env)
+    assert env["CXX"] == env["CC"] == static_runtime_cxx
+    env = {"CC": static_runtime_cxx}
+    assert use_for_setup(env).notice.startswith(f"pyalloc: $CC={static_runtime_cxx} would give")
+    assert env == {"CC": SYSTEM_GXX, "CXX": SYSTEM_GXX}
+
+
+def test_setup_py_takes_the_system_compiler_and_sets_aside_a_private_runtime(tmp_path, static_runtime_cxx):
     from pyalloc._toolchain import use_for_setup
 
     system = _fake_compiler(tmp_path / "usr" / "bin", "g++", "g++ 13")
     env = {"PATH": "/opt/gcc/bin"}
-    assert use_for_setup(env, system=(system,)) == (system, "the system compiler")
+    assert use_for_setup(env, system=(system,)).cxx == system
     assert env["CXX"] == system and env["CC"] == system  # setuptools compiles and links with them
     env = {"CC": "/my/gcc"}
     use_for_setup(env, system=(system,))
@@ -148,33 +259,122 @@ def test_setup_py_takes_the_system_compiler_and_leaves_cc_and_cxx_to_the_user(tm
     assert env == {"CXX": "/my/g++", "CC": "/my/g++"}
 
     # setup.py itself says which compiler it builds with, before setuptools runs.
-    opt = tmp_path / "opt" / "gcc" / "bin"
-    _fake_compiler(opt, "g++", "g++ (GCC) 14.1.0")
-    base = {k: v for k, v in os.environ.items() if k not in ("CC", "CXX")}
-    base["PATH"] = os.pathsep.join([str(opt), base.get("PATH", "")])
-    out = subprocess.run([sys.executable, "setup.py", "--name"], capture_output=True, text=True,
-                         env=dict(base, CXX=str(opt / "g++")), cwd=REPO, timeout=120)
-    assert f"pyalloc: C++ compiler: {opt / 'g++'}: g++ (GCC) 14.1.0 ($CXX)" in out.stderr, out.stderr
-    if os.path.exists("/usr/bin/g++"):
+    base = {k: v for k, v in os.environ.items() if k not in ("CC", "CXX", ALLOW)}
+    if os.path.exists(SYSTEM_GXX):
+        out = subprocess.run([sys.executable, "setup.py", "--name"], capture_output=True, text=True,
+                             env=dict(base, CXX=static_runtime_cxx, CC=static_runtime_cxx), cwd=REPO, timeout=120)
+        assert f"pyalloc: $CXX={static_runtime_cxx} and $CC={static_runtime_cxx} would give pyalloc a private " \
+               "copy of the C++ runtime" in out.stderr, out.stderr
+        assert f"pyalloc: C++ compiler: {SYSTEM_GXX}" in out.stderr, out.stderr
+        out = subprocess.run([sys.executable, "setup.py", "--name"], capture_output=True, text=True,
+                             env=dict(base, CXX=static_runtime_cxx, **{ALLOW: "1"}), cwd=REPO, timeout=120)
+        assert f"pyalloc: C++ compiler: {static_runtime_cxx}: " in out.stderr, out.stderr
+        assert "would give pyalloc" not in out.stderr
         out = subprocess.run([sys.executable, "setup.py", "--name"], capture_output=True, text=True,
                              env=base, cwd=REPO, timeout=120)
         assert "pyalloc: C++ compiler: /usr/bin/g++" in out.stderr and "(the system compiler)" in out.stderr, \
             out.stderr
 
 
+# A package built the way setup.py builds pyalloc._C: the same compiler choice and
+# the same checked build_ext (pyalloc/_toolchain.py), around one throwing C++ file.
+TINY_SETUP = """
+import importlib.util, os, sys
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+spec = importlib.util.spec_from_file_location("_toolchain", {toolchain!r})
+toolchain = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = toolchain
+spec.loader.exec_module(toolchain)
+choice = toolchain.use_for_setup(os.environ)
+if choice.notice:
+    print(choice.notice, file=sys.stderr)
+setup(name="tiny", ext_modules=[Extension("tiny", ["tiny.cpp"], language="c++")],
+      cmdclass={{"build_ext": toolchain.checked_build_ext(build_ext, choice.refused)}})
+"""
+TINY_SOURCE = 'extern "C" int tiny_throws(int x) { if (x) throw x; return x; }\n'
+
+
+def _build_tiny(folder, **env):
+    folder.mkdir()
+    (folder / "setup.py").write_text(TINY_SETUP.format(
+        toolchain=os.path.join(REPO, "pyalloc", "_toolchain.py")))
+    (folder / "tiny.cpp").write_text(TINY_SOURCE)
+    base = {k: v for k, v in os.environ.items() if k not in ("CC", "CXX", "LDFLAGS", "LDSHARED", ALLOW)}
+    out = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], capture_output=True,
+                         text=True, cwd=folder, env=dict(base, **env), timeout=300)
+    built = [str(p) for p in folder.rglob("tiny*.so")]
+    return out, built
+
+
+@pytest.mark.slow
+def test_a_build_with_a_private_runtime_falls_back_or_is_refused(tmp_path, static_runtime_cxx):
+    from pyalloc._toolchain import read_runtime
+
+    if not os.path.exists(SYSTEM_GXX):
+        pytest.skip(f"no {SYSTEM_GXX}")
+    # CC and CXX name the static-runtime compiler: built with the system one instead.
+    out, built = _build_tiny(tmp_path / "fallback", CC=static_runtime_cxx, CXX=static_runtime_cxx)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "would give pyalloc a private copy of the C++ runtime" in out.stderr
+    assert built and all(not read_runtime(p).is_private for p in built), [read_runtime(p) for p in built]
+    # A private runtime from elsewhere (LDFLAGS): the library is read, deleted, and the build fails.
+    static = "-static-libstdc++ -static-libgcc"
+    out, built = _build_tiny(tmp_path / "ldflags", LDFLAGS=static)
+    assert out.returncode != 0 and built == [], out.stdout + out.stderr
+    assert "pyalloc: tiny" in out.stderr and "was linked with a private copy of the C++ runtime (__cxa_throw" \
+        in out.stderr, out.stderr
+    # The opt-out keeps both the compiler and what it builds.
+    out, built = _build_tiny(tmp_path / "allowed", CC=static_runtime_cxx, CXX=static_runtime_cxx, **{ALLOW: "1"})
+    assert out.returncode == 0 and "would give" not in out.stderr, out.stdout + out.stderr
+    assert built and all(read_runtime(p).is_private for p in built)
+
+
+def test_the_bridge_sets_aside_a_private_runtime_and_refuses_one_it_built(monkeypatch, tmp_path,
+                                                                          static_runtime_cxx):
+    torch = pytest.importorskip("torch")
+    if not os.path.exists(SYSTEM_GXX):
+        pytest.skip(f"no {SYSTEM_GXX}")
+    monkeypatch.setenv("PYALLOC_BRIDGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(ALLOW, raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    plain = bridge.cache_dir(torch)
+    monkeypatch.setenv("CXX", static_runtime_cxx)
+    cxx, why = bridge.compiler()
+    assert cxx == SYSTEM_GXX and why.endswith(f"not $CXX={static_runtime_cxx}, which links a private C++ runtime")
+    assert bridge.cache_dir(torch) == plain  # the same compiler, the same build
+    assert "not $CXX=" in bridge.status(torch)["compiler"]
+    monkeypatch.setenv(ALLOW, "1")
+    assert bridge.compiler()[0] == static_runtime_cxx
+
+    # What the build checks after linking: a private runtime is deleted and refused.
+    lib = tmp_path / "bridge.so"
+    (tmp_path / "b.cpp").write_text(TINY_SOURCE)
+    subprocess.run([static_runtime_cxx, "-shared", "-fPIC", str(tmp_path / "b.cpp"), "-o", str(lib)], check=True)
+    bridge._refuse_a_private_runtime(str(lib))  # allowed
+    assert lib.exists()
+    monkeypatch.delenv(ALLOW)
+    with pytest.raises(bridge.BridgeUnavailable, match=r"the bridge was linked with a private copy of the C\+\+ "
+                                                        r"runtime \(__cxa_throw"):
+        bridge._refuse_a_private_runtime(str(lib))
+    assert not lib.exists()
+
+
 def test_the_bridge_is_built_with_the_chosen_compiler_and_cached_per_compiler(monkeypatch, tmp_path):
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("PYALLOC_BRIDGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(ALLOW, raising=False)
     one = _fake_compiler(tmp_path / "a", "g++", "g++ (GCC) 13.3.0")
     two = _fake_compiler(tmp_path / "b", "g++", "g++ (GCC) 14.1.0")
     monkeypatch.setenv("CXX", one)
-    assert bridge.compiler() == (one, "$CXX")
+    assert bridge.compiler()[0] == one  # it cannot link: kept, and its build will say why
     assert bridge.compiler_identity() == f"{one}: g++ (GCC) 13.3.0"
     first = bridge.cache_dir(torch)
     assert bridge.cache_dir(torch) == first
     monkeypatch.setenv("CXX", two)
     assert bridge.cache_dir(torch) != first  # another compiler: another build
-    assert bridge.status(torch)["compiler"] == f"{two}: g++ (GCC) 14.1.0 ($CXX)"
+    assert bridge.status(torch)["compiler"].startswith(f"{two}: g++ (GCC) 14.1.0 ($CXX; ")
     monkeypatch.setenv("CXX", str(tmp_path / "nothing" / "g++"))
     why = bridge.missing_prerequisite(torch, check=True)
     if bridge.find_cuda_headers() is not None and why is not None and "older than" not in why:

@@ -323,6 +323,31 @@ def test_doctor_calls_a_mix_of_cxx_runtimes_not_ready(runtimes):
     assert lines[0].startswith("compiler: ") and lines[0].endswith("builds pyalloc._C and the bridge"), lines
 
 
+def test_doctor_names_a_compiler_set_aside_for_its_private_runtime(monkeypatch, runtimes, static_runtime_cxx):
+    from pyalloc.doctor import check_runtime
+
+    if not os.path.exists("/usr/bin/g++"):
+        pytest.skip("no /usr/bin/g++")
+    monkeypatch.delenv("PYALLOC_ALLOW_PRIVATE_RUNTIME", raising=False)
+    monkeypatch.setenv("CXX", static_runtime_cxx)
+    r, lines = _report()
+    check_runtime(r, [("pyalloc._C", runtimes["shared"])])
+    assert lines[0].startswith("compiler: /usr/bin/g++") and f"not $CXX={static_runtime_cxx}" in lines[0], lines
+    assert lines[1].startswith(f"          $CXX={static_runtime_cxx} would give pyalloc a private copy of the "
+                               "C++ runtime (__cxa_throw, _Unwind_RaiseException defined in it"), lines
+    assert not r.problems
+
+    # The opt-out: the compiler is kept and said to be unchecked; a private runtime is still reported.
+    monkeypatch.setenv("PYALLOC_ALLOW_PRIVATE_RUNTIME", "1")
+    r, lines = _report()
+    check_runtime(r, [("pyalloc._C", runtimes["private"]), ("torch libc10.so", runtimes["shared"])])
+    assert lines[0].startswith(f"compiler: {static_runtime_cxx}: "), lines
+    assert lines[1] == ("          PYALLOC_ALLOW_PRIVATE_RUNTIME=1: compilers and the libraries they build are "
+                        "not checked for a private C++ runtime"), lines
+    assert len(r.problems) == 1 and r.problems[0].endswith("once PYALLOC_ALLOW_PRIVATE_RUNTIME is unset)"), \
+        r.problems
+
+
 def test_doctor_without_readelf_says_so(runtimes):
     from pyalloc.doctor import check_runtime
 

@@ -269,3 +269,8 @@ def test_requests_no_device_holds_and_oom_rejections_are_torchs_oom():
 @bridge_only
 def test_allocation_traceback_names_the_allocating_function():
     check("allocation_traceback.py")
+
+
+@bridge_only
+def test_the_profiler_sees_pyallocs_allocations_frees_and_ooms():
+    check("profiler_memory.py")

@@ -170,6 +170,32 @@ int api_block_context(void* ptr, uint64_t* context) {
   });
 }
 
+int api_memory_usage(int device, void* ptr, pyalloc_memory_usage* out) {
+  return guarded([&] {
+    *out = pyalloc_memory_usage{device, 0, 0, 0};
+    if (ptr != nullptr) {
+      for (DevicePools* p : registry().all()) {
+        Allocator::LiveBlockInfo info;
+        bool found = false;
+        p->for_each_pool([&](DevicePools::PoolId, Allocator& a) {
+          if (!found) found = a.live_block_info(addr(ptr), &info);
+        });
+        if (!found) continue;
+        out->device = p->index();
+        out->size = info.size;
+        break;
+      }
+    }
+    int of = device == -1 ? out->device : device;
+    if (of == -1) return;  // no allocation at ptr, and no device asked about
+    if (DevicePools* p = pools_of(of, false)) {
+      Stats s = p->stats();
+      out->allocated = static_cast<uint64_t>(s.allocated_bytes.all.current);
+      out->reserved = static_cast<uint64_t>(s.reserved_bytes.all.current);
+    }
+  });
+}
+
 void* api_base_alloc(void* ptr, uint64_t* size) {
   size_t bytes = 0;
   uintptr_t base = hooks::base_alloc(addr(ptr), &bytes);
@@ -447,6 +473,7 @@ const pyalloc_bridge_api kApi = {
     &api_record_stream_owned,
     &api_block_context,
     &api_mark_capture,
+    &api_memory_usage,
 };
 
 // Version 1: the members before record_stream_owned, and a malloc that fills
@@ -459,6 +486,7 @@ pyalloc_bridge_api make_v1() {
   t.record_stream_owned = nullptr;
   t.block_context = nullptr;
   t.mark_capture = nullptr;
+  t.memory_usage = nullptr;
   return t;
 }
 

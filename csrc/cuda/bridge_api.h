@@ -128,6 +128,15 @@ typedef struct pyalloc_trace_entry {
   uint64_t pool_id[2];
 } pyalloc_trace_entry;
 
+/* What PyTorch's profiler hears of an allocation or a free
+ * (c10::reportMemoryUsageToProfiler): memory_usage's answer. */
+typedef struct pyalloc_memory_usage {
+  int device;         /* the allocation's device, else the device asked about, else -1 */
+  uint64_t size;      /* the live allocation's bytes as allocated_bytes counts them (0: none) */
+  uint64_t allocated; /* the device's allocated_bytes.all.current */
+  uint64_t reserved;  /* the device's reserved_bytes.all.current */
+} pyalloc_memory_usage;
+
 /* A live allocation of a private pool: a checkpoint is a list of these. */
 typedef struct pyalloc_live_block {
   uint64_t ptr;
@@ -244,6 +253,13 @@ typedef struct pyalloc_bridge_api {
    * capture on the device counts as underway in between, as an open route
    * does. Appended: check size before calling. */
   int (*mark_capture)(int device, int begin);
+  /* For PyTorch's profiler, which its own allocator tells of every malloc
+   * and free (ptr, the block's bytes, the device's allocated and reserved
+   * bytes after it): the live allocation at ptr, if any (NULL: none asked
+   * about), and the allocated and reserved bytes of `device`, or of the
+   * allocation's device when device is -1 (zeros for a device without
+   * pools). Appended: check size before calling. */
+  int (*memory_usage)(int device, void* ptr, pyalloc_memory_usage* out);
 } pyalloc_bridge_api;
 
 /* The table of `version`, or NULL if this pyalloc does not offer it. */

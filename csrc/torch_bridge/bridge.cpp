@@ -55,6 +55,7 @@
 #include <torch/version.h>
 
 #include "cuda/bridge_api.h"
+#include "torch_bridge/allocate.h"
 
 #define PYALLOC_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||          \
@@ -86,15 +87,42 @@ std::string last_error() { return api->last_error(); }
 
 // An error from pyalloc as PyTorch's exception: out of memory as
 // c10::OutOfMemoryError (torch.cuda.OutOfMemoryError in Python), the rest
-// as c10::Error (RuntimeError). The message is pyalloc's own.
-[[noreturn]] void raise(int status) {
-  std::string msg = last_error();
+// as c10::Error (RuntimeError). The message is pyalloc's own, read by the
+// caller right after the failed call (the next call on this thread clears it).
+[[noreturn]] void raise(int status, const std::string& msg) {
   if (status == PYALLOC_OUT_OF_MEMORY) TORCH_CHECK_WITH(OutOfMemoryError, false, msg);
   TORCH_CHECK(false, msg.rfind("pyalloc", 0) == 0 ? msg : "pyalloc: " + msg);
 }
 
 void check(int status) {
-  if (status != PYALLOC_OK) raise(status);
+  if (status != PYALLOC_OK) raise(status, last_error());
+}
+
+// Whether this pyalloc._C's table has `member` (members appended to version 2).
+#define PYALLOC_API_HAS(member) \
+  (api->size >= offsetof(pyalloc_bridge_api, member) + sizeof(api->member) && api->member != nullptr)
+
+// PyTorch's profiler (torch.profiler.profile(profile_memory=True), its memory
+// timeline) hears of every allocation and free from PyTorch's own allocator:
+// the pointer, the block's bytes (negative for a free), the device's
+// allocated and reserved bytes after it, and the device. The bridge tells it
+// the same, asking pyalloc for the figures only while it listens.
+bool profiling_memory() { return c10::memoryProfilingEnabled() && PYALLOC_API_HAS(memory_usage); }
+
+void tell_profiler_of_malloc(void* ptr, DeviceIndex device) {
+  pyalloc_memory_usage block{};
+  if (api->memory_usage(device, ptr, &block) != PYALLOC_OK || block.size == 0) return;
+  c10::reportMemoryUsageToProfiler(ptr, static_cast<int64_t>(block.size), block.allocated,
+                                   block.reserved, c10::Device(c10::DeviceType::CUDA, device));
+}
+
+// `block`: memory_usage's answer for ptr, asked before the free forgot it.
+void tell_profiler_of_free(void* ptr, const pyalloc_memory_usage& block) {
+  pyalloc_memory_usage after{};
+  if (api->memory_usage(block.device, nullptr, &after) != PYALLOC_OK) return;
+  auto device = static_cast<DeviceIndex>(block.device);
+  c10::reportMemoryUsageToProfiler(ptr, -static_cast<int64_t>(block.size), after.allocated,
+                                   after.reserved, c10::Device(c10::DeviceType::CUDA, device));
 }
 
 // For callers that must not throw (deleters, destructors): said on stderr.
@@ -181,11 +209,18 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
     uint64_t tag = 0;
     if (recording(cca::RecordContext::STATE)) tag = contexts_.add(gather());
     void* out = nullptr;
-    pyalloc_oom_info oom{};
-    int status = api->malloc(device, size, stream, tag, &out, &oom);
-    if (status == PYALLOC_OK) return out;
-    if (status == PYALLOC_OUT_OF_MEMORY) tell_observers(device, oom);
-    raise(status);
+    AllocFailure failure;
+    int status = pyalloc_bridge::allocate(api, device, size, stream, tag, &out, &failure,
+                                          [&](const AllocFailure& f) {
+      // As PyTorch's allocator does, before its observers and the error.
+      if (c10::memoryProfilingEnabled())
+        c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(f.oom.requested), f.oom.allocated,
+                                         f.oom.reserved, c10::Device(c10::DeviceType::CUDA, device));
+      tell_observers(device, f.oom);
+    });
+    if (status != PYALLOC_OK) raise(failure.status, failure.message);
+    if (out != nullptr && profiling_memory()) tell_profiler_of_malloc(out, device);
+    return out;
   }
 
   // As PyTorch's allocator does, before the error. A request refused at once
@@ -220,9 +255,13 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
     if (ptr == nullptr) return;
     uint64_t tag = 0;
     if (recording(cca::RecordContext::ALL)) tag = contexts_.add(gather());
+    pyalloc_memory_usage block{};  // its bytes and device, for the profiler
+    bool profiled = profiling_memory() && api->memory_usage(-1, ptr, &block) == PYALLOC_OK &&
+                    block.size != 0;
     int status = api->free(ptr, tag);
     if (strict) check(status);
     else report(status, "freeing a block for PyTorch");
+    if (status == PYALLOC_OK && profiled) tell_profiler_of_free(ptr, block);
   }
 
   c10::DataPtr allocate(size_t size) override {
@@ -465,7 +504,7 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   void markCaptureEnd(DeviceIndex device) override { mark_capture(device, 0); }
 
   void mark_capture(DeviceIndex device, int begin) {
-    if (api->size < offsetof(pyalloc_bridge_api, mark_capture) + sizeof(api->mark_capture)) return;
+    if (!PYALLOC_API_HAS(mark_capture)) return;
     if (begin) check(api->mark_capture(device, 1));
     else report(api->mark_capture(device, 0), "ending a capture");  // in capture_end: never throws
   }
