@@ -351,7 +351,7 @@ def _figure(v: float, ratio: bool) -> str:
 
 
 def _listed(entries: List[Tuple[str, float, float]], ratio: bool, figures: bool) -> str:
-    shown = [f"{label} {_figure(m, ratio)} against {_figure(t, ratio)}" if figures else label
+    shown = [f"{label}: {_figure(m, ratio)} against {_figure(t, ratio)}" if figures else label
              for label, m, t in entries[:_LISTED]]
     more = len(entries) - len(shown)
     return ", ".join(shown) + (f" and {more} more" if more else "")
@@ -393,7 +393,7 @@ def verdicts(results: Sequence[Union[ReplayResult, Mapping[str, Any]]]) -> List[
 
 
 def _said(t: Dict[str, List[Tuple[str, float, float]]], total: int, ratio: bool) -> str:
-    """'wins on 19, ties on 5 (a, b, ...), loses on 1 (c 1.2 against 1.1)'; for a single
+    """'wins on 19, ties on 5 (a, b, ...), loses on 1 (c: 1.2 against 1.1)'; for a single
     trace 'wins (1.106 against 1.627)'; "" where nothing could be compared."""
     counted = total - len(t["missing"])
     said = []

@@ -101,7 +101,7 @@ def test_ci_runs_the_readme_test_command_in_a_virtualenv_made_anew():
     lines = [ln.strip() for ln in script.splitlines()]
     assert command in lines, "the README's test command, as .ci/run runs it"
     venv = re.search(r"^venv=(\S+)$", script, re.M).group(1)
-    removed = lines.index(f'rm -rf "$venv"')
+    removed = lines.index('rm -rf "$venv"')
     made = next(i for i, ln in enumerate(lines) if re.fullmatch(r'python3? -m venv "\$venv"', ln))
     entered = lines.index('. "$venv/bin/activate"')
     assert removed < made < entered < lines.index(command)

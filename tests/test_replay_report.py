@@ -76,11 +76,11 @@ def test_verdicts_count_wins_ties_and_losses_and_name_the_losses():
     ]
     budget, reserved, calls, loses = verdicts(results)
     assert budget == ("Budget: against PyTorch's allocator, pyalloc wins on all 3; against expandable segments, "
-                      "it wins on 1, ties on 1 (b), loses on 1 (c 1.020 against 1.000).")
+                      "it wins on 1, ties on 1 (b), loses on 1 (c: 1.020 against 1.000).")
     assert reserved == ("Uncapped reserved: against PyTorch's allocator, pyalloc wins on all 3; against "
-                        "expandable segments, it wins on 1, ties on 1 (b), loses on 1 (a 1.100 against 1.050).")
-    assert calls == ("Driver calls: against PyTorch's allocator, pyalloc wins on 1, loses on 2 (a 100 against 20, "
-                     "b 100 against 20); against expandable segments, it wins on 2, ties on 1 (b).")
+                        "expandable segments, it wins on 1, ties on 1 (b), loses on 1 (a: 1.100 against 1.050).")
+    assert calls == ("Driver calls: against PyTorch's allocator, pyalloc wins on 1, loses on 2 (a: 100 against 20, "
+                     "b: 100 against 20); against expandable segments, it wins on 2, ties on 1 (b).")
     assert loses == ("Where pyalloc loses: budget against expandable segments on 1 of 3 (worst: c, 1.020 against "
                      "1.000); uncapped reserved against expandable segments on 1 of 3 (worst: a, 1.100 against "
                      "1.050); driver calls against PyTorch's allocator on 2 of 3 (worst: a, 100 against 20).")
