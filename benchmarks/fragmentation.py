@@ -7,21 +7,27 @@ own out-of-memory path, over peak live (the least any allocator must hold).
 Replays every device of every snapshot in benchmarks/traces/ (the bundled ones),
 ../shared/traces/ and ../shared/traces/gpu/ (beside the repository, where CI
 keeps the benchmark traces; skipped when absent), and the random workloads of
-benchmarks/random_workloads.py (work no allocator was tuned on), prints the three-way table,
-and writes to benchmarks/results/: fragmentation.md (the table, the model's
-validation against each snapshot's own device calls, a paragraph per trace),
-fragmentation.json (the raw numbers, with the replays' throughput) and
-fragmentation.png (budget / peak live per trace, three allocators). Needs no GPU.
+benchmarks/random_workloads.py (work no allocator was tuned on), with a progress
+bar on a terminal. It prints, within 100 columns, a compact table (budget,
+uncapped reserved and driver calls of each allocator), its legend and sentences
+computed from those figures saying where pyalloc wins, ties and loses, and
+writes to benchmarks/out/ (ignored by git; --results DIR elsewhere,
+--update-results the committed benchmarks/results/): fragmentation.md (the full
+table, the model's validation against each snapshot's own device calls, a
+paragraph per trace), fragmentation.json (the raw numbers, with the replays'
+throughput) and fragmentation.png (the three measures side by side, per trace;
+with matplotlib, else the markdown links no plot). Needs no GPU.
 
     python benchmarks/fragmentation.py [--config CONF] [--strategies bestfit,vmm] [--no-write]
-                                       [--results DIR] [--previous OLD.json]
+                                       [--results DIR | --update-results] [--previous OLD.json]
+                                       [--traces NAME,...] [--[no-]progress]
 
 The results markdown also sets pyalloc's strategies against its targets
 (traces of 1 GiB of peak live or more: smallest budget within 1%, peak reserved
 within 5%; smaller ones: 2% and 15%), beside the device calls and the driver
-calls (num_driver_calls) of the second half of each trace, and with --previous
-(the fragmentation.json of an earlier run) says per trace and strategy what
-changed since.
+calls (num_driver_calls) of the second half of each trace, and says per trace
+and strategy what changed since an earlier run (--previous: its
+fragmentation.json; by default the committed benchmarks/results/fragmentation.json).
 """
 from __future__ import annotations
 
@@ -30,12 +36,13 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import pyalloc
 from pyalloc import _C
@@ -46,14 +53,18 @@ import random_workloads  # noqa: E402
 import pyalloc.replay  # noqa: E402
 from pyalloc.replay import plan_trace, replay
 from pyalloc.replay_allocators import ALLOCATORS, run_allocator
-from pyalloc.replay_report import LEGEND, format_table, plot_budgets
+from pyalloc.replay_report import (LEGEND, TABLE_LEGEND, TIE, WIDTH, format_names, format_table,
+                                   plot_comparison, shortened_names, verdicts, wrap)
 from pyalloc.replay_result import ReplayResult
 from pyalloc.snapshot_io import load_snapshot, read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "traces"
 BUNDLED = ROOT / "benchmarks" / "traces"
+#: The committed results, rewritten only with --update-results.
 RESULTS = ROOT / "benchmarks" / "results"
+#: Where a run writes by default: ignored by git, so a run leaves the checkout as it was.
+OUT = ROOT / "benchmarks" / "out"
 
 #: Each trace is replayed at least this many times, and for at least MIN_SECONDS.
 MIN_REPEATS, MIN_SECONDS = 5, 0.5
@@ -163,11 +174,17 @@ def driver_calls(source: Source, conf: str) -> Dict[str, int]:
     return {"driver_calls": total, "second_half_driver_calls": total - half}
 
 
-def strategy_rows(found: List[Source], strategies: List[str], base: str) -> List[Dict[str, Any]]:
+def _quiet(name: str) -> None:
+    """A progress callback that shows nothing."""
+
+
+def strategy_rows(found: List[Source], strategies: List[str], base: str,
+                  tick: Callable[[str], None] = _quiet) -> List[Dict[str, Any]]:
     rows = []
     for source in found:
         row: Dict[str, Any] = {"trace": source.short}  # the device with most events
         for strategy in strategies:
+            tick(f"{strategy} {source.short}")
             conf = ",".join(c for c in (base, f"strategy:{strategy}") if c)
             r = replay(source.load(), conf, name=source.name)
             live = r.peak_live_bytes
@@ -473,10 +490,12 @@ def _calls_of(r: ReplayResult, found: List[Source]) -> Any:
     return _C.ReplayTrace(plan.kinds, plan.ids, plan.sizes, plan.streams)
 
 
-def device_rows(results: List[ReplayResult], conf: str, found: List[Source]) -> List[Dict[str, Any]]:
+def device_rows(results: List[ReplayResult], conf: str, found: List[Source],
+                tick: Callable[[str], None] = _quiet) -> List[Dict[str, Any]]:
     """The three allocators on an 80 GiB device and on a snug one, per trace."""
     rows = []
     for r in results:
+        tick(f"devices {os.path.basename(r.trace)}")
         if not r.peak_live_bytes:
             continue
         calls = _calls_of(r, found)
@@ -537,7 +556,7 @@ def budget_with_pages(r: ReplayResult, conf: str, found: List[Source], page_size
 
 
 def target_misses(results: List[ReplayResult], conf: str, traces: List[Source],
-                  devices: List[Dict[str, Any]] = ()) -> str:
+                  devices: List[Dict[str, Any]] = (), tick: Callable[[str], None] = _quiet) -> str:
     """pyalloc's misses of its targets (absolute, and against expandable segments): the figures trace
     by trace, then why, kind by kind; `devices` (device_rows()) adds the calls on devices of a size."""
     found: Dict[str, List[str]] = {}
@@ -551,6 +570,7 @@ def target_misses(results: List[ReplayResult], conf: str, traces: List[Source],
             found.setdefault("second_half_calls_device", []).append(
                 f"{name}: {p['second_half_device_calls']} against {e['second_half_device_calls']}")
     for r in results:
+        tick(f"targets {os.path.basename(r.trace)}")
         live = r.peak_live_bytes
         if not live:
             continue
@@ -604,8 +624,13 @@ def validation_table(results: List[ReplayResult]) -> str:
 
 
 def markdown(results: List[ReplayResult], meta: Dict[str, Any], found: List[Source], strategies: str = "",
-             changes: str = "", devices: List[Dict[str, Any]] = ()) -> str:
+             changes: str = "", devices: List[Dict[str, Any]] = (), plot: Optional[str] = None,
+             misses: Optional[str] = None) -> str:
+    """The results markdown. plot: the file name of the plot written beside it (None: no
+    plot, and no link to one); misses: target_misses(), computed here when not given."""
     t = meta["throughput"]
+    if misses is None:
+        misses = target_misses(results, meta["config"], found, devices)
     return "\n".join([
         "# Fragmentation benchmark",
         "",
@@ -613,11 +638,20 @@ def markdown(results: List[ReplayResult], meta: Dict[str, Any], found: List[Sour
         f"config `{meta['config'] or 'default'}`, {meta['machine']['cpu']} "
         f"({meta['machine']['cores']} cores), no GPU.",
         "",
-        "![budget / peak live per trace](fragmentation.png)",
-        "",
+    ] + ([f"![budget, uncapped reserved and driver calls per trace, three allocators]({plot})", ""] if plot
+         else []) + [
         format_table(results, markdown=True),
         "",
         LEGEND,
+        "",
+        "## Where pyalloc wins, ties and loses",
+        "",
+        f"Computed from the table above: lower is better on every measure, and figures within {TIE:.1%} of "
+        "each other are a tie. Traces go by their file names without extension"
+        + (", long ones by their first words:" if shortened_names(results) else "."),
+        "",
+    ] + [f"- `{short}`: {stem}" for short, stem in shortened_names(results)] + (
+        [""] if shortened_names(results) else []) + [f"- {sentence}" for sentence in verdicts(results)] + [
         "",
         "The random-* rows are the random workloads of benchmarks/random_workloads.py, traces no "
         "allocator was tuned on: 20000 calls, log-uniform sizes from 512 B to 64 MiB, frees at random, up "
@@ -669,7 +703,7 @@ def markdown(results: List[ReplayResult], meta: Dict[str, Any], found: List[Sour
         "segments' budget), no more device calls in the second half and no more driver calls over the "
         "whole replay.",
         "",
-        target_misses(results, meta["config"], found, devices),
+        misses,
         "",
         "## pyalloc's strategies against the targets",
         "",
@@ -698,30 +732,97 @@ def markdown(results: List[ReplayResult], meta: Dict[str, Any], found: List[Sour
     ]))
 
 
-def main() -> int:
+def _shown(path: Path) -> str:
+    """A path as the user would type it: relative to the current folder where under it."""
+    path = path.resolve()
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def select(found: List[Source], names: Optional[str]) -> List[Source]:
+    """The sources `--traces` names (file names without .pickle / .pickle.gz, or random
+    workload names), in their order; all of them for None. An unknown name is an error."""
+    if names is None:
+        return found
+    wanted = [n for n in names.split(",") if n]
+    stems = [s.short.removesuffix(".gz").removesuffix(".pickle") for s in found]
+    unknown = [n for n in wanted if n not in stems]
+    if unknown:
+        raise SystemExit(f"fragmentation.py: error: --traces: no trace named {', '.join(unknown)} "
+                         f"(known: {', '.join(stems)})")
+    return [s for s, stem in zip(found, stems) if stem in wanted]
+
+
+class Progress:
+    """One tqdm bar on stderr over every step of the run, each step named as it
+    starts; within WIDTH columns; by default only on a terminal."""
+
+    def __init__(self, total: int, enabled: Optional[bool]) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, desc="replaying", unit="step", file=sys.stderr, leave=False,
+                         disable=None if enabled is None else not enabled,
+                         ncols=min(WIDTH, shutil.get_terminal_size().columns))
+        self._started = False
+
+    def __call__(self, name: str) -> None:
+        if self._started:
+            self._bar.update(1)
+        self._started = True
+        self._bar.set_postfix_str(name[:30])
+
+    def add(self, steps: int) -> None:
+        self._bar.total += steps
+        self._bar.refresh()
+
+    def close(self) -> None:
+        if self._started:
+            self._bar.update(1)
+        self._bar.close()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="", help="pyalloc configuration, 'key:value,...'")
     parser.add_argument("--no-write", action="store_true", help="print only; write no results")
-    parser.add_argument("--results", default=str(RESULTS), metavar="DIR",
-                        help="where to write fragmentation.{md,json,png} (default: benchmarks/results)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--results", default=None, metavar="DIR",
+                       help=f"where to write fragmentation.{{md,json,png}} (default: {_shown(OUT)}, which git "
+                            "ignores)")
+    where.add_argument("--update-results", action="store_true",
+                       help=f"write the committed results, {_shown(RESULTS)}, instead")
     parser.add_argument("--strategies", default="bestfit,vmm", help="strategies to set against the targets")
     parser.add_argument("--previous", default=None, metavar="OLD.json",
-                        help="the fragmentation.json of an earlier run, to say what changed since")
-    args = parser.parse_args()
+                        help="the fragmentation.json of an earlier run, to say what changed since (default: "
+                             f"the committed {_shown(RESULTS / 'fragmentation.json')})")
+    parser.add_argument("--traces", default=None, metavar="NAME,...",
+                        help="replay only these traces: file names without .pickle / .pickle.gz, or random "
+                             "workload names")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar on stderr (default: when it is a terminal)")
+    args = parser.parse_args(argv)
     strategies = [s for s in args.strategies.split(",") if s]
-    results_dir = Path(args.results)
+    results_dir = RESULTS if args.update_results else Path(args.results) if args.results else OUT
+    previous_file = args.previous
+    if previous_file is None and (RESULTS / "fragmentation.json").is_file():
+        previous_file = str(RESULTS / "fragmentation.json")
 
-    found = sources()
-    if not SHARED.is_dir():
-        print(f"note: {SHARED} not found; replaying the bundled traces only", file=sys.stderr)
+    found = select(sources(), args.traces)
+    if not SHARED.is_dir() and args.traces is None:
+        print(f"note: {_shown(SHARED)} not found; replaying the bundled traces only", file=sys.stderr)
+    bar = Progress(len(found) * (1 + len(strategies)), args.progress)
     start = time.perf_counter()
     results: List[ReplayResult] = []
     rows = []
     for source in found:
+        bar(f"replay {source.short}")
         for r in replay_devices(source, args.config):
             results.append(r)
             rows.append({**r.to_dict(), **throughput(source, r.config, r.device)})
     wall = time.perf_counter() - start
+    bar.add(len(results) * (1 if args.no_write else 2))  # the devices of a size, then the targets
 
     events = sum(row["events"] for row in rows)
     total_seconds = sum(row["replay_seconds"] for row in rows)
@@ -729,6 +830,7 @@ def main() -> int:
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python benchmarks/fragmentation.py" + (f" --config '{args.config}'" if args.config else "")
+                   + (f" --traces {args.traces}" if args.traces else "")
                    + (f" --previous {args.previous}" if args.previous else ""),
         "pyalloc": pyalloc.__version__,
         "git_commit": _git_commit(),
@@ -743,41 +845,64 @@ def main() -> int:
             "wall_seconds": wall,
         },
     }
-    by_strategy = strategy_rows(found, strategies, args.config)
-    devices = device_rows(results, args.config, found)
+    by_strategy = strategy_rows(found, strategies, args.config, bar)
+    devices = device_rows(results, args.config, found, bar)
     changes = ""
-    if args.previous is not None:
-        with open(args.previous) as f:
+    if previous_file is not None:
+        with open(previous_file) as f:
             previous = json.load(f)
         meta["previous"] = {k: previous.get(k) for k in ("date", "command", "git_commit")}
-        meta["previous"]["file"] = os.path.relpath(os.path.abspath(args.previous), ROOT)
+        meta["previous"]["file"] = os.path.relpath(os.path.abspath(previous_file), ROOT)
         changes = changes_table(by_strategy, strategies, previous)
-    # The terminal gets the table alone; the prose goes to the results markdown.
+    misses = None if args.no_write else target_misses(results, args.config, found, devices, bar)
+    bar.close()
+
+    # The terminal gets the compact table, its legend and the verdicts; the markdown has the rest.
     print(format_table(results))
+    names = format_names(results)
+    if names:
+        print("\n" + names)
+    print("\n" + wrap(TABLE_LEGEND))
     t = meta["throughput"]
     if t["events_per_second"] is not None:
-        print(f"\n{len(results)} traces and devices, {events} events: pyalloc's replay "
-              f"{t['events_per_second'] / 1e6:.1f} M events/s, PyTorch's model {t['model_seconds'] * 1e3:.1f} ms "
-              f"for all; {wall:.1f} s with the budget searches and validation.")
-    if not args.no_write:
-        results_dir.mkdir(parents=True, exist_ok=True)
-        (results_dir / "fragmentation.md").write_text(
-            markdown(results, meta, found, strategy_table(by_strategy, strategies), changes, devices))
-        with open(results_dir / "fragmentation.json", "w") as f:
-            json.dump({**meta, "traces": rows, "strategies": by_strategy, "devices": devices,
-                       "targets": {"budget_ratio": TARGET_BUDGET, "reserved_ratio": TARGET_RESERVED,
-                                   "budget_ratio_small": TARGET_BUDGET_SMALL,
-                                   "reserved_ratio_small": TARGET_RESERVED_SMALL, "large_bytes": LARGE,
-                                   "reserved_ratio_random": TARGET_RESERVED_SMALL}},
-                      f, indent=1)
-            f.write("\n")
-        try:
-            plot_budgets(results, str(results_dir / "fragmentation.png"))
-            written = "{md,json,png}"
-        except ImportError:
-            written = "{md,json} (no matplotlib: no plot)"
-        where = os.path.relpath(results_dir, Path.cwd())
-        print(f"wrote {where}/fragmentation.{written}; the per-trace findings are in fragmentation.md")
+        print("\n" + wrap(f"{len(results)} traces and devices, {events} events: pyalloc's replay "
+                          f"{t['events_per_second'] / 1e6:.1f} M events/s, PyTorch's model "
+                          f"{t['model_seconds'] * 1e3:.1f} ms for all; {wall:.1f} s with the budget searches "
+                          "and validation."))
+    print()
+    for sentence in verdicts(results):
+        print(wrap(sentence))
+    print()
+    if args.no_write:
+        print("wrote nothing (--no-write)")
+        return 0
+    results_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        plot_comparison(results, str(results_dir / "fragmentation.png"))
+        plot, written = "fragmentation.png", "{md,json,png}"
+    except ImportError as e:
+        if (e.name or "").split(".")[0] != "matplotlib":
+            raise
+        plot, written = None, "{md,json}"
+        print(wrap('no plot: matplotlib is not installed (pip install ".[plot]", as the README\'s command for '
+                   "the main job does)"))
+    (results_dir / "fragmentation.md").write_text(
+        markdown(results, meta, found, strategy_table(by_strategy, strategies), changes, devices, plot, misses))
+    with open(results_dir / "fragmentation.json", "w") as f:
+        json.dump({**meta, "traces": rows, "strategies": by_strategy, "devices": devices,
+                   "targets": {"budget_ratio": TARGET_BUDGET, "reserved_ratio": TARGET_RESERVED,
+                               "budget_ratio_small": TARGET_BUDGET_SMALL,
+                               "reserved_ratio_small": TARGET_RESERVED_SMALL, "large_bytes": LARGE,
+                               "reserved_ratio_random": TARGET_RESERVED_SMALL}},
+                  f, indent=1)
+        f.write("\n")
+    files = f"{_shown(results_dir)}/fragmentation.{written}"
+    if args.update_results:
+        print(f"wrote {files}: the committed results, updated")
+    elif args.results is None:
+        print(f"wrote {files} (untracked; --update-results: {_shown(RESULTS)}/)")
+    else:
+        print(f"wrote {files}")
     return 0
 
 

@@ -51,7 +51,8 @@ from . import _C
 from ._config import as_size, conf_string
 from .replay_allocators import ALLOCATORS, run_allocator
 from .replay_oom import diagnose_ooms
-from .replay_report import format_ooms, format_table, plot_results
+from .replay_report import (BUDGET_LEGEND, TABLE_LEGEND, format_names, format_ooms, format_recorded, format_table,
+                            plot_results, verdicts, wrap)
 from .replay_result import ReplayResult
 from .replay_validate import validate
 from .snapshot_io import (
@@ -619,6 +620,11 @@ class _Bars:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "It prints a table of the three allocators (within 100 columns; the full figures: --json), "
+        "then a line per snapshot that recorded its own run's segments or device calls, a sentence "
+        "per out-of-memory error the snapshot recorded, and sentences saying where pyalloc wins, "
+        f"ties and loses. The table's columns: {TABLE_LEGEND} {BUDGET_LEGEND}")
     parser.add_argument("files", nargs="+", metavar="FILE",
                         help="memory snapshots (.pickle or .pickle.gz) as torch.cuda.memory._dump_snapshot "
                              "or pyalloc record writes them")
@@ -662,11 +668,18 @@ def main(args: argparse.Namespace) -> int:
                 print(f"pyalloc replay: warning: {r.skipped_ooms} oom event(s) could not be read "
                       "and are not diagnosed: " + "; ".join(r.skipped_oom_problems), file=sys.stderr)
     if results:
+        # Within 100 columns, as the main job: the table, its names and legend, then sentences.
         print(format_table(results))
-        ooms = format_ooms(results)
-        if ooms:
-            print()
-            print(ooms)
+        names = format_names(results)
+        if names:
+            print("\n" + names)
+        print("\n" + wrap(TABLE_LEGEND + (" " + BUDGET_LEGEND if budget is not None else "")))
+        for text in (format_recorded(results), format_ooms(results)):
+            if text:
+                print("\n" + text)
+        print()
+        for sentence in verdicts(results):
+            print(wrap(sentence))
     try:
         if args.json is not None:
             with open(args.json, "w") as f:

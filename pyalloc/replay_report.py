@@ -1,21 +1,25 @@
-"""Showing replay results: the table (plain text or markdown), the sentences on
-recorded out-of-memory errors, and the plot.
+"""Showing replay results: the table (a compact one for a terminal, the full one in
+markdown), its legend, the sentences that say where pyalloc wins, ties and loses,
+the sentences on recorded out-of-memory errors, and the plots.
 
-Kept apart from replay.py so that the replay itself never imports matplotlib.
+The terminal's text fits WIDTH columns. Kept apart from replay.py so that the
+replay itself never imports matplotlib.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence
+import textwrap
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ._C import format_bytes
 from .replay_result import ReplayResult
 
-__all__ = ["ALLOCATOR_NAMES", "COLUMNS", "LEGEND", "budget_figure", "figure", "format_ooms", "format_table",
-           "oom_sentence", "plot_budgets", "plot_results"]
+__all__ = ["ALLOCATOR_NAMES", "BUDGET_LEGEND", "COLUMNS", "LEGEND", "TABLE_LEGEND", "TIE", "WIDTH", "comparison_figure", "figure",
+           "format_names", "format_ooms", "format_recorded", "format_table", "oom_sentence", "plot_comparison",
+           "plot_results", "short_names", "shortened_names", "verdicts", "wrap"]
 
-#: The table's columns (the markdown header). The plain-text table groups the
-#: allocators' columns under one heading each and names the allocators shortly.
+#: The full table's columns (the markdown header). The terminal's table is
+#: narrower: the three measures (TABLE_LEGEND) under one heading each.
 COLUMNS = [
     "trace",
     "device",
@@ -32,11 +36,6 @@ COLUMNS = [
     "retries at budget (p/n/e)",
     "matched calls",
 ]
-
-_GROUPS = [("", 3), ("budget / peak live", 3), ("uncapped reserved / peak live", 4),
-           ("2nd-half calls", 1), ("driver calls", 1), ("retries", 1), ("model vs", 1)]
-_SHORT = ["trace", "dev", "peak live", "pyalloc", "native", "expand.", "pyalloc", "native", "expand.",
-          "recorded", "p/n/e", "p/n/e", "p/n/e", "recorded"]
 
 LEGEND = (
     "Three allocators replay each trace: pyalloc, PyTorch's caching allocator (native, a model "
@@ -58,8 +57,34 @@ LEGEND = (
     "the recording allocator makes, in order, of the recorded ones."
 )
 
-#: Trace names longer than this are cut in the plain-text table.
-NAME_WIDTH = 32
+#: The terminal's text (table, legends, sentences) fits this many columns.
+WIDTH = 100
+
+#: Trace names at most this long stay whole in the terminal's table; longer ones are
+#: shortened to their first words, as few as keep them apart (short_names()).
+NAME_WIDTH = 26
+
+#: What the terminal's table shows, in one legend (also `pyalloc replay --help`).
+TABLE_LEGEND = (
+    "p: pyalloc; n: PyTorch's caching allocator (native; a model that makes the device calls "
+    "real snapshots recorded); e: PyTorch with expandable_segments:True. dev: the snapshot's "
+    "device. peak live: most requested bytes live at once, the least any allocator must hold. "
+    "budget: the smallest device on which the allocator serves the whole trace, running its own "
+    "out-of-memory path (bisected to 0.5%), over peak live. reserved (no cap): peak reserved "
+    "bytes on a device of unbounded size, over peak live. driver calls: cudaMalloc, cudaFree, "
+    "cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap and cuMemRelease calls of the uncapped "
+    "replay ('-': not counted). Lower is better in every column; within 0.5% is a tie."
+)
+
+#: What the terminal's table on a device of --budget's size shows (`pyalloc replay --budget`).
+BUDGET_LEGEND = (
+    "On a device of the --budget size: each allocator's peak reserved bytes over peak live, the "
+    "allocations it refused (OOMs) and its driver calls."
+)
+
+#: Two figures within this fraction of the larger are a tie: the budget search's
+#: precision (replay.BUDGET_PRECISION), used for every measure so that one rule holds.
+TIE = 0.005
 
 
 def _bytes(n: Optional[int]) -> str:
@@ -84,21 +109,68 @@ def _triple(*values: Optional[int]) -> str:
     return "/".join("-" if v is None else str(v) for v in values)
 
 
-def _name(trace: str, short: bool) -> str:
+def _stem(trace: str) -> str:
+    """A trace's file name without its folder and .pickle / .pickle.gz."""
     name = os.path.basename(trace)
-    if not short:
-        return name
     for ext in (".pickle.gz", ".pickle"):
         if name.endswith(ext):
-            name = name[: -len(ext)]
-    return name if len(name) <= NAME_WIDTH else name[: NAME_WIDTH - 1] + "~"
+            return name[: -len(ext)]
+    return name
 
 
-def _row(r: ReplayResult, with_budget: bool, short: bool) -> List[str]:
+def short_names(traces: Sequence[str], width: int = NAME_WIDTH) -> Dict[str, str]:
+    """A name for each trace that fits `width` and no other trace shares: its file
+    name without folder and extension where that fits and is unique, else its first
+    words (dash-separated; two at least, more until no other trace begins with
+    them), and a number after any that would still be alike."""
+    stems = {t: _stem(t) for t in dict.fromkeys(traces)}
+    names: Dict[str, str] = {}
+    for trace, stem in stems.items():
+        others = [s for t, s in stems.items() if t != trace]
+        if len(stem) <= width and stem not in others:
+            names[trace] = stem
+            continue
+        words = stem.split("-")
+        for k in range(min(2, len(words)), len(words) + 1):
+            name = "-".join(words[:k])
+            if not any(o == name or o.startswith(name + "-") for o in others):
+                break
+        names[trace] = name[:width]
+    alike: Dict[str, List[str]] = {}
+    for trace, name in names.items():
+        alike.setdefault(name, []).append(trace)
+    for name, group in alike.items():
+        if len(group) > 1:
+            for i, trace in enumerate(group, 1):
+                tag = f"#{i}"
+                names[trace] = name[: width - len(tag)] + tag
+    return names
+
+
+def _names_of(results: Sequence[Any], width: int = NAME_WIDTH) -> List[str]:
+    names = short_names([_get(r, "trace") for r in results], width)
+    return [names[_get(r, "trace")] for r in results]
+
+
+def _labels(results: Sequence[Any]) -> List[str]:
+    """How sentences name each result: its short name, and its device where the
+    results hold several devices of that trace."""
+    traces = [_get(r, "trace") for r in results]
+    return [name if traces.count(trace) == 1 else f"{name} dev {_get(r, 'device')}"
+            for name, trace, r in zip(_names_of(results), traces, results)]
+
+
+def _get(r: Union[ReplayResult, Mapping[str, Any]], key: str) -> Any:
+    """A figure of a result, or of its dict (a row of --json or fragmentation.json)."""
+    return r.get(key) if isinstance(r, Mapping) else getattr(r, key)
+
+
+def _row(r: ReplayResult, with_budget: bool) -> List[str]:
+    """The full table's row (markdown)."""
     live = r.peak_live_bytes
     v = r.validation
     row = [
-        _name(r.trace, short),
+        os.path.basename(r.trace),
         str(r.device),
         _bytes(live),
         _to_live(r.pyalloc_min_budget_bytes, live),
@@ -123,45 +195,224 @@ def _row(r: ReplayResult, with_budget: bool, short: bool) -> List[str]:
 
 
 def format_table(results: Sequence[ReplayResult], markdown: bool = False) -> str:
-    """One row per trace and device, budgets first. With a budget, three more
-    columns, each allocator on a device of that size: its peak reserved bytes (to
-    peak live), the allocations it refused and its driver calls."""
-    with_budget = any(r.budget_bytes is not None for r in results)
-    header = list(COLUMNS) if markdown else list(_SHORT)
-    extra: List[str] = []
-    if with_budget:
-        budgets = {r.budget_bytes for r in results if r.budget_bytes is not None}
-        at = f"at {format_bytes(budgets.pop())}" if len(budgets) == 1 else "at budget"
-        extra = [f"reserved {at} (p/n/e)", f"OOMs {at} (p/n/e)", f"driver calls {at} (p/n/e)"]
-        header += extra if markdown else ["p/n/e"] * 3
-    rows = [_row(r, with_budget, not markdown) for r in results]
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(lines)
-    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-    groups = (_GROUPS + [(f"reserved {at}", 1), (f"OOMs {at}", 1), (f"driver calls {at}", 1)]
-              if extra else _GROUPS)
-    # Each group's heading spans its columns; a column widens if its heading needs it.
-    col = 0
-    for title, span in groups:
-        inner = sum(widths[col:col + span]) + 2 * (span - 1)
-        if len(title) > inner:
-            widths[col + span - 1] += len(title) - inner
-        col += span
+    """One row per trace and device, budgets first.
 
-    def fmt(row: List[str]) -> str:  # names on the left, numbers on the right
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+    markdown=True: the full table (COLUMNS; LEGEND explains it), and with a budget
+    three more columns, each allocator on a device of that size: its peak reserved
+    bytes (to peak live), the allocations it refused and its driver calls.
+    Otherwise the terminal's table, within WIDTH columns: the three measures for
+    p, n and e (TABLE_LEGEND), trace names shortened where long (format_names()
+    lists them), and with a budget a second table of the devices of that size."""
+    with_budget = any(r.budget_bytes is not None for r in results)
+    if markdown:
+        header = list(COLUMNS)
+        if with_budget:
+            budgets = {r.budget_bytes for r in results if r.budget_bytes is not None}
+            at = f"at {format_bytes(budgets.pop())}" if len(budgets) == 1 else "at budget"
+            header += [f"reserved {at} (p/n/e)", f"OOMs {at} (p/n/e)", f"driver calls {at} (p/n/e)"]
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+        lines += ["| " + " | ".join(_row(r, with_budget)) + " |" for r in results]
+        return "\n".join(lines)
+
+    def ratios(key: str, r: ReplayResult) -> List[str]:
+        return [_to_live(getattr(r, f"{a}_{key}"), r.peak_live_bytes) for a in ALLOCATOR_NAMES]
+
+    def counts(values: Sequence[Optional[int]]) -> List[str]:
+        return ["-" if v is None else str(v) for v in values]
+
+    groups = [("budget", [ratios("min_budget_bytes", r) for r in results]),
+              ("reserved (no cap)", [ratios("peak_reserved_bytes", r) for r in results]),
+              ("driver calls", [counts([getattr(r, f"{a}_driver_calls") for a in ALLOCATOR_NAMES])
+                                for r in results])]
+    table = _grouped_table(results, groups)
+    if not with_budget:
+        return table
+    runs = [[r.budget_runs.get(a, {}) for a in ALLOCATOR_NAMES] for r in results]
+    budgets = {r.budget_bytes for r in results if r.budget_bytes is not None}
+    at = format_bytes(budgets.pop()) if len(budgets) == 1 else "each trace's --budget"
+    groups = [("reserved", [[_to_live(run.get("peak_reserved_bytes"), r.peak_live_bytes) for run in rs]
+                            for r, rs in zip(results, runs)]),
+              ("OOMs", [counts([run.get("ooms") for run in rs]) for rs in runs]),
+              ("driver calls", [counts([run.get("driver_calls") for run in rs]) for rs in runs])]
+    return table + f"\n\nOn a device of {at}:\n" + _grouped_table(results, groups)
+
+
+def _grouped_table(results: Sequence[ReplayResult], groups: List[Tuple[str, List[List[str]]]]) -> str:
+    """trace, dev, peak live, then a heading over p, n and e for each group; the names
+    get what WIDTH leaves (NAME_WIDTH at most)."""
+    widths = []  # per group: one width for its three columns, and the group's own
+    for title, cells in groups:
+        w = max([1] + [len(c) for row in cells for c in row])
+        widths.append(max(w, -(-(len(title) - 2) // 3)))  # the heading spans 3 w + 2 columns
+    fixed = [len("dev"), max([len("peak live")] + [len(_bytes(r.peak_live_bytes)) for r in results])]
+    rest = sum(fixed) + 2 * 2 + sum(3 * w + 2 + 2 for w in widths)
+    name_width = max(12, min(NAME_WIDTH, WIDTH - rest))
+    names = _names_of(results, name_width)
+    name_width = max([len("trace")] + [len(n) for n in names])
+
+    def line(first: List[str], per_group: List[List[str]]) -> str:
+        cells = [first[0].ljust(name_width), first[1].rjust(fixed[0]), first[2].rjust(fixed[1])]
+        for w, triple in zip(widths, per_group):
+            cells.append(" ".join(c.rjust(w) for c in triple))
         return "  ".join(cells).rstrip()
 
-    heads, col = [], 0
-    for title, span in groups:
-        inner = sum(widths[col:col + span]) + 2 * (span - 1)
-        heads.append(title.center(inner) if title else " " * inner)
-        col += span
-    top = "  ".join(heads).rstrip()
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([top, fmt(header), rule] + [fmt(row) for row in rows])
+    head = " " * (name_width + fixed[0] + fixed[1] + 6)
+    head += "  ".join(title.center(3 * w + 2) for (title, _), w in zip(groups, widths))
+    lines = [head.rstrip(), line(["trace", "dev", "peak live"], [["p", "n", "e"]] * len(groups)),
+             line(["-" * name_width, "-" * fixed[0], "-" * fixed[1]], [["-" * w] * 3 for w in widths])]
+    for i, r in enumerate(results):
+        lines.append(line([names[i], str(r.device), _bytes(r.peak_live_bytes)], [cells[i] for _, cells in groups]))
+    return "\n".join(lines)
+
+
+def shortened_names(results: Sequence[Any]) -> List[Tuple[str, str]]:
+    """(short name, file name without folder and extension) of each trace whose short
+    name is not its file's, once each, in order."""
+    pairs = [(n, _stem(_get(r, "trace"))) for n, r in zip(_names_of(results), results)]
+    return list(dict.fromkeys((n, stem) for n, stem in pairs if n != stem))
+
+
+def format_names(results: Sequence[Any]) -> str:
+    """The trace names the terminal's table shortened, each beside its file's name ("" if none)."""
+    shortened = shortened_names(results)
+    if not shortened:
+        return ""
+    pad = max(len(n) for n, _ in shortened)
+    lines = ["Names shortened in the table:"]
+    for name, stem in shortened:
+        lines += textwrap.wrap(f"{name.ljust(pad)}  {stem}", WIDTH, initial_indent="  ",
+                               subsequent_indent=" " * (pad + 4), break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+def wrap(text: str) -> str:
+    """Text as lines of at most WIDTH columns."""
+    return "\n".join(textwrap.wrap(text, WIDTH, break_on_hyphens=False))
+
+
+def format_recorded(results: Sequence[ReplayResult]) -> str:
+    """A line per trace whose snapshot says what its own run reserved or which device
+    calls its allocator made: that run's peak reserved over peak live, and how many of
+    those calls the model of its allocator makes ("" if none)."""
+    lines = []
+    for label, r in zip(_labels(results), results):
+        parts = []
+        if r.recorded_peak_reserved_bytes is not None and r.peak_live_bytes:
+            parts.append(f"the recording run reserved {_to_live(r.recorded_peak_reserved_bytes, r.peak_live_bytes)} "
+                         "x peak live")
+        v = r.validation
+        if v is not None:
+            parts.append(f"the model of its allocator ({v['allocator']}) makes {v['matched_calls']} of its "
+                         f"{v['recorded_calls']} recorded device calls")
+        if parts:
+            lines.append(textwrap.fill(f"{label}: " + "; ".join(parts) + ".", WIDTH,
+                                       subsequent_indent="  ", break_on_hyphens=False))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Where pyalloc wins, ties and loses
+
+
+#: The measures the sentences compare: (key suffix, name in the sentences, a ratio to peak live?).
+MEASURES = (("min_budget_bytes", "budget", True),
+            ("peak_reserved_bytes", "uncapped reserved", True),
+            ("driver_calls", "driver calls", False))
+
+#: The allocators pyalloc is set against, as the sentences name them.
+_OTHERS = (("native", "PyTorch's allocator"), ("native_expandable", "expandable segments"))
+
+#: Traces named at most in one list of a sentence; the rest are counted.
+_LISTED = 6
+
+
+def _tally(results: Sequence[Any], labels: List[str], key: str, other: str,
+           ratio: bool) -> Dict[str, List[Tuple[str, float, float]]]:
+    """pyalloc's figure against `other`'s per result: wins, ties and losses, each
+    (label, pyalloc's, other's), the figures ratios to peak live where `ratio`;
+    'missing': results where either figure is unknown."""
+    out: Dict[str, List[Tuple[str, float, float]]] = {"wins": [], "ties": [], "losses": [], "missing": []}
+    for label, r in zip(labels, results):
+        mine, theirs, live = _get(r, f"pyalloc_{key}"), _get(r, f"{other}_{key}"), _get(r, "peak_live_bytes")
+        if mine is None or theirs is None or (ratio and not live):
+            out["missing"].append((label, 0.0, 0.0))
+            continue
+        if ratio:
+            mine, theirs = mine / live, theirs / live
+        if abs(mine - theirs) <= TIE * max(mine, theirs):
+            out["ties"].append((label, mine, theirs))
+        else:
+            out["wins" if mine < theirs else "losses"].append((label, mine, theirs))
+    return out
+
+
+def _figure(v: float, ratio: bool) -> str:
+    return f"{v:.3f}" if ratio else str(int(v))
+
+
+def _listed(entries: List[Tuple[str, float, float]], ratio: bool, figures: bool) -> str:
+    shown = [f"{label}: {_figure(m, ratio)} against {_figure(t, ratio)}" if figures else label
+             for label, m, t in entries[:_LISTED]]
+    more = len(entries) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more else "")
+
+
+def verdicts(results: Sequence[Union[ReplayResult, Mapping[str, Any]]]) -> List[str]:
+    """Sentences, computed from the figures given (ReplayResults, or their dicts as
+    --json and fragmentation.json hold them), saying on each measure (budget,
+    uncapped reserved, driver calls; lower is better, within TIE a tie) where pyalloc
+    wins, ties and loses against PyTorch's allocator and its expandable segments,
+    then where it loses, worst first. Each sentence is one string, unwrapped."""
+    labels = _labels(results)
+    total = len(results)
+    sentences = []
+    losses: List[str] = []
+    for key, measure, ratio in MEASURES:
+        parts = []
+        for other, other_name in _OTHERS:
+            t = _tally(results, labels, key, other, ratio)
+            subject = "pyalloc" if not parts else "it"
+            said = _said(t, total, ratio)
+            parts.append(f"against {other_name}, {subject} {said}" if said
+                         else f"against {other_name}, no figure to compare")
+            if t["losses"]:
+                worst = max(t["losses"], key=lambda e: e[1] / e[2] if e[2] else float("inf"))
+                figures = f"{_figure(worst[1], ratio)} against {_figure(worst[2], ratio)}"
+                counted = total - len(t["missing"])
+                losses.append(f"{measure} against {other_name} ({figures})" if total == 1 else
+                              f"{measure} against {other_name} on {len(t['losses'])} of {counted} "
+                              f"(worst: {worst[0]}, {figures})")
+        sentences.append(f"{measure[0].upper()}{measure[1:]}: " + "; ".join(parts) + ".")
+    if losses:
+        sentences.append("Where pyalloc loses: " + "; ".join(losses) + ".")
+    elif total == 1:
+        sentences.append("pyalloc loses nowhere on this trace.")
+    else:
+        sentences.append(f"pyalloc loses nowhere on these {total} traces and devices.")
+    return sentences
+
+
+def _said(t: Dict[str, List[Tuple[str, float, float]]], total: int, ratio: bool) -> str:
+    """'wins on 19, ties on 5 (a, b, ...), loses on 1 (c: 1.2 against 1.1)'; for a single
+    trace 'wins (1.106 against 1.627)'; "" where nothing could be compared."""
+    counted = total - len(t["missing"])
+    said = []
+    for kind, verb in (("wins", "wins"), ("ties", "ties"), ("losses", "loses")):
+        entries = t[kind]
+        if not entries:
+            continue
+        if total == 1:
+            [(_, mine, theirs)] = entries
+            said.append(f"{verb} ({_figure(mine, ratio)} against {_figure(theirs, ratio)})")
+        elif len(entries) == counted > 1:
+            said.append(f"{verb} on all {counted}")
+        elif kind == "wins":
+            said.append(f"{verb} on {len(entries)}")
+        else:
+            said.append(f"{verb} on {len(entries)} ({_listed(entries, ratio, kind == 'losses')})")
+    if said and t["missing"]:
+        said.append(f"has no figure to compare on {len(t['missing'])}")
+    return ", ".join(said)
 
 
 #: How the sentences name each allocator of replay_allocators.ALLOCATORS.
@@ -225,11 +476,13 @@ def _fraction_note(oom: Dict[str, Any]) -> str:
 
 
 def format_ooms(results: Sequence[ReplayResult]) -> str:
-    """One line per out-of-memory error the traces recorded ("" if none)."""
+    """A sentence per out-of-memory error the traces recorded, each within WIDTH
+    columns, its later lines indented ("" if none)."""
     lines = []
     for r in results:
         for oom in r.recorded_ooms:
-            lines.append(f"{_label(r)}, event {oom['event']}: {oom_sentence(oom)}")
+            lines.append(textwrap.fill(f"{_label(r)}, event {oom['event']}: {oom_sentence(oom)}", WIDTH,
+                                       subsequent_indent="  ", break_on_hyphens=False))
     return "\n".join(lines)
 
 
@@ -278,45 +531,62 @@ def figure(results: Sequence[ReplayResult]):
     return fig
 
 
-#: The allocators of the budget plot, with their labels and colours.
+#: The allocators of the comparison plot, with their labels and colours.
 _ALLOCATOR_STYLE = (("pyalloc", "pyalloc", "tab:blue"), ("native", "PyTorch default", "tab:orange"),
                     ("native_expandable", "PyTorch expandable_segments", "tab:green"))
 
+#: The comparison plot's panels: (the figure's key suffix, x-axis label, a ratio to peak live?).
+_PANELS = (("min_budget_bytes", "smallest budget without an out-of-memory / peak live", True),
+           ("peak_reserved_bytes", "peak reserved with no cap / peak live", True),
+           ("driver_calls", "driver calls, uncapped (log scale)", False))
 
-def plot_budgets(results: Sequence[ReplayResult], path: str) -> None:
-    """The smallest budget of each allocator, over peak live, per trace, to an image file."""
-    budget_figure(results).savefig(path, dpi=110)
+
+def plot_comparison(results: Sequence[ReplayResult], path: str) -> None:
+    """The three measures of each allocator, per trace, to an image file (comparison_figure())."""
+    comparison_figure(results).savefig(path, dpi=110)
 
 
-def budget_figure(results: Sequence[ReplayResult]):
-    """Bars of budget / peak live, one group per trace and device, one bar per
-    allocator (a matplotlib Figure with an Agg canvas). 1.0 is peak live, the
-    least any allocator must hold; a missing bar is a budget not searched."""
+def comparison_figure(results: Sequence[ReplayResult]):
+    """Three panels side by side, one per measure the sentences compare (verdicts()):
+    budget / peak live, uncapped reserved / peak live and driver calls on a log axis;
+    one group of bars per trace and device, one bar per allocator, lower better in
+    each, so that where pyalloc loses shows as plainly as where it wins (a matplotlib
+    Figure with an Agg canvas). 1.0 is peak live, the least any allocator must hold;
+    a missing bar is a figure not measured."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     rows = [r for r in results if r.peak_live_bytes > 0]
-    fig = Figure(figsize=(10, 0.45 * len(rows) + 1.4), layout="constrained")
+    fig = Figure(figsize=(15, 0.42 * len(rows) + 1.8), layout="constrained")
     FigureCanvasAgg(fig)
-    ax = fig.subplots()
+    axes = fig.subplots(1, len(_PANELS), sharey=True)
     height = 0.27
-    names = [f"{_name(r.trace, True)} (dev {r.device}, {format_bytes(r.peak_live_bytes)})" for r in rows]
-    for k, (key, label, colour) in enumerate(_ALLOCATOR_STYLE):
-        ys, xs = [], []
-        for i, r in enumerate(rows):
-            budget = getattr(r, f"{key}_min_budget_bytes")
-            if budget:
-                ys.append(i + (k - 1) * height)
-                xs.append(budget / r.peak_live_bytes)
-        ax.barh(ys, xs, height=height, label=label, color=colour)
-    ax.set_yticks(range(len(rows)), names, fontsize=8)
-    ax.set_ylim(len(rows) - 0.5, -0.5)  # the first trace on top, no margin
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlim(left=0.95)
-    ax.set_xlabel("smallest budget without an out-of-memory / peak live (lower is better)")
-    ax.set_title("Equal budgets: the smallest device each allocator completes the trace on", fontsize=10)
-    ax.grid(axis="x", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    names = [f"{n} (dev {r.device}, {format_bytes(r.peak_live_bytes)})" for n, r in zip(_names_of(rows), rows)]
+    for ax, (key, xlabel, ratio) in zip(axes, _PANELS):
+        for k, (name, label, colour) in enumerate(_ALLOCATOR_STYLE):
+            ys, xs = [], []
+            for i, r in enumerate(rows):
+                value = getattr(r, f"{name}_{key}")
+                if value:
+                    ys.append(i + (k - 1) * height)
+                    xs.append(value / r.peak_live_bytes if ratio else value)
+            ax.barh(ys, xs, height=height, label=label, color=colour)
+        if ratio:
+            ax.axvline(1.0, color="black", linewidth=0.8)
+            ax.set_xlim(left=0.95)
+        else:
+            ax.set_xscale("log")
+            ax.set_xlim(left=1)
+        ax.set_xlabel(xlabel, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(rows)), names, fontsize=8)
+    axes[0].set_ylim(len(rows) - 0.5, -0.5)  # the first trace on top, no margin
+    axes[0].set_title("Equal budgets: the smallest device each completes on", fontsize=10)
+    axes[1].set_title("With no cap: peak reserved", fontsize=10)
+    axes[2].set_title("Driver calls with no cap", fontsize=10)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper center", ncols=len(_ALLOCATOR_STYLE), fontsize=9,
+               title="lower is better in every panel", title_fontsize=9)
     return fig
 
 

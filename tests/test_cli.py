@@ -116,3 +116,14 @@ def test_default_config_is_named_in_the_title():
     r = replay(BUNDLED / "encoder-dynbatch-infer.pickle.gz", search=False)
     title = figure([r]).axes[0].get_title()
     assert f"strategy {pyalloc.parse_config('')['strategy']}" in title and "(defaults)" in title
+
+
+def test_replay_help_explains_each_column():
+    p = cli("replay", "--help")
+    assert p.returncode == 0
+    text = " ".join(p.stdout.split())
+    for column in ("p: pyalloc;", "n: PyTorch's caching allocator", "e: PyTorch with expandable_segments:True",
+                   "dev: the snapshot's device", "peak live: most requested bytes", "budget: the smallest device",
+                   "reserved (no cap): peak reserved bytes", "driver calls: cudaMalloc",
+                   "allocations it refused (OOMs)", "within 0.5% is a tie"):
+        assert column in text, column

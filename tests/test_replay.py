@@ -453,9 +453,17 @@ def test_cli_prints_a_table_and_writes_json_and_a_plot(tmp_path):
     p = cli(*files, "--json", out, "--plot", png)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
-    assert lines[0].split()[:4] == ["budget", "/", "peak", "live"]
-    assert lines[1].split()[:3] == ["trace", "dev", "peak"]
-    assert len(lines) == 3 + len(files)
+    assert all(len(line) <= 100 for line in lines), max(lines, key=len)
+    assert lines[0].split() == ["budget", "reserved", "(no", "cap)", "driver", "calls"]
+    assert lines[1].split() == ["trace", "dev", "peak", "live"] + ["p", "n", "e"] * 3
+    rows = lines[3:3 + len(files)]
+    assert [row.split()[0] for row in rows] == [f.name.removesuffix(".pickle.gz") for f in files]
+    assert lines[3 + len(files)] == ""
+    text = " ".join(p.stdout.split())
+    # One legend explains the columns, then sentences say where pyalloc wins, ties and loses.
+    assert "p: pyalloc; n: PyTorch's caching allocator" in text and "Lower is better in every column" in text
+    assert "Budget: against PyTorch's allocator, pyalloc" in text
+    assert "Where pyalloc loses: " in text or "pyalloc loses nowhere" in text
     data = json.loads(out.read_text())
     assert [Path(d["trace"]).name for d in data] == [f.name for f in files]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -464,9 +472,15 @@ def test_cli_prints_a_table_and_writes_json_and_a_plot(tmp_path):
 def test_cli_budget_adds_the_three_allocators_on_that_device(tmp_path):
     p = cli(BUNDLED / "encoder-dynbatch-infer.pickle.gz", "--budget", "16MiB", "--no-search")
     assert p.returncode == 0, p.stderr
-    top, header, _, row = p.stdout.splitlines()
-    assert top.endswith("reserved at 16.00 MiB  OOMs at 16.00 MiB  driver calls at 16.00 MiB")
-    reserved, ooms, driver_calls = (cell.split("/") for cell in row.split()[-3:])
+    lines = p.stdout.splitlines()
+    assert all(len(line) <= 100 for line in lines)
+    at = lines.index("On a device of 16.00 MiB:")
+    top, header, _, row = lines[at + 1:at + 5]
+    assert top.split() == ["reserved", "OOMs", "driver", "calls"]
+    assert header.split() == ["trace", "dev", "peak", "live"] + ["p", "n", "e"] * 3
+    cells = row.split()[-9:]
+    reserved, ooms, driver_calls = cells[:3], cells[3:6], cells[6:]
+    assert "On a device of the --budget size" in " ".join(p.stdout.split())  # the legend says so
     assert all(int(n) > 0 for n in ooms)  # 58 MiB of peak live on 16 MiB: every allocator refuses some
     # Each bounded run's peak reserved stays within the budget (ratios to the 57.94 MiB of peak live).
     assert all(float(x) * 57.94 <= 16.01 for x in reserved)
@@ -528,12 +542,14 @@ def test_table_formats(tmp_path):
 
     results = [replay(snap(life(1, 100)), name="a/b.pickle", budget="1GiB", search=False)]
     text = format_table(results).splitlines()
-    assert text[0].lstrip().startswith("budget / peak live")  # the allocators' headings lead
-    assert text[1].split("  ")[0].strip() == "trace" and text[0].endswith("driver calls at 1.00 GiB")
-    assert text[3].startswith("b ")
+    assert text[0].lstrip().startswith("budget")  # the allocators' headings lead
+    assert text[1].split()[:4] == ["trace", "dev", "peak", "live"]
+    assert text[3].startswith("b ")  # the file name, without folder or extension
+    runs = results[0].budget_runs
+    assert text[text.index("On a device of 1.00 GiB:") + 4].split()[-6:] == (
+        ["0", "0", "0"] + [str(runs[a]["driver_calls"]) for a in ("pyalloc", "native", "native_expandable")])
     md = format_table(results, markdown=True).splitlines()
     assert md[0] == "| " + " | ".join(COLUMNS + [f"{c} at 1.00 GiB (p/n/e)" for c in ("reserved", "OOMs", "driver calls")]) + " |"
-    runs = results[0].budget_runs
     assert md[2].endswith(f"| {runs['pyalloc']['driver_calls']}/{runs['native']['driver_calls']}/"
                           f"{runs['native_expandable']['driver_calls']} |")
     assert md[2].split(" | ")[-2] == "0/0/0"  # the OOMs at 1 GiB: nobody refuses 100 B

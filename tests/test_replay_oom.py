@@ -64,6 +64,21 @@ def cli(*args):
                           capture_output=True, text=True, env=env, timeout=300)
 
 
+def oom_sentences(stdout):
+    """The CLI's sentences on recorded OOMs, each joined again from the lines of at most
+    100 columns it is wrapped to (its later lines indented by two)."""
+    sentences = []
+    for line in stdout.splitlines():
+        assert len(line) <= 100, line
+        if ", event " in line:
+            sentences.append(line)
+        elif sentences and line.startswith("  ") and sentences[-1] is not None:
+            sentences[-1] += " " + line.strip()
+        elif sentences:
+            sentences.append(None)
+    return [s for s in sentences if s is not None]
+
+
 # -- figures computed independently of pyalloc.replay --------------------------
 
 
@@ -400,8 +415,9 @@ def test_json_rows_carry_recorded_ooms_with_the_documented_keys(tmp_path):
     assert all(isinstance(oom[k], int) for k in ("event", "size_bytes", "live_bytes", "capacity_bytes"))
     assert row["skipped_ooms"] == 0 and row["devices"] == 1
     # The table, then one sentence per recorded OOM.
-    assert "frag.pickle, event 105: a 30.00 MiB allocation with 50.00 MiB live: fragmentation: " \
-           "80.00 MiB needed on 110.00 MiB; pyalloc would have served it" in p.stdout
+    [sentence] = oom_sentences(p.stdout)
+    assert sentence.startswith("frag.pickle, event 105: a 30.00 MiB allocation with 50.00 MiB live: fragmentation: "
+                               "80.00 MiB needed on 110.00 MiB; pyalloc would have served it")
     # A trace without OOMs has an empty list, and prints no sentence.
     clean = tmp_path / "clean.pickle"
     write_snapshot({"segments": [], "device_traces": [[ev("alloc", 1, 10)] + free(1, 10)]}, clean)
@@ -413,7 +429,7 @@ def test_json_rows_carry_recorded_ooms_with_the_documented_keys(tmp_path):
 def test_cli_says_what_constructor_sun_device_1_needed():
     p = cli(CONSTRUCTOR_SUN, "--no-search", "--device", "1")
     assert p.returncode == 0, p.stderr
-    [line] = [ln for ln in p.stdout.splitlines() if ", event 421: " in ln]
+    [line] = [ln for ln in oom_sentences(p.stdout) if ", event 421: " in ln]
     assert "not fragmentation: 83.23 GiB needed on 78.51 GiB (4.73 GiB short)" in line
     assert line.endswith("; reduce memory")
 
@@ -465,7 +481,7 @@ def test_cli_warns_of_skipped_oom_events_and_still_reports(tmp_path):
     [warning] = p.stderr.strip().splitlines()
     assert warning.startswith("pyalloc replay: warning: 2 oom event(s) could not be read")
     assert "[2] (oom): no 'device_free'" in warning and "[5] (oom): 'size' must be a byte count, got -5" in warning
-    assert "bad-oom.pickle, event 6: " in p.stdout
+    assert [s.split(": ")[0] for s in oom_sentences(p.stdout)] == ["bad-oom.pickle, event 6"]
 
 
 def test_huge_but_readable_sizes_get_a_verdict_not_a_crash():
@@ -560,13 +576,13 @@ def test_cli_rows_for_every_device(tmp_path):
     assert [r["device"] for r in rows] == [0, 1, 2]  # device 3 recorded nothing
     table = p.stdout.splitlines()
     # The table names each device in its own column, one row each.
-    devs = [ln.split()[1] for ln in table if ln.startswith("constructor-sun-") and ln.split()[1].isdigit()]
+    devs = [ln.split()[1] for ln in table if ln.startswith("constructor-sun ") and ln.split()[1].isdigit()]
     assert devs == ["0", "1", "2"]
     assert [len(r["recorded_ooms"]) for r in rows] == [0, 1, 0]
     p = cli(CONSTRUCTOR_SUN, "--no-search", "--device", "2", "--json", out)
     assert [r["device"] for r in json.loads(out.read_text())] == [2]
     assert [ln.split()[1] for ln in p.stdout.splitlines()
-            if ln.startswith("constructor-sun-") and ln.split()[1].isdigit()] == ["2"]
+            if ln.startswith("constructor-sun ") and ln.split()[1].isdigit()] == ["2"]
     p = cli(CONSTRUCTOR_SUN, "--no-search", "--device", "7")
     assert p.returncode == 1 and "no device 7" in p.stderr and "Traceback" not in p.stderr
 
