@@ -230,6 +230,23 @@ def fake_search(largest, hi=64, budget=40 * GiB):
                 budget=budget, probes=[{"size": largest, "status": "ok"}, {"size": largest + 1, "status": "oom"}])
 
 
+def fake_speed_run(nets, baseline=500.0, core=None, route=None):
+    """One allocator's alloc_speed run from made-up processes: {case: [ns beyond
+    torch.empty(0), one per process]}."""
+    count = len(next(iter(nets.values())))
+    processes = []
+    for i in range(count):
+        cases = []
+        for name, values in nets.items():
+            case = {"name": name, "ns_per_pair": values[i] + baseline, "baseline_ns": baseline, "net_ns": values[i]}
+            if core is not None:
+                case["core_ns"] = core
+            cases.append(case)
+        processes.append({"status": "ok", "cases": cases, "wall_s": 4.0,
+                          **({"pyalloc_route": route} if route else {})})
+    return report.combine_speed(processes)
+
+
 def fake_results():
     device = dict(device_type="cuda", name="NVIDIA H100 80GB HBM3", total_memory=80 * GiB, torch="2.11.0",
                   cuda="13.0", capability="9.0", python="3.11.7", transformers="4.57.0")
@@ -238,11 +255,12 @@ def fake_results():
                                "started": "2026-11-22T10:00:00"}]
     speed = report.workload_entry(results, "alloc_speed", "torch.empty pairs", "micro", "")
     speed["runs"] = {
-        "native": {"status": "ok", "cases": [{"name": "one size (4 KiB)", "ns_per_pair": 1000.0},
-                                             {"name": "mixed", "ns_per_pair": 2000.0}]},
-        "pyalloc": {"status": "ok", "cases": [{"name": "one size (4 KiB)", "ns_per_pair": 1300.0},
-                                              {"name": "mixed", "ns_per_pair": 1500.0}]},
+        "native": fake_speed_run({"one size (4 KiB)": [950.0, 1000.0, 1050.0], "mixed": [1900.0, 2000.0, 2100.0]}),
+        "pyalloc": fake_speed_run({"one size (4 KiB)": [1250.0, 1300.0, 1350.0], "mixed": [1400.0, 1500.0, 1600.0]},
+                                  core=60.0),
     }
+    speed["rounds"] = {"planned": 3, "done": 3, "orders": [["native", "pyalloc"], ["pyalloc", "native"],
+                                                          ["native", "pyalloc"]]}
     llm = report.workload_entry(results, "llm_train", "GPT-2 training", "steps", "batch")
     llm["runs"] = {"native": fake_run(200.0, 30 * GiB, 45 * GiB), "pyalloc": fake_run(199.0, 30 * GiB, 33 * GiB)}
     llm["search"] = {"budget": 40 * GiB, "native": fake_search(6), "pyalloc": fake_search(8)}
@@ -262,9 +280,12 @@ def test_markdown_tables_and_ratios():
     assert "# pyalloc vs PyTorch's native allocator: NVIDIA H100 80GB HBM3" in text
     assert "torch 2.11.0, CUDA 13.0" in text and "80.0 GiB" in text
     assert "python -m benchmarks.gpu --only micro llm" in text
-    assert "| one size (4 KiB) | 1000 | 1300 | 1.30 |" in text
-    assert "| mixed | 2000 | 1500 | 0.75 |" in text
-    assert "| llm_train | batch 4 | 6 | 200.0 | 199.0 | 0.995 |" in text
+    assert "| case | torch.empty(0) | native | pyalloc | pyalloc's core (C++) | pyalloc / native |" in text
+    assert "| one size (4 KiB) | 500 | 1000 [950, 1050] | 1300 [1250, 1350] | 60 | 1.30 slower |" in text
+    assert "| mixed | 500 | 2000 [1900, 2100] | 1500 [1400, 1600] | 60 | 0.75 faster |" in text
+    assert "(3 each, alternated in 3 rounds)" in text
+    assert "| llm_train | batch 4 | 6 | 200.0 | 199.0 | 0.995 [0.995, 0.995] tie |" in text
+    assert "| control_transformer | batch 4 | 6 | 100.0 | 105.0 | 1.050 [1.050, 1.050] slower |" in text
     assert "| generate | max batch 4 | 6 | 50.0 | error |  |" in text
     assert "| llm_train | 30.00 | 30.00 | 45.00 | 33.00 | 1.500 | 1.100 |" in text
     assert "under a 40.0 GiB budget" in text and "| llm_train | batch | 6 | 8 | 1.33 | 4 |" in text
@@ -275,7 +296,8 @@ def test_markdown_tables_and_ratios():
 def test_losses_name_every_figure_where_pyalloc_is_worse_and_only_those():
     lost = report.losses(fake_results())
     text = "\n".join(lost)
-    assert "allocation speed, one size (4 KiB): 1.30x" in text
+    assert ("allocation speed, one size (4 KiB): 1.30x native's time per pair beyond torch.empty(0) "
+            "(1300 vs 1000 ns; [1250, 1350] ns and [950, 1050] ns over 3 processes and 3 processes)") in text
     assert "control_transformer: median step 1.050x" in text
     assert "control_transformer: peak reserved 12.00 GiB vs native's 11.00 GiB" in text
     assert "control_transformer: the largest batch that runs under the budget is 39, native's 40" in text
@@ -289,7 +311,9 @@ def test_losses_name_every_figure_where_pyalloc_is_worse_and_only_those():
 def test_markdown_says_when_pyalloc_loses_nowhere():
     results = fake_results()
     del results["workloads"]["control_transformer"], results["workloads"]["generate"]
-    results["workloads"]["alloc_speed"]["runs"]["pyalloc"]["cases"][0]["ns_per_pair"] = 1010.0  # within noise
+    # Slower by 10% at the median, but within the spread over the processes: a tie.
+    results["workloads"]["alloc_speed"]["runs"]["pyalloc"] = fake_speed_run(
+        {"one size (4 KiB)": [1040.0, 1100.0, 1200.0], "mixed": [1400.0, 1500.0, 1600.0]})
     assert report.losses(results) == []
     assert "- nowhere in these runs" in report.markdown(results)
 
@@ -418,20 +442,151 @@ def test_results_say_which_route_each_pyalloc_run_took():
     results = fake_results()
     speed = results["workloads"]["alloc_speed"]["runs"]
     speed["pyalloc"]["pyalloc_route"] = "bridge"
-    speed["pyalloc_hooks"] = {"status": "ok", "pyalloc_route": "hooks",
-                              "cases": [{"name": "one size (4 KiB)", "ns_per_pair": 2600.0},
-                                        {"name": "mixed", "ns_per_pair": 1500.0}]}
+    speed["pyalloc_hooks"] = fake_speed_run({"one size (4 KiB)": [2500.0, 2600.0, 2700.0],
+                                             "mixed": [1400.0, 1500.0, 1600.0]}, route="hooks")
     assert report.pyalloc_routes(results) == {"pyalloc": ["bridge"], "pyalloc_hooks": ["hooks"]}
     assert report.allocators(results) == ["native", "pyalloc", "pyalloc_hooks"]
     text = report.markdown(results)
     assert "| pyalloc route in use | pyalloc: bridge; pyalloc_hooks: hooks |" in text
-    assert "| case | native | pyalloc | pyalloc_hooks | pyalloc / native | pyalloc_hooks / native " \
-           "| pyalloc / pyalloc_hooks |" in text
-    assert "| one size (4 KiB) | 1000 | 1300 | 2600 | 1.30 | 2.60 | 0.50 |" in text
+    assert "| case | torch.empty(0) | native | pyalloc | pyalloc_hooks | pyalloc's core (C++) | pyalloc / native " \
+           "| pyalloc_hooks / native | pyalloc / pyalloc_hooks |" in text
+    assert ("| one size (4 KiB) | 500 | 1000 [950, 1050] | 1300 [1250, 1350] | 2600 [2500, 2700] | 60 "
+            "| 1.30 slower | 2.60 slower | 0.50 faster |") in text
     assert "pyalloc_hooks, allocation speed, one size (4 KiB): 2.60x" in "\n".join(report.losses(results))
     # A "pyalloc" run that fell back to the hooks says so.
     speed["pyalloc"]["pyalloc_route"] = "hooks"
     assert "| pyalloc route in use | pyalloc: hooks; pyalloc_hooks: hooks |" in report.markdown(results)
+
+
+# ---------------------------------------------------------------------------
+# Speed figures over processes; step times within their spread
+# ---------------------------------------------------------------------------
+
+
+def test_speed_processes_combine_into_a_median_and_its_range():
+    def process(net, base, core=None, status="ok"):
+        case = {"name": "one size (4 KiB)", "ns_per_pair": net + base, "baseline_ns": base, "net_ns": net}
+        if core is not None:
+            case["core_ns"] = core
+        return {"status": status, "cases": [case], "wall_s": 5.0, "pyalloc_route": "bridge"}
+
+    run = report.combine_speed([process(2400.0, 1500.0, 55.0), process(900.0, 1400.0, 60.0),
+                                process(1000.0, 1600.0, 70.0)])
+    assert run["status"] == "ok" and run["pyalloc_route"] == "bridge" and len(run["processes"]) == 3
+    assert run["cases"] == [{"name": "one size (4 KiB)", "processes": 3, "net_ns": 1000.0,
+                             "net_processes": [2400.0, 900.0, 1000.0], "net_min": 900.0, "net_max": 2400.0,
+                             "ns_per_pair": 2600.0, "baseline_ns": 1500.0, "core_ns": 60.0}]
+    failed = report.combine_speed([process(900.0, 1400.0), {"status": "crashed", "error": "worker exited with -9"}])
+    assert failed["status"] == "crashed" and failed["error"] == "1 of 2 processes: worker exited with -9"
+    assert failed["cases"][0]["processes"] == 1  # kept, but an unfinished run shows in no table
+
+
+def test_allocation_speed_within_the_spread_over_processes_is_a_tie():
+    """Regression: two alloc_speed runs a minute apart on one H200 (4ec56a2) said
+    pyalloc 0.83x, then 1.66x native per 4 KiB pair; one process per allocator could
+    not tell noise from a difference, and the report called each a win or a loss."""
+    results = fake_results()
+    results["workloads"] = {"alloc_speed": results["workloads"]["alloc_speed"]}
+    case = "one size (4 KiB)"
+    results["workloads"]["alloc_speed"]["runs"] = {
+        "native": fake_speed_run({case: [2297.0, 2299.0, 4529.0]}, baseline=0.0),
+        "pyalloc": fake_speed_run({case: [1898.0, 3807.0, 2424.0]}, baseline=0.0),
+    }
+    assert report.losses(results) == []
+    assert "| one size (4 KiB) | 0 | 2299 [2297, 4529] | 2424 [1898, 3807] | 1.05 tie |" in report.markdown(results)
+    # Ranges apart: slower, and said so; faster is no loss.
+    slow = {"ns": 1300.0, "lo": 1250.0, "hi": 1350.0, "processes": 3}
+    fast = {"ns": 900.0, "lo": 850.0, "hi": 990.0, "processes": 3}
+    base = {"ns": 1000.0, "lo": 995.0, "hi": 1010.0, "processes": 3}
+    assert [report.speed_verdict(f, base) for f in (slow, fast, base)] == ["slower", "faster", "tie"]
+    # One process a side (older results): no spread, so only the old 2% rule can say.
+    one = {"ns": 1010.0, "lo": 1010.0, "hi": 1010.0, "processes": 1}
+    assert report.speed_verdict(one, dict(base, processes=1)) == "tie"
+    assert report.speed_verdict(dict(one, ns=1100.0), dict(base, processes=1)) == "slower"
+
+
+# llm_train, 20 quick steps, native and pyalloc (bridge), H200, 2026-11-28 at 1ceb995 (same shapes).
+H200_NATIVE_MS = [141.4, 155.0, 216.0, 61.7, 63.7, 99.7, 61.0, 200.3, 183.1, 66.1, 221.4, 249.4, 61.4, 81.4, 173.9,
+                  76.4, 95.7, 237.5, 69.2, 211.5]
+H200_PYALLOC_MS = [141.3, 154.6, 216.1, 73.0, 74.6, 102.8, 76.2, 200.2, 184.0, 70.9, 222.1, 249.5, 51.1, 83.0,
+                   173.8, 80.9, 96.8, 238.1, 73.3, 211.7]
+
+
+def _steps(ms, shapes=None):
+    import statistics
+
+    return {"status": "ok", "step_ms": ms, "median_ms": statistics.median(ms),
+            "shapes": shapes or [{"length": i} for i in range(len(ms))]}
+
+
+def test_step_times_within_their_spread_are_ties():
+    # The H200's llm_train: the short steps were slower under pyalloc (the per-step
+    # ratios' quartiles are 1.000 and 1.059), the median step 1.2%: a tie by the 2% rule.
+    h200 = report.step_comparison(_steps(H200_NATIVE_MS), _steps(H200_PYALLOC_MS))
+    assert h200["paired"] and h200["verdict"] == "tie" and round(h200["ratio"], 3) == 1.012
+    assert (round(h200["lo"], 3), round(h200["hi"], 3)) == (1.000, 1.059)
+    # 3% slower at the median, but steps either side of native's: a tie (the old rule, a
+    # ratio above 1.02, called it a loss).
+    base = [100.0 + i for i in range(8)]
+    mixed = [b * r for b, r in zip(base, [0.95, 1.10, 0.97, 1.08, 1.03, 1.04, 0.99, 1.06])]
+    c = report.step_comparison(_steps(base), _steps(mixed))
+    assert c["verdict"] == "tie" and c["ratio"] > 1.02 and c["lo"] < 1 < c["hi"]
+    results = fake_results()
+    results["workloads"]["control_transformer"]["runs"] = {"native": _steps(base), "pyalloc": _steps(mixed)}
+    assert not any("control_transformer: median step" in item for item in report.losses(results))
+    # Every step 5% slower: a loss. 1% slower every step: still a tie (within 2%).
+    assert report.step_comparison(_steps(base), _steps([b * 1.05 for b in base]))["verdict"] == "slower"
+    assert report.step_comparison(_steps(base), _steps([b * 0.95 for b in base]))["verdict"] == "faster"
+    assert report.step_comparison(_steps(base), _steps([b * 1.01 for b in base]))["verdict"] == "tie"
+    # Runs that do not pair (other shapes) compare their step times' quartiles.
+    other = report.step_comparison(_steps(base), _steps([b * 1.03 for b in base], shapes=[{"length": 0}] * 8))
+    assert not other["paired"] and other["verdict"] == "tie"  # the quartiles overlap
+
+
+def test_each_round_puts_every_allocator_in_another_place():
+    from benchmarks.gpu.__main__ import round_order
+
+    five = ["native", "pyalloc", "pyalloc_hooks", "native_expandable", "native_async"]
+    for allocators, rounds in ((five, 5), (five[:3], 3), (five[:2], 2), (five[:4], 4)):
+        orders = [round_order(allocators, r) for r in range(rounds)]
+        assert all(sorted(o) == sorted(allocators) for o in orders)
+        for a in allocators:
+            assert len({o.index(a) for o in orders}) == rounds, (allocators, orders)
+    assert round_order(five, 0) == five
+
+
+def test_speed_rounds_alternate_and_none_starts_past_its_time(tmp_path, monkeypatch):
+    import benchmarks.gpu.__main__ as harness_main
+
+    clock = [0.0]
+    spawned = []
+
+    def fake_spawn(worker_args, allocator, timeout):
+        spawned.append(allocator)
+        clock[0] += 10.0  # each process takes 10 s
+        return {"status": "ok", "wall_s": 10.0, "cases": [
+            {"name": "one size (4 KiB)", "ns_per_pair": 2000.0 + len(spawned), "baseline_ns": 1000.0,
+             "net_ns": 1000.0 + len(spawned)}]}
+
+    monkeypatch.setattr(harness_main, "spawn", fake_spawn)
+    monkeypatch.setattr(harness_main.time, "perf_counter", lambda: clock[0])
+    h = _harness(tmp_path, "--only", "alloc_speed", "--rounds", "4", "--rounds-within", "75")
+    h.speed_rounds(workloads.SPECS["alloc_speed"])
+    # Rounds of 30 s: the third would end at 90 s, past 75.
+    assert spawned == ["native", "pyalloc", "pyalloc_hooks", "pyalloc_hooks", "native", "pyalloc"]
+    entry = h.results["workloads"]["alloc_speed"]
+    assert entry["rounds"]["done"] == 2 and entry["rounds"]["planned"] == 4
+    assert entry["runs"]["native"]["cases"][0]["net_processes"] == [1001.0, 1005.0]
+    assert report.load(h.json_path)["workloads"]["alloc_speed"]["rounds"]["done"] == 2
+    # Without a time the rounds planned all run; --quick plans 3.
+    spawned.clear()
+    _harness(tmp_path, "--quick", "--allocators", "native,pyalloc").speed_rounds(workloads.SPECS["alloc_speed"])
+    assert spawned == ["native", "pyalloc", "pyalloc", "native", "native", "pyalloc"]
+
+
+def test_the_cpp_pair_cost_is_measured_beside_torchs():
+    case = workloads.alloc_speed_cases(smoke=True, quick=False, seed=0)[1]  # mixed sizes, 64 live
+    assert 0 < workloads.core_pair_ns(case, repeats=1) < 100_000
 
 
 # ---------------------------------------------------------------------------
@@ -451,6 +606,12 @@ def test_smoke_pipeline_on_cpu(tmp_path):
     speed = results["workloads"]["alloc_speed"]["runs"]
     assert list(speed) == ["native"] and speed["native"]["status"] == "ok"
     assert len(speed["native"]["cases"]) == 4 and all(c["ns_per_pair"] > 0 for c in speed["native"]["cases"])
+    # Two processes (two rounds, the smoke default), each with a torch.empty(0) baseline.
+    assert len(speed["native"]["processes"]) == 2 and results["workloads"]["alloc_speed"]["rounds"]["done"] == 2
+    for p in speed["native"]["processes"]:
+        assert all(c["baseline_ns"] > 0 and c["net_ns"] == c["ns_per_pair"] - c["baseline_ns"] for c in p["cases"])
+    assert all(c["processes"] == 2 and c["net_min"] <= c["net_ns"] <= c["net_max"]
+               for c in speed["native"]["cases"])
     control = results["workloads"]["control_transformer"]
     run_ = control["runs"]["native"]
     assert run_["status"] == "ok" and len(run_["step_ms"]) == 2 and run_["median_ms"] > 0
@@ -577,6 +738,8 @@ def test_both_allocators_on_gpu(tmp_path):
     speed = results["workloads"]["alloc_speed"]["runs"]
     assert sorted(speed) == ["native", "pyalloc", "pyalloc_hooks"]
     assert speed["pyalloc"]["pyalloc_route"] == "bridge" and speed["pyalloc_hooks"]["pyalloc_route"] == "hooks"
+    assert all(c["core_ns"] > 0 and c["processes"] == 2 for c in speed["pyalloc"]["cases"])
+    assert not any("core_ns" in c for c in speed["native"]["cases"])
     assert results["workloads"]["control_transformer"]["search"]["budget"] > 0
 
 

@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional
 from . import report
 from .search import largest_passing
 from .worker import ALLOCATORS, NATIVE_CONF, PYALLOC_ALLOCATORS
-from .workloads import GROUPS, SPECS, Spec, select
+from .workloads import GROUPS, SPECS, SPEED_ROUNDS, Spec, select, speed_mode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -101,6 +101,15 @@ def spawn(worker_args: List[str], allocator: str, timeout: float) -> Dict[str, A
                     "wall_s": time.perf_counter() - start}
         with open(out) as f:
             return json.load(f)
+
+
+def round_order(allocators: List[str], r: int) -> List[str]:
+    """The allocators in round r: moved on by a step coprime with their number, so that
+    each takes another place in each round (five allocators: step 2; three, or more,
+    rounds put none in the same place twice)."""
+    n = len(allocators)
+    step = 2 if n % 2 and n > 2 else 1
+    return [allocators[(i + step * r) % n] for i in range(n)] if n else []
 
 
 def _show(path: str, start: str = REPO) -> str:
@@ -194,6 +203,9 @@ class Harness:
 
     def timing(self, spec: Spec) -> None:
         a = self.args
+        if spec.kind == "micro":
+            self.speed_rounds(spec)
+            return
         if spec.kind == "steps":
             steps = a.steps or (2 if a.smoke else spec.quick_steps if a.quick else spec.steps)
             warmup = 1 if a.smoke else spec.warmup
@@ -208,6 +220,39 @@ class Harness:
             entry["runs"][allocator] = result
             self._report(spec, allocator, result)
             self.save()
+
+    def speed_rounds(self, spec: Spec) -> None:
+        """alloc_speed: one process per allocator in each round, the rounds in different
+        orders (round_order), so that what drifts over a minute (clocks, other tenants,
+        where a process lands) touches every allocator alike. With --rounds-within S no
+        round starts that the longest one so far says would end past S seconds."""
+        a = self.args
+        allocators = self.allocators_for(spec)
+        planned = a.rounds or SPEED_ROUNDS[speed_mode(a.smoke, a.quick)]
+        entry = report.workload_entry(self.results, spec.name, spec.title, spec.kind, spec.size_name)
+        entry["runs"] = {}
+        rounds = entry["rounds"] = {"planned": planned, "done": 0, "orders": [], "within_s": a.rounds_within or None}
+        processes: Dict[str, List[Dict[str, Any]]] = {alloc: [] for alloc in allocators}
+        started, longest = time.perf_counter(), 0.0
+        for r in range(planned):
+            elapsed = time.perf_counter() - started
+            if r and a.rounds_within and elapsed + longest > a.rounds_within:
+                print(f"   {r} of {planned} rounds: another would end past {a.rounds_within:.0f} s "
+                      f"(--rounds-within; {elapsed:.0f} s so far, the longest round {longest:.0f} s)", flush=True)
+                break
+            order = round_order(allocators, r)
+            rounds["orders"].append(order)
+            for allocator in order:
+                print(f"== {spec.name} / {allocator} (round {r + 1} of {planned})", flush=True)
+                result = spawn(self._common(spec), allocator, a.worker_timeout)
+                result["invocation"] = self.command
+                processes[allocator].append(result)
+                entry["runs"][allocator] = report.combine_speed(processes[allocator])
+                self._report(spec, allocator, result)
+                report.save(self.results, self.json_path)  # the figures; the tables and plots at the end
+            rounds["done"] = r + 1
+            longest = max(longest, time.perf_counter() - started - elapsed)
+        self.save()
 
     def search(self, spec: Spec) -> None:
         """The largest size of `spec` that runs under the budget, for each allocator.
@@ -340,6 +385,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="+", metavar="NAME", help="workloads or groups to run (default: all)")
     p.add_argument("--quick", action="store_true", help="fewer steps, to fit a 10-minute command")
     p.add_argument("--steps", type=int, default=0, help="timed steps per run (default: the workload's)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="alloc_speed: processes per allocator, one per round, the allocators in another order "
+                        "each round (default: %s)" % ", ".join(f"{n} {m}" for m, n in SPEED_ROUNDS.items()))
+    p.add_argument("--rounds-within", type=float, default=0, metavar="S",
+                   help="alloc_speed: start no round that the longest so far says would end past S seconds "
+                        "(0: every round runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allocators", default=None,
                    help="comma-separated: native, pyalloc (its default route: the bridge where it builds), "
@@ -436,6 +487,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if bad:
             raise ValueError(f"--trace-allocators: '{bad[0]}' records no memory history; give "
                              f"{', '.join(TRACE_ALLOCATORS)} (pyalloc's: the same run, live only)")
+        if args.rounds < 0 or args.rounds_within < 0:
+            raise ValueError("--rounds and --rounds-within take a number of at least 0")
         if args.no_timing and not (args.budget_search or args.traces):
             raise ValueError("--no-timing leaves nothing to run: add --budget-search or --traces")
     except ValueError as exc:

@@ -308,7 +308,9 @@ def run(args, result: Dict[str, Any]) -> None:
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
                                                  max_entries=args.trace_max_entries)
     if spec.kind == "micro":
-        result["cases"] = alloc_speed(device, args.smoke, args.quick, args.seed)
+        # Under pyalloc, what the same pairs cost its core in C++, measured in this process.
+        result["cases"] = alloc_speed(device, args.smoke, args.quick, args.seed,
+                                      core=args.allocator in PYALLOC_ALLOCATORS)
     else:
         run_steps(args, spec, device, result)
     if args.trace:

@@ -140,36 +140,90 @@ def _timed_pairs(device: torch.device, sizes: List[int], pairs: int, live: int, 
     return (max(e for _, e in spans) - min(s for s, _ in spans)) * 1e9 / pairs
 
 
+#: alloc_speed's processes per allocator, alternated in rounds (--rounds overrides):
+#: the first H200 runs showed that one process is not enough, pyalloc's per-pair time
+#: changing 2x from one process to the next while native's stayed put.
+SPEED_ROUNDS = {"smoke": 2, "quick": 3, "full": 5}
+#: Timed repeats of each case in one process (their median is the process's figure),
+#: each paired with a repeat of the torch.empty(0) baseline.
+SPEED_REPEATS = {"smoke": 2, "quick": 5, "full": 9}
+
+
+def speed_mode(smoke: bool, quick: bool) -> str:
+    return "smoke" if smoke else "quick" if quick else "full"
+
+
 def alloc_speed_cases(smoke: bool, quick: bool, seed: int) -> List[Dict[str, Any]]:
-    """The cases of workload 1: (name, sizes, pairs per thread, live tensors, threads)."""
+    """The cases of workload 1: (name, sizes, pairs per thread, live tensors, threads).
+
+    A repeat lasts 10-30 ms on an H200's host with --quick (1-5 us a pair alone,
+    about 50 us a pair per thread with 4 threads, which contend for the GIL): one
+    process then measures in about a second, and its start (python, torch, the CUDA
+    context) costs more than that, so more processes, not longer ones, buy precision.
+    """
     top = 64 * KiB if smoke else 256 * MiB
     mixed = mixed_sizes(64 if smoke else 4096, 512, top, seed)
-    one = 200 if smoke else (50_000 if quick else 200_000)
-    few = 200 if smoke else (10_000 if quick else 40_000)
+    one = 200 if smoke else (4_000 if quick else 20_000)
+    few = 200 if smoke else (1_000 if quick else 4_000)  # per thread, 4 threads
     label = f"mixed 512 B - {top // MiB} MiB" if top >= MiB else f"mixed 512 B - {top // KiB} KiB"
     return [
         dict(name="one size (4 KiB)", sizes=[4 * KiB], pairs=one, live=0, threads=1),
-        dict(name=f"{label}, 64 live", sizes=mixed, pairs=few, live=64, threads=1),
-        dict(name="one size (4 KiB), 4 threads", sizes=[4 * KiB], pairs=one // 4, live=0, threads=4),
+        dict(name=f"{label}, 64 live", sizes=mixed, pairs=one, live=64, threads=1),
+        dict(name="one size (4 KiB), 4 threads", sizes=[4 * KiB], pairs=few // 4, live=0, threads=4),
         dict(name=f"{label}, 4 threads, 16 live each", sizes=mixed, pairs=few // 4, live=16, threads=4),
     ]
 
 
-def alloc_speed(device: torch.device, smoke: bool, quick: bool, seed: int) -> List[Dict[str, Any]]:
-    """Workload 1: ns per torch.empty + release pair, median of several repeats after a warm-up."""
-    repeats = 2 if smoke else (3 if quick else 5)
+def core_pair_ns(case: Dict[str, Any], repeats: int = 3) -> float:
+    """What the same case costs pyalloc's core alone, in C++ (pyalloc._C.bench_pairs over
+    the virtual backend: no torch, no Python, no device): median ns per pair per thread."""
+    import pyalloc
+    from pyalloc import _C
+
+    iterations = max(case["pairs"], 20_000)
+    window = max(1, case["live"])  # bench_pairs keeps `window` live; 1 is an alloc then its free
+    ns = []
+    for _ in range(repeats):
+        allocator = pyalloc.Allocator("virtual")
+        _C.bench_pairs(allocator._core, case["sizes"], iterations // 10, case["threads"], window)  # warm
+        ns.append(_C.bench_pairs(allocator._core, case["sizes"], iterations, case["threads"], window)
+                  * 1e9 / iterations)
+    return statistics.median(ns)
+
+
+def alloc_speed(device: torch.device, smoke: bool, quick: bool, seed: int,
+                core: bool = False) -> List[Dict[str, Any]]:
+    """Workload 1: ns per torch.empty + release pair, and per torch.empty(0) pair, what
+    torch costs per tensor around the allocator (PyTorch's own allocators and the
+    bridge ask for no block of 0 bytes; through the C hooks torch's wrapper still
+    calls pyalloc, which returns at once), each the median of several repeats taken
+    in turn after a warm-up. ``core``: the C++ cost of the same pairs in pyalloc's
+    core too (core_pair_ns)."""
+    repeats = SPEED_REPEATS[speed_mode(smoke, quick)]
     out = []
     for case in alloc_speed_cases(smoke, quick, seed):
         args = (device, case["sizes"], case["pairs"], case["live"], case["threads"])
+        empty = (device, [0], case["pairs"], case["live"], case["threads"])
         _timed_pairs(*args)  # warm-up: fills the cache, so every repeat sees the same state
-        ns = [_timed_pairs(*args) for _ in range(repeats)]
-        out.append({
+        _timed_pairs(*empty)
+        ns, base = [], []
+        for _ in range(repeats):  # in turn, so that a slow moment touches both alike
+            ns.append(_timed_pairs(*args))
+            base.append(_timed_pairs(*empty))
+        row = {
             "name": case["name"], "threads": case["threads"], "live": case["live"],
             "distinct_sizes": len(set(case["sizes"])), "largest_size": max(case["sizes"]),
-            "pairs_per_thread": case["pairs"], "ns_per_pair": statistics.median(ns),
-            "ns_repeats": ns,
-        })
-        print(f"    {case['name']}: {out[-1]['ns_per_pair']:.0f} ns/pair", flush=True)
+            "pairs_per_thread": case["pairs"], "ns_per_pair": statistics.median(ns), "ns_repeats": ns,
+            "baseline_ns": statistics.median(base), "baseline_repeats": base,
+        }
+        row["net_ns"] = row["ns_per_pair"] - row["baseline_ns"]
+        text = (f"    {case['name']}: {row['ns_per_pair']:.0f} ns/pair, torch.empty(0) {row['baseline_ns']:.0f}, "
+                f"beyond it {row['net_ns']:.0f}")
+        if core:
+            row["core_ns"] = core_pair_ns(case)
+            text += f" (pyalloc's core in C++: {row['core_ns']:.0f})"
+        out.append(row)
+        print(text, flush=True)
     return out
 
 

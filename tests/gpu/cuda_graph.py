@@ -65,8 +65,15 @@ def main():
         del static_out, big, total
         gc.collect()
         # Nothing of the pool is live any more (the workspaces were made on
-        # `side` before the capture): its memory went back to the device.
+        # `side` before the capture). The last free only marks the released pool
+        # (no device sync inside a tensor's deleter); empty_cache() gives its
+        # memory back, as PyTorch's allocator does (or the out-of-memory path).
+        pools = pyalloc._C.cuda_graph_pools(0)
+        assert len(pools) == 1 and pools[0]["use_count"] == 0 and pools[0]["allocated_bytes"] == 0, pools
+        reserved = pyalloc.memory_reserved()
+        torch.cuda.empty_cache()
         assert pyalloc._C.cuda_graph_pools(0) == [], pyalloc._C.cuda_graph_pools(0)
+        assert pyalloc.memory_reserved() <= reserved - pools[0]["reserved_bytes"], (reserved, pools)
     else:
         del static_out, big, total
         assert pyalloc.release_graph_memory() > 0
