@@ -346,12 +346,9 @@ void Allocator::lend_chunk_stats(Block* parent, Segment* chunk, int sign) {
   }
   // In a vmm segment, in the words of PyTorch's viewer, which replays the
   // history backwards from the final segments: the chunk is a segment_alloc /
-  // segment_free of its own; the run gives up the chunk's range as a
-  // segment_unmap (undone by merging the range with the same-stream segments
-  // it touches) and takes it back as a segment_map (undone by cutting it out
-  // of the segment holding it). Where an unmap would merge with a segment
-  // outside the run (another chunk, or an adjacent backend segment), the
-  // run's pieces are allocated and the run freed instead.
+  // segment_free of its own; the run gives up the chunk's range (trace_unmap)
+  // and takes it back as a segment_map (undone by cutting it out of the
+  // segment holding it).
   if (sign < 0) {
     // Undone, the map is cut out of the run first, so what lies above the
     // chunk then is the rest of the run, if any, or the next segment.
@@ -362,15 +359,28 @@ void Allocator::lend_chunk_stats(Block* parent, Segment* chunk, int sign) {
     trace(TraceEntry::kSegmentMap, chunk->base, chunk->size, rs);
     return;
   }
-  auto outside = [&](const Block* n) {
-    return n != nullptr ? n->chunk != nullptr : !parent->segment->vmm;
-  };
-  if (!outside(parent->prev) && !outside(parent->next)) {
-    trace(TraceEntry::kSegmentUnmap, chunk->base, chunk->size, rs);
-  } else {
-    trace_split(parent, parent->addr, parent->end());
-  }
+  trace_unmap(parent, parent->addr, parent->end());
   trace(TraceEntry::kSegmentAlloc, chunk->base, chunk->size, chunk->stream);
+}
+
+void Allocator::trace_unmap(const Block* b, uintptr_t lo, uintptr_t hi) {
+  // PyTorch's viewer undoes a segment_unmap by merging the range with the
+  // segments of the event's stream it touches, which cannot be relied on:
+  // where every event is on stream 0, the viewer drops the events' streams
+  // but not the final segments', and a range brought back never merges with
+  // a final segment beside it (an earlier segment_map over both then lies in
+  // no segment). So a segment_unmap is told only for a whole run with no
+  // segment beside it, where no merge is wanted; otherwise the run's pieces
+  // are allocated and the run freed, which the viewer undoes without merging.
+  const Block* first = b;
+  while (large_mem(first->prev)) first = first->prev;
+  const Block* last = b;
+  while (large_mem(last->next)) last = last->next;
+  auto beside = [](const Block* n) { return n != nullptr && n->mapped; };  // a chunk
+  if (lo == first->addr && hi == last->end() && !beside(first->prev) && !beside(last->next))
+    trace(TraceEntry::kSegmentUnmap, lo, hi - lo, b->segment->stream);
+  else
+    trace_split(b, lo, hi);
 }
 
 void Allocator::trace_split(const Block* b, uintptr_t lo, uintptr_t hi) {

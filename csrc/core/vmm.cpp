@@ -672,15 +672,7 @@ Block* Allocator::unmap_range(Block* f, uintptr_t lo, uintptr_t hi) {
   // The run of mapped memory around f splits into what stays on either side.
   bool left = lo > f->addr || large_mem(f->prev), right = hi < f->end() || large_mem(f->next);
   int64_t runs = (left ? 1 : 0) + (right ? 1 : 0) - 1;
-  if (history_on_) {
-    // PyTorch's viewer undoes a segment_unmap by merging the range with the
-    // same-stream segments it touches; a small-pool chunk beside it must stay
-    // apart, so then the change is told another way (lend_chunk_stats).
-    bool by_chunk = (lo == f->addr && f->prev != nullptr && f->prev->chunk != nullptr) ||
-                    (hi == f->end() && f->next != nullptr && f->next->chunk != nullptr);
-    if (!by_chunk) trace(TraceEntry::kSegmentUnmap, lo, hi - lo, f->segment->stream);
-    else trace_split(f, lo, hi);
-  }
+  if (history_on_) trace_unmap(f, lo, hi);
   StreamState& st = state(f->stream);
   st.free[kLargePool].remove(f);
   track_inactive_split(f, -1);
