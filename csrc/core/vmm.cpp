@@ -288,7 +288,7 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
     if (room != kUnknownRoom) room += moved;
     reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
     if (reserved + need > cap) {
-      *why = "max_pool_size " + format_bytes(cap) + " would be exceeded";
+      *why = "mapping the pages it needs would exceed the pool's cap";
       return nullptr;
     }
   }
@@ -441,8 +441,8 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
     if (kept) return nullptr;
     if (unmap_free_pages_kept(need, keep_lo, keep_hi) < need || !map_or_park(lo, need)) {
       if (kept) return nullptr;
-      *why = std::string("the ") + backend_->name() + " backend could not map " + format_bytes(need);
-      if (room != kUnknownRoom) *why += " (the device has " + format_bytes(room) + " free)";
+      *why = std::string("the ") + backend_->name() + " backend could not map " + format_bytes(need) +
+             " of pages";
       return nullptr;
     }
   }
