@@ -331,7 +331,7 @@ def _read(device: Any, what: str) -> int:
     or may yet (pyalloc is PyTorch's allocator; fake devices in tests). Otherwise
     NotOnCudaError, saying why there are none."""
     d = _device_index(device)
-    if d in _C.cuda_devices() or _C.cuda_is_installed() or _C._testing_fake_devices():
+    if _C.cuda_is_installed() or d in _C.cuda_devices() or _C._testing_fake_devices():
         return d
     raise NotOnCudaError(f"pyalloc.{what}(): {_why_no_pools(d)}")
 
