@@ -8,6 +8,7 @@ from ._C import __version__
 from ._config import CONFIG_KEYS, parse_config
 from .allocator import Allocator, InvalidPointerError, InvariantError, OutOfMemoryError
 from .cuda import (
+    NotOnCudaError,
     dump_snapshot,
     empty_cache,
     fragmentation,
@@ -34,6 +35,7 @@ __all__ = [
     "CONFIG_KEYS",
     "InvalidPointerError",
     "InvariantError",
+    "NotOnCudaError",
     "OutOfMemoryError",
     "__version__",
     "dump_snapshot",

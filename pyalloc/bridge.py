@@ -255,10 +255,11 @@ def build(check: bool = False, verbose: bool = False) -> BuildResult:
     """Compiles and links the bridge against the installed torch (cached: a second
     call only loads it) and loads it.
 
-    check=True compiles and links without loading, for a CPU build of torch (which
-    has no CUDA libraries to load the bridge with): it proves the bridge builds
-    against this torch's headers, and that every symbol it needs besides PyTorch's
-    CUDA libraries resolves. Raises BridgeUnavailable saying why it cannot.
+    check=True compiles and links without PyTorch's CUDA libraries, for a torch the
+    bridge cannot be loaded into here (a CPU build has none): it proves the bridge
+    builds against this torch's headers, and that every symbol it needs besides
+    PyTorch's CUDA libraries resolves; the message says why it was not loaded.
+    Raises BridgeUnavailable saying why it cannot.
     """
     torch = _import_torch()
     from torch.utils import cpp_extension
@@ -319,10 +320,7 @@ def build(check: bool = False, verbose: bool = False) -> BuildResult:
                 "the bridge links against this torch only with symbols nothing provides: "
                 + ", ".join(missing[:8])
             ) from e
-        return BuildResult(library, None, cuda, torch.__version__,
-                           f"the bridge compiles and links against torch {torch.__version__} "
-                           f"(CUDA headers from the {cuda.origin}: {cuda.include}); this CPU build "
-                           "of torch cannot load it")
+        return BuildResult(library, None, cuda, torch.__version__, _check_message(torch, cuda))
     except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
         raise BridgeUnavailable(f"building the bridge failed: {e}") from e
     finally:
@@ -351,6 +349,22 @@ def _refuse_a_private_runtime(library: str) -> None:
     except OSError:
         pass
     raise BridgeUnavailable(problem)
+
+
+def _check_message(torch: Any, cuda: CudaHeaders) -> str:
+    """What a check build that compiled and linked but was not loaded says: why it was
+    not, for the torch at hand (a CPU build; a CUDA build, with or without a device)."""
+    built = (f"the bridge compiles and links against torch {torch.__version__} (CUDA headers "
+             f"from the {cuda.origin}: {cuda.include})")
+    version = torch.version.cuda
+    if version is None:
+        return f"{built}; this CPU build of torch cannot load it"
+    not_loaded = f"{built}; a check build leaves out PyTorch's CUDA libraries, so it could not be loaded"
+    if not torch.cuda.is_available():
+        return (f"{not_loaded}. This torch is a CUDA {version} build, on a machine with no CUDA device "
+                "(torch.cuda.is_available() is False): pyalloc cannot be installed here; on a "
+                "machine with a GPU, `pyalloc bridge build` builds and loads the bridge")
+    return f"{not_loaded}: `pyalloc bridge build` builds and loads it for this CUDA {version} build of torch"
 
 
 _loaded: Any = None

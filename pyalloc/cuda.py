@@ -9,6 +9,15 @@ pyalloc's pool on its device, and ``torch.cuda.empty_cache()``,
 Every function taking ``device`` accepts ``None`` (the current device), an index,
 ``"cuda:N"`` or a ``torch.device``. Sizes are in bytes. Nothing here imports torch
 until it is needed, so ``import pyalloc`` stays cheap and works without torch.
+
+The functions that read figures (``memory_stats()`` and the functions built on it,
+``fragmentation()``, ``memory_summary()``, ``graph_memory()``, ``snapshot()``,
+``dump_snapshot()``) raise NotOnCudaError where pyalloc holds no memory on the
+device and is not PyTorch's allocator, so none can come (no CUDA device, or
+``install()`` has not run): figures there would be zeros that mean nothing. The
+functions that act on the pools (``empty_cache()``, the resets,
+``release_graph_memory()``) then have nothing to do and do nothing, as
+``torch.cuda.empty_cache()`` does before CUDA is in use.
 """
 from __future__ import annotations
 
@@ -66,6 +75,12 @@ class _State:
 
 
 _state = _State()
+
+
+class NotOnCudaError(RuntimeError):
+    """pyalloc has no figures for a CUDA device: it holds no memory there and is not
+    PyTorch's CUDA allocator in this process (no CUDA device, or ``install()`` has not
+    run). The message says which, and where figures can be had without a GPU."""
 
 
 # -- installing ---------------------------------------------------------------------------
@@ -273,7 +288,10 @@ def _patch_torch() -> None:
 def _device_index(device: Any = None) -> int:
     """A CUDA device index from None (current), an int, 'cuda[:N]' or a torch.device."""
     if device is None:
-        import torch
+        try:
+            import torch
+        except ImportError:
+            return 0  # without torch nothing can have changed the current device
 
         # Before PyTorch initializes CUDA the current device is 0; asking
         # torch.cuda.current_device() then would initialize it.
@@ -301,6 +319,37 @@ def _device_index(device: Any = None) -> int:
 
 # -- statistics ---------------------------------------------------------------------------
 
+_WITHOUT_A_GPU = (
+    "Without a GPU, the same figures come from pyalloc.Allocator over host or virtual "
+    "memory (its stats(), fragmentation() and snapshot()), or from a replay "
+    "of a recorded snapshot (pyalloc.replay.replay(path), `pyalloc replay`)"
+)
+
+
+def _read(device: Any, what: str) -> int:
+    """The device index, where pyalloc has figures for the device: its pools exist,
+    or may yet (pyalloc is PyTorch's allocator; fake devices in tests). Otherwise
+    NotOnCudaError, saying why there are none."""
+    d = _device_index(device)
+    if _C.cuda_is_installed() or d in _C.cuda_devices() or _C._testing_fake_devices():
+        return d
+    raise NotOnCudaError(f"pyalloc.{what}(): {_why_no_pools(d)}")
+
+
+def _why_no_pools(d: int) -> str:
+    try:
+        count = _C.cuda_device_count()  # loads the driver: only here, on the way to an error
+    except RuntimeError as e:
+        return (f"there is no CUDA device in this process, so pyalloc holds no memory on "
+                f"cuda:{d} and has no figures for it ({e}). {_WITHOUT_A_GPU}.")
+    if d >= count:
+        return (f"there is no cuda:{d} (the CUDA driver sees {count} device(s)), so pyalloc has "
+                f"no figures for it. {_WITHOUT_A_GPU}.")
+    return (f"pyalloc is not PyTorch's CUDA allocator in this process and holds no memory on "
+            f"cuda:{d}, so it has no figures for it: call pyalloc.install() before any CUDA "
+            f"work, or start the program with `pyalloc run script.py` (torch.cuda.memory_stats() "
+            f"reports PyTorch's own allocator meanwhile).")
+
 
 def memory_stats(device: Any = None) -> Dict[str, int]:
     """Every key of ``torch.cuda.memory_stats()``, for pyalloc's pools on the device.
@@ -312,30 +361,35 @@ def memory_stats(device: Any = None) -> Dict[str, int]:
     ``reserved_bytes_by_private_pools.<id>.*`` for each graph pool, its id
     ``(a, b)`` written ``a_b``, and pyalloc's own ``num_driver_calls`` (the
     CUDA driver calls behind ``num_device_alloc`` and ``num_device_free``).
-    Keys are sorted, as torch's are.
+    Keys are sorted, as torch's are. NotOnCudaError where pyalloc has no figures
+    for the device (see the module's docstring).
     """
-    stats = _C.cuda_device_stats(_device_index(device))
+    return _stats(device, "memory_stats")
+
+
+def _stats(device: Any, what: str) -> Dict[str, int]:
+    stats = _C.cuda_device_stats(_read(device, what))
     return collections.OrderedDict(sorted(stats.items()))
 
 
 def memory_allocated(device: Any = None) -> int:
     """Bytes in blocks handed out to tensors on the device (rounded up to 512 B)."""
-    return memory_stats(device)["allocated_bytes.all.current"]
+    return _stats(device, "memory_allocated")["allocated_bytes.all.current"]
 
 
 def max_memory_allocated(device: Any = None) -> int:
     """The peak of memory_allocated() since the start or reset_peak_memory_stats()."""
-    return memory_stats(device)["allocated_bytes.all.peak"]
+    return _stats(device, "max_memory_allocated")["allocated_bytes.all.peak"]
 
 
 def memory_reserved(device: Any = None) -> int:
     """Bytes pyalloc holds from the driver on the device, allocated or cached."""
-    return memory_stats(device)["reserved_bytes.all.current"]
+    return _stats(device, "memory_reserved")["reserved_bytes.all.current"]
 
 
 def max_memory_reserved(device: Any = None) -> int:
     """The peak of memory_reserved() since the start or reset_peak_memory_stats()."""
-    return memory_stats(device)["reserved_bytes.all.peak"]
+    return _stats(device, "max_memory_reserved")["reserved_bytes.all.peak"]
 
 
 def reset_peak_memory_stats(device: Any = None) -> None:
@@ -351,14 +405,16 @@ def reset_accumulated_memory_stats(device: Any = None) -> None:
 
 def fragmentation(device: Any = None) -> Dict[str, Any]:
     """The device's general pool: free bytes, largest free block, external
-    fragmentation (1 - largest free block / free bytes), free blocks by size."""
-    return _C.cuda_fragmentation(_device_index(device), "general")
+    fragmentation (1 - largest free block / free bytes), free blocks by size.
+    NotOnCudaError where pyalloc has no figures for the device."""
+    return _C.cuda_fragmentation(_read(device, "fragmentation"), "general")
 
 
 def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
     """A readable table of the device's statistics, like ``torch.cuda.memory_summary()``,
-    followed by a section on fragmentation."""
-    d = _device_index(device)
+    followed by a section on fragmentation. NotOnCudaError where pyalloc has no
+    figures for the device."""
+    d = _read(device, "memory_summary")
     blocks, held = _C.cuda_graph_memory(d)
     return format_summary(
         memory_stats(d), fragmentation(d), device=d, abbreviated=abbreviated,
@@ -420,8 +476,8 @@ def graph_memory(device: Any = None) -> Tuple[int, int]:
     Only under a torch without the graph-pool hooks: where install() set them
     (``set_begin_allocate_to_pool``), each graph gets a private pool instead,
     returned to the device when the graph and its tensors are gone, and this
-    stays (0, 0)."""
-    return tuple(_C.cuda_graph_memory(_device_index(device)))
+    stays (0, 0). NotOnCudaError where pyalloc has no figures for the device."""
+    return tuple(_C.cuda_graph_memory(_read(device, "graph_memory")))
 
 
 def release_graph_memory(device: Any = None) -> int:
@@ -461,8 +517,15 @@ def snapshot() -> Dict[str, Any]:
     """Every device's pools in PyTorch's memory-snapshot format
     (``torch.cuda.memory._snapshot()``), with the recorded history as device_traces.
     The buffer pool's segments carry segment_pool_id BUFFER_POOL_ID, (1, 1); a
-    graph pool's, its pool id. Segment counts and bytes add up to memory_stats()' figures."""
+    graph pool's, its pool id. Segment counts and bytes add up to memory_stats()' figures.
+    NotOnCudaError where pyalloc holds memory on no device and is not PyTorch's allocator."""
+    return _snapshot("snapshot")
+
+
+def _snapshot(what: str) -> Dict[str, Any]:
     devices = _C.cuda_devices()
+    if not devices:
+        _read(None, what)
     count = max([d + 1 for d in devices] + [max(_C.cuda_hook_device_count(), 0)])
     segments: List[Dict[str, Any]] = []
     traces: List[List[Dict[str, Any]]] = [[] for _ in range(count)]
@@ -485,7 +548,7 @@ def dump_snapshot(path: str = "dump_snapshot.pickle") -> None:
     """Writes snapshot() as a plain pickle, like ``torch.cuda.memory._dump_snapshot()``:
     open it at pytorch.org/memory_viz or with ``python -m torch.cuda._memory_viz``.
     Only a name ending in ``.gz`` gets a gzip-compressed pickle, which those two
-    cannot read (``pyalloc replay`` reads both)."""
+    cannot read (``pyalloc replay`` reads both). NotOnCudaError as snapshot()."""
     from .snapshot_io import write_snapshot
 
-    write_snapshot(snapshot(), path)
+    write_snapshot(_snapshot("dump_snapshot"), path)

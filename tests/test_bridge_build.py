@@ -379,3 +379,34 @@ def test_the_bridge_is_built_with_the_chosen_compiler_and_cached_per_compiler(mo
     why = bridge.missing_prerequisite(torch, check=True)
     if bridge.find_cuda_headers() is not None and why is not None and "older than" not in why:
         assert why == f"no C++ compiler to build the bridge with: $CXX={tmp_path / 'nothing' / 'g++'} is not found"
+
+
+def test_a_check_build_under_a_cuda_torch_without_a_gpu_says_so(monkeypatch, tmp_path):
+    """Regression: `pyalloc bridge build --check` under a CUDA build of torch on a
+    machine without a GPU said "this CPU build of torch cannot load it". The build's
+    steps are stood in for (compiling takes minutes); what it says is build()'s own."""
+    torch = pytest.importorskip("torch")
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("PYALLOC_BRIDGE_CACHE", str(tmp_path))
+    monkeypatch.setattr(bridge, "missing_prerequisite", lambda torch, check=False: None)
+    monkeypatch.setattr(bridge, "find_cuda_headers", lambda: bridge.CudaHeaders("/cuda/include", None, "toolkit"))
+
+    def load(**kwargs):
+        raise ImportError("libc10_cuda.so: cannot open shared object file")
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(bridge, "_built_library", lambda build_dir: str(tmp_path / "pyalloc_bridge.so"))
+    monkeypatch.setattr(bridge, "_unresolved_outside_cuda", lambda library: [])
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert bridge.build(check=True).message.endswith("; this CPU build of torch cannot load it")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    message = bridge.build(check=True).message
+    assert "CPU build" not in message, message
+    assert message.startswith(f"the bridge compiles and links against torch {torch.__version__} "), message
+    assert "a CUDA 13.0 build, on a machine with no CUDA device" in message, message
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    message = bridge.build(check=True).message
+    assert "CPU build" not in message and "no CUDA device" not in message, message
+    assert message.endswith("`pyalloc bridge build` builds and loads it for this CUDA 13.0 build of torch")

@@ -348,3 +348,65 @@ def test_fake_device_without_virtual_memory_says_nothing_of_vmm():
                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert out.returncode == 0, out.stderr
     assert "cannot use strategy vmm" not in out.stderr, out.stderr
+
+
+# -- without pools: no device, or pyalloc not installed ---------------------------------
+
+READERS = ("memory_stats", "memory_allocated", "max_memory_allocated", "memory_reserved",
+           "max_memory_reserved", "fragmentation", "memory_summary", "graph_memory")
+
+
+@pytest.fixture
+def no_pools():
+    """pyalloc as a process without a GPU has it: not installed, no pools, no fake devices."""
+    if _C.cuda_devices() or _C.cuda_is_installed() or _C._testing_fake_devices():
+        pytest.skip("this process has pyalloc's CUDA pools")
+
+
+def test_without_a_cuda_device_the_stats_say_so_rather_than_read_zero(no_pools, monkeypatch, tmp_path):
+    """Regression: without a GPU, fragmentation(), memory_stats(), memory_reserved()
+    and memory_summary() returned zeros and an empty table. Every function that reads
+    the pools' figures raises NotOnCudaError (a RuntimeError) saying why there are
+    none and where to get figures without a GPU; those that act do nothing."""
+    def no_driver():
+        raise RuntimeError("pyalloc's CUDA backend cannot load the CUDA driver library libcuda.so.1")
+
+    monkeypatch.setattr(_C, "cuda_device_count", no_driver)
+    calls = [(name, lambda f=getattr(pyalloc, name): f(0)) for name in READERS]
+    calls += [("snapshot", pyalloc.snapshot),
+              ("dump_snapshot", lambda: pyalloc.dump_snapshot(str(tmp_path / "s.pickle")))]
+    for name, call in calls:
+        with pytest.raises(pyalloc.NotOnCudaError) as e:
+            call()
+        message = str(e.value)
+        assert message.startswith(f"pyalloc.{name}(): there is no CUDA device in this process"), message
+        assert "cannot load the CUDA driver library" in message
+        assert "pyalloc.Allocator" in message and "pyalloc.replay.replay" in message
+        assert isinstance(e.value, RuntimeError)
+    assert not (tmp_path / "s.pickle").exists()
+    # What acts on the pools has nothing to act on.
+    assert pyalloc.empty_cache(0) == 0 and pyalloc.release_graph_memory(0) == 0
+    pyalloc.reset_peak_memory_stats(0)
+    pyalloc.reset_accumulated_memory_stats(0)
+    pyalloc.record_history(True)
+    pyalloc.record_history(False)
+    assert _C.cuda_devices() == []
+    # The figures without a GPU, from an Allocator.
+    a = pyalloc.Allocator("virtual")
+    a.free(a.malloc(MiB))
+    assert a.stats()["reserved_bytes.all.current"] > 0
+
+
+def test_with_a_device_but_not_installed_the_stats_say_to_install(no_pools, monkeypatch):
+    monkeypatch.setattr(_C, "cuda_device_count", lambda: 2)
+    with pytest.raises(pyalloc.NotOnCudaError, match=r"pyalloc.memory_reserved\(\): pyalloc is not PyTorch's "
+                                                     r"CUDA allocator.*cuda:1.*pyalloc.install\(\)"):
+        pyalloc.memory_reserved(1)
+    with pytest.raises(pyalloc.NotOnCudaError, match=r"there is no cuda:2 \(the CUDA driver sees 2 device"):
+        pyalloc.fragmentation("cuda:2")
+
+
+def test_without_a_gpu_the_stats_raise_here_too(no_pools):
+    """Unpatched, on whatever this machine has: never zeros."""
+    with pytest.raises(pyalloc.NotOnCudaError):
+        pyalloc.memory_stats(0)

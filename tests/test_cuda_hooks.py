@@ -182,6 +182,37 @@ def test_oom_message_is_what_batch_size_finders_look_for(fake):
     check()
 
 
+def test_oom_message_names_each_figure_once_for_what_it_is(fake, lib):
+    """Regression: under a memory fraction the message called the room left under the
+    cap "the device has 14.98 MiB free" beside "104.20 GiB is free" (the GPU's free
+    memory), and after "Details:" stated the pool's figures a second time. Requested,
+    allocated, reserved, free, largest free block, the device's free memory and the
+    room under the cap are each stated once, each named."""
+    import re
+
+    lib.pyalloc_set_memory_fraction(0.75, 0)  # 48 MiB of the 64 MiB fake device
+    live = [lib.pyalloc_malloc(size, 0, None) for size in (6 * MiB, 4 * MiB, 6 * MiB)]
+    lib.pyalloc_free(live[1], 0, 0, None)  # 12 MiB allocated, a 4 MiB hole
+    reserved = _C.cuda_stats(0)["reserved_bytes.all.current"]
+    assert reserved == 20 * MiB
+    with pytest.raises(RuntimeError) as e:
+        _C._testing_hook_malloc(40 * MiB, 0, 0)
+    message = str(e.value)
+    for said in ("Tried to allocate 40.00 MiB", "GPU 0 has a total capacity of 64.00 MiB of which",
+                 "12.00 MiB allocated", "20.00 MiB reserved in this pool",
+                 "8.00 MiB of the reserved memory is free", "the largest free block is 4.00 MiB",
+                 "The memory fraction 0.75 caps all of pyalloc's pools on device 0 at 48.00 MiB: "
+                 "28.00 MiB more can be reserved under the cap",
+                 "Why: the allocated memory and this request would exceed the pool's cap."):
+        assert message.count(said) == 1, (said, message)
+    for figure in ("40.00 MiB", "12.00 MiB", "20.00 MiB", "8.00 MiB", "4.00 MiB", "48.00 MiB", "28.00 MiB"):
+        assert len(re.findall(r"(?<![\d.])" + re.escape(figure), message)) == 1, (figure, message)
+    assert "device has" not in message and "Details" not in message
+    for p in (live[0], live[2]):
+        lib.pyalloc_free(p, 0, 0, None)
+    check()
+
+
 def test_batch_size_finder_loop_recovers(fake):
     batch = 384
     while True:
@@ -244,7 +275,8 @@ def test_empty_cache_keeps_pool_size(fake, lib):
 
 def test_memory_fraction_caps_the_pool(fake, lib):
     lib.pyalloc_set_memory_fraction(0.25, 0)  # 16 MiB of the 64 MiB fake device
-    with pytest.raises(RuntimeError, match="CUDA out of memory.*max_pool_size 16.00 MiB"):
+    with pytest.raises(RuntimeError, match="CUDA out of memory.*memory fraction 0.25 caps all of "
+                                           "pyalloc's pools on device 0 at 16.00 MiB"):
         _C._testing_hook_malloc(20 * MiB, 0, 0)
     p = lib.pyalloc_malloc(12 * MiB, 0, None)
     assert p and reserved() <= 16 * MiB

@@ -1,5 +1,6 @@
 """Bad input gets a clear exception, never a crash; OOM leaves live data intact."""
 import ctypes
+import re
 
 import pytest
 
@@ -106,7 +107,8 @@ def test_oom_message_says_why_and_stats_count_it(make):
     msg = str(e.value)
     assert msg.startswith("out of memory")
     for part in ("tried to allocate 10.00 MiB", "60.00 MiB allocated", "60.00 MiB reserved",
-                 "max_pool_size 64.00 MiB", "largest free block", "would be exceeded"):
+                 "under its cap of 64.00 MiB (max_pool_size)", "largest free block",
+                 "would exceed the pool's cap"):
         assert part in msg, part
     assert isinstance(e.value, RuntimeError)
     s = a.stats()
@@ -120,10 +122,40 @@ def test_oom_message_says_why_and_stats_count_it(make):
     a.malloc(40 * MiB)  # the pool still works after the OOM
 
 
+def _times(figure, message):
+    """How often a figure ("12.00 MiB") is stated, not counting it inside another ("112.00 MiB")."""
+    return len(re.findall(r"(?<![\d.])" + re.escape(figure), message))
+
+
+def test_oom_message_states_each_figure_once(make):
+    """Regression: the message said the allocated bytes twice ("0 B of the pool is
+    allocated. The pool has 0 B allocated and 0 B reserved"): the reason, then the
+    pool's figures. Requested, allocated, reserved, free, largest free block, the
+    cap and the device's free memory are each stated once."""
+    a = make(max_pool_size=64 * MiB, capacity=256 * MiB, segment_size=2 * MiB)
+    with pytest.raises(pyalloc.OutOfMemoryError) as e:
+        a.malloc(100 * MiB)
+    msg = str(e.value)
+    assert "of the pool is allocated" not in msg
+    assert msg.count("0 B allocated") == msg.count("0 B reserved") == 1, msg
+    live = [a.malloc(12 * MiB) for _ in range(5)]
+    a.free(live[0])
+    a.free(live[2])  # 36 MiB allocated, 60 MiB reserved, two free 12 MiB holes
+    with pytest.raises(pyalloc.OutOfMemoryError) as e:
+        a.malloc(30 * MiB)
+    msg = str(e.value)
+    for figure, said in (("30.00 MiB", "tried to allocate 30.00 MiB"), ("36.00 MiB", "36.00 MiB allocated"),
+                         ("60.00 MiB", "60.00 MiB reserved"), ("64.00 MiB", "under its cap of 64.00 MiB"),
+                         ("24.00 MiB", "24.00 MiB of the reserved memory is free"),
+                         ("12.00 MiB", "the largest free block is 12.00 MiB"),
+                         ("196.00 MiB", "The device has 196.00 MiB free of 256.00 MiB")):
+        assert said in msg and _times(figure, msg) == 1, (figure, msg)
+
+
 def test_oom_when_the_device_is_full(make):
     a = make(capacity=32 * MiB)
     a.malloc(30 * MiB)
-    with pytest.raises(pyalloc.OutOfMemoryError, match="could not (provide|map)"):
+    with pytest.raises(pyalloc.OutOfMemoryError, match="(could not|cannot) (provide|map)"):
         a.malloc(4 * MiB)
     a.check_invariants()
 
@@ -135,8 +167,8 @@ def test_oom_message_reports_fragmentation(make):
         a.free(p)
     with pytest.raises(pyalloc.OutOfMemoryError) as e:
         a.malloc(8 * MiB)
-    assert "32.00 MiB of it is free" in str(e.value)
-    assert "largest free block 4.00 MiB" in str(e.value)
+    assert "32.00 MiB of the reserved memory is free" in str(e.value)
+    assert "the largest free block is 4.00 MiB" in str(e.value)
     assert "fragmented" in str(e.value)
 
 
@@ -167,12 +199,13 @@ def test_impossible_requests_fail_at_once_and_keep_the_cache(make):
     capped, _ = cached_pool(make, max_pool_size=48 * MiB)
     uncapped, _ = cached_pool(make)
     before = [p.stats() for p in (capped, uncapped)]
-    with pytest.raises(pyalloc.OutOfMemoryError, match="max_pool_size 48.00 MiB would be exceeded"):
+    with pytest.raises(pyalloc.OutOfMemoryError, match="would exceed the pool's cap.*cap of 48.00 MiB"):
         capped.malloc(49 * MiB)
-    with pytest.raises(pyalloc.OutOfMemoryError, match="8.00 MiB of the pool is allocated"):
+    with pytest.raises(pyalloc.OutOfMemoryError, match="would exceed the pool's cap.* 8.00 MiB allocated"):
         capped.malloc(41 * MiB)  # 8 MiB stays allocated whatever is given back
     with pytest.raises(pyalloc.OutOfMemoryError,
-                       match="the device has 32.00 MiB free, and the pool could give back at most 24.00 MiB"):
+                       match="cannot provide it, even with all of the pool's unallocated memory given back.*"
+                             "24.00 MiB of the reserved memory is free.*The device has 32.00 MiB free"):
         uncapped.malloc(57 * MiB)
     for pool, was in zip((capped, uncapped), before):
         s = pool.stats()

@@ -346,12 +346,9 @@ void Allocator::lend_chunk_stats(Block* parent, Segment* chunk, int sign) {
   }
   // In a vmm segment, in the words of PyTorch's viewer, which replays the
   // history backwards from the final segments: the chunk is a segment_alloc /
-  // segment_free of its own; the run gives up the chunk's range as a
-  // segment_unmap (undone by merging the range with the same-stream segments
-  // it touches) and takes it back as a segment_map (undone by cutting it out
-  // of the segment holding it). Where an unmap would merge with a segment
-  // outside the run (another chunk, or an adjacent backend segment), the
-  // run's pieces are allocated and the run freed instead.
+  // segment_free of its own; the run gives up the chunk's range (trace_unmap)
+  // and takes it back as a segment_map (undone by cutting it out of the
+  // segment holding it).
   if (sign < 0) {
     // Undone, the map is cut out of the run first, so what lies above the
     // chunk then is the rest of the run, if any, or the next segment.
@@ -362,15 +359,28 @@ void Allocator::lend_chunk_stats(Block* parent, Segment* chunk, int sign) {
     trace(TraceEntry::kSegmentMap, chunk->base, chunk->size, rs);
     return;
   }
-  auto outside = [&](const Block* n) {
-    return n != nullptr ? n->chunk != nullptr : !parent->segment->vmm;
-  };
-  if (!outside(parent->prev) && !outside(parent->next)) {
-    trace(TraceEntry::kSegmentUnmap, chunk->base, chunk->size, rs);
-  } else {
-    trace_split(parent, parent->addr, parent->end());
-  }
+  trace_unmap(parent, parent->addr, parent->end());
   trace(TraceEntry::kSegmentAlloc, chunk->base, chunk->size, chunk->stream);
+}
+
+void Allocator::trace_unmap(const Block* b, uintptr_t lo, uintptr_t hi) {
+  // PyTorch's viewer undoes a segment_unmap by merging the range with the
+  // segments of the event's stream it touches, which cannot be relied on:
+  // where every event is on stream 0, the viewer drops the events' streams
+  // but not the final segments', and a range brought back never merges with
+  // a final segment beside it (an earlier segment_map over both then lies in
+  // no segment). So a segment_unmap is told only for a whole run with no
+  // segment beside it, where no merge is wanted; otherwise the run's pieces
+  // are allocated and the run freed, which the viewer undoes without merging.
+  const Block* first = b;
+  while (large_mem(first->prev)) first = first->prev;
+  const Block* last = b;
+  while (large_mem(last->next)) last = last->next;
+  auto beside = [](const Block* n) { return n != nullptr && n->mapped; };  // a chunk
+  if (lo == first->addr && hi == last->end() && !beside(first->prev) && !beside(last->next))
+    trace(TraceEntry::kSegmentUnmap, lo, hi - lo, b->segment->stream);
+  else
+    trace_split(b, lo, hi);
 }
 
 void Allocator::trace_split(const Block* b, uintptr_t lo, uintptr_t hi) {
@@ -494,8 +504,7 @@ bool Allocator::may_grow(size_t size, size_t* room, std::string* why) {
   size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   size_t cap = cfg_.max_pool_size;
   if (cap != 0 && (size > cap || held > cap - size)) {
-    *why = "max_pool_size " + format_bytes(cap) + " would be exceeded: " + format_bytes(held) +
-           " of the pool is allocated";
+    *why = "the allocated memory and this request would exceed the pool's cap";
     return false;
   }
   // One question to the backend: a driver call per growth, never per cache hit.
@@ -508,9 +517,8 @@ bool Allocator::may_grow(size_t size, size_t* room, std::string* why) {
   *room = dev_free;
   size_t give_back = reserved - std::min(held, reserved);
   if (size > dev_free && size - dev_free > give_back) {
-    *why = std::string("the ") + backend_->name() + " backend could not provide " + format_bytes(size) +
-           ": the device has " + format_bytes(dev_free) + " free, and the pool could give back at most " +
-           format_bytes(give_back);
+    *why = std::string("the ") + backend_->name() + " backend cannot provide it, even with all of the "
+           "pool's unallocated memory given back";
     return false;
   }
   return true;
@@ -640,7 +648,7 @@ Block* Allocator::grow(size_t size, Stream s, std::string* why, size_t room) {
     if (reserved + want > cap) want = exact;
     if (reserved + want > cap) want = size;
     if (reserved + want > cap) {
-      *why = "max_pool_size " + format_bytes(cap) + " would be exceeded";
+      *why = "growing the pool would exceed its cap";
       return nullptr;
     }
   }
@@ -652,8 +660,8 @@ Block* Allocator::grow(size_t size, Stream s, std::string* why, size_t room) {
     base = device_reserve(want);
   }
   if (base == 0) {
-    *why = std::string("the ") + backend_->name() + " backend could not provide " + format_bytes(want);
-    if (room != kUnknownRoom) *why += " (the device has " + format_bytes(room) + " free)";
+    *why = std::string("the ") + backend_->name() + " backend could not provide a " + format_bytes(want) +
+           " segment";
     return nullptr;
   }
   return add_segment(base, want, s);
@@ -1096,16 +1104,17 @@ void Allocator::throw_oom(size_t request, size_t size, Stream s, const std::stri
   std::ostringstream m;
   m << "out of memory: tried to allocate " << format_bytes(request);
   if (request <= kMaxRequest && size != round_up(request, kGranularity)) m << " (as a " << format_bytes(size) << " small-pool chunk)";
+  // Each figure once: `why` names none that follows.
   m << " on stream " << s << ": " << why << ". The pool has " << format_bytes(allocated)
     << " allocated and " << format_bytes(reserved) << " reserved";
-  if (cfg_.max_pool_size != 0) m << " (max_pool_size " << format_bytes(cfg_.max_pool_size) << ")";
-  m << "; " << format_bytes(free_bytes) << " of it is free, the largest free block "
+  if (cfg_.max_pool_size != 0) m << ", under its cap of " << format_bytes(cfg_.max_pool_size) << " (max_pool_size)";
+  m << "; " << format_bytes(free_bytes) << " of the reserved memory is free, the largest free block is "
     << format_bytes(largest) << ".";
-  if (dev_total != 0)
-    m << " The device has " << format_bytes(dev_free) << " free of " << format_bytes(dev_total) << ".";
   if (free_bytes >= size && largest < size)
     m << " The free memory is fragmented: no free block is large enough.";
-  throw OutOfMemoryError(m.str(), rejected);
+  if (dev_total != 0)
+    m << " The device has " << format_bytes(dev_free) << " free of " << format_bytes(dev_total) << ".";
+  throw OutOfMemoryError(m.str(), rejected, why);
 }
 
 std::string Allocator::describe_bad_pointer(uintptr_t ptr, const char* op) const {

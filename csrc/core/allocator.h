@@ -423,6 +423,9 @@ class Allocator {
   // History: the run of b loses [lo, hi), told as its pieces allocated
   // and the run freed (see lend_chunk_stats).
   void trace_split(const Block* b, uintptr_t lo, uintptr_t hi);
+  // History: the run of b loses [lo, hi) (unmapped, or lent as a chunk),
+  // told as PyTorch's viewer can undo it whatever the streams.
+  void trace_unmap(const Block* b, uintptr_t lo, uintptr_t hi);
   struct TracePiece {
     uintptr_t addr;
     size_t size;

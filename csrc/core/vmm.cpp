@@ -288,7 +288,7 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
     if (room != kUnknownRoom) room += moved;
     reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
     if (reserved + need > cap) {
-      *why = "max_pool_size " + format_bytes(cap) + " would be exceeded";
+      *why = "mapping the pages it needs would exceed the pool's cap";
       return nullptr;
     }
   }
@@ -441,8 +441,8 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
     if (kept) return nullptr;
     if (unmap_free_pages_kept(need, keep_lo, keep_hi) < need || !map_or_park(lo, need)) {
       if (kept) return nullptr;
-      *why = std::string("the ") + backend_->name() + " backend could not map " + format_bytes(need);
-      if (room != kUnknownRoom) *why += " (the device has " + format_bytes(room) + " free)";
+      *why = std::string("the ") + backend_->name() + " backend could not map " + format_bytes(need) +
+             " of pages";
       return nullptr;
     }
   }
@@ -672,15 +672,7 @@ Block* Allocator::unmap_range(Block* f, uintptr_t lo, uintptr_t hi) {
   // The run of mapped memory around f splits into what stays on either side.
   bool left = lo > f->addr || large_mem(f->prev), right = hi < f->end() || large_mem(f->next);
   int64_t runs = (left ? 1 : 0) + (right ? 1 : 0) - 1;
-  if (history_on_) {
-    // PyTorch's viewer undoes a segment_unmap by merging the range with the
-    // same-stream segments it touches; a small-pool chunk beside it must stay
-    // apart, so then the change is told another way (lend_chunk_stats).
-    bool by_chunk = (lo == f->addr && f->prev != nullptr && f->prev->chunk != nullptr) ||
-                    (hi == f->end() && f->next != nullptr && f->next->chunk != nullptr);
-    if (!by_chunk) trace(TraceEntry::kSegmentUnmap, lo, hi - lo, f->segment->stream);
-    else trace_split(f, lo, hi);
-  }
+  if (history_on_) trace_unmap(f, lo, hi);
   StreamState& st = state(f->stream);
   st.free[kLargePool].remove(f);
   track_inactive_split(f, -1);

@@ -235,11 +235,11 @@ uintptr_t DevicePools::malloc(size_t size, Stream stream, uint64_t context) {
       try {
         return general_->malloc(size, stream, context);
       } catch (const OutOfMemoryError& again) {
-        throw_oom(*general_, "general", size, again.what(), device_->captures().underway());
+        throw_oom(*general_, "general", size, again.reason(), device_->captures().underway());
       }
     }
     general_->count_oom(size, stream, e.rejected());
-    throw_oom(*general_, "general", size, e.what(), device_->captures().underway());
+    throw_oom(*general_, "general", size, e.reason(), device_->captures().underway());
   }
 }
 
@@ -314,11 +314,11 @@ uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) {
       try {
         return buffers_->malloc(size, stream);
       } catch (const OutOfMemoryError& again) {
-        throw_oom(*buffers_, "buffer", size, again.what(), device_->captures().underway());
+        throw_oom(*buffers_, "buffer", size, again.reason(), device_->captures().underway());
       }
     }
     buffers_->count_oom(size, stream, e.rejected());
-    throw_oom(*buffers_, "buffer", size, e.what(), device_->captures().underway());
+    throw_oom(*buffers_, "buffer", size, e.reason(), device_->captures().underway());
   }
 }
 
@@ -447,7 +447,7 @@ uintptr_t DevicePools::routed_malloc(size_t size, Stream stream, uint64_t contex
   } catch (const OutOfMemoryError& e) {
     // A route is open, so a capture counts as underway: nothing can be
     // released to make room (capture.h).
-    throw_oom(*pool->alloc, "graph", size, e.what(), device_->captures().underway());
+    throw_oom(*pool->alloc, "graph", size, e.reason(), device_->captures().underway());
   }
   std::lock_guard<std::mutex> b(pool->mu);
   pool->blocks.insert(ptr);
@@ -921,7 +921,7 @@ uintptr_t DevicePools::capture_malloc(size_t size, Stream stream, uint64_t captu
   try {
     ptr = general_->malloc(size, stream, context);
   } catch (const OutOfMemoryError& e) {
-    throw_oom(*general_, "general", size, e.what(), true);
+    throw_oom(*general_, "general", size, e.reason(), true);
   }
   std::lock_guard<std::mutex> g(graph_mu_);
   graph_live_.emplace(ptr, GraphBlock{capture, stream, rounded});
@@ -1039,22 +1039,31 @@ void DevicePools::throw_oom(Allocator& pool, const char* which, size_t size,
   size_t dev_free = 0, dev_total = 0;
   device_->mem_info(&dev_free, &dev_total);
   int d = index();
+  auto reserved = static_cast<size_t>(st.reserved_bytes.all.current);
   std::ostringstream m;
   // The first words are what batch-size finders (accelerate, Lightning) look for.
+  // Each figure once, named for what it is: `why`, the core's reason, names none.
   m << "CUDA out of memory. Tried to allocate " << format_bytes(size) << " on device " << d
     << " (pyalloc " << which << " pool). ";
   if (dev_total != 0)
     m << "GPU " << d << " has a total capacity of " << format_bytes(dev_total) << " of which "
       << format_bytes(dev_free) << " is free. ";
+  size_t cap = device_cap();
+  size_t own_cap = pool.config().max_pool_size;
   m << "pyalloc has " << format_bytes(static_cast<size_t>(st.allocated_bytes.all.current))
-    << " allocated and " << format_bytes(static_cast<size_t>(st.reserved_bytes.all.current))
-    << " reserved in this pool; " << format_bytes(f.free_bytes)
-    << " of the reserved memory is free, the largest free block is "
+    << " allocated and " << format_bytes(reserved) << " reserved in this pool";
+  if (own_cap != 0 && own_cap != cap) m << ", under its cap of " << format_bytes(own_cap) << " (max_pool_size)";
+  m << "; " << format_bytes(f.free_bytes) << " of the reserved memory is free, the largest free block is "
     << format_bytes(f.largest_free_block) << ". ";
-  if (size_t cap = device_cap(); cap != 0)
-    m << "The memory fraction " << memory_fraction() << " caps all of pyalloc's pools on device "
-      << d << " at " << format_bytes(cap) << "; they hold " << format_bytes(device_reserved())
-      << ". ";
+  if (f.free_bytes >= size && f.largest_free_block < size)
+    m << "The free memory is fragmented: no free block is large enough. ";
+  if (cap != 0) {
+    size_t held = device_reserved();
+    m << "The memory fraction " << memory_fraction() << " caps all of pyalloc's pools on device " << d
+      << " at " << format_bytes(cap);
+    if (held != reserved) m << ", of which they hold " << format_bytes(held);
+    m << ": " << format_bytes(cap > held ? cap - held : 0) << " more can be reserved under the cap. ";
+  }
   if (capturing && !pool.backend().grows_while_capturing())
     m << "A CUDA graph capture is underway, and this driver lets captures be served only from "
          "memory already reserved; torch.cuda.graph() empties the cache before it captures, so "
@@ -1062,8 +1071,8 @@ void DevicePools::throw_oom(Allocator& pool, const char* which, size_t size,
          "PYALLOC_CONF=pool_size:...). ";
   else if (capturing)
     m << "A CUDA graph capture is underway: nothing cached can be released to make room. ";
-  m << "Details: " << why;
-  throw OutOfMemoryError(m.str(), pool_oom_rejected());
+  m << "Why: " << why << ".";
+  throw OutOfMemoryError(m.str(), pool_oom_rejected(), why);
 }
 
 // ---------------------------------------------------------------------------

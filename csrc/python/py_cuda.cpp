@@ -442,6 +442,9 @@ void bind_cuda(py::module_& m) {
       "_testing_reset", [] { registry().reset_fake(); },
       "Tests: drops every fake pool and the configuration.");
   m.def(
+      "_testing_fake_devices", [] { return registry().fake(); },
+      "Tests: whether pools are made on fake devices (then every device index has pools to read).");
+  m.def(
       "cuda_route_heal_grace", [] { return DevicePools::kRouteHealGrace; },
       "Seconds a graph-pool route left open must have seen its capture over before it stops "
       "counting as a capture underway (a failed cudaStreamEndCapture leaves it open).");

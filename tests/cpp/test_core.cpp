@@ -437,6 +437,15 @@ void test_device_pools_threads() {
     }
   };
 
+  // The graphers leave routes open on purpose (as a capture whose
+  // cudaStreamEndCapture failed does), and pyalloc says so on stderr, once per
+  // device: expected here, not a failure. While the threads run, stdio's
+  // stderr is a file (the sanitizers write to the descriptor itself, and are
+  // heard as ever); then that line is checked and dropped, and any other one
+  // passed on.
+  FILE* const real_stderr = stderr;
+  FILE* said = std::tmpfile();
+  if (said != nullptr) stderr = said;
   std::vector<std::thread> pool;
   std::thread rd(reader, 99u);
   for (unsigned t = 0; t < 4; ++t) pool.emplace_back(worker, t + 1);
@@ -445,6 +454,21 @@ void test_device_pools_threads() {
   for (auto& th : pool) th.join();
   stop = true;
   rd.join();
+  stderr = real_stderr;
+  if (said != nullptr) {
+    std::rewind(said);
+    int unended = 0;
+    char line[4096];
+    while (std::fgets(line, sizeof line, said) != nullptr) {
+      if (std::strncmp(line, "pyalloc: a CUDA graph capture into pool", 39) == 0 &&
+          std::strstr(line, "was never ended") != nullptr)
+        unended++;
+      else
+        std::fputs(line, stderr);
+    }
+    std::fclose(said);
+    CHECK(unended >= 1 && unended <= 2);  // devices 0 and 1 route, each says it once
+  }
   CHECK(routes.load() == 0);
   std::printf("device pools: %ld mallocs, %ld out of memory, %ld reads\n", mallocs.load(), ooms.load(),
               reads.load());
