@@ -145,6 +145,9 @@ class Api(c.Structure):
         ("block_context", c.CFUNCTYPE(i32, c.c_void_p, c.POINTER(u64))),
         ("mark_capture", c.CFUNCTYPE(i32, i32, i32)),
         ("memory_usage", c.CFUNCTYPE(i32, i32, c.c_void_p, c.POINTER(MemoryUsage))),
+        ("ipc_share", c.CFUNCTYPE(i32, c.c_void_p, c.c_char_p, u64, c.POINTER(u64), c.POINTER(u64))),
+        ("ipc_open", c.CFUNCTYPE(i32, i32, c.c_char_p, u64, c.POINTER(c.c_void_p))),
+        ("ipc_close", c.CFUNCTYPE(i32, c.c_void_p)),
     ]
 
 
@@ -180,6 +183,19 @@ class BridgeApi:
         out = MemoryUsage()
         assert self.table.memory_usage(device, ptr or None, c.byref(out)) == OK, self.error()
         return out
+
+    def ipc_share(self, ptr: int):
+        """(status, handle bytes, offset): what the bridge's shareIpcHandle gives PyTorch."""
+        buf = c.create_string_buffer(256)
+        length, offset = u64(), u64()
+        status = self.table.ipc_share(ptr, buf, len(buf), c.byref(length), c.byref(offset))
+        return status, buf.raw[:length.value] if status == OK else b"", offset.value
+
+    def ipc_open(self, handle: bytes, device: int = 0):
+        """(status, pointer): what the bridge's getIpcDevPtr maps."""
+        out = c.c_void_p()
+        status = self.table.ipc_open(device, handle, len(handle), c.byref(out))
+        return status, out.value or 0
 
     def block_context(self, ptr: int) -> int:
         out = u64()

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cuda_pools.h"
+#include "ipc.h"
 
 #define PYALLOC_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -434,6 +435,45 @@ int api_mark_capture(int device, int begin) {
   return guarded([&] { hooks::mark_capture(device, begin != 0); });
 }
 
+int api_ipc_share(void* ptr, char* buf, uint64_t capacity, uint64_t* length, uint64_t* offset) {
+  *length = 0;
+  *offset = 0;
+  return guarded([&] {
+    std::string handle;
+    std::string why = "pyalloc cannot share " + format_ptr(addr(ptr)) + ": no pool of pyalloc's holds it";
+    bool found = false;
+    for (DevicePools* p : registry().all()) {
+      if (!p->may_hold(addr(ptr))) continue;
+      try {
+        handle = ipc::share(*p, addr(ptr), offset);
+        found = true;
+        break;
+      } catch (const std::invalid_argument& e) {  // not this device's: another may hold it
+        why = e.what();
+      }
+    }
+    if (!found) throw std::invalid_argument(why);
+    *length = handle.size();
+    if (handle.size() > capacity)
+      throw std::invalid_argument("pyalloc: a CUDA IPC handle of " + std::to_string(handle.size()) +
+                                  " bytes does not fit in " + std::to_string(capacity));
+    std::memcpy(buf, handle.data(), handle.size());
+  });
+}
+
+int api_ipc_open(int device, const char* handle, uint64_t length, void** out) {
+  *out = nullptr;
+  return guarded([&] {
+    if (device < 0 || device >= PoolRegistry::kMaxDevices)
+      throw std::invalid_argument("invalid CUDA device index " + std::to_string(device));
+    *out = reinterpret_cast<void*>(ipc::open(device, std::string(handle, length)));
+  });
+}
+
+int api_ipc_close(void* ptr) {
+  return guarded([&] { ipc::close(addr(ptr)); });
+}
+
 const pyalloc_bridge_api kApi = {
     PYALLOC_BRIDGE_API_VERSION,
     sizeof(pyalloc_bridge_api),
@@ -474,6 +514,9 @@ const pyalloc_bridge_api kApi = {
     &api_block_context,
     &api_mark_capture,
     &api_memory_usage,
+    &api_ipc_share,
+    &api_ipc_open,
+    &api_ipc_close,
 };
 
 // Version 1: the members before record_stream_owned, and a malloc that fills
@@ -487,6 +530,9 @@ pyalloc_bridge_api make_v1() {
   t.block_context = nullptr;
   t.mark_capture = nullptr;
   t.memory_usage = nullptr;
+  t.ipc_share = nullptr;
+  t.ipc_open = nullptr;
+  t.ipc_close = nullptr;
   return t;
 }
 

@@ -260,6 +260,17 @@ typedef struct pyalloc_bridge_api {
    * allocation's device when device is -1 (zeros for a device without
    * pools). Appended: check size before calling. */
   int (*memory_usage)(int device, void* ptr, pyalloc_memory_usage* out);
+  /* CUDA IPC (csrc/cuda/ipc.h): PyTorch's shareIpcHandle and getIpcDevPtr.
+   * ipc_share writes the handle of the live allocation at ptr into buf
+   * (room for `capacity` bytes; *length its bytes, set even when it does
+   * not fit, which is PYALLOC_INVALID) and *offset, where ptr lies in the
+   * memory the handle names. ipc_open maps the memory a handle names on
+   * `device` (*out: its start), one use more of that mapping; ipc_close
+   * drops one use of what ipc_open returned, and the last unmaps it.
+   * Appended: check size before calling. */
+  int (*ipc_share)(void* ptr, char* buf, uint64_t capacity, uint64_t* length, uint64_t* offset);
+  int (*ipc_open)(int device, const char* handle, uint64_t length, void** out);
+  int (*ipc_close)(void* ptr);
 } pyalloc_bridge_api;
 
 /* The table of `version`, or NULL if this pyalloc does not offer it. */

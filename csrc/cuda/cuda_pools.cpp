@@ -1,6 +1,8 @@
 // The pools of each CUDA device and the logic behind PyTorch's hooks: see cuda_pools.h.
 #include "cuda_pools.h"
 
+#include "ipc.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -143,6 +145,12 @@ class DevicePools::PoolBackend final : public Backend {
     return kept;
   }
   bool vmm_attach(uintptr_t addr, size_t size) override { return inner_->vmm_attach(addr, size); }
+  bool share_segment(uintptr_t base, size_t size, SharedMemory* out, std::string* why) override {
+    return inner_->share_segment(base, size, out, why);
+  }
+  bool vmm_share(uintptr_t addr, size_t size, SharedMemory* out, std::string* why) override {
+    return inner_->vmm_share(addr, size, out, why);
+  }
   void vmm_drop(size_t size) override {
     inner_->vmm_drop(size);
     budget_.give(size);
@@ -255,6 +263,7 @@ size_t DevicePools::release_others(const Allocator& pool) {
 }
 
 bool DevicePools::free(uintptr_t ptr, std::string* why, uint64_t context) {
+  ipc::forget(index(), ptr);  // an export of its pages ends before they can be reused
   if (capture_free(ptr)) return true;
   // The general pool's own lock alone: no device-wide lock on the common path.
   if (general_->try_free(ptr, context)) return true;
@@ -322,7 +331,27 @@ uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) {
   }
 }
 
-void DevicePools::free_buffer(uintptr_t ptr) { buffers_->free(ptr); }
+void DevicePools::free_buffer(uintptr_t ptr) {
+  ipc::forget(index(), ptr);
+  buffers_->free(ptr);
+}
+
+bool DevicePools::share(uintptr_t ptr, std::vector<SharedMemory>* out, std::string* why) {
+  // Only the pool with a live allocation at ptr asks its backend (fills out).
+  for (Allocator* pool : {general_.get(), buffers_.get()}) {
+    if (pool->share(ptr, out, why)) return true;
+    if (!out->empty()) return false;
+  }
+  if (pools_exist_.load(std::memory_order_acquire)) {
+    std::shared_lock<std::shared_mutex> g(pools_mu_);
+    for (const auto& [id, pool] : pools_) {
+      if (pool->alloc->share(ptr, out, why)) return true;
+      if (!out->empty()) return false;
+    }
+  }
+  *why = "no pool of device " + std::to_string(index()) + " has a live allocation at " + format_ptr(ptr);
+  return false;
+}
 
 void DevicePools::quiesce() const {
   general_->quiesce();

@@ -150,6 +150,10 @@ class DevicePools {
   bool record_stream(uintptr_t ptr, Stream stream);
   /// The segment of any pool of this device holding ptr.
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
+  /// Allocator::share() of the pool whose live allocation is at ptr: false,
+  /// with *why, if none has one there (out stays empty) or its backend
+  /// refuses (CUDA IPC, ipc.h).
+  bool share(uintptr_t ptr, std::vector<SharedMemory>* out, std::string* why);
   /// False if no pool of this device has ever held memory at ptr: read
   /// without a lock, to find a pointer's device (true is only a maybe).
   bool may_hold(uintptr_t ptr) const {
