@@ -324,6 +324,7 @@ static char handle_released[1 << 16], handle_was_mapped[1 << 16];
 /* A handle made shareable (or imported): its memfd, else -1 (set at creation). */
 static int handle_fd[1 << 16];
 static char handle_imported[1 << 16];
+static char handle_accessible[1 << 16]; /* cuMemSetAccess covered it since it was mapped */
 static int next_handle = 1;
 
 CUresult cuDeviceGetAttribute(int* value, int attribute, int device) {
@@ -426,7 +427,10 @@ CUresult cuMemUnmap(unsigned long long p, size_t size) {
   stub.mapped[current != 0 ? current->device : 0] -= (int64_t)size;
   stub.mem_unmap++;
   for (int h = 1; h < next_handle; ++h)
-    if (handle_at[h] >= p && handle_at[h] < p + size) handle_at[h] = 0;
+    if (handle_at[h] >= p && handle_at[h] < p + size) {
+      handle_at[h] = 0;
+      handle_accessible[h] = 0;
+    }
   return SUCCESS;
 }
 struct AccessDesc { int type; int id; int flags; };
@@ -457,6 +461,8 @@ CUresult cuMemSetAccess(unsigned long long p, size_t size, const void* desc, siz
   if (stub.set_access_fail) return STUB_FAILURE;
   stub.access_count = (int64_t)count;
   stub.access_mask = mask;
+  for (int h = 1; h < next_handle; ++h)
+    if (handle_at[h] >= p && handle_at[h] < p + size) handle_accessible[h] = 1;
   mprotect((void*)(uintptr_t)p, size, PROT_READ | PROT_WRITE);
   return SUCCESS;
 }
@@ -557,6 +563,17 @@ CUresult cuIpcCloseMemHandle(unsigned long long p) {
     return SUCCESS;
   }
   return INVALID_VALUE;
+}
+
+/* For the test: whether [p, p + size) is a live cuMemAlloc segment, or one
+ * handle mapped there and made accessible. */
+int stub_usable(unsigned long long p, size_t size) {
+  ONE_AT_A_TIME;
+  for (int i = 0; i < MAX_BLOCKS; ++i)
+    if (blocks[i].ptr == (uintptr_t)p) return blocks[i].size == (int64_t)size;
+  for (int h = 1; h < next_handle; ++h)
+    if (handle_at[h] == p && !handle_released[h]) return handle_size[h] == (int64_t)size && handle_accessible[h];
+  return 0;
 }
 
 /* For the test: the primary context of a device, to make it current by hand. */
