@@ -240,19 +240,18 @@ class Exports {
       do h.id = rng_(); while (h.id == 0 || by_id_.count(h.id) != 0);
       by_id_.emplace(h.id, Export{device, ptr, h.bytes, h.handles});
       by_block_.emplace(key, h.id);
-      live_.store(by_id_.size(), std::memory_order_release);
+      detail::exports.store(by_id_.size(), std::memory_order_release);
     }
     return encode(h);
   }
 
   void forget(int device, uintptr_t ptr) {
-    if (live_.load(std::memory_order_acquire) == 0) return;
     std::lock_guard<std::mutex> g(mu_);  // waits for a request being served
     auto it = by_block_.find(std::make_pair(device, ptr));
     if (it == by_block_.end()) return;
     by_id_.erase(it->second);
     by_block_.erase(it);
-    live_.store(by_id_.size(), std::memory_order_release);
+    detail::exports.store(by_id_.size(), std::memory_order_release);
   }
 
   void count(Counts* c) {
@@ -370,7 +369,6 @@ class Exports {
   std::string name_;
   std::unordered_map<uint64_t, Export> by_id_;
   std::map<std::pair<int, uintptr_t>, uint64_t> by_block_;
-  std::atomic<size_t> live_{0};
   uint64_t served_ = 0;
   uint64_t refused_ = 0;
 };
@@ -632,7 +630,10 @@ void close(uintptr_t ptr) {
   unmap(&m);
 }
 
+namespace detail {
+std::atomic<size_t> exports{0};
 void forget(int device, uintptr_t ptr) { Exports::instance().forget(device, ptr); }
+}  // namespace detail
 
 Counts counts() {
   Counts c;

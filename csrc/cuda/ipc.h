@@ -39,6 +39,7 @@
 // "opens" it at that address, with the same counting.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -72,9 +73,16 @@ uintptr_t open(int device, const std::string& handle);
 /// Throws std::invalid_argument if ptr is no such mapping.
 void close(uintptr_t ptr);
 
-/// The allocation at ptr on `device` is being freed: its export of pages,
-/// if any, ends. Cheap when nothing is exported (one atomic load).
+namespace detail {
+extern std::atomic<size_t> exports;  // allocations whose pages are exported now
 void forget(int device, uintptr_t ptr);
+}  // namespace detail
+
+/// The allocation at ptr on `device` is being freed: its export of pages,
+/// if any, ends. On every free: one atomic load while nothing is exported.
+inline void forget(int device, uintptr_t ptr) {
+  if (detail::exports.load(std::memory_order_acquire) != 0) detail::forget(device, ptr);
+}
 
 /// A fake device's token for the segment at base (FakeBackend::share_segment).
 std::string fake_token(uintptr_t base);
