@@ -10,8 +10,10 @@ starts receivers (this script with "receive"), which open the handle as the
 bridge's getIpcDevPtr does, read and write the memory, and answer in JSON.
 Prints OK when every check passed.
 """
+import collections
 import ctypes as c
 import json
+import os
 import subprocess
 import sys
 
@@ -99,12 +101,42 @@ def bestfit():
     handle_q, offset_q = share(q)
     assert handle_q == handle and offset_q != offset
     assert ask(handle_q, offset_q, MiB, pattern=0x33, reply=0x44)["seen_pattern"]
+    # A segment of another allocator (PyTorch's own): its handle as PyTorch
+    # before 2.2 sent it, the driver's 64 bytes alone, and as it sends it now.
+    driver.cuCtxSetCurrent.argtypes = [c.c_void_p]
+    driver.stub_context.restype = c.c_void_p
+    driver.stub_context.argtypes = [c.c_int]
+    driver.cuCtxSetCurrent(driver.stub_context(0))
+    other = c.c_uint64()
+    assert driver.cuMemAlloc_v2(c.byref(other), c.c_size_t(2 * MiB)) == 0
+    raw = (c.c_char * 64)()
+    assert driver.cuIpcGetMemHandle(raw, other) == 0
+    driver.cuCtxSetCurrent(None)
+    c.memset(other.value, 0x55, 2 * MiB)
+    for foreign, reply in ((bytes(raw), 0x55), (b"\x02c" + bytes(raw), 0x66)):
+        got = ask(foreign, 0, 2 * MiB, pattern=0x55, reply=reply)
+        assert got["seen_pattern"] and got["after"]["ipc_opened"] == 0, got
+    assert c.string_at(other.value + MiB, MiB) == b"\x66" * MiB
     # Its segment back to the driver: the old handle names nothing any more.
     assert api.free(p, 0) == OK and api.free(q, 0) == OK
     assert api.empty_cache(-1) == OK
     got = ask(handle, offset, MiB)
     assert "opening a CUDA IPC handle failed" in got.get("error", ""), got
     assert got["mappings"] == 0 and got["ipc_opened"] == 0, got
+
+
+def open_fds():
+    """This process's descriptors by kind, counted; the memfds of pages beyond the
+    stand-in's own (one per live handle) as "exported pages"."""
+    kinds = collections.Counter()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            name = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # listdir's own
+            continue
+        kinds["exported pages" if name.startswith("/memfd:stub-pages") else name.split(":")[0]] += 1
+    kinds["exported pages"] -= stub.fd_handles
+    return kinds
 
 
 def handle_bytes(handle):
@@ -115,6 +147,7 @@ def handle_bytes(handle):
 def vmm():
     stub.vmm = 1
     _C.cuda_configure("pool_size:0,strategy:vmm")
+    fds = open_fds()
     big = malloc(40 * MiB)  # pages the receiver has no business mapping
     c.memset(big, 0x77, 40 * MiB)
     p, handle, offset, got = check_a_received_block_is_the_senders_memory()
@@ -141,6 +174,8 @@ def vmm():
     assert "is no longer shared: its allocation was freed" in got.get("error", ""), got
     assert got["mappings"] == 0 and got["imported"] == 0, got
     assert _C.cuda_ipc_counts()["refused"] == 1 and _C.cuda_ipc_counts()["served"] == served
+    # Every descriptor exported for a receiver was closed: the server's socket is left.
+    assert open_fds() - fds == collections.Counter(socket=1), (open_fds(), fds)
     _C.cuda_check_invariants(0)
 
 
