@@ -33,7 +33,7 @@ def main():
     [pool] = pyalloc._C.cuda_graph_pools(0)
     during = torch.cuda.memory_reserved()
     assert pool["reserved_bytes"] >= 64 * MiB, pool
-    assert during == before + pool["reserved_bytes"] == pyalloc.memory_reserved(), (before, during, pool)
+    assert during >= before + pool["reserved_bytes"] and during == pyalloc.memory_reserved(), (before, during, pool)
     if TorchVersion(torch.__version__) >= "2.13":
         pid = tuple(pool["id"])
         key = f"reserved_bytes_by_private_pools.{pid[0]}_{pid[1]}.all.current"
