@@ -515,10 +515,11 @@ int api_snapshot_units(int device, const uint64_t* pool_id, pyalloc_segment_fn f
         std::vector<std::pair<uintptr_t, size_t>> units;
       };
       std::vector<Pool> all;
-      p->for_each_pool_units([&](DevicePools::PoolId id, Allocator& a, const std::vector<std::pair<uintptr_t, size_t>>& units) {
-        if (pool_id == nullptr || (pool_id[0] == id.first && pool_id[1] == id.second))
-          all.push_back(Pool{id, a.snapshot(), units});
-      });
+      p->for_each_pool_units(
+          [&](DevicePools::PoolId id, Allocator& a, const std::vector<std::pair<uintptr_t, size_t>>& units) {
+            if (pool_id == nullptr || (pool_id[0] == id.first && pool_id[1] == id.second))
+              all.push_back(Pool{id, a.snapshot(), units});
+          });
       for (const Pool& pool : all) {
         std::vector<PlacedBlock> placed;
         for (const SnapshotSegment& s : pool.segments) {
@@ -530,13 +531,15 @@ int api_snapshot_units(int device, const uint64_t* pool_id, pyalloc_segment_fn f
             at += b.size;
           }
         }
-        std::sort(placed.begin(), placed.end(), [](const PlacedBlock& a, const PlacedBlock& b) { return a.addr < b.addr; });
+        std::sort(placed.begin(), placed.end(),
+                  [](const PlacedBlock& a, const PlacedBlock& b) { return a.addr < b.addr; });
         std::vector<uint64_t> requested_left(placed.size());
         for (size_t i = 0; i < placed.size(); ++i) requested_left[i] = placed[i].info.requested_size;
         std::vector<pyalloc_block_info> blocks;
         for (const auto& [lo, size] : pool.units) {
           uintptr_t hi = lo + size;
-          pyalloc_segment_info info{p->index(), lo, size, 0, 0, 0, nullptr, 1, 0, {pool.id.first, pool.id.second}};
+          pyalloc_segment_info info{p->index(), lo, size, 0, 0, 0, nullptr, 1, 0,
+                                    {pool.id.first, pool.id.second}};
           blocks.clear();
           uintptr_t at = lo;
           auto first = std::upper_bound(placed.begin(), placed.end(), lo,
@@ -544,7 +547,8 @@ int api_snapshot_units(int device, const uint64_t* pool_id, pyalloc_segment_fn f
           if (first != placed.begin()) --first;
           bool seen_segment = false;
           for (auto it = first; it != placed.end() && it->addr < hi; ++it) {
-            uintptr_t b_lo = std::max<uintptr_t>(it->addr, lo), b_hi = std::min<uintptr_t>(it->addr + it->info.size, hi);
+            uintptr_t b_lo = std::max<uintptr_t>(it->addr, lo);
+            uintptr_t b_hi = std::min<uintptr_t>(it->addr + it->info.size, hi);
             if (b_lo >= b_hi) continue;
             if (b_lo > at) blocks.push_back(pyalloc_block_info{b_lo - at, 0, 0, 0, 0});  // not in the snapshot
             pyalloc_block_info piece = it->info;
@@ -574,7 +578,8 @@ int api_snapshot_units(int device, const uint64_t* pool_id, pyalloc_segment_fn f
 int api_create_or_incref_pool_with(int device, uint64_t id0, uint64_t id1, pyalloc_source_alloc_fn alloc,
                                    pyalloc_source_free_fn free_fn, void* user) {
   return guarded([&] {
-    if (alloc == nullptr || free_fn == nullptr) throw std::invalid_argument("a MemPool's allocator needs alloc and free");
+    if (alloc == nullptr || free_fn == nullptr)
+      throw std::invalid_argument("a MemPool's allocator needs alloc and free");
     DevicePools::SegmentSource source;
     source.reserve = [alloc, user, device](size_t size) {
       void* out = nullptr;

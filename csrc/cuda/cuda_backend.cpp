@@ -527,7 +527,8 @@ class CudaBackend final : public Backend {
     }
     ContextGuard g(d_, sh_->ctx);
     int fd = -1;
-    CUresult r = d_.MemExportToShareableHandle(&fd, it->second.handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    CUresult r =
+        d_.MemExportToShareableHandle(&fd, it->second.handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
     if (r != CUDA_SUCCESS) {
       *why = "cuMemExportToShareableHandle failed: " + error_name(r);
       return false;

@@ -1,9 +1,6 @@
 // The pools of each CUDA device and the logic behind PyTorch's hooks: see cuda_pools.h.
 #include "cuda_pools.h"
 
-#include "ipc.h"
-#include "segment_watch.h"
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -11,6 +8,9 @@
 #include <exception>
 #include <sstream>
 #include <unordered_set>
+
+#include "ipc.h"
+#include "segment_watch.h"
 
 namespace pyalloc {
 
@@ -78,7 +78,11 @@ class DevicePools::PoolBackend final : public Backend {
  public:
   PoolBackend(std::unique_ptr<Backend> inner, Budget& budget, bool held, int device, PoolId id,
               SegmentSource source = {})
-      : inner_(std::move(inner)), budget_(budget), source_(std::move(source)), units_(device, id), held_(held) {}
+      : inner_(std::move(inner)),
+        budget_(budget),
+        source_(std::move(source)),
+        units_(device, id),
+        held_(held) {}
 
   const MappedUnits& units() const { return units_; }
 

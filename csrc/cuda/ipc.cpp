@@ -203,7 +203,8 @@ bool recv_fds(int sock, size_t want, std::vector<int>* out) {
 sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
   sockaddr_un a{};
   a.sun_family = AF_UNIX;
-  if (name.size() + 1 > sizeof(a.sun_path)) throw std::invalid_argument("pyalloc: an IPC socket name too long");
+  if (name.size() + 1 > sizeof(a.sun_path))
+    throw std::invalid_argument("pyalloc: an IPC socket name too long");
   std::memcpy(a.sun_path + 1, name.data(), name.size());  // sun_path[0] == 0: the abstract namespace
   *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
   return a;
@@ -277,13 +278,15 @@ class Exports {
     std::snprintf(suffix, sizeof(suffix), "%016llx", static_cast<unsigned long long>(rng_()));
     std::string name = "pyalloc-ipc." + std::to_string(::getpid()) + "." + suffix;
     int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) throw std::runtime_error(std::string("pyalloc: socket() for CUDA IPC failed: ") + std::strerror(errno));
+    if (fd < 0)
+      throw std::runtime_error(std::string("pyalloc: socket() for CUDA IPC failed: ") + std::strerror(errno));
     socklen_t len = 0;
     sockaddr_un a = abstract_address(name, &len);
     if (::bind(fd, reinterpret_cast<sockaddr*>(&a), len) != 0 || ::listen(fd, 64) != 0) {
       int e = errno;
       ::close(fd);
-      throw std::runtime_error(std::string("pyalloc: the CUDA IPC socket could not listen: ") + std::strerror(e));
+      throw std::runtime_error(std::string("pyalloc: the CUDA IPC socket could not listen: ") +
+                               std::strerror(e));
     }
     fd_ = fd;
     name_ = name;
@@ -415,14 +418,16 @@ void open_fake(Mapping* m, const std::string& token) {
 void open_legacy(Mapping* m, const std::string& token) {
   const Driver& d = driver();
   if (!d.has_legacy_ipc())
-    throw std::runtime_error("pyalloc: the CUDA driver lacks the legacy IPC entry points (cuIpcOpenMemHandle)");
+    throw std::runtime_error(
+        "pyalloc: the CUDA driver lacks the legacy IPC entry points (cuIpcOpenMemHandle)");
   CUipcMemHandle h{};
   std::memcpy(h.reserved, token.data(), sizeof(h.reserved));
   ContextGuard g(d, context_of(m->device));
   CUdeviceptr p = 0;
   CUresult r = d.IpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
   if (r != CUDA_SUCCESS)
-    throw std::runtime_error("pyalloc: opening a CUDA IPC handle failed: cuIpcOpenMemHandle: " + error_name(r));
+    throw std::runtime_error("pyalloc: opening a CUDA IPC handle failed: cuIpcOpenMemHandle: " +
+                             error_name(r));
   m->base = static_cast<uintptr_t>(p);
   m->legacy = true;
 }
@@ -447,7 +452,8 @@ void open_pages(Mapping* m, const std::string& handle) {
   PagesHandle h = decode_pages(handle);
   const Driver& d = driver();
   if (!d.has_vmm() || !d.has_shareable_handles())
-    throw std::runtime_error("pyalloc: the CUDA driver cannot import shared pages (no cuMemImportFromShareableHandle)");
+    throw std::runtime_error(
+        "pyalloc: the CUDA driver cannot import shared pages (no cuMemImportFromShareableHandle)");
   int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (sock < 0) throw std::runtime_error(std::string("pyalloc: socket() failed: ") + std::strerror(errno));
   std::vector<int> fds;
@@ -478,7 +484,8 @@ void open_pages(Mapping* m, const std::string& handle) {
   sizes.resize(n);
   if (!recv_all(sock, sizes.data(), sizeof(uint64_t) * n)) fail("the answer was cut short");
   while (fds.size() < n)
-    if (!recv_fds(sock, std::min<size_t>(kFdsPerMessage, n - fds.size()), &fds)) fail("its descriptors did not arrive");
+    if (!recv_fds(sock, std::min<size_t>(kFdsPerMessage, n - fds.size()), &fds))
+      fail("its descriptors did not arrive");
   ::close(sock);
   uint64_t total = 0;
   for (uint64_t s : sizes) total += s;
@@ -535,7 +542,8 @@ void unmap(Mapping* m) {
   if (m->legacy) {
     CUresult r = d.IpcCloseMemHandle(static_cast<CUdeviceptr>(m->base));
     if (r != CUDA_SUCCESS)
-      throw std::runtime_error("pyalloc: closing a CUDA IPC handle failed: cuIpcCloseMemHandle: " + error_name(r));
+      throw std::runtime_error("pyalloc: closing a CUDA IPC handle failed: cuIpcCloseMemHandle: " +
+                               error_name(r));
     return;
   }
   unmap_pages(d, m, m->pages.size());
@@ -557,7 +565,8 @@ std::string share(DevicePools& pools, uintptr_t ptr, uint64_t* offset) {
   if (!pools.share(ptr, &mems, &why)) {
     close_fds(mems);
     if (mems.empty()) throw std::invalid_argument("pyalloc cannot share " + format_ptr(ptr) + ": " + why);
-    throw std::runtime_error("pyalloc cannot share the CUDA memory at " + format_ptr(ptr) + " with another process: " + why);
+    throw std::runtime_error("pyalloc cannot share the CUDA memory at " + format_ptr(ptr) +
+                             " with another process: " + why);
   }
   *offset = ptr - mems.front().addr;
   if (mems.front().fd < 0) {  // a segment: the driver's token
@@ -577,7 +586,8 @@ std::string share(DevicePools& pools, uintptr_t ptr, uint64_t* offset) {
 
 uintptr_t open(int device, const std::string& handle) {
   if (handle.size() < 2)
-    throw std::invalid_argument("pyalloc: an empty or truncated CUDA IPC handle (" + std::to_string(handle.size()) + " bytes)");
+    throw std::invalid_argument("pyalloc: an empty or truncated CUDA IPC handle (" +
+                                std::to_string(handle.size()) + " bytes)");
   std::lock_guard<std::mutex> g(mappings_mu);
   auto known = by_handle().find(handle);
   if (known != by_handle().end()) {
@@ -621,7 +631,8 @@ void close(uintptr_t ptr) {
   std::lock_guard<std::mutex> g(mappings_mu);
   auto b = by_base().find(ptr);
   if (b == by_base().end())
-    throw std::invalid_argument("pyalloc: " + format_ptr(ptr) + " is no CUDA memory opened from another process");
+    throw std::invalid_argument("pyalloc: " + format_ptr(ptr) +
+                                " is no CUDA memory opened from another process");
   auto it = by_handle().find(b->second);
   if (--it->second.uses > 0) return;
   Mapping m = std::move(it->second);

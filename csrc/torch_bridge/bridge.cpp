@@ -479,7 +479,8 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
 
   // With a pool's lock held in pyalloc: trackers must not allocate (as PyTorch
   // says of its own, called under its allocator's lock), nor throw into pyalloc.
-  static void tell_trackers(void* user, int device, int mapped, uint64_t addr, uint64_t size, const uint64_t* pool) {
+  static void tell_trackers(void* user, int device, int mapped, uint64_t addr, uint64_t size,
+                            const uint64_t* pool) {
     auto* self = static_cast<PyallocAllocator*>(user);
     std::vector<cca::AllocatorTraceTracker> trackers;
     {
@@ -582,7 +583,8 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
     if (!PYALLOC_API_HAS(create_or_incref_pool_with))
       unsupported("a torch.cuda.MemPool with an allocator of its own with this pyalloc._C",
                   "Rebuild pyalloc and its bridge from the same version (pyalloc bridge build).");
-    check(api->create_or_incref_pool_with(device, id.first, id.second, &source_alloc, &source_free, allocator));
+    check(api->create_or_incref_pool_with(device, id.first, id.second, &source_alloc, &source_free,
+                                          allocator));
   }
 
   static int source_alloc(void* user, int device, uint64_t size, void** out) {
