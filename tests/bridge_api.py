@@ -103,6 +103,9 @@ VALUE_FN = c.CFUNCTYPE(None, c.c_void_p, c.c_uint64)
 FILTER_FN = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_void_p)
 LIVE_BLOCK_FN = c.CFUNCTYPE(None, c.c_void_p, c.POINTER(LiveBlock))
 POOL_STAT_FN = c.CFUNCTYPE(None, c.c_void_p, c.c_uint64, c.c_uint64, c.POINTER(StatArray))
+SEGMENT_EVENT_FN = c.CFUNCTYPE(None, c.c_void_p, c.c_int, c.c_int, c.c_uint64, c.c_uint64, c.POINTER(c.c_uint64))
+SOURCE_ALLOC_FN = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_int, c.c_uint64, c.POINTER(c.c_void_p))
+SOURCE_FREE_FN = c.CFUNCTYPE(None, c.c_void_p, c.c_int, c.c_void_p, c.c_uint64)
 u64, i32 = c.c_uint64, c.c_int
 
 
@@ -145,6 +148,13 @@ class Api(c.Structure):
         ("block_context", c.CFUNCTYPE(i32, c.c_void_p, c.POINTER(u64))),
         ("mark_capture", c.CFUNCTYPE(i32, i32, i32)),
         ("memory_usage", c.CFUNCTYPE(i32, i32, c.c_void_p, c.POINTER(MemoryUsage))),
+        ("ipc_share", c.CFUNCTYPE(i32, c.c_void_p, c.c_char_p, u64, c.POINTER(u64), c.POINTER(u64))),
+        ("ipc_open", c.CFUNCTYPE(i32, i32, c.c_char_p, u64, c.POINTER(c.c_void_p))),
+        ("ipc_close", c.CFUNCTYPE(i32, c.c_void_p)),
+        ("watch_segments", c.CFUNCTYPE(i32, SEGMENT_EVENT_FN, c.c_void_p)),
+        ("snapshot_units", c.CFUNCTYPE(i32, i32, c.POINTER(u64), SEGMENT_FN, c.c_void_p)),
+        ("create_or_incref_pool_with", c.CFUNCTYPE(i32, i32, u64, u64, SOURCE_ALLOC_FN, SOURCE_FREE_FN,
+                                                   c.c_void_p)),
     ]
 
 
@@ -181,6 +191,19 @@ class BridgeApi:
         assert self.table.memory_usage(device, ptr or None, c.byref(out)) == OK, self.error()
         return out
 
+    def ipc_share(self, ptr: int):
+        """(status, handle bytes, offset): what the bridge's shareIpcHandle gives PyTorch."""
+        buf = c.create_string_buffer(256)
+        length, offset = u64(), u64()
+        status = self.table.ipc_share(ptr, buf, len(buf), c.byref(length), c.byref(offset))
+        return status, buf.raw[:length.value] if status == OK else b"", offset.value
+
+    def ipc_open(self, handle: bytes, device: int = 0):
+        """(status, pointer): what the bridge's getIpcDevPtr maps."""
+        out = c.c_void_p()
+        status = self.table.ipc_open(device, handle, len(handle), c.byref(out))
+        return status, out.value or 0
+
     def block_context(self, ptr: int) -> int:
         out = u64()
         assert self.table.block_context(ptr, c.byref(out)) == OK, self.error()
@@ -205,7 +228,8 @@ class BridgeApi:
         assert self.table.pool_reserved(device, POOL_STAT_FN(on_pool), None) == OK, self.error()
         return out
 
-    def snapshot(self, device: int = -1, pool_id=None) -> list:
+    def snapshot(self, device: int = -1, pool_id=None, units: bool = False) -> list:
+        """snapshot's segments, or (units) snapshot_units'."""
         segments = []
 
         def on_segment(_user, seg, blocks, n):
@@ -225,7 +249,8 @@ class BridgeApi:
             })
 
         pool = (u64 * 2)(*pool_id) if pool_id is not None else None
-        status = self.table.snapshot(device, pool, SEGMENT_FN(on_segment), None)
+        call = self.table.snapshot_units if units else self.table.snapshot
+        status = call(device, pool, SEGMENT_FN(on_segment), None)
         assert status == OK, self.error()
         return segments
 

@@ -896,3 +896,23 @@ def test_memory_usage_gives_the_profiler_what_pytorchs_allocator_reports(api, fa
     assert api.table.memory_usage(-7, None, ctypes.byref(MemoryUsage())) == INVALID
     assert api.free(q, 0) == OK
     assert not BridgeApi(1).table.memory_usage  # not in version 1's table
+
+
+def test_reserved_bytes_count_graph_pools_as_pytorch_and_torch_2_14_define_them(api, fake):
+    # torch.cuda.memory_reserved() is reserved_bytes.all.current: PyTorch's
+    # allocator counts its private pools in it, and torch 2.14's cudaMallocAsync
+    # backend now counts its graph memory too. So does the bridge's table.
+    status, p, _ = api.malloc(3 * MiB)
+    before = api.stats(0)["reserved_bytes.all.current"]
+    filt = FILTER_FN(lambda _u, s: int((s or 0) == 5))
+    assert api.begin_allocate_to_pool(0, 0, 21, filt, None) == OK
+    status, q, _ = api.malloc(5 * MiB, stream=5)
+    assert api.end_allocate_to_pool(0, 0, 21) == OK
+    pool = api.pool_reserved(0)["reserved_bytes_by_private_pools.0_21.all.current"]
+    assert pool >= 5 * MiB
+    assert api.stats(0)["reserved_bytes.all.current"] == before + pool
+    assert api.release_pool(0, 0, 21) == OK
+    assert api.free(q, 0) == OK and api.empty_cache(-1) == OK
+    assert api.stats(0)["reserved_bytes.all.current"] <= before
+    assert api.pool_reserved(0)["reserved_bytes_by_private_pools.0_21.all.current"] == 0
+    assert api.free(p, 0) == OK

@@ -274,3 +274,33 @@ def test_allocation_traceback_names_the_allocating_function():
 @bridge_only
 def test_the_profiler_sees_pyallocs_allocations_frees_and_ooms():
     check("profiler_memory.py")
+
+
+# -- processes, NCCL and torch 2.14's figures (bridge only) ---------------------------------
+
+
+@bridge_only
+def test_cuda_tensors_cross_processes_and_stay_allocated_while_received():
+    check("ipc.py", timeout=900)  # two processes on one GPU, under the session's strategy
+
+
+@bridge_only
+def test_nccl_registers_what_pyalloc_maps_and_a_mempool_over_ncclmemalloc_works():
+    args = [sys.executable, "-X", "faulthandler", os.path.join(GPU_DIR, "nccl_register.py")]
+    env = dict(os.environ, PYTHONPATH=REPO, TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK="1")
+    if BASE_CONF:
+        env["PYALLOC_CONF"] = BASE_CONF
+    out, native = run_check(args, env, REPO, 600)
+    assert out.returncode == 0, f"{out.stdout}\n--- stderr\n{out.stderr}" + (f"\n--- {native}" if native else "")
+    # A registration NCCL refused (a range registered twice, or deregistered
+    # unregistered) is said by pyalloc on stderr: the tracker threw.
+    assert "an allocator trace tracker failed" not in out.stderr, out.stderr
+    skipped = [line for line in out.stdout.splitlines() if line.startswith("SKIP")]
+    if skipped:
+        pytest.skip(skipped[0])
+    assert "OK" in out.stdout, out.stdout
+
+
+@bridge_only
+def test_memory_reserved_counts_cuda_graph_pools():
+    check("graph_reserved.py")

@@ -224,6 +224,15 @@ class Allocator {
                   uint64_t* context = nullptr) const;
   /// The backend segment holding ptr: false if none does.
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
+  /// The memory under the live allocation at ptr made shareable with
+  /// another process, asked of the backend under the lock (the allocation
+  /// keeps it where it is meanwhile): the backend segment holding it
+  /// (Backend::share_segment, one entry), or, in the virtual range, each
+  /// handle under its bytes in address order (Backend::vmm_share). False,
+  /// with *why, if ptr is no live allocation of this pool or the backend
+  /// refuses; *out then holds what was made shareable before the refusal
+  /// (file descriptors for the caller to close).
+  bool share(uintptr_t ptr, std::vector<SharedMemory>* out, std::string* why);
 
   void record_history(bool enabled, size_t max_entries);
   /// The history goes into one device trace with other allocators' (a

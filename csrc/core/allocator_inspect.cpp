@@ -77,6 +77,30 @@ bool Allocator::segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const {
   return true;
 }
 
+bool Allocator::share(uintptr_t ptr, std::vector<SharedMemory>* out, std::string* why) {
+  std::lock_guard<Lock> guard(mu_);
+  const Block* b = live_.find(ptr);
+  if (b == nullptr || b->state != BlockState::kAllocated) {
+    *why = describe_bad_pointer(ptr, "share");
+    return false;
+  }
+  const Segment* seg = b->segment;
+  while (seg->parent != nullptr) seg = seg->parent->segment;  // a chunk: the segment it was cut from
+  if (!seg->vmm) {
+    out->emplace_back();
+    return backend_->share_segment(seg->base, seg->size, &out->back(), why);
+  }
+  // The handles under [b->addr, b->end()): every page under a live block is
+  // mapped (block.h), and mapped pages are tiled by handles.
+  auto it = handles_.upper_bound(b->addr);
+  if (it == handles_.begin()) throw InvariantError("share: no handle under " + format_ptr(b->addr));
+  for (--it; it != handles_.end() && it->first < b->end(); ++it) {
+    out->emplace_back();
+    if (!backend_->vmm_share(it->first, it->second, &out->back(), why)) return false;
+  }
+  return true;
+}
+
 FragmentationInfo Allocator::fragmentation() const {
   std::lock_guard<Lock> guard(mu_);
   FragmentationInfo f;

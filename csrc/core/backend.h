@@ -49,6 +49,13 @@
 //   for one that throws, one cuMemSetAccess per vmm_access, a cuMemMap per
 //   vmm_attach that maps, none for one that refuses or throws. The core adds
 //   them to num_driver_calls, so that it counts what the driver was asked.
+// - Sharing with another process (optional; the defaults refuse, saying
+//   why): share_segment(base, size) makes a segment reserve() returned
+//   shareable as a whole, as an opaque token of the backend's;
+//   vmm_share(addr, size) makes one handle vmm_map mapped shareable, as a
+//   file descriptor the caller owns. The core asks only while a live
+//   allocation lies in that memory (Allocator::share), so the memory stays
+//   where it is meanwhile.
 // - The core calls a backend with its own lock held, from any thread; a
 //   backend needs a lock of its own only for state that tests or other
 //   callers touch from outside the core.
@@ -67,6 +74,17 @@ namespace pyalloc {
 
 using EventId = uint64_t;
 class SimStreams;
+
+/// Backend memory made shareable with another process (Backend::share_segment,
+/// Backend::vmm_share): the range [addr, addr + size) of this process, and what
+/// another process needs to open it: the backend's opaque token, or a file
+/// descriptor that the caller owns (closes).
+struct SharedMemory {
+  uintptr_t addr = 0;
+  size_t size = 0;
+  std::string token;
+  int fd = -1;
+};
 
 class Backend {
  public:
@@ -105,6 +123,17 @@ class Backend {
   virtual bool vmm_attach(uintptr_t /*addr*/, size_t /*size*/) { return false; }
   virtual void vmm_drop(size_t /*size*/) {}
   virtual int64_t take_uncounted_calls() { return 0; }
+
+  /// False, with *why, when the memory cannot be shared (the default).
+  virtual bool share_segment(uintptr_t /*base*/, size_t /*size*/, SharedMemory* /*out*/,
+                             std::string* why) {
+    *why = std::string("memory of the ") + name() + " backend cannot be shared with another process";
+    return false;
+  }
+  virtual bool vmm_share(uintptr_t /*addr*/, size_t /*size*/, SharedMemory* /*out*/, std::string* why) {
+    *why = std::string("pages of the ") + name() + " backend cannot be shared with another process";
+    return false;
+  }
 
   /// The test-controllable streams of a simulated backend; null on a device.
   virtual SimStreams* sim_streams() { return nullptr; }

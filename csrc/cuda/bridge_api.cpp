@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "cuda_pools.h"
+#include "ipc.h"
+#include "segment_watch.h"
 
 #define PYALLOC_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -434,6 +436,166 @@ int api_mark_capture(int device, int begin) {
   return guarded([&] { hooks::mark_capture(device, begin != 0); });
 }
 
+int api_ipc_share(void* ptr, char* buf, uint64_t capacity, uint64_t* length, uint64_t* offset) {
+  *length = 0;
+  *offset = 0;
+  return guarded([&] {
+    std::string handle;
+    std::string why = "pyalloc cannot share " + format_ptr(addr(ptr)) + ": no pool of pyalloc's holds it";
+    bool found = false;
+    for (DevicePools* p : registry().all()) {
+      if (!p->may_hold(addr(ptr))) continue;
+      try {
+        handle = ipc::share(*p, addr(ptr), offset);
+        found = true;
+        break;
+      } catch (const std::invalid_argument& e) {  // not this device's: another may hold it
+        why = e.what();
+      }
+    }
+    if (!found) throw std::invalid_argument(why);
+    *length = handle.size();
+    if (handle.size() > capacity)
+      throw std::invalid_argument("pyalloc: a CUDA IPC handle of " + std::to_string(handle.size()) +
+                                  " bytes does not fit in " + std::to_string(capacity));
+    std::memcpy(buf, handle.data(), handle.size());
+  });
+}
+
+int api_ipc_open(int device, const char* handle, uint64_t length, void** out) {
+  *out = nullptr;
+  return guarded([&] {
+    if (device < 0 || device >= PoolRegistry::kMaxDevices)
+      throw std::invalid_argument("invalid CUDA device index " + std::to_string(device));
+    *out = reinterpret_cast<void*>(ipc::open(device, std::string(handle, length)));
+  });
+}
+
+int api_ipc_close(void* ptr) {
+  return guarded([&] { ipc::close(addr(ptr)); });
+}
+
+struct SegmentWatch {
+  pyalloc_segment_event_fn fn;
+  void* user;
+};
+
+int api_watch_segments(pyalloc_segment_event_fn fn, void* user) {
+  return guarded([&] {
+    static SegmentWatch watch{nullptr, nullptr};  // read by the watcher; set only here
+    if (fn == nullptr) {
+      watch_segments(nullptr, nullptr);
+      return;
+    }
+    watch_segments(nullptr, nullptr);  // waits for calls under way before `watch` changes
+    watch = SegmentWatch{fn, user};
+    watch_segments(
+        [](void* w, const SegmentEvent& e) {
+          auto* sw = static_cast<SegmentWatch*>(w);
+          uint64_t pool[2] = {e.pool.first, e.pool.second};
+          sw->fn(sw->user, e.device, e.mapped ? 1 : 0, e.addr, e.size, pool);
+        },
+        &watch);
+  });
+}
+
+// A block of a snapshot with its address, for cutting at units' edges.
+struct PlacedBlock {
+  uintptr_t addr;
+  pyalloc_block_info info;
+  const SnapshotSegment* segment;
+};
+
+int api_snapshot_units(int device, const uint64_t* pool_id, pyalloc_segment_fn fn, void* user) {
+  return guarded([&] {
+    for (DevicePools* p : devices_of(device)) {
+      struct Pool {
+        DevicePools::PoolId id;
+        std::vector<SnapshotSegment> segments;
+        std::vector<std::pair<uintptr_t, size_t>> units;
+      };
+      std::vector<Pool> all;
+      p->for_each_pool_units(
+          [&](DevicePools::PoolId id, Allocator& a, const std::vector<std::pair<uintptr_t, size_t>>& units) {
+            if (pool_id == nullptr || (pool_id[0] == id.first && pool_id[1] == id.second))
+              all.push_back(Pool{id, a.snapshot(), units});
+          });
+      for (const Pool& pool : all) {
+        std::vector<PlacedBlock> placed;
+        for (const SnapshotSegment& s : pool.segments) {
+          uintptr_t at = s.address;
+          for (const SnapshotBlock& b : s.blocks) {
+            bool allocated = std::strcmp(b.state, "active_allocated") == 0;
+            bool active = allocated || std::strcmp(b.state, "active_pending_free") == 0;
+            placed.push_back(PlacedBlock{at, {b.size, b.requested, allocated, active, b.context}, &s});
+            at += b.size;
+          }
+        }
+        std::sort(placed.begin(), placed.end(),
+                  [](const PlacedBlock& a, const PlacedBlock& b) { return a.addr < b.addr; });
+        std::vector<uint64_t> requested_left(placed.size());
+        for (size_t i = 0; i < placed.size(); ++i) requested_left[i] = placed[i].info.requested_size;
+        std::vector<pyalloc_block_info> blocks;
+        for (const auto& [lo, size] : pool.units) {
+          uintptr_t hi = lo + size;
+          pyalloc_segment_info info{p->index(), lo, size, 0, 0, 0, nullptr, 1, 0,
+                                    {pool.id.first, pool.id.second}};
+          blocks.clear();
+          uintptr_t at = lo;
+          auto first = std::upper_bound(placed.begin(), placed.end(), lo,
+                                        [](uintptr_t a, const PlacedBlock& b) { return a < b.addr; });
+          if (first != placed.begin()) --first;
+          bool seen_segment = false;
+          for (auto it = first; it != placed.end() && it->addr < hi; ++it) {
+            uintptr_t b_lo = std::max<uintptr_t>(it->addr, lo);
+            uintptr_t b_hi = std::min<uintptr_t>(it->addr + it->info.size, hi);
+            if (b_lo >= b_hi) continue;
+            if (b_lo > at) blocks.push_back(pyalloc_block_info{b_lo - at, 0, 0, 0, 0});  // not in the snapshot
+            pyalloc_block_info piece = it->info;
+            piece.size = b_hi - b_lo;
+            uint64_t& left = requested_left[it - placed.begin()];
+            piece.requested_size = std::min<uint64_t>(left, piece.size);
+            left -= piece.requested_size;
+            blocks.push_back(piece);
+            info.allocated_size += piece.allocated ? piece.size : 0;
+            info.active_size += piece.active ? piece.size : 0;
+            info.requested_size += piece.requested_size;
+            if (!seen_segment) {
+              info.stream = stream_ptr(it->segment->stream);
+              info.is_expandable = it->segment->expandable;
+              seen_segment = true;
+            }
+            at = b_hi;
+          }
+          if (at < hi) blocks.push_back(pyalloc_block_info{hi - at, 0, 0, 0, 0});
+          fn(user, &info, blocks.data(), blocks.size());
+        }
+      }
+    }
+  });
+}
+
+int api_create_or_incref_pool_with(int device, uint64_t id0, uint64_t id1, pyalloc_source_alloc_fn alloc,
+                                   pyalloc_source_free_fn free_fn, void* user) {
+  return guarded([&] {
+    if (alloc == nullptr || free_fn == nullptr)
+      throw std::invalid_argument("a MemPool's allocator needs alloc and free");
+    DevicePools::SegmentSource source;
+    source.reserve = [alloc, user, device](size_t size) {
+      void* out = nullptr;
+      int status = alloc(user, device, size, &out);
+      if (status != PYALLOC_OK)
+        throw std::runtime_error("a MemPool's own allocator failed to allocate " + std::to_string(size) +
+                                 " bytes on device " + std::to_string(device));
+      return addr(out);
+    };
+    source.release = [free_fn, user, device](uintptr_t base, size_t size) {
+      free_fn(user, device, reinterpret_cast<void*>(base), size);
+    };
+    pools_of(device, true)->create_or_incref_pool({id0, id1}, std::move(source));
+  });
+}
+
 const pyalloc_bridge_api kApi = {
     PYALLOC_BRIDGE_API_VERSION,
     sizeof(pyalloc_bridge_api),
@@ -474,6 +636,12 @@ const pyalloc_bridge_api kApi = {
     &api_block_context,
     &api_mark_capture,
     &api_memory_usage,
+    &api_ipc_share,
+    &api_ipc_open,
+    &api_ipc_close,
+    &api_watch_segments,
+    &api_snapshot_units,
+    &api_create_or_incref_pool_with,
 };
 
 // Version 1: the members before record_stream_owned, and a malloc that fills
@@ -487,6 +655,12 @@ pyalloc_bridge_api make_v1() {
   t.block_context = nullptr;
   t.mark_capture = nullptr;
   t.memory_usage = nullptr;
+  t.ipc_share = nullptr;
+  t.ipc_open = nullptr;
+  t.ipc_close = nullptr;
+  t.watch_segments = nullptr;
+  t.snapshot_units = nullptr;
+  t.create_or_incref_pool_with = nullptr;
   return t;
 }
 

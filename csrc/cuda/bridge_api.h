@@ -151,6 +151,16 @@ typedef void (*pyalloc_value_fn)(void* user, uint64_t value);
 typedef void (*pyalloc_live_block_fn)(void* user, const pyalloc_live_block* block);
 typedef void (*pyalloc_pool_stat_fn)(void* user, uint64_t id0, uint64_t id1,
                                      const pyalloc_stat_array* reserved);
+/* A unit of memory (a segment, a handle of pages) the driver mapped and
+ * made usable (mapped 1), or is about to unmap (mapped 0): see
+ * csrc/cuda/segment_watch.h. Called with a pool's lock held. */
+typedef void (*pyalloc_segment_event_fn)(void* user, int device, int mapped, uint64_t addr,
+                                         uint64_t size, const uint64_t* pool_id);
+/* A MemPool's own allocator: PYALLOC_OK with *out its memory, or NULL when
+ * out of memory; any other status is an error. free takes back what alloc
+ * gave. Called with the pool's lock held, on the allocating thread. */
+typedef int (*pyalloc_source_alloc_fn)(void* user, int device, uint64_t size, void** out);
+typedef void (*pyalloc_source_free_fn)(void* user, int device, void* ptr, uint64_t size);
 /* Returns nonzero if the stream's allocations go to the pool. */
 typedef int (*pyalloc_stream_filter_fn)(void* user, void* stream);
 
@@ -260,6 +270,28 @@ typedef struct pyalloc_bridge_api {
    * allocation's device when device is -1 (zeros for a device without
    * pools). Appended: check size before calling. */
   int (*memory_usage)(int device, void* ptr, pyalloc_memory_usage* out);
+  /* CUDA IPC (csrc/cuda/ipc.h): PyTorch's shareIpcHandle and getIpcDevPtr.
+   * ipc_share writes the handle of the live allocation at ptr into buf
+   * (room for `capacity` bytes; *length its bytes, set even when it does
+   * not fit, which is PYALLOC_INVALID) and *offset, where ptr lies in the
+   * memory the handle names. ipc_open maps the memory a handle names on
+   * `device` (*out: its start), one use more of that mapping; ipc_close
+   * drops one use of what ipc_open returned, and the last unmaps it.
+   * Appended: check size before calling. */
+  int (*ipc_share)(void* ptr, char* buf, uint64_t capacity, uint64_t* length, uint64_t* offset);
+  int (*ipc_open)(int device, const char* handle, uint64_t length, void** out);
+  int (*ipc_close)(void* ptr);
+  /* PyTorch's allocator trace trackers (NCCL registration): fn hears of
+   * every unit of memory mapped and about to be unmapped, on every device
+   * (NULL: no one); snapshot_units is snapshot's segments cut into those
+   * units (each unit one segment, its blocks cut at its edges), the
+   * segments a tracker has heard of. Appended: check size before calling. */
+  int (*watch_segments)(pyalloc_segment_event_fn fn, void* user);
+  int (*snapshot_units)(int device, const uint64_t* pool_id, pyalloc_segment_fn fn, void* user);
+  /* create_or_incref_pool for a MemPool with an allocator of its own: the
+   * pool's segments come from alloc and go back through free. Appended. */
+  int (*create_or_incref_pool_with)(int device, uint64_t id0, uint64_t id1, pyalloc_source_alloc_fn alloc,
+                                    pyalloc_source_free_fn free, void* user);
 } pyalloc_bridge_api;
 
 /* The table of `version`, or NULL if this pyalloc does not offer it. */

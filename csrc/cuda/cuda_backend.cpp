@@ -20,32 +20,6 @@ using namespace drv;
 
 CUstream as_stream(Stream s) { return reinterpret_cast<CUstream>(static_cast<uintptr_t>(s)); }
 
-/// Makes ctx current for the scope, and then what the thread had current
-/// before: another context, or none (a thread pyalloc runs on is left as it
-/// found it). Costs one cuCtxGetCurrent when ctx is already current.
-class ContextGuard {
- public:
-  ContextGuard(const Driver& d, CUcontext ctx) : d_(d) {
-    CUcontext prev = nullptr;
-    if (d_.CtxGetCurrent(&prev) != CUDA_SUCCESS) prev = nullptr;
-    if (prev != ctx) {
-      check(d_.CtxSetCurrent(ctx), "cuCtxSetCurrent");
-      prev_ = prev;
-      restore_ = true;
-    }
-  }
-  ~ContextGuard() {
-    if (restore_) d_.CtxSetCurrent(prev_);  // nullptr: no context current, as before
-  }
-  ContextGuard(const ContextGuard&) = delete;
-  ContextGuard& operator=(const ContextGuard&) = delete;
-
- private:
-  const Driver& d_;
-  CUcontext prev_ = nullptr;
-  bool restore_ = false;
-};
-
 void device_mem_info(const Driver& d, CUcontext ctx, size_t* free_bytes, size_t* total_bytes) {
   *free_bytes = *total_bytes = 0;
   try {
@@ -98,6 +72,9 @@ struct CudaShared {
   // counted yet: the first pool to collect its uncounted calls takes them.
   std::atomic<int64_t> probe_calls{0};
   CUmemAllocationProp prop{};  // device memory, pinned, on this device
+  // Why pages cannot be shared with other processes (vmm_share); empty when
+  // they are made with a POSIX file descriptor as their shareable handle.
+  std::string share_why;
   // Who may read and write mapped pages: this device first, then each
   // device that can access it as a peer (cuDeviceCanAccessPeer).
   std::vector<CUmemAccessDesc> access;
@@ -193,7 +170,13 @@ size_t probe_vmm(const Driver& d, CudaShared& sh) {
     return 0;
   }
   sh.prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  sh.prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  // Shareable as POSIX file descriptors (CUDA IPC of pages, csrc/cuda/ipc.h),
+  // passed over a Unix socket: no pidfd_getfd, which containers refuse.
+  sh.prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  if (!d.has_shareable_handles()) {
+    sh.prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+    sh.share_why = "the CUDA driver lacks cuMemExportToShareableHandle";
+  }
   sh.prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   sh.prop.location.id = sh.dev;
   size_t page = 0;
@@ -220,6 +203,15 @@ size_t probe_vmm(const Driver& d, CudaShared& sh) {
     step = "cuMemCreate";
     calls++;
     r = d.MemCreate(&h, page, &sh.prop, 0);
+    if ((r == CUDA_ERROR_NOT_SUPPORTED || r == CUDA_ERROR_INVALID_VALUE) &&
+        sh.prop.requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE) {
+      // Pages the device cannot share still serve this process.
+      sh.share_why = "the device refused pages with a POSIX file descriptor handle: cuMemCreate failed: " +
+                     error_name(r);
+      sh.prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+      calls++;
+      r = d.MemCreate(&h, page, &sh.prop, 0);
+    }
     if (r == CUDA_SUCCESS) {
       step = "cuMemMap";
       calls += 2;  // and cuMemRelease
@@ -502,6 +494,47 @@ class CudaBackend final : public Backend {
     } catch (const std::exception& e) {
       std::fprintf(stderr, "pyalloc: releasing a spare handle failed: %s\n", e.what());
     }
+  }
+
+  // Sharing with another process (csrc/cuda/ipc.h). A segment: its legacy
+  // IPC handle, which names the whole cuMemAlloc allocation. A page handle:
+  // a POSIX file descriptor, if the device's pages are made shareable.
+  bool share_segment(uintptr_t base, size_t size, SharedMemory* out, std::string* why) override {
+    if (!d_.has_legacy_ipc()) {
+      *why = "the CUDA driver lacks the legacy IPC entry points (cuIpcGetMemHandle)";
+      return false;
+    }
+    ContextGuard g(d_, sh_->ctx);
+    CUipcMemHandle h{};
+    CUresult r = d_.IpcGetMemHandle(&h, static_cast<CUdeviceptr>(base));
+    if (r != CUDA_SUCCESS) {
+      *why = "cuIpcGetMemHandle failed: " + error_name(r);
+      return false;
+    }
+    *out = SharedMemory{base, size, std::string(h.reserved, sizeof(h.reserved)), -1};
+    return true;
+  }
+
+  bool vmm_share(uintptr_t addr, size_t size, SharedMemory* out, std::string* why) override {
+    if (sh_->prop.requestedHandleTypes != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
+      *why = "device " + std::to_string(sh_->index) + "'s pages cannot be shared: " + sh_->share_why;
+      return false;
+    }
+    auto it = handles_.find(addr);
+    if (it == handles_.end() || it->second.size != size) {
+      *why = "no handle of " + std::to_string(size) + " bytes is mapped at " + format_ptr(addr);
+      return false;
+    }
+    ContextGuard g(d_, sh_->ctx);
+    int fd = -1;
+    CUresult r =
+        d_.MemExportToShareableHandle(&fd, it->second.handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    if (r != CUDA_SUCCESS) {
+      *why = "cuMemExportToShareableHandle failed: " + error_name(r);
+      return false;
+    }
+    *out = SharedMemory{addr, size, std::string(), fd};
+    return true;
   }
 
   void vmm_unmap(uintptr_t addr, size_t size) override {

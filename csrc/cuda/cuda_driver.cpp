@@ -81,6 +81,22 @@ Loaded load() {
   fetch(lib, "cuMemUnmap", &d.MemUnmap, &no_vmm);
   fetch(lib, "cuMemSetAccess", &d.MemSetAccess, &no_vmm);
   fetch(lib, "cuMemGetAllocationGranularity", &d.MemGetAllocationGranularity, &no_vmm);
+  std::string no_ipc;
+  fetch(lib, "cuIpcGetMemHandle", &d.IpcGetMemHandle, &no_ipc);
+  fetch(lib, "cuIpcOpenMemHandle_v2", &d.IpcOpenMemHandle, &no_ipc);
+  fetch(lib, "cuIpcCloseMemHandle", &d.IpcCloseMemHandle, &no_ipc);
+  if (!no_ipc.empty()) {  // has_legacy_ipc() false: all or none
+    d.IpcGetMemHandle = nullptr;
+    d.IpcOpenMemHandle = nullptr;
+    d.IpcCloseMemHandle = nullptr;
+  }
+  std::string no_share;
+  fetch(lib, "cuMemExportToShareableHandle", &d.MemExportToShareableHandle, &no_share);
+  fetch(lib, "cuMemImportFromShareableHandle", &d.MemImportFromShareableHandle, &no_share);
+  if (!no_share.empty()) {  // has_shareable_handles() false: both or none
+    d.MemExportToShareableHandle = nullptr;
+    d.MemImportFromShareableHandle = nullptr;
+  }
   if (!no_vmm.empty()) {
     d.MemMap = nullptr;  // has_vmm() false: pools use plain segments
     d.vmm_missing = no_vmm;

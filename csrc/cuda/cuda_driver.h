@@ -23,7 +23,9 @@ enum CUresult : int {
   CUDA_ERROR_NOT_INITIALIZED = 3,
   CUDA_ERROR_DEINITIALIZED = 4,
   CUDA_ERROR_NO_DEVICE = 100,
+  CUDA_ERROR_INVALID_VALUE = 1,
   CUDA_ERROR_INVALID_DEVICE = 101,
+  CUDA_ERROR_ALREADY_MAPPED = 208,
   CUDA_ERROR_INVALID_HANDLE = 400,
   CUDA_ERROR_NOT_READY = 600,
   CUDA_ERROR_NOT_PERMITTED = 800,
@@ -59,6 +61,7 @@ constexpr unsigned int CU_EVENT_DISABLE_TIMING = 0x2;
 constexpr int CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102;
 constexpr int CU_MEM_ALLOCATION_TYPE_PINNED = 1;
 constexpr int CU_MEM_HANDLE_TYPE_NONE = 0;
+constexpr int CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1;
 constexpr int CU_MEM_LOCATION_TYPE_DEVICE = 1;
 constexpr int CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3;
 constexpr int CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0;
@@ -86,6 +89,14 @@ struct CUmemAccessDesc {
   CUmemLocation location;
   int flags;
 };
+
+// Legacy IPC (cuda.h: CUipcMemHandle): 64 opaque bytes naming one
+// cuMemAlloc allocation, the same bytes as the runtime's cudaIpcMemHandle_t.
+constexpr size_t CU_IPC_HANDLE_SIZE = 64;
+struct CUipcMemHandle {
+  char reserved[CU_IPC_HANDLE_SIZE];
+};
+constexpr unsigned int CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1;
 
 using CUdevice = int;
 using CUdeviceptr = unsigned long long;
@@ -147,7 +158,20 @@ struct Driver {
                            size_t count);                                      // cuMemSetAccess
   CUresult (*MemGetAllocationGranularity)(size_t* granularity, const CUmemAllocationProp* prop,
                                           int option);  // cuMemGetAllocationGranularity
+  /// Optional (all null if any is absent): sharing memory with other processes.
+  /// Legacy IPC of cuMemAlloc allocations (what PyTorch's cudaMalloc
+  /// segments use), and the shareable handles of cuMemCreate allocations.
+  CUresult (*IpcGetMemHandle)(CUipcMemHandle* handle, CUdeviceptr ptr);          // cuIpcGetMemHandle
+  CUresult (*IpcOpenMemHandle)(CUdeviceptr* ptr, CUipcMemHandle handle,
+                               unsigned int flags);                              // cuIpcOpenMemHandle_v2
+  CUresult (*IpcCloseMemHandle)(CUdeviceptr ptr);                                // cuIpcCloseMemHandle
+  CUresult (*MemExportToShareableHandle)(void* shareable, CUmemGenericAllocationHandle handle,
+                                         int type, unsigned long long flags);  // cuMemExportToShareableHandle
+  CUresult (*MemImportFromShareableHandle)(CUmemGenericAllocationHandle* handle, void* shareable,
+                                           int type);  // cuMemImportFromShareableHandle
   bool has_vmm() const { return MemMap != nullptr; }
+  bool has_legacy_ipc() const { return IpcOpenMemHandle != nullptr; }
+  bool has_shareable_handles() const { return MemImportFromShareableHandle != nullptr; }
   /// When !has_vmm(): the virtual memory entry points the library lacks.
   std::string vmm_missing;
   int version = 0;  // cuDriverGetVersion, e.g. 13000
@@ -169,6 +193,32 @@ std::string error_name(CUresult r);
 
 /// Throws DriverError "<what> failed: <error name>" unless r is CUDA_SUCCESS.
 void check(CUresult r, const char* what);
+
+/// Makes ctx current for the scope, and then what the thread had current
+/// before: another context, or none (a thread pyalloc runs on is left as it
+/// found it). Costs one cuCtxGetCurrent when ctx is already current.
+class ContextGuard {
+ public:
+  ContextGuard(const Driver& d, CUcontext ctx) : d_(d) {
+    CUcontext prev = nullptr;
+    if (d_.CtxGetCurrent(&prev) != CUDA_SUCCESS) prev = nullptr;
+    if (prev != ctx) {
+      check(d_.CtxSetCurrent(ctx), "cuCtxSetCurrent");
+      prev_ = prev;
+      restore_ = true;
+    }
+  }
+  ~ContextGuard() {
+    if (restore_) d_.CtxSetCurrent(prev_);  // nullptr: no context current, as before
+  }
+  ContextGuard(const ContextGuard&) = delete;
+  ContextGuard& operator=(const ContextGuard&) = delete;
+
+ private:
+  const Driver& d_;
+  CUcontext prev_ = nullptr;
+  bool restore_ = false;
+};
 
 }  // namespace drv
 }  // namespace pyalloc

@@ -9,6 +9,9 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "ipc.h"
+#include "segment_watch.h"
+
 namespace pyalloc {
 
 // ---------------------------------------------------------------------------
@@ -67,10 +70,21 @@ void DevicePools::Budget::saw(uintptr_t base, size_t bytes) {
 // and notes the addresses it gets. For a graph pool, while the pool has a
 // use (`held`), it tells the core a capture is underway, so that the core
 // releases nothing: a graph captured into the pool may be replayed at any time.
+//
+// It also tells the segment watchers (segment_watch.h) of each unit it maps
+// and unmaps, and, for a MemPool with an allocator of its own, takes its
+// segments from that allocator (`source`) instead of the driver.
 class DevicePools::PoolBackend final : public Backend {
  public:
-  PoolBackend(std::unique_ptr<Backend> inner, Budget& budget, bool held)
-      : inner_(std::move(inner)), budget_(budget), held_(held) {}
+  PoolBackend(std::unique_ptr<Backend> inner, Budget& budget, bool held, int device, PoolId id,
+              SegmentSource source = {})
+      : inner_(std::move(inner)),
+        budget_(budget),
+        source_(std::move(source)),
+        units_(device, id),
+        held_(held) {}
+
+  const MappedUnits& units() const { return units_; }
 
   void set_held(bool held) { held_.store(held, std::memory_order_release); }
 
@@ -82,17 +96,24 @@ class DevicePools::PoolBackend final : public Backend {
     }
     uintptr_t base = 0;
     try {
-      base = inner_->reserve(size);  // the CUDA backend throws on errors other than OOM
+      // The CUDA backend throws on errors other than OOM; so does a source.
+      base = source_.reserve ? source_.reserve(size) : inner_->reserve(size);
     } catch (...) {
       budget_.give(size);
       throw;
     }
-    if (base == 0) budget_.give(size);
-    else budget_.saw(base, size);
+    if (base == 0) {
+      budget_.give(size);
+    } else {
+      budget_.saw(base, size);
+      units_.segment_mapped(base, size);
+    }
     return base;
   }
   void release(uintptr_t base, size_t size) override {
-    inner_->release(base, size);
+    units_.unmapping(base);
+    if (source_.release) source_.release(base, size);
+    else inner_->release(base, size);
     budget_.give(size);
   }
   void mem_info(size_t* free_bytes, size_t* total_bytes) override {
@@ -111,7 +132,10 @@ class DevicePools::PoolBackend final : public Backend {
     if (base != 0) budget_.saw(base, size);
     return base;
   }
-  void vmm_release(uintptr_t base, size_t size) override { inner_->vmm_release(base, size); }
+  void vmm_release(uintptr_t base, size_t size) override {
+    units_.unmapping_range(base, size);
+    inner_->vmm_release(base, size);
+  }
   bool vmm_map(uintptr_t addr, size_t size) override {
     if (!budget_.take(size)) {
       uncounted_--;  // refused with no driver call
@@ -125,24 +149,45 @@ class DevicePools::PoolBackend final : public Backend {
       throw;
     }
     if (!mapped) budget_.give(size);
+    else units_.handle_mapped(addr, size);
     return mapped;
   }
-  bool vmm_access(uintptr_t addr, size_t size) override { return inner_->vmm_access(addr, size); }
+  bool vmm_access(uintptr_t addr, size_t size) override {
+    bool ok = inner_->vmm_access(addr, size);
+    if (ok) units_.access(addr, size);
+    return ok;
+  }
   int64_t take_uncounted_calls() override {
     return std::exchange(uncounted_, 0) + inner_->take_uncounted_calls();
   }
   void vmm_unmap(uintptr_t addr, size_t size) override {
+    units_.unmapping(addr);
     inner_->vmm_unmap(addr, size);
     budget_.give(size);
   }
   // A spare stays on the budget until dropped.
   bool vmm_moves() override { return inner_->vmm_moves(); }
   bool vmm_detach(uintptr_t addr, size_t size) override {
+    units_.unmapping(addr);
     bool kept = inner_->vmm_detach(addr, size);
     if (!kept) budget_.give(size);
     return kept;
   }
-  bool vmm_attach(uintptr_t addr, size_t size) override { return inner_->vmm_attach(addr, size); }
+  bool vmm_attach(uintptr_t addr, size_t size) override {
+    bool attached = inner_->vmm_attach(addr, size);
+    if (attached) units_.handle_mapped(addr, size);
+    return attached;
+  }
+  bool share_segment(uintptr_t base, size_t size, SharedMemory* out, std::string* why) override {
+    if (source_.reserve) {
+      *why = "the memory of a MemPool's own allocator cannot be shared by pyalloc";
+      return false;
+    }
+    return inner_->share_segment(base, size, out, why);
+  }
+  bool vmm_share(uintptr_t addr, size_t size, SharedMemory* out, std::string* why) override {
+    return inner_->vmm_share(addr, size, out, why);
+  }
   void vmm_drop(size_t size) override {
     inner_->vmm_drop(size);
     budget_.give(size);
@@ -161,6 +206,8 @@ class DevicePools::PoolBackend final : public Backend {
  private:
   std::unique_ptr<Backend> inner_;
   Budget& budget_;
+  SegmentSource source_;
+  MappedUnits units_;
   int64_t uncounted_ = 0;  // take_uncounted_calls(); under the core's lock, as every call
   std::atomic<bool> held_;
 };
@@ -174,14 +221,14 @@ struct DevicePools::GraphPool {
   std::unordered_set<uintptr_t> blocks;  // its live allocations
 };
 
-std::unique_ptr<Backend> DevicePools::make_backend(bool held) {
-  return std::make_unique<PoolBackend>(device_->make_backend(), budget_, held);
+std::unique_ptr<Backend> DevicePools::make_backend(bool held, PoolId id) {
+  return std::make_unique<PoolBackend>(device_->make_backend(), budget_, held, device_->index(), id);
 }
 
 DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config)
     : device_(std::move(device)), config_(config) {
-  general_ = std::make_unique<Allocator>(make_backend(false), config_);
-  buffers_ = std::make_unique<Allocator>(make_backend(false), buffer_config(config_));
+  general_ = std::make_unique<Allocator>(make_backend(false, {0, 0}), config_);
+  buffers_ = std::make_unique<Allocator>(make_backend(false, kBufferPoolId), buffer_config(config_));
   general_->set_stats_sink(&device_stats_);
   buffers_->set_stats_sink(&device_stats_);
   general_->share_history();  // one device trace for all of its pools
@@ -255,6 +302,7 @@ size_t DevicePools::release_others(const Allocator& pool) {
 }
 
 bool DevicePools::free(uintptr_t ptr, std::string* why, uint64_t context) {
+  ipc::forget(index(), ptr);  // an export of its pages ends before they can be reused
   if (capture_free(ptr)) return true;
   // The general pool's own lock alone: no device-wide lock on the common path.
   if (general_->try_free(ptr, context)) return true;
@@ -322,7 +370,27 @@ uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) {
   }
 }
 
-void DevicePools::free_buffer(uintptr_t ptr) { buffers_->free(ptr); }
+void DevicePools::free_buffer(uintptr_t ptr) {
+  ipc::forget(index(), ptr);
+  buffers_->free(ptr);
+}
+
+bool DevicePools::share(uintptr_t ptr, std::vector<SharedMemory>* out, std::string* why) {
+  // Only the pool with a live allocation at ptr asks its backend (fills out).
+  for (Allocator* pool : {general_.get(), buffers_.get()}) {
+    if (pool->share(ptr, out, why)) return true;
+    if (!out->empty()) return false;
+  }
+  if (pools_exist_.load(std::memory_order_acquire)) {
+    std::shared_lock<std::shared_mutex> g(pools_mu_);
+    for (const auto& [id, pool] : pools_) {
+      if (pool->alloc->share(ptr, out, why)) return true;
+      if (!out->empty()) return false;
+    }
+  }
+  *why = "no pool of device " + std::to_string(index()) + " has a live allocation at " + format_ptr(ptr);
+  return false;
+}
 
 void DevicePools::quiesce() const {
   general_->quiesce();
@@ -471,7 +539,7 @@ bool DevicePools::pool_free(uintptr_t ptr, uint64_t context) {
   return false;
 }
 
-DevicePools::GraphPool& DevicePools::pool_incref_locked(PoolId id) {
+DevicePools::GraphPool& DevicePools::pool_incref_locked(PoolId id, SegmentSource source) {
   auto it = pools_.find(id);
   if (it != pools_.end()) {
     GraphPool& pool = *it->second;
@@ -480,7 +548,8 @@ DevicePools::GraphPool& DevicePools::pool_incref_locked(PoolId id) {
   }
   auto pool = std::make_unique<GraphPool>();
   pool->id = id;
-  auto backend = std::make_unique<PoolBackend>(device_->make_backend(), budget_, true);
+  auto backend = std::make_unique<PoolBackend>(device_->make_backend(), budget_, true, device_->index(), id,
+                                               std::move(source));
   pool->backend = backend.get();
   pool->alloc = std::make_unique<Allocator>(std::move(backend), graph_pool_config(config_));
   pool->alloc->set_stats_sink(&device_stats_);
@@ -694,10 +763,17 @@ void DevicePools::heal_routes() {
     if (route_abandoned_locked(route)) undeclare_locked(route, "its streams stopped capturing");
 }
 
-void DevicePools::create_or_incref_pool(PoolId id) {
+void DevicePools::create_or_incref_pool(PoolId id, SegmentSource source) {
   std::unique_lock<std::shared_mutex> g(pools_mu_);
   told_of_captures_.store(true, std::memory_order_release);
-  pool_incref_locked(id);
+  pool_incref_locked(id, std::move(source));
+}
+
+void DevicePools::for_each_pool_units(
+    const std::function<void(PoolId, Allocator&, const std::vector<std::pair<uintptr_t, size_t>>&)>& fn) {
+  for_each_pool([&](PoolId id, Allocator& a) {
+    fn(id, a, static_cast<const PoolBackend&>(a.backend()).units().list());  // every pool's backend is one
+  });
 }
 
 int DevicePools::pool_use_count(PoolId id) const {

@@ -150,6 +150,10 @@ class DevicePools {
   bool record_stream(uintptr_t ptr, Stream stream);
   /// The segment of any pool of this device holding ptr.
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
+  /// Allocator::share() of the pool whose live allocation is at ptr: false,
+  /// with *why, if none has one there (out stays empty) or its backend
+  /// refuses (CUDA IPC, ipc.h).
+  bool share(uintptr_t ptr, std::vector<SharedMemory>* out, std::string* why);
   /// False if no pool of this device has ever held memory at ptr: read
   /// without a lock, to find a pointer's device (true is only a maybe).
   bool may_hold(uintptr_t ptr) const {
@@ -182,8 +186,21 @@ class DevicePools {
   void heal_routes();
   /// How long a route's capture must have been seen over before it heals.
   static constexpr double kRouteHealGrace = 0.5;  // seconds
-  /// A MemPool: creates pool `id` with one use, or adds a use.
-  void create_or_incref_pool(PoolId id);
+  /// Where a pool's segments come from when not from the driver: a
+  /// torch.cuda.MemPool's own allocator (NCCL's ncclMemAlloc, say). reserve
+  /// returns 0 when out of memory and throws for other errors; release takes
+  /// back what reserve gave. Called with the pool's lock held.
+  struct SegmentSource {
+    std::function<uintptr_t(size_t)> reserve;
+    std::function<void(uintptr_t, size_t)> release;
+  };
+  /// A MemPool: creates pool `id` with one use (its segments from `source`,
+  /// if given), or adds a use.
+  void create_or_incref_pool(PoolId id, SegmentSource source = {});
+  /// for_each_pool(), with the units each pool's backend has mapped and told
+  /// the segment watchers of (segment_watch.h), by address.
+  void for_each_pool_units(
+      const std::function<void(PoolId, Allocator&, const std::vector<std::pair<uintptr_t, size_t>>&)>& fn);
   /// The uses of pool `id` (0 if there is no such pool).
   int pool_use_count(PoolId id) const;
   /// The live allocations of pool `id` (PyTorch's checkPoolLiveAllocations).
@@ -322,10 +339,10 @@ class DevicePools {
     void saw(uintptr_t base, size_t bytes);
   };
 
-  std::unique_ptr<Backend> make_backend(bool held);
+  std::unique_ptr<Backend> make_backend(bool held, PoolId id);
   uintptr_t routed_malloc(size_t size, Stream stream, uint64_t context, bool* routed);
   bool pool_free(uintptr_t ptr, uint64_t context);
-  GraphPool& pool_incref_locked(PoolId id);
+  GraphPool& pool_incref_locked(PoolId id, SegmentSource source = {});
   bool reclaim_locked(GraphPool& pool);
   // After a capture ends (a route's end or release, a mark's end), with no
   // pools lock held: every pool of every device gives back the pages it

@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "cuda_backend.h"
+#include "ipc.h"
 
 namespace pyalloc {
 namespace {
@@ -59,6 +60,11 @@ class FakeBackend final : public Backend {
   bool is_capturing(Stream s) override { return captures_.blocks(s); }
   bool capture_underway() override { return captures_.underway(); }
   SimStreams* sim_streams() override { return streams_->sim_streams(); }
+  // A token that a simulated receiver in this process opens (ipc.h).
+  bool share_segment(uintptr_t base, size_t size, SharedMemory* out, std::string*) override {
+    *out = SharedMemory{base, size, ipc::fake_token(base), -1};
+    return true;
+  }
   // No virtual memory (vmm_page_size() is 0): never called; passed on all the same.
   bool vmm_access(uintptr_t addr, size_t size) override { return host_->vmm_access(addr, size); }
 

@@ -15,6 +15,7 @@
 
 #include "cuda/cuda_driver.h"
 #include "cuda/cuda_pools.h"
+#include "cuda/ipc.h"
 #include "py_bindings.h"
 #include "py_convert.h"
 #include "backends/sim_streams.h"
@@ -461,6 +462,21 @@ void bind_cuda(py::module_& m) {
       },
       py::arg("device"), py::arg("stream"), py::arg("busy"),
       "Tests: work is queued on a fake device's stream (busy) or has finished.");
+  m.def(
+      "cuda_ipc_counts",
+      [] {
+        ipc::Counts c = ipc::counts();
+        py::dict d;
+        d["exports"] = c.exports;
+        d["served"] = c.served;
+        d["refused"] = c.refused;
+        d["mappings"] = c.mappings;
+        d["mapped_bytes"] = c.mapped_bytes;
+        return d;
+      },
+      "CUDA IPC in this process: allocations whose pages are exported now, requests for them "
+      "served and refused, and the handles of other processes opened here (mappings, "
+      "mapped_bytes: bytes of pages, 0 for segments, whose size their handle does not say).");
   m.def(
       "_testing_hook_malloc",
       [](size_t size, int device, Stream stream) { return hooks::malloc(size, device, stream); },

@@ -24,7 +24,8 @@
 //
 // PyTorch releases differ in this interface; the differences are handled
 // with torch's version macros below. Checked against the headers of torch
-// 2.9 to 2.13.
+// 2.9 to 2.14 (2.14.1 adds only virtuals with defaults: user metadata and
+// memory annotations, which pyalloc's history does not record).
 #include <dlfcn.h>
 
 #include <atomic>
@@ -454,11 +455,50 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
     return contexts_.get(tag);
   }
 
-  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker) override {
-    unsupported("allocator trace trackers (ProcessGroupNCCL registers one when "
-                "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1)",
-                "Unset TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK, or run this job with "
-                "PyTorch's own allocator.");
+  // ProcessGroupNCCL's trackers (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1,
+  // or a MemPool registered with a process group) register each
+  // SEGMENT_ALLOC's range with NCCL and deregister it, by address, at its
+  // SEGMENT_FREE. pyalloc tells them of the units the driver maps and unmaps
+  // whole (segments; vmm's handles, moves included), each once usable and
+  // again before it goes (csrc/cuda/segment_watch.h); and from the first
+  // tracker on, snapshots list those units, which is what a new
+  // communicator registers (its snapshot).
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
+    if (!PYALLOC_API_HAS(watch_segments) || !PYALLOC_API_HAS(snapshot_units))
+      unsupported("allocator trace trackers (ProcessGroupNCCL registers one when "
+                  "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1) with this pyalloc._C",
+                  "Rebuild pyalloc and its bridge from the same version (pyalloc bridge build).");
+    {
+      std::lock_guard<std::mutex> g(trackers_mu_);
+      trackers_.push_back(std::move(tracker));
+    }
+    // Not under trackers_mu_: an event under way holds the watcher, and waits for it.
+    std::call_once(watching_once_, [this] { check(api->watch_segments(&tell_trackers, this)); });
+    watching_.store(true);
+  }
+
+  // With a pool's lock held in pyalloc: trackers must not allocate (as PyTorch
+  // says of its own, called under its allocator's lock), nor throw into pyalloc.
+  static void tell_trackers(void* user, int device, int mapped, uint64_t addr, uint64_t size,
+                            const uint64_t* pool) {
+    auto* self = static_cast<PyallocAllocator*>(user);
+    std::vector<cca::AllocatorTraceTracker> trackers;
+    {
+      std::lock_guard<std::mutex> g(self->trackers_mu_);
+      trackers = self->trackers_;
+    }
+    cca::TraceEntry te(mapped ? cca::TraceEntry::SEGMENT_ALLOC : cca::TraceEntry::SEGMENT_FREE,
+                       static_cast<DeviceIndex>(device), addr, size, nullptr, MempoolId{pool[0], pool[1]}, 0,
+                       nullptr);
+    for (const auto& t : trackers) {
+      try {
+        t(te);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "pyalloc: an allocator trace tracker failed on %s of %llu bytes at 0x%llx: %s\n",
+                     mapped ? "segment_alloc" : "segment_free", static_cast<unsigned long long>(size),
+                     static_cast<unsigned long long>(addr), e.what());
+      }
+    }
   }
 
   // -- private pools: CUDA graphs, MemPool, torch.compile ------------------
@@ -518,6 +558,10 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
 #if PYALLOC_TORCH_AT_LEAST(2, 11)
   void createOrIncrefPool(DeviceIndex device, MempoolId id,
                           std::shared_ptr<cca::CUDAAllocator> allocator) override {
+    if (allocator != nullptr && allocator.get() != this) {
+      std::lock_guard<std::mutex> g(trackers_mu_);
+      pool_allocators_.push_back(allocator);  // kept: the pool's segments go back to it
+    }
     create_or_incref_pool(device, id, allocator.get());
   }
 #else
@@ -526,11 +570,44 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   }
 #endif
 
+  // A MemPool with an allocator of its own (ProcessGroupNCCL's mem_allocator,
+  // over ncclMemAlloc): its pool's segments come from that allocator, as
+  // PyTorch's allocator takes them (raw_alloc / raw_delete), and pyalloc
+  // splits and caches them like any pool's. The allocator is kept alive by
+  // the bridge for the process's life: the pool may outlive the MemPool.
   void create_or_incref_pool(DeviceIndex device, MempoolId id, cca::CUDAAllocator* allocator) {
-    if (allocator != nullptr && allocator != this)
-      unsupported("a torch.cuda.MemPool with an allocator of its own",
-                  "Create the MemPool without an allocator: its memory then comes from pyalloc.");
-    check(api->create_or_incref_pool(device, id.first, id.second));
+    if (allocator == nullptr || allocator == this) {
+      check(api->create_or_incref_pool(device, id.first, id.second));
+      return;
+    }
+    if (!PYALLOC_API_HAS(create_or_incref_pool_with))
+      unsupported("a torch.cuda.MemPool with an allocator of its own with this pyalloc._C",
+                  "Rebuild pyalloc and its bridge from the same version (pyalloc bridge build).");
+    check(api->create_or_incref_pool_with(device, id.first, id.second, &source_alloc, &source_free,
+                                          allocator));
+  }
+
+  static int source_alloc(void* user, int device, uint64_t size, void** out) {
+    *out = nullptr;
+    try {
+      c10::cuda::CUDAGuard guard(static_cast<DeviceIndex>(device));
+      *out = static_cast<cca::CUDAAllocator*>(user)->raw_alloc(size);  // nullptr: none left
+      return PYALLOC_OK;
+    } catch (const c10::OutOfMemoryError&) {
+      return PYALLOC_OK;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "pyalloc: a MemPool's allocator failed: %s\n", e.what());
+      return PYALLOC_ERROR;
+    }
+  }
+
+  static void source_free(void* user, int device, void* ptr, uint64_t) {
+    try {
+      c10::cuda::CUDAGuard guard(static_cast<DeviceIndex>(device));
+      static_cast<cca::CUDAAllocator*>(user)->raw_delete(ptr);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "pyalloc: a MemPool's allocator failed to free: %s\n", e.what());
+    }
   }
 
 #if PYALLOC_TORCH_AT_LEAST(2, 11)
@@ -622,16 +699,31 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
 
   // -- devices -------------------------------------------------------------
 
-  std::shared_ptr<void> getIpcDevPtr(std::string) override {
-    unsupported("CUDA IPC handles (sharing CUDA tensors between processes)",
-                "Share the tensor through CPU memory, or run the producing process with "
-                "PyTorch's own allocator.");
+  // CUDA IPC (csrc/cuda/ipc.h): torch.multiprocessing's reductions call
+  // shareIpcHandle(storage's pointer) in the sender and getIpcDevPtr(handle)
+  // in the receiver, on the storage's device. A segment's handle is
+  // PyTorch's own layout (a receiver with PyTorch's allocator opens it too);
+  // pages of strategy vmm travel as file descriptors over pyalloc's socket.
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    if (!PYALLOC_API_HAS(ipc_open)) unsupported_ipc();
+    void* ptr = nullptr;
+    check(api->ipc_open(c10::cuda::current_device(), handle.data(), handle.size(), &ptr));
+    // The last storage over the mapping gone: one use less (the last unmaps).
+    return std::shared_ptr<void>(
+        ptr, [](void* p) { report(api->ipc_close(p), "closing CUDA memory of another process"); });
   }
 
-  cca::ShareableHandle shareIpcHandle(void*) override {
-    unsupported("CUDA IPC handles (sharing CUDA tensors between processes)",
-                "Share the tensor through CPU memory, or run the producing process with "
-                "PyTorch's own allocator.");
+  cca::ShareableHandle shareIpcHandle(void* ptr) override {
+    if (!PYALLOC_API_HAS(ipc_share)) unsupported_ipc();
+    char buf[256];
+    uint64_t length = 0, offset = 0;
+    check(api->ipc_share(ptr, buf, sizeof(buf), &length, &offset));
+    return cca::ShareableHandle{static_cast<ptrdiff_t>(offset), std::string(buf, length)};
+  }
+
+  [[noreturn]] void unsupported_ipc() {
+    unsupported("CUDA IPC handles (sharing CUDA tensors between processes) with this pyalloc._C",
+                "Rebuild pyalloc and its bridge from the same version (pyalloc bridge build).");
   }
 
   void enablePeerAccess(DeviceIndex dev, DeviceIndex dev_to_access) override {
@@ -689,7 +781,9 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
     } gather_state{this, &result};
     uint64_t pool[2] = {mempool_id.first, mempool_id.second};
     bool every_pool = pool[0] == 0 && pool[1] == 0;
-    check(api->snapshot(
+    // Once a tracker listens, the segments are the units it hears of.
+    auto snapshot_fn = watching_.load() ? api->snapshot_units : api->snapshot;
+    check(snapshot_fn(
         -1, every_pool ? nullptr : pool,
         [](void* user, const pyalloc_segment_info* s, const pyalloc_block_info* blocks, size_t n) {
           auto* st = static_cast<Gather*>(user);
@@ -789,6 +883,12 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
 #if PYALLOC_TORCH_AT_LEAST(2, 12)
   std::vector<cca::OomRejectionObserver> rejection_observers_;
 #endif
+
+  std::mutex trackers_mu_;
+  std::vector<cca::AllocatorTraceTracker> trackers_;
+  std::once_flag watching_once_;
+  std::atomic<bool> watching_{false};
+  std::vector<std::shared_ptr<cca::CUDAAllocator>> pool_allocators_;
 
   std::mutex filters_mu_;
   std::multimap<std::tuple<int, uint64_t, uint64_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>>

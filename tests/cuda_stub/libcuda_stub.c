@@ -17,6 +17,12 @@
  * mappings), make virtual memory calls fail as in a sandbox, and mark a
  * stream destroyed (capture queries on it fail).
  *
+ * Memory is shared memory (memfd), so that other processes can map it: legacy
+ * IPC handles name a segment by this process's id and the segment's file
+ * descriptor (the receiver opens /proc/PID/fd/N); pages made with a POSIX
+ * file descriptor handle type export and import that descriptor. Each
+ * segment and shareable handle holds one descriptor while it lives.
+ *
  * Capture modes are per thread, as in CUDA: in relaxed mode
  * (cuThreadExchangeStreamCaptureMode) allocating and mapping are legal during
  * a capture and counted apart; freeing, unmapping and events stay forbidden.
@@ -25,8 +31,12 @@
  *
  * test_cuda_backend_stub.py compiles it as libcuda.so.1 and reads `stub` through
  * ctypes. */
+#define _GNU_SOURCE
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -40,7 +50,7 @@ typedef struct Event { int flags; int recorded; CUcontext ctx; } *CUevent;
 typedef void* CUstream;
 
 enum { SUCCESS = 0, OUT_OF_MEMORY = 2, INVALID_VALUE = 1, INVALID_DEVICE = 101,
-       INVALID_CONTEXT = 201, INVALID_HANDLE = 400, NOT_READY = 600, ILLEGAL_ADDRESS = 700,
+       INVALID_CONTEXT = 201, ALREADY_MAPPED = 208, INVALID_HANDLE = 400, NOT_READY = 600, ILLEGAL_ADDRESS = 700,
        NOT_PERMITTED = 800, NOT_SUPPORTED = 801, CAPTURE_UNSUPPORTED = 900, STUB_FAILURE = 999 };
 
 #define DEVICES 2
@@ -81,12 +91,18 @@ struct Stub {
   int64_t mem_map_refused;   /* cuMemMap answered OUT_OF_MEMORY */
   int set_access_fail;       /* cuMemSetAccess fails with STUB_FAILURE (after its checks) */
   int64_t mem_failed;        /* cuMemAlloc / cuMemCreate / cuMemMap calls failing otherwise */
+  /* Sharing with other processes. */
+  int64_t ipc_get, ipc_open, ipc_close, ipc_opened; /* legacy IPC calls; handles open now */
+  int64_t exports, imports, imported;  /* shareable handles exported, imported; imported live */
+  int refuse_fd_handles;     /* cuMemCreate asked for a POSIX fd handle answers NOT_SUPPORTED */
+  int64_t fd_handles;        /* handles made with a POSIX fd handle type, live */
 };
 struct Stub stub = {.capacity = 256 << 20};
 
 static struct Ctx contexts[DEVICES] = {{0}, {1}};
 static __thread CUcontext current = 0;
-static struct { uintptr_t ptr; int64_t size; int device; } blocks[MAX_BLOCKS];
+static struct { uintptr_t ptr; int64_t size; int device; int fd; uint64_t serial; } blocks[MAX_BLOCKS];
+static uint64_t next_serial = 1;
 
 static __thread int mode = MODE_GLOBAL;
 
@@ -178,8 +194,12 @@ CUresult cuMemAlloc_v2(unsigned long long* p, size_t size) {
   if (stub.used[d] + (int64_t)size > stub.capacity) { stub.mem_alloc_refused++; return OUT_OF_MEMORY; }
   for (int i = 0; i < MAX_BLOCKS; ++i) {
     if (blocks[i].ptr != 0) continue;
-    void* m = aligned_alloc(4096, size);
-    if (m == 0) return OUT_OF_MEMORY;
+    int fd = memfd_create("stub-segment", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)size) != 0) { if (fd >= 0) close(fd); return OUT_OF_MEMORY; }
+    void* m = mmap(0, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) { close(fd); return OUT_OF_MEMORY; }
+    blocks[i].fd = fd;
+    blocks[i].serial = next_serial++;
     blocks[i].ptr = (uintptr_t)m;
     blocks[i].size = (int64_t)size;
     blocks[i].device = d;
@@ -202,7 +222,8 @@ CUresult cuMemFree_v2(unsigned long long p) {
     if (blocks[i].ptr != (uintptr_t)p) continue;
     if (current == 0 || current->device != blocks[i].device) stub.wrong_context++;
     stub.used[blocks[i].device] -= blocks[i].size;
-    free((void*)blocks[i].ptr);
+    munmap((void*)blocks[i].ptr, (size_t)blocks[i].size);
+    close(blocks[i].fd);
     blocks[i].ptr = 0;
     stub.mem_free++;
     return SUCCESS;
@@ -300,6 +321,10 @@ static int64_t handle_device[1 << 16], handle_size[1 << 16];
 /* Where each handle is mapped (0: nowhere), for cuMemSetAccess's check. */
 static unsigned long long handle_at[1 << 16];
 static char handle_released[1 << 16], handle_was_mapped[1 << 16];
+/* A handle made shareable (or imported): its memfd, else -1 (set at creation). */
+static int handle_fd[1 << 16];
+static char handle_imported[1 << 16];
+static char handle_accessible[1 << 16]; /* cuMemSetAccess covered it since it was mapped */
 static int next_handle = 1;
 
 CUresult cuDeviceGetAttribute(int* value, int attribute, int device) {
@@ -327,9 +352,11 @@ CUresult cuMemAddressFree(unsigned long long p, size_t size) {
   munmap((void*)(uintptr_t)p, size);
   return SUCCESS;
 }
+struct AllocationProp { int type; int requested_handle_types; };
 CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsigned long long flags) {
   ONE_AT_A_TIME;
-  (void)prop; (void)flags;
+  (void)flags;
+  int want_fd = (((const struct AllocationProp*)prop)->requested_handle_types & 1) != 0;
   allocating();
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   if (stub.vmm_refuse) { stub.mem_failed++; return NOT_PERMITTED; }
@@ -337,7 +364,15 @@ CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsig
   if (size == 0 || size % PAGE != 0) { stub.mem_failed++; return INVALID_VALUE; }
   if ((int64_t)size == stub.fail_create_size) { stub.mem_failed++; return STUB_FAILURE; }
   if (stub.used[d] + (int64_t)size > stub.capacity) { stub.mem_create_refused++; return OUT_OF_MEMORY; }
+  if (want_fd && stub.refuse_fd_handles) { stub.mem_failed++; return NOT_SUPPORTED; }
   if (next_handle >= (1 << 16)) return OUT_OF_MEMORY;
+  handle_fd[next_handle] = -1;
+  if (want_fd) {
+    int fd = memfd_create("stub-pages", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)size) != 0) { if (fd >= 0) close(fd); return OUT_OF_MEMORY; }
+    handle_fd[next_handle] = fd;
+    stub.fd_handles++;
+  }
   stub.used[d] += (int64_t)size;
   handle_device[next_handle] = d;
   handle_size[next_handle] = (int64_t)size;
@@ -350,7 +385,12 @@ CUresult cuMemRelease(unsigned long long h) {
   during_capture();
   if (h == 0 || h >= (unsigned long long)next_handle || handle_released[h]) { stub.bad_handle++; return INVALID_VALUE; }
   handle_released[h] = 1;
-  stub.used[handle_device[h]] -= handle_size[h];
+  if (handle_fd[h] >= 0) {
+    close(handle_fd[h]);
+    if (!handle_imported[h]) stub.fd_handles--;
+  }
+  if (handle_imported[h]) stub.imported--;
+  else stub.used[handle_device[h]] -= handle_size[h];
   stub.mem_release++;
   return SUCCESS;
 }
@@ -368,11 +408,13 @@ CUresult cuMemMap(unsigned long long p, size_t size, size_t offset, unsigned lon
   if (stub.fail_remap && handle_was_mapped[h]) { stub.mem_failed++; return STUB_FAILURE; }
   if (stub.map_oom) { stub.mem_map_refused++; return OUT_OF_MEMORY; }
   /* No access until cuMemSetAccess, as on a device. */
-  void* m = mmap((void*)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+  void* m = handle_fd[h] >= 0
+                ? mmap((void*)(uintptr_t)p, size, PROT_NONE, MAP_SHARED | MAP_FIXED, handle_fd[h], 0)
+                : mmap((void*)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
   if (m == MAP_FAILED) return INVALID_VALUE;
   handle_at[h] = p;
   handle_was_mapped[h] = 1;
-  stub.mapped[handle_device[h]] += (int64_t)size;
+  if (!handle_imported[h]) stub.mapped[handle_device[h]] += (int64_t)size;
   stub.mem_map++;
   return SUCCESS;
 }
@@ -385,7 +427,10 @@ CUresult cuMemUnmap(unsigned long long p, size_t size) {
   stub.mapped[current != 0 ? current->device : 0] -= (int64_t)size;
   stub.mem_unmap++;
   for (int h = 1; h < next_handle; ++h)
-    if (handle_at[h] >= p && handle_at[h] < p + size) handle_at[h] = 0;
+    if (handle_at[h] >= p && handle_at[h] < p + size) {
+      handle_at[h] = 0;
+      handle_accessible[h] = 0;
+    }
   return SUCCESS;
 }
 struct AccessDesc { int type; int id; int flags; };
@@ -416,8 +461,119 @@ CUresult cuMemSetAccess(unsigned long long p, size_t size, const void* desc, siz
   if (stub.set_access_fail) return STUB_FAILURE;
   stub.access_count = (int64_t)count;
   stub.access_mask = mask;
+  for (int h = 1; h < next_handle; ++h)
+    if (handle_at[h] >= p && handle_at[h] < p + size) handle_accessible[h] = 1;
   mprotect((void*)(uintptr_t)p, size, PROT_READ | PROT_WRITE);
   return SUCCESS;
+}
+
+/* Shareable handles: a handle's memfd, duplicated. */
+CUresult cuMemExportToShareableHandle(void* out, unsigned long long h, int type, unsigned long long flags) {
+  ONE_AT_A_TIME;
+  (void)flags;
+  if (type != 1 || h == 0 || h >= (unsigned long long)next_handle || handle_released[h]) return INVALID_VALUE;
+  if (handle_fd[h] < 0) return NOT_PERMITTED; /* not made with a POSIX fd handle type */
+  int fd = fcntl(handle_fd[h], F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return OUT_OF_MEMORY;
+  *(int*)out = fd;
+  stub.exports++;
+  return SUCCESS;
+}
+CUresult cuMemImportFromShareableHandle(unsigned long long* h, void* shareable, int type) {
+  ONE_AT_A_TIME;
+  if (type != 1) return INVALID_VALUE;
+  if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
+  int given = (int)(intptr_t)shareable;
+  struct stat st;
+  if (fstat(given, &st) != 0) return INVALID_VALUE;
+  if (next_handle >= (1 << 16)) return OUT_OF_MEMORY;
+  int fd = fcntl(given, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return OUT_OF_MEMORY;
+  handle_fd[next_handle] = fd;
+  handle_imported[next_handle] = 1;
+  handle_device[next_handle] = current->device;
+  handle_size[next_handle] = (int64_t)st.st_size;
+  *h = (unsigned long long)next_handle++;
+  stub.imports++;
+  stub.imported++;
+  return SUCCESS;
+}
+
+/* Legacy IPC: a segment named by its process, its descriptor and a serial
+ * (a new segment at the same address has a new handle, as in CUDA). */
+struct IpcHandle { char magic[8]; int32_t pid; int32_t fd; int64_t size; uint64_t serial; char pad[32]; };
+typedef struct { char reserved[64]; } CUipcMemHandle;
+#define MAX_OPENED 256
+static struct { uintptr_t ptr; int64_t size; int32_t pid; uint64_t serial; } opened[MAX_OPENED];
+
+CUresult cuIpcGetMemHandle(CUipcMemHandle* out, unsigned long long p) {
+  ONE_AT_A_TIME;
+  stub.ipc_get++;
+  for (int i = 0; i < MAX_BLOCKS; ++i) {
+    if (blocks[i].ptr != (uintptr_t)p) continue;
+    struct IpcHandle h;
+    memset(&h, 0, sizeof(h));
+    memcpy(h.magic, "STUBIPC1", 8);
+    h.pid = (int32_t)getpid();
+    h.fd = blocks[i].fd;
+    h.size = blocks[i].size;
+    h.serial = blocks[i].serial;
+    memcpy(out, &h, sizeof(h));
+    return SUCCESS;
+  }
+  return INVALID_VALUE; /* not the base of a cuMemAlloc allocation */
+}
+CUresult cuIpcOpenMemHandle_v2(unsigned long long* p, CUipcMemHandle handle, unsigned int flags) {
+  ONE_AT_A_TIME;
+  struct IpcHandle h;
+  memcpy(&h, &handle, sizeof(h));
+  if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
+  if (memcmp(h.magic, "STUBIPC1", 8) != 0 || flags != 1) return INVALID_VALUE;
+  if (h.pid == (int32_t)getpid()) return INVALID_CONTEXT; /* never in the exporting process */
+  int slot = -1;
+  for (int i = 0; i < MAX_OPENED; ++i) {
+    if (opened[i].ptr != 0 && opened[i].pid == h.pid && opened[i].serial == h.serial) return ALREADY_MAPPED;
+    if (opened[i].ptr == 0 && slot < 0) slot = i;
+  }
+  if (slot < 0) return OUT_OF_MEMORY;
+  char path[64];
+  snprintf(path, sizeof(path), "/proc/%d/fd/%d", h.pid, h.fd);
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  if (fd < 0) return INVALID_VALUE;
+  void* m = mmap(0, (size_t)h.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (m == MAP_FAILED) return INVALID_VALUE;
+  opened[slot].ptr = (uintptr_t)m;
+  opened[slot].size = h.size;
+  opened[slot].pid = h.pid;
+  opened[slot].serial = h.serial;
+  *p = (unsigned long long)(uintptr_t)m;
+  stub.ipc_open++;
+  stub.ipc_opened++;
+  return SUCCESS;
+}
+CUresult cuIpcCloseMemHandle(unsigned long long p) {
+  ONE_AT_A_TIME;
+  for (int i = 0; i < MAX_OPENED; ++i) {
+    if (opened[i].ptr != (uintptr_t)p) continue;
+    munmap((void*)opened[i].ptr, (size_t)opened[i].size);
+    opened[i].ptr = 0;
+    stub.ipc_close++;
+    stub.ipc_opened--;
+    return SUCCESS;
+  }
+  return INVALID_VALUE;
+}
+
+/* For the test: whether [p, p + size) is a live cuMemAlloc segment, or one
+ * handle mapped there and made accessible. */
+int stub_usable(unsigned long long p, size_t size) {
+  ONE_AT_A_TIME;
+  for (int i = 0; i < MAX_BLOCKS; ++i)
+    if (blocks[i].ptr == (uintptr_t)p) return blocks[i].size == (int64_t)size;
+  for (int h = 1; h < next_handle; ++h)
+    if (handle_at[h] == p && !handle_released[h]) return handle_size[h] == (int64_t)size && handle_accessible[h];
+  return 0;
 }
 
 /* For the test: the primary context of a device, to make it current by hand. */

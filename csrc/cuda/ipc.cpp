@@ -1,0 +1,661 @@
+// CUDA IPC of pyalloc's memory: see ipc.h.
+#include "ipc.h"
+
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <random>
+#include <stdexcept>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "cuda_driver.h"
+#include "cuda_pools.h"
+
+namespace pyalloc {
+namespace ipc {
+namespace {
+
+using namespace drv;
+
+// ---------------------------------------------------------------------------
+// Bytes on the wire: native byte order (both ends run on one machine).
+
+void put(std::string* s, const void* p, size_t n) { s->append(static_cast<const char*>(p), n); }
+template <class T>
+void put(std::string* s, T v) {
+  put(s, &v, sizeof(v));
+}
+
+// Reads a handle's payload in order; every read past its end throws.
+class Reader {
+ public:
+  Reader(const std::string& s, size_t at) : s_(s), at_(at) {}
+  template <class T>
+  T get() {
+    T v;
+    take(&v, sizeof(v));
+    return v;
+  }
+  std::string bytes(size_t n) {
+    std::string out(n, '\0');
+    take(&out[0], n);
+    return out;
+  }
+  bool done() const { return at_ == s_.size(); }
+
+ private:
+  void take(void* out, size_t n) {
+    if (n > s_.size() - at_) throw std::invalid_argument("pyalloc: a CUDA IPC handle is cut short");
+    std::memcpy(out, s_.data() + at_, n);
+    at_ += n;
+  }
+  const std::string& s_;
+  size_t at_;
+};
+
+// The primary context of a device, retained once for the process's life.
+CUcontext context_of(int device) {
+  static std::mutex mu;
+  static std::map<int, CUcontext> contexts;
+  std::lock_guard<std::mutex> g(mu);
+  auto it = contexts.find(device);
+  if (it != contexts.end()) return it->second;
+  const Driver& d = driver();
+  CUdevice dev = 0;
+  check(d.DeviceGet(&dev, device), "cuDeviceGet");
+  CUcontext ctx = nullptr;
+  check(d.DevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  contexts.emplace(device, ctx);
+  return ctx;
+}
+
+void close_fds(const std::vector<SharedMemory>& mems) {
+  for (const SharedMemory& m : mems)
+    if (m.fd >= 0) ::close(m.fd);
+}
+
+// ---------------------------------------------------------------------------
+// The sending side: exports of pages and the socket that serves them.
+
+// A 'P' handle's payload after its two type bytes.
+struct PagesHandle {
+  uint32_t pid = 0;
+  uint64_t id = 0;        // the export's id: random, so that it cannot be guessed
+  uint64_t bytes = 0;     // the handles' bytes together
+  uint32_t handles = 0;
+  std::string socket;     // the server's abstract name, without its leading NUL
+};
+constexpr uint8_t kPagesFormat = 1;
+
+std::string encode(const PagesHandle& h) {
+  std::string s;
+  s.push_back(kHandleVersion);
+  s.push_back(kPagesHandle);
+  put<uint8_t>(&s, kPagesFormat);
+  put(&s, h.pid);
+  put(&s, h.id);
+  put(&s, h.bytes);
+  put(&s, h.handles);
+  put<uint8_t>(&s, static_cast<uint8_t>(h.socket.size()));
+  put(&s, h.socket.data(), h.socket.size());
+  return s;
+}
+
+PagesHandle decode_pages(const std::string& s) {
+  Reader r(s, 2);
+  if (r.get<uint8_t>() != kPagesFormat)
+    throw std::invalid_argument("pyalloc: a CUDA IPC handle of pages from another version of pyalloc");
+  PagesHandle h;
+  h.pid = r.get<uint32_t>();
+  h.id = r.get<uint64_t>();
+  h.bytes = r.get<uint64_t>();
+  h.handles = r.get<uint32_t>();
+  h.socket = r.bytes(r.get<uint8_t>());
+  if (!r.done() || h.handles == 0 || h.socket.empty())
+    throw std::invalid_argument("pyalloc: a malformed CUDA IPC handle of pages");
+  return h;
+}
+
+// What the server answers: a status, then the handles' sizes (ok) or a
+// message (refused); the file descriptors follow in batches.
+constexpr int32_t kServed = 0;
+constexpr int32_t kRefused = 1;
+constexpr size_t kFdsPerMessage = 64;  // well under the kernel's SCM_MAX_FD
+constexpr int kSocketTimeoutSeconds = 30;
+
+bool send_all(int fd, const std::string& data) {
+  size_t sent = 0;
+  while (sent < data.size()) {
+    ssize_t n = ::send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    sent += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+bool recv_all(int fd, void* out, size_t n) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = ::recv(fd, static_cast<char*>(out) + got, n - got, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    got += static_cast<size_t>(r);
+  }
+  return true;
+}
+
+bool send_fds(int sock, const int* fds, size_t n) {
+  char byte = 0;
+  iovec iov{&byte, 1};
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * n));
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control.data();
+  msg.msg_controllen = control.size();
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int) * n);
+  std::memcpy(CMSG_DATA(c), fds, sizeof(int) * n);
+  ssize_t r;
+  do {
+    r = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
+  } while (r < 0 && errno == EINTR);
+  return r == 1;
+}
+
+// Up to `want` descriptors of one message, appended to *out.
+bool recv_fds(int sock, size_t want, std::vector<int>* out) {
+  char byte = 0;
+  iovec iov{&byte, 1};
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * want));
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control.data();
+  msg.msg_controllen = control.size();
+  ssize_t r;
+  do {
+    r = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+  } while (r < 0 && errno == EINTR);
+  if (r != 1) return false;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    const int* fds = reinterpret_cast<const int*>(CMSG_DATA(c));
+    out->insert(out->end(), fds, fds + n);
+  }
+  return (msg.msg_flags & MSG_CTRUNC) == 0;
+}
+
+sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  if (name.size() + 1 > sizeof(a.sun_path))
+    throw std::invalid_argument("pyalloc: an IPC socket name too long");
+  std::memcpy(a.sun_path + 1, name.data(), name.size());  // sun_path[0] == 0: the abstract namespace
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return a;
+}
+
+void set_timeouts(int fd) {
+  timeval t{kSocketTimeoutSeconds, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &t, sizeof(t));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &t, sizeof(t));
+}
+
+class Exports {
+ public:
+  static Exports& instance() {
+    static Exports* e = new Exports();  // never destroyed: its thread serves until exit
+    return *e;
+  }
+
+  // The handle of the pages under the live allocation at ptr (mems: the
+  // handles share() found, whose descriptors the caller closes).
+  std::string add(int device, uintptr_t ptr, const std::vector<SharedMemory>& mems) {
+    std::lock_guard<std::mutex> g(mu_);
+    start_locked();
+    PagesHandle h;
+    h.pid = static_cast<uint32_t>(::getpid());
+    h.socket = name_;
+    h.handles = static_cast<uint32_t>(mems.size());
+    for (const SharedMemory& m : mems) h.bytes += m.size;
+    auto key = std::make_pair(device, ptr);
+    auto known = by_block_.find(key);
+    if (known != by_block_.end()) {
+      h.id = known->second;
+    } else {
+      do h.id = rng_(); while (h.id == 0 || by_id_.count(h.id) != 0);
+      by_id_.emplace(h.id, Export{device, ptr, h.bytes, h.handles});
+      by_block_.emplace(key, h.id);
+      detail::exports.store(by_id_.size(), std::memory_order_release);
+    }
+    return encode(h);
+  }
+
+  void forget(int device, uintptr_t ptr) {
+    std::lock_guard<std::mutex> g(mu_);  // waits for a request being served
+    auto it = by_block_.find(std::make_pair(device, ptr));
+    if (it == by_block_.end()) return;
+    by_id_.erase(it->second);
+    by_block_.erase(it);
+    detail::exports.store(by_id_.size(), std::memory_order_release);
+  }
+
+  void count(Counts* c) {
+    std::lock_guard<std::mutex> g(mu_);
+    c->exports = by_id_.size();
+    c->served = served_;
+    c->refused = refused_;
+  }
+
+ private:
+  struct Export {
+    int device;
+    uintptr_t ptr;
+    uint64_t bytes;
+    uint32_t handles;
+  };
+
+  Exports() : rng_(std::random_device{}()) {}
+
+  void start_locked() {
+    if (fd_ >= 0) return;
+    char suffix[32];
+    std::snprintf(suffix, sizeof(suffix), "%016llx", static_cast<unsigned long long>(rng_()));
+    std::string name = "pyalloc-ipc." + std::to_string(::getpid()) + "." + suffix;
+    int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+      throw std::runtime_error(std::string("pyalloc: socket() for CUDA IPC failed: ") + std::strerror(errno));
+    socklen_t len = 0;
+    sockaddr_un a = abstract_address(name, &len);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), len) != 0 || ::listen(fd, 64) != 0) {
+      int e = errno;
+      ::close(fd);
+      throw std::runtime_error(std::string("pyalloc: the CUDA IPC socket could not listen: ") +
+                               std::strerror(e));
+    }
+    fd_ = fd;
+    name_ = name;
+    std::thread([this] { serve_forever(); }).detach();
+  }
+
+  void serve_forever() {
+    for (;;) {
+      int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c < 0) {
+        if (errno != EINTR && errno != ECONNABORTED) ::usleep(10000);
+        continue;
+      }
+      try {
+        serve(c);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "pyalloc: serving a CUDA IPC request failed: %s\n", e.what());
+      }
+      ::close(c);
+    }
+  }
+
+  // One request: an export's id; the answer: its handles' descriptors.
+  void serve(int c) {
+    set_timeouts(c);
+    ucred peer{};
+    socklen_t len = sizeof(peer);
+    if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &peer, &len) != 0 || peer.uid != ::getuid()) return;
+    uint64_t id = 0;
+    if (!recv_all(c, &id, sizeof(id))) return;
+    std::lock_guard<std::mutex> g(mu_);  // the allocation's free waits (forget())
+    auto it = by_id_.find(id);
+    if (it == by_id_.end()) {
+      refused_++;
+      refuse(c, "the CUDA memory shared as export " + std::to_string(id) + " of process " +
+                    std::to_string(::getpid()) +
+                    " is no longer shared: its allocation was freed there before this process "
+                    "opened it (its memory may hold other data now)");
+      return;
+    }
+    const Export& e = it->second;
+    std::vector<SharedMemory> mems;
+    std::string why;
+    DevicePools* pools = PoolRegistry::instance().find(e.device);
+    bool ok = pools != nullptr && pools->share(e.ptr, &mems, &why);
+    uint64_t bytes = 0;
+    for (const SharedMemory& m : mems) bytes += m.size;
+    if (ok && (mems.size() != e.handles || bytes != e.bytes)) {
+      ok = false;
+      why = "its pages are no longer those shared";
+    }
+    if (!ok) {
+      close_fds(mems);
+      refused_++;
+      refuse(c, "the CUDA memory shared as export " + std::to_string(id) + " of process " +
+                    std::to_string(::getpid()) + " cannot be served: " + why);
+      return;
+    }
+    std::string head;
+    put(&head, kServed);
+    put(&head, static_cast<uint32_t>(mems.size()));
+    for (const SharedMemory& m : mems) put(&head, static_cast<uint64_t>(m.size));
+    bool sent = send_all(c, head);
+    std::vector<int> fds;
+    for (const SharedMemory& m : mems) fds.push_back(m.fd);
+    for (size_t i = 0; sent && i < fds.size(); i += kFdsPerMessage)
+      sent = send_fds(c, fds.data() + i, std::min(kFdsPerMessage, fds.size() - i));
+    close_fds(mems);  // the receiver holds its own copies now
+    if (sent) served_++;
+  }
+
+  void refuse(int c, const std::string& message) {
+    std::string head;
+    put(&head, kRefused);
+    put(&head, static_cast<uint32_t>(message.size()));
+    head += message;
+    send_all(c, head);
+  }
+
+  std::mutex mu_;
+  std::mt19937_64 rng_;
+  int fd_ = -1;
+  std::string name_;
+  std::unordered_map<uint64_t, Export> by_id_;
+  std::map<std::pair<int, uintptr_t>, uint64_t> by_block_;
+  uint64_t served_ = 0;
+  uint64_t refused_ = 0;
+};
+
+// ---------------------------------------------------------------------------
+// The receiving side: mappings of handles, shared by every open of one handle.
+
+struct Mapping {
+  int device = 0;
+  std::string handle;
+  int uses = 0;
+  bool legacy = false;  // cuIpcOpenMemHandle; else imported pages (or a fake device's)
+  bool fake = false;
+  uintptr_t base = 0;
+  size_t bytes = 0;  // pages: the range reserved; legacy: unknown (0)
+  std::vector<std::pair<CUmemGenericAllocationHandle, size_t>> pages;
+};
+
+std::mutex mappings_mu;
+std::map<std::string, Mapping>& by_handle() {
+  static auto* m = new std::map<std::string, Mapping>();
+  return *m;
+}
+std::map<uintptr_t, std::string>& by_base() {
+  static auto* m = new std::map<uintptr_t, std::string>();
+  return *m;
+}
+
+// A fake device's token (fake_token()): its magic, the process, the address.
+constexpr char kFakeMagic[] = "pyalloc-fake-ipc";
+
+void open_fake(Mapping* m, const std::string& token) {
+  Reader r(token, 0);
+  if (r.bytes(sizeof(kFakeMagic)) != std::string(kFakeMagic, sizeof(kFakeMagic)))
+    throw std::invalid_argument("pyalloc: fake devices open only the handles of fake devices");
+  uint32_t pid = r.get<uint32_t>();
+  uint64_t base = r.get<uint64_t>();
+  if (pid != static_cast<uint32_t>(::getpid()))
+    throw std::invalid_argument("pyalloc: a fake device's memory opens only in the process that shared it");
+  m->base = static_cast<uintptr_t>(base);
+  m->fake = true;
+}
+
+void open_legacy(Mapping* m, const std::string& token) {
+  const Driver& d = driver();
+  if (!d.has_legacy_ipc())
+    throw std::runtime_error(
+        "pyalloc: the CUDA driver lacks the legacy IPC entry points (cuIpcOpenMemHandle)");
+  CUipcMemHandle h{};
+  std::memcpy(h.reserved, token.data(), sizeof(h.reserved));
+  ContextGuard g(d, context_of(m->device));
+  CUdeviceptr p = 0;
+  CUresult r = d.IpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error("pyalloc: opening a CUDA IPC handle failed: cuIpcOpenMemHandle: " +
+                             error_name(r));
+  m->base = static_cast<uintptr_t>(p);
+  m->legacy = true;
+}
+
+// Unmaps the first `mapped` of m's pages, releases every one of them and
+// frees the range: undoes open_pages().
+void unmap_pages(const Driver& d, Mapping* m, size_t mapped) {
+  uintptr_t at = m->base;
+  for (size_t i = 0; i < mapped; ++i) {
+    d.MemUnmap(static_cast<CUdeviceptr>(at), m->pages[i].second);
+    at += m->pages[i].second;
+  }
+  for (auto& page : m->pages) d.MemRelease(page.first);
+  if (m->base != 0) d.MemAddressFree(static_cast<CUdeviceptr>(m->base), m->bytes);
+  m->pages.clear();
+  m->base = 0;
+}
+
+// Asks the sender's server for the pages' descriptors, imports them, maps
+// them side by side in a range of their size, and makes it accessible.
+void open_pages(Mapping* m, const std::string& handle) {
+  PagesHandle h = decode_pages(handle);
+  const Driver& d = driver();
+  if (!d.has_vmm() || !d.has_shareable_handles())
+    throw std::runtime_error(
+        "pyalloc: the CUDA driver cannot import shared pages (no cuMemImportFromShareableHandle)");
+  int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (sock < 0) throw std::runtime_error(std::string("pyalloc: socket() failed: ") + std::strerror(errno));
+  std::vector<int> fds;
+  std::vector<uint64_t> sizes;
+  auto fail = [&](const std::string& why) {
+    for (int fd : fds) ::close(fd);
+    ::close(sock);
+    throw std::runtime_error("pyalloc: opening CUDA memory shared by process " + std::to_string(h.pid) +
+                             " failed: " + why);
+  };
+  set_timeouts(sock);
+  socklen_t len = 0;
+  sockaddr_un a = abstract_address(h.socket, &len);
+  if (::connect(sock, reinterpret_cast<sockaddr*>(&a), len) != 0)
+    fail(std::string("its pyalloc does not answer (") + std::strerror(errno) +
+         "): the process has exited, or runs in another network namespace");
+  if (!send_all(sock, std::string(reinterpret_cast<const char*>(&h.id), sizeof(h.id))))
+    fail("the request could not be sent");
+  int32_t status = 0;
+  uint32_t n = 0;
+  if (!recv_all(sock, &status, sizeof(status)) || !recv_all(sock, &n, sizeof(n))) fail("no answer");
+  if (status != kServed) {
+    std::string message(n, '\0');
+    if (n > 0 && !recv_all(sock, &message[0], n)) message = "refused";
+    fail(message);
+  }
+  if (n != h.handles) fail("it answered with another number of handles");
+  sizes.resize(n);
+  if (!recv_all(sock, sizes.data(), sizeof(uint64_t) * n)) fail("the answer was cut short");
+  while (fds.size() < n)
+    if (!recv_fds(sock, std::min<size_t>(kFdsPerMessage, n - fds.size()), &fds))
+      fail("its descriptors did not arrive");
+  ::close(sock);
+  uint64_t total = 0;
+  for (uint64_t s : sizes) total += s;
+  if (fds.size() != n || total != h.bytes) {
+    for (int fd : fds) ::close(fd);
+    throw std::runtime_error("pyalloc: the pages served for a CUDA IPC handle do not match it");
+  }
+
+  ContextGuard g(d, context_of(m->device));
+  m->bytes = total;
+  CUresult r = CUDA_SUCCESS;
+  const char* step = "cuMemImportFromShareableHandle";
+  for (size_t i = 0; i < n && r == CUDA_SUCCESS; ++i) {
+    CUmemGenericAllocationHandle ph = 0;
+    r = d.MemImportFromShareableHandle(&ph, reinterpret_cast<void*>(static_cast<intptr_t>(fds[i])),
+                                       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (r == CUDA_SUCCESS) m->pages.emplace_back(ph, sizes[i]);
+  }
+  for (int fd : fds) ::close(fd);  // the imported handles keep the memory
+  size_t mapped = 0;
+  if (r == CUDA_SUCCESS) {
+    step = "cuMemAddressReserve";
+    CUdeviceptr va = 0;
+    r = d.MemAddressReserve(&va, total, 0, 0, 0);
+    m->base = r == CUDA_SUCCESS ? static_cast<uintptr_t>(va) : 0;
+  }
+  for (uintptr_t at = m->base; r == CUDA_SUCCESS && mapped < m->pages.size(); ++mapped) {
+    step = "cuMemMap";
+    r = d.MemMap(static_cast<CUdeviceptr>(at), m->pages[mapped].second, 0, m->pages[mapped].first, 0);
+    if (r != CUDA_SUCCESS) break;
+    at += m->pages[mapped].second;
+  }
+  if (r == CUDA_SUCCESS) {
+    step = "cuMemSetAccess";
+    CUdevice dev = 0;
+    r = d.DeviceGet(&dev, m->device);
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = dev;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if (r == CUDA_SUCCESS) r = d.MemSetAccess(static_cast<CUdeviceptr>(m->base), total, &access, 1);
+  }
+  if (r != CUDA_SUCCESS) {
+    unmap_pages(d, m, mapped);
+    throw std::runtime_error(std::string("pyalloc: opening shared CUDA pages failed: ") + step + ": " +
+                             error_name(r));
+  }
+}
+
+void unmap(Mapping* m) {
+  if (m->fake) return;
+  const Driver& d = driver();
+  ContextGuard g(d, context_of(m->device));
+  if (m->legacy) {
+    CUresult r = d.IpcCloseMemHandle(static_cast<CUdeviceptr>(m->base));
+    if (r != CUDA_SUCCESS)
+      throw std::runtime_error("pyalloc: closing a CUDA IPC handle failed: cuIpcCloseMemHandle: " +
+                               error_name(r));
+    return;
+  }
+  unmap_pages(d, m, m->pages.size());
+}
+
+}  // namespace
+
+std::string fake_token(uintptr_t base) {
+  std::string t(kFakeMagic, sizeof(kFakeMagic));
+  put(&t, static_cast<uint32_t>(::getpid()));
+  put(&t, static_cast<uint64_t>(base));
+  t.resize(CU_IPC_HANDLE_SIZE, '\0');
+  return t;
+}
+
+std::string share(DevicePools& pools, uintptr_t ptr, uint64_t* offset) {
+  std::vector<SharedMemory> mems;
+  std::string why;
+  if (!pools.share(ptr, &mems, &why)) {
+    close_fds(mems);
+    if (mems.empty()) throw std::invalid_argument("pyalloc cannot share " + format_ptr(ptr) + ": " + why);
+    throw std::runtime_error("pyalloc cannot share the CUDA memory at " + format_ptr(ptr) +
+                             " with another process: " + why);
+  }
+  *offset = ptr - mems.front().addr;
+  if (mems.front().fd < 0) {  // a segment: the driver's token
+    std::string handle{kHandleVersion, kSegmentHandle};
+    return handle + mems.front().token;
+  }
+  std::string handle;
+  try {
+    handle = Exports::instance().add(pools.index(), ptr, mems);
+  } catch (...) {
+    close_fds(mems);
+    throw;
+  }
+  close_fds(mems);  // served afresh to each receiver that asks
+  return handle;
+}
+
+uintptr_t open(int device, const std::string& handle) {
+  if (handle.size() < 2)
+    throw std::invalid_argument("pyalloc: an empty or truncated CUDA IPC handle (" +
+                                std::to_string(handle.size()) + " bytes)");
+  std::lock_guard<std::mutex> g(mappings_mu);
+  auto known = by_handle().find(handle);
+  if (known != by_handle().end()) {
+    known->second.uses++;
+    return known->second.base;
+  }
+  Mapping m;
+  m.device = device;
+  m.handle = handle;
+  // PyTorch before 2.2 sent the driver's 64 bytes alone.
+  bool raw = handle.size() == CU_IPC_HANDLE_SIZE;
+  char type = raw ? kSegmentHandle : handle[1];
+  if (!raw && handle[0] > kHandleVersion)
+    throw std::invalid_argument("pyalloc: a CUDA IPC handle of a newer layout (version " +
+                                std::to_string(int(handle[0])) + ") than pyalloc knows");
+  std::string token = raw ? handle : handle.substr(2);
+  if (type == kSegmentHandle) {
+    if (token.size() != CU_IPC_HANDLE_SIZE)
+      throw std::invalid_argument("pyalloc: a CUDA IPC handle of a segment must hold 64 bytes, not " +
+                                  std::to_string(token.size()));
+    if (PoolRegistry::instance().fake()) open_fake(&m, token);
+    else open_legacy(&m, token);
+  } else if (type == kPagesHandle) {
+    open_pages(&m, handle);
+  } else if (type == kExpandableHandle) {
+    throw std::invalid_argument(
+        "pyalloc cannot open this CUDA tensor: it was shared by a process whose PyTorch allocator "
+        "uses expandable segments, whose handles only PyTorch's own allocator opens (with "
+        "pidfd_getfd). Share it from a process running pyalloc, or with expandable_segments:False");
+  } else {
+    throw std::invalid_argument(std::string("pyalloc: an unknown kind of CUDA IPC handle ('") + type + "')");
+  }
+  m.uses = 1;
+  uintptr_t base = m.base;
+  by_base()[base] = handle;
+  by_handle().emplace(handle, std::move(m));
+  return base;
+}
+
+void close(uintptr_t ptr) {
+  std::lock_guard<std::mutex> g(mappings_mu);
+  auto b = by_base().find(ptr);
+  if (b == by_base().end())
+    throw std::invalid_argument("pyalloc: " + format_ptr(ptr) +
+                                " is no CUDA memory opened from another process");
+  auto it = by_handle().find(b->second);
+  if (--it->second.uses > 0) return;
+  Mapping m = std::move(it->second);
+  by_handle().erase(it);
+  by_base().erase(b);
+  unmap(&m);
+}
+
+namespace detail {
+std::atomic<size_t> exports{0};
+void forget(int device, uintptr_t ptr) { Exports::instance().forget(device, ptr); }
+}  // namespace detail
+
+Counts counts() {
+  Counts c;
+  Exports::instance().count(&c);
+  std::lock_guard<std::mutex> g(mappings_mu);
+  for (const auto& [handle, m] : by_handle()) {
+    c.mappings++;
+    c.mapped_bytes += m.bytes;
+  }
+  return c;
+}
+
+}  // namespace ipc
+}  // namespace pyalloc

@@ -1,0 +1,85 @@
+// Telling watchers of the units pyalloc's pools map: see segment_watch.h.
+#include "segment_watch.h"
+
+#include <shared_mutex>
+
+namespace pyalloc {
+namespace {
+
+// Read on every map and unmap; changed rarely (the bridge attaching a tracker).
+std::shared_mutex watcher_mu;
+SegmentWatcher watcher = nullptr;
+void* watcher_user = nullptr;
+
+}  // namespace
+
+void watch_segments(SegmentWatcher fn, void* user) {
+  std::unique_lock<std::shared_mutex> g(watcher_mu);
+  watcher = fn;
+  watcher_user = user;
+}
+
+void MappedUnits::tell(uintptr_t addr, size_t size, bool mapped) const {
+  std::shared_lock<std::shared_mutex> g(watcher_mu);
+  if (watcher != nullptr) watcher(watcher_user, SegmentEvent{device_, addr, size, pool_, mapped});
+}
+
+void MappedUnits::segment_mapped(uintptr_t addr, size_t size) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    told_[addr] = size;
+  }
+  tell(addr, size, true);
+}
+
+void MappedUnits::handle_mapped(uintptr_t addr, size_t size) {
+  std::lock_guard<std::mutex> g(mu_);
+  waiting_[addr] = size;
+}
+
+void MappedUnits::access(uintptr_t addr, size_t size) {
+  std::vector<std::pair<uintptr_t, size_t>> now;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto it = waiting_.lower_bound(addr); it != waiting_.end() && it->first < addr + size;) {
+      now.push_back(*it);
+      told_.insert(*it);
+      it = waiting_.erase(it);
+    }
+  }
+  for (const auto& [a, s] : now) tell(a, s, true);
+}
+
+void MappedUnits::unmapping(uintptr_t addr) {
+  size_t size = 0;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    waiting_.erase(addr);
+    auto it = told_.find(addr);
+    if (it == told_.end()) return;
+    size = it->second;
+    told_.erase(it);
+  }
+  tell(addr, size, false);
+}
+
+void MappedUnits::unmapping_range(uintptr_t base, size_t size) {
+  std::vector<std::pair<uintptr_t, size_t>> gone;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto it = waiting_.lower_bound(base); it != waiting_.end() && it->first < base + size;)
+      it = waiting_.erase(it);
+    for (auto it = told_.lower_bound(base); it != told_.end() && it->first < base + size;) {
+      gone.push_back(*it);
+      it = told_.erase(it);
+    }
+  }
+  for (const auto& [a, s] : gone) tell(a, s, false);
+}
+
+std::vector<std::pair<uintptr_t, size_t>> MappedUnits::list() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return {told_.begin(), told_.end()};
+}
+
+}  // namespace pyalloc

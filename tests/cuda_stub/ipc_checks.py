@@ -1,0 +1,200 @@
+"""CUDA IPC between two processes on the stand-in driver (libcuda_stub.c).
+
+Run by test_ipc.py in a fresh process whose LD_LIBRARY_PATH finds the
+stand-in as libcuda.so.1:  ipc_checks.py PATH/TO/libcuda.so.1 send MODE
+MODE: "bestfit" (legacy IPC handles of segments), "vmm" (pages as file
+descriptors over the sender's socket), "vmm-unshareable" (the device refuses
+shareable pages: sharing is refused, the pools still work). The sender calls
+the bridge's table as the bridge does for PyTorch's shareIpcHandle, and
+starts receivers (this script with "receive"), which open the handle as the
+bridge's getIpcDevPtr does, read and write the memory, and answer in JSON.
+Prints OK when every check passed.
+"""
+import collections
+import ctypes as c
+import json
+import os
+import subprocess
+import sys
+
+from pyalloc import _C
+from bridge_api import ERROR, INVALID, OK, BridgeApi
+from stub import Stub
+
+MiB = 1 << 20
+LIB = sys.argv[1]
+driver = c.CDLL(LIB)
+stub = Stub.in_dll(driver, "stub")
+api = BridgeApi()
+
+
+def receive(request):
+    """In the receiving process: open, read, write back, open again, close."""
+    handle = bytes.fromhex(request["handle"])
+    status, base = api.ipc_open(handle, request["device"])
+    if status != OK:
+        return {"error": api.error(), "mappings": _C.cuda_ipc_counts()["mappings"],
+                "imported": stub.imported, "ipc_opened": stub.ipc_opened}
+    ptr, size = base + request["offset"], request["size"]
+    seen = c.string_at(ptr, size)
+    c.memset(ptr + size // 2, request["reply"], size - size // 2)
+    again = api.ipc_open(handle, request["device"])
+    while_open = dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened,
+                      ipc_open=stub.ipc_open)
+    assert api.ipc_close(base) == OK and api.ipc_close(again[1]) == OK, api.error()
+    return {
+        "seen_pattern": seen == bytes([request["pattern"]]) * size,
+        "same_mapping": again == (OK, base),
+        "while_open": while_open,
+        "after": dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened),
+    }
+
+
+def ask(handle, offset, size, pattern=0, reply=0, device=0):
+    """Starts a receiving process for the handle; its answer."""
+    request = {"handle": handle.hex(), "offset": offset, "size": size, "pattern": pattern,
+               "reply": reply, "device": device}
+    out = subprocess.run([sys.executable, __file__, LIB, "receive"], input=json.dumps(request),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout)
+
+
+def malloc(size):
+    status, p, _ = api.malloc(size)
+    assert status == OK, api.error()
+    return p
+
+
+def share(p):
+    status, handle, offset = api.ipc_share(p)
+    assert status == OK, api.error()
+    return handle, offset
+
+
+def check_a_received_block_is_the_senders_memory(size=3 * MiB):
+    """Values cross both ways; two opens make one mapping; the close unmaps it."""
+    p = malloc(size)
+    c.memset(p, 0x11, size)
+    handle, offset = share(p)
+    got = ask(handle, offset, size, pattern=0x11, reply=0x22)
+    assert got["seen_pattern"], got
+    assert got["same_mapping"], got
+    assert got["while_open"]["mappings"] == 1, got
+    assert got["after"]["mappings"] == 0 and got["after"]["imported"] == 0, got
+    assert got["after"]["ipc_opened"] == 0, got
+    assert c.string_at(p + size // 2, size - size // 2) == b"\x22" * (size - size // 2)
+    assert c.string_at(p, size // 2) == b"\x11" * (size // 2)
+    assert share(p) == (handle, offset), "the same allocation gives the same handle"
+    return p, handle, offset, got
+
+
+def bestfit():
+    _C.cuda_configure("pool_size:0,strategy:bestfit")
+    p, handle, offset, got = check_a_received_block_is_the_senders_memory()
+    assert handle[:2] == b"\x02c" and len(handle) == 66
+    assert got["while_open"]["ipc_open"] == 1, "opened twice, one cuIpcOpenMemHandle"
+    assert stub.ipc_get >= 1
+    # A block elsewhere in the same segment: the receiver maps the segment again.
+    q = malloc(MiB)
+    c.memset(q, 0x33, MiB)
+    handle_q, offset_q = share(q)
+    assert handle_q == handle and offset_q != offset
+    assert ask(handle_q, offset_q, MiB, pattern=0x33, reply=0x44)["seen_pattern"]
+    # A segment of another allocator (PyTorch's own): its handle as PyTorch
+    # before 2.2 sent it, the driver's 64 bytes alone, and as it sends it now.
+    driver.cuCtxSetCurrent.argtypes = [c.c_void_p]
+    driver.stub_context.restype = c.c_void_p
+    driver.stub_context.argtypes = [c.c_int]
+    driver.cuCtxSetCurrent(driver.stub_context(0))
+    other = c.c_uint64()
+    assert driver.cuMemAlloc_v2(c.byref(other), c.c_size_t(2 * MiB)) == 0
+    raw = (c.c_char * 64)()
+    assert driver.cuIpcGetMemHandle(raw, other) == 0
+    driver.cuCtxSetCurrent(None)
+    c.memset(other.value, 0x55, 2 * MiB)
+    for foreign, reply in ((bytes(raw), 0x55), (b"\x02c" + bytes(raw), 0x66)):
+        got = ask(foreign, 0, 2 * MiB, pattern=0x55, reply=reply)
+        assert got["seen_pattern"] and got["after"]["ipc_opened"] == 0, got
+    assert c.string_at(other.value + MiB, MiB) == b"\x66" * MiB
+    # Its segment back to the driver: the old handle names nothing any more.
+    assert api.free(p, 0) == OK and api.free(q, 0) == OK
+    assert api.empty_cache(-1) == OK
+    got = ask(handle, offset, MiB)
+    assert "opening a CUDA IPC handle failed" in got.get("error", ""), got
+    assert got["mappings"] == 0 and got["ipc_opened"] == 0, got
+
+
+def open_fds():
+    """This process's descriptors by kind, counted; the memfds of pages beyond the
+    stand-in's own (one per live handle) as "exported pages"."""
+    kinds = collections.Counter()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            name = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # listdir's own
+            continue
+        kinds["exported pages" if name.startswith("/memfd:stub-pages") else name.split(":")[0]] += 1
+    kinds["exported pages"] -= stub.fd_handles
+    return kinds
+
+
+def handle_bytes(handle):
+    """The bytes of the handles a 'P' handle names (ipc.cpp's PagesHandle)."""
+    return int.from_bytes(handle[2 + 1 + 4 + 8:2 + 1 + 4 + 8 + 8], "little")
+
+
+def vmm():
+    stub.vmm = 1
+    _C.cuda_configure("pool_size:0,strategy:vmm")
+    fds = open_fds()
+    big = malloc(40 * MiB)  # pages the receiver has no business mapping
+    c.memset(big, 0x77, 40 * MiB)
+    p, handle, offset, got = check_a_received_block_is_the_senders_memory()
+    assert _C.cuda_config()["strategy"] == "vmm"
+    assert handle[:2] == b"\x02P"
+    assert _C.cuda_ipc_counts()["exports"] == 1
+    # The receiver mapped the handles under the block, no more.
+    mapped = got["while_open"]["mapped_bytes"]
+    reserved = api.stats(0)["reserved_bytes.all.current"]
+    assert 3 * MiB <= mapped == handle_bytes(handle) < reserved, (mapped, reserved)
+    assert got["while_open"]["imported"] >= 1 and got["after"]["imported"] == 0, got
+    # Pages around it go back to the driver; the shared ones stay where they are.
+    assert api.free(big, 0) == OK and api.empty_cache(-1) == OK
+    assert api.stats(0)["reserved_bytes.all.current"] < reserved
+    again = ask(handle, offset, 3 * MiB, pattern=0x22, reply=0x22)
+    assert c.string_at(p, MiB) == b"\x11" * MiB
+    assert not again["seen_pattern"] and "error" not in again  # first half 0x11, second 0x22
+    # Freed by its owner: the export ends, and a late receiver is refused.
+    served = _C.cuda_ipc_counts()["served"]
+    assert served == 2, served  # one request per receiving process: its second open is cached
+    assert api.free(p, 0) == OK
+    assert _C.cuda_ipc_counts()["exports"] == 0
+    got = ask(handle, offset, 3 * MiB)
+    assert "is no longer shared: its allocation was freed" in got.get("error", ""), got
+    assert got["mappings"] == 0 and got["imported"] == 0, got
+    assert _C.cuda_ipc_counts()["refused"] == 1 and _C.cuda_ipc_counts()["served"] == served
+    # Every descriptor exported for a receiver was closed: the server's socket is left.
+    assert open_fds() - fds == collections.Counter(socket=1), (open_fds(), fds)
+    _C.cuda_check_invariants(0)
+
+
+def vmm_unshareable():
+    stub.vmm = 1
+    stub.refuse_fd_handles = 1
+    _C.cuda_configure("pool_size:0,strategy:vmm")
+    p = malloc(3 * MiB)
+    assert _C.cuda_config()["strategy"] == "vmm", "pages that cannot be shared still serve the process"
+    status, handle, _ = api.ipc_share(p)
+    assert status == ERROR and handle == b""
+    assert "the device refused pages with a POSIX file descriptor handle" in api.error(), api.error()
+    assert _C.cuda_ipc_counts()["exports"] == 0
+    assert api.free(p, 0) == OK
+
+
+if sys.argv[2] == "receive":
+    print(json.dumps(receive(json.loads(sys.stdin.read()))))
+else:
+    {"bestfit": bestfit, "vmm": vmm, "vmm-unshareable": vmm_unshareable}[sys.argv[3]]()
+    assert stub.bad_handle == 0
+    print("OK")
