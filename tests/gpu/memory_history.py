@@ -21,8 +21,8 @@ from torch.cuda import _memory_viz
 import pyalloc
 from gpu_common import bridge_only
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import test_memory_viz as viewer  # noqa: E402  (tests/: what the web viewer does)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "replay"))
+import test_memory_viz as viewer  # noqa: E402  (tests/replay/: what the web viewer does)
 
 HERE = os.path.abspath(__file__)
 FUNCTION = "allocate_for_the_history_check"

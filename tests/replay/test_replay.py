@@ -15,7 +15,7 @@ from pyalloc import _C
 from pyalloc.replay import _fits, plan_trace, replay
 from pyalloc.snapshot_io import read_trace, write_snapshot
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = ROOT / "benchmarks" / "traces"
 SHARED = ROOT.parent / "shared" / "traces"
 MiB = 1 << 20
@@ -372,7 +372,7 @@ def test_result_dict_has_the_documented_keys():
 
 
 def repeating(passes, sizes=(2 * MiB, 3 * MiB, 7 * MiB // 2)):
-    """The loop of tests/test_steady_state.py, `passes` times, as a trace."""
+    """The loop of tests/core/test_steady_state.py, `passes` times, as a trace."""
     p, q, s = sizes
     events = []
     for _ in range(passes):

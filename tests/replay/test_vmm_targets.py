@@ -34,7 +34,7 @@ from benchmarks.random_workloads import name as workload_name
 
 GiB = 1 << 30
 CONF = "strategy:vmm"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "traces"
 TRACES = sorted((ROOT / "benchmarks" / "traces").glob("*.pickle.gz"))
 for folder in (SHARED, SHARED / "gpu"):

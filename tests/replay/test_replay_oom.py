@@ -18,7 +18,7 @@ from pyalloc.replay_oom import MAX_OOM_REPLAYS
 from pyalloc.replay_report import oom_sentence
 from pyalloc.snapshot_io import load_snapshot
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT.parent / "shared" / "traces" / "gpu"
 CONSTRUCTOR_SUN = GPU / "constructor-sun-code_location-qwen3emb-gnn-3gpu-expandable-oom.pickle"
 WINDOWS = GPU / "zidongliu-decomfl-opt125m-zo-fedlearn-windows.pickle"

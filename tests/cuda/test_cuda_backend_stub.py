@@ -13,35 +13,14 @@ from __future__ import annotations
 
 import ast
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-STUB_DIR = os.path.join(HERE, "cuda_stub")
-
-
-@pytest.fixture(scope="module")
-def stub_driver(tmp_path_factory):
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler to build the stand-in driver")
-    drivers = {}
-    # The second lacks cuThreadExchangeStreamCaptureMode, like drivers before CUDA 10.1.
-    for name, flags in (("relaxed", []), ("norelax", ["-DSTUB_NO_RELAXED"])):
-        out_dir = tmp_path_factory.mktemp(f"stub_driver_{name}")
-        library = out_dir / "libcuda.so.1"
-        subprocess.run(
-            [compiler, "-shared", "-fPIC", "-O1", "-pthread", "-Wl,-soname,libcuda.so.1", *flags,
-             os.path.join(STUB_DIR, "libcuda_stub.c"), "-o", str(library)],
-            check=True, capture_output=True, text=True,
-        )
-        drivers[name] = library
-    return drivers
-
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(TESTS)
+STUB_DIR = os.path.join(TESTS, "cuda_stub")
 
 # Each mode: the stand-in it runs on, the words checks.py takes, and the prefixes of its checks.
 MODES = {
@@ -89,11 +68,11 @@ CHECKS = [(mode, name) for mode, (_, _, prefixes) in MODES.items() for name in _
 
 
 @pytest.mark.parametrize("mode, check", CHECKS, ids=[f"{mode}-{name}" for mode, name in CHECKS])
-def test_cuda_backend_against_the_stand_in_driver(stub_driver, mode, check):
+def test_cuda_backend_against_the_stand_in_driver(stub_drivers, mode, check):
     """One check of checks.py in a process of its own (a device's pools are made
     once per process, and a failed check leaves the next nothing to stumble on)."""
     driver, words, _ = MODES[mode]
-    library = stub_driver[driver]
+    library = stub_drivers[driver]
     env = dict(os.environ, PYTHONPATH=REPO, LD_LIBRARY_PATH=str(library.parent))
     env.pop("PYALLOC_CONF", None)
     out = subprocess.run(

@@ -299,7 +299,7 @@ def test_a_memo_grown_by_repeated_stores_counts_as_cpython_sizes_it():
     assert scan(data, 1 << 20, memory=64 << 20).why == ""
 
 
-SHARED_TRACES = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
+SHARED_TRACES = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "..",
                                               "shared", "traces", "**", "*.pickle"), recursive=True))
 
 

@@ -18,7 +18,7 @@ from pyalloc.snapshot_io import read_trace
 KiB, MiB = 1 << 10, 1 << 20
 SEG_ALLOC, SEG_FREE, SEG_MAP, SEG_UNMAP = 3, 4, 5, 6
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "traces"
 BUNDLED = ROOT / "benchmarks" / "traces"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"{SHARED} not present")
