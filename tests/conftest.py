@@ -1,5 +1,6 @@
 """Shared pytest setup: one generic suite runs over every backend and strategy that
-needs no GPU; tests marked ``gpu`` run only where PyTorch sees a CUDA GPU."""
+needs no GPU; tests marked ``gpu`` run only where PyTorch sees a CUDA GPU, and
+those marked ``shared`` only where ../shared is (shared_dir.py)."""
 from __future__ import annotations
 
 import functools
@@ -11,6 +12,7 @@ import subprocess
 import pytest
 
 import pyalloc
+from shared_dir import SHARED_DIR
 
 CPU_BACKENDS = ("host", "virtual")
 STUB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_stub")
@@ -73,6 +75,11 @@ def cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    if not SHARED_DIR.is_dir():
+        skip_shared = pytest.mark.skip(reason=f"reads {SHARED_DIR}, which this machine does not have")
+        for item in items:
+            if "shared" in item.keywords:
+                item.add_marker(skip_shared, append=False)  # before "got empty parameter set"
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items or cuda_available():
         return
