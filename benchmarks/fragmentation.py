@@ -399,7 +399,7 @@ MISS_REASONS = {
         "18 times expandable segments' (cs336-2.7b 53804 against 6187), 1685 second-half device calls "
         "on the eight random workloads against expandable segments' 121 (18263 against 1103 on 60 unseen "
         "ones, 1 to 4 streams, seeds 100 to 114), and 37 of the 134 repeating loops of "
-        "tests/test_steady_state.py mapping and unmapping on every pass (35 with the bound raised "
+        "tests/core/test_steady_state.py mapping and unmapping on every pass (35 with the bound raised "
         "wherever pages were mapped again where a move had taken them; 31 at 1.10 x). Without moves no "
         "placement measured brings the random workloads under 1.15 x (6 of those 60), while expandable "
         "segments, at 1.135 to 1.183 x on the one-stream ones, make 0 to 2 device calls in their second "

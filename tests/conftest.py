@@ -1,17 +1,21 @@
 """Shared pytest setup: one generic suite runs over every backend and strategy that
-needs no GPU; tests marked ``gpu`` run only where PyTorch sees a CUDA GPU."""
+needs no GPU; tests marked ``gpu`` run only where PyTorch sees a CUDA GPU, and
+those marked ``shared`` only where ../shared is (shared_dir.py)."""
 from __future__ import annotations
 
 import functools
 import gc
 import os
 import shutil
+import subprocess
 
 import pytest
 
 import pyalloc
+from shared_dir import SHARED_DIR
 
 CPU_BACKENDS = ("host", "virtual")
+STUB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_stub")
 
 
 @pytest.fixture(params=CPU_BACKENDS)
@@ -71,6 +75,11 @@ def cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    if not SHARED_DIR.is_dir():
+        skip_shared = pytest.mark.skip(reason=f"reads {SHARED_DIR}, which this machine does not have")
+        for item in items:
+            if "shared" in item.keywords:
+                item.add_marker(skip_shared, append=False)  # before "got empty parameter set"
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items or cuda_available():
         return
@@ -105,3 +114,23 @@ def static_runtime_cxx(tmp_path_factory):
     if probe_runtime(str(path)).runtime == "unknown":
         pytest.skip(f"g++ cannot link the C++ runtime statically here: {probe_runtime(str(path)).detail}")
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def stub_drivers(tmp_path_factory):
+    """The stand-in libcuda.so.1 of tests/cuda_stub/, built twice: {"relaxed", "norelax"} -> its path."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the stand-in driver")
+    drivers = {}
+    # The second lacks cuThreadExchangeStreamCaptureMode, like drivers before CUDA 10.1.
+    for name, flags in (("relaxed", []), ("norelax", ["-DSTUB_NO_RELAXED"])):
+        out_dir = tmp_path_factory.mktemp(f"stub_driver_{name}")
+        library = out_dir / "libcuda.so.1"
+        subprocess.run(
+            [compiler, "-shared", "-fPIC", "-O1", "-pthread", "-Wl,-soname,libcuda.so.1", *flags,
+             os.path.join(STUB_DIR, "libcuda_stub.c"), "-o", str(library)],
+            check=True, capture_output=True, text=True,
+        )
+        drivers[name] = library
+    return drivers

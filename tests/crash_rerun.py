@@ -1,4 +1,4 @@
-"""A GPU check that dies by a signal runs once more under a debugger (test_gpu.py).
+"""A GPU check that dies by a signal runs once more under a debugger (tests/cuda/test_gpu.py).
 
 A crash in native code (a SIGSEGV inside the unwinder, say) prints nothing of
 its own, and a GPU is lent rarely and for minutes: the check is run again at once

@@ -1,5 +1,6 @@
 """The source layout keeps its own rules: csrc/ layers include only the layers
-below them (csrc/README.md), and no two pyalloc modules import each other."""
+below them (csrc/README.md), no two pyalloc modules import each other, and
+tests/ keeps a folder for each layer's tests."""
 from __future__ import annotations
 
 import ast
@@ -9,6 +10,7 @@ import re
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(REPO, "csrc")
 PKG = os.path.join(REPO, "pyalloc")
+TESTS = os.path.join(REPO, "tests")
 
 # folder -> the folders its files may include (besides its own)
 ALLOWED = {
@@ -99,3 +101,21 @@ def test_no_import_cycles_in_the_package():
 
     cycles = [c for m in sorted(graph) if (c := cycle_from(m))]
     assert cycles == [], cycles
+
+
+# tests/: a folder per layer (README.md, Layout); at the top, only the checks of the
+# repository as a whole, beside the helpers (conftest.py, bridge_api.py, cpp/, gpu/, ...).
+TEST_LAYERS = ("core", "cuda", "replay", "cli", "bench")
+REPOSITORY_CHECKS = ("test_ci.py", "test_layout.py")
+
+
+def test_every_test_module_lies_in_the_folder_of_a_layer():
+    misplaced = []
+    for parent, _, files in os.walk(TESTS):
+        folder = os.path.relpath(parent, TESTS)
+        for name in files:
+            if not (name.startswith("test_") and name.endswith(".py")):
+                continue
+            if folder not in TEST_LAYERS and not (folder == "." and name in REPOSITORY_CHECKS):
+                misplaced.append(os.path.normpath(os.path.join("tests", folder, name)))
+    assert misplaced == [], f"{misplaced}: each belongs in tests/<layer>/, a layer of {TEST_LAYERS}"

@@ -27,7 +27,7 @@ another if that is not enough.
 GPU checks run side by side (pytest-xdist) where they do not need the whole
 device, the four configurations (two routes, two strategies) at once, and alone
 where they do (out-of-memory, budgets, device-wide free memory: the
-``whole_device`` mark in tests/test_gpu.py).
+``whole_device`` mark in tests/cuda/test_gpu.py).
 
 On a machine without the repository's .git, PYALLOC_GIT_COMMIT names the commit.
 """
@@ -78,7 +78,7 @@ MAX_FILE_BYTES = 16 << 20
 PACK_UP_TO = 4 << 20
 #: pytest-xdist workers for the checks that share the device, per configuration (four run at once).
 SIDE_BY_SIDE = 3
-#: The configurations of tests/test_gpu.py: route (PYALLOC_BRIDGE) and PYALLOC_CONF.
+#: The configurations of tests/cuda/test_gpu.py: route (PYALLOC_BRIDGE) and PYALLOC_CONF.
 CONFIGURATIONS = [("bridge", ""), ("hooks", ""), ("bridge", "strategy:bestfit"), ("hooks", "strategy:bestfit")]
 #: Every allocator the benchmarks compare.
 ALLOCATORS = "native,pyalloc,pyalloc_hooks,native_expandable,native_async"
@@ -141,11 +141,11 @@ def _test_env(route: str, conf: str) -> Dict[str, str]:
 
 # pytest-benchmark (on the GPU machine's image) warns that xdist disables it, and the
 # project's filterwarnings = error makes that an internal error: no check would run.
-_PYTEST = [PY, "-m", "pytest", "tests/test_gpu.py", "-v", "-rA", "-p", "no:cacheprovider", "-p", "no:benchmark"]
+_PYTEST = [PY, "-m", "pytest", "tests/cuda/test_gpu.py", "-v", "-rA", "-p", "no:cacheprovider", "-p", "no:benchmark"]
 
 
 def gpu_test_steps(configurations=CONFIGURATIONS) -> List[Step]:
-    """tests/test_gpu.py under each configuration: first the checks that share the device,
+    """tests/cuda/test_gpu.py under each configuration: first the checks that share the device,
     every configuration at once (each with pytest-xdist workers, or one check at a time
     where it is missing), then those that need the device whole, alone, one
     configuration after the other."""
@@ -227,7 +227,7 @@ def _batch(out: str) -> List[Step]:
 # probe 55 s, at most 4 probes each, the five allocators side by side.
 STAGES: List[Stage] = [
     Stage("doctor", 30, "pyalloc doctor: ready, the route, the device's virtual memory", _doctor),
-    Stage("tests", 360, "tests/test_gpu.py on both routes (PYALLOC_BRIDGE=1, 0) under the default strategy "
+    Stage("tests", 360, "tests/cuda/test_gpu.py on both routes (PYALLOC_BRIDGE=1, 0) under the default strategy "
           f"and strategy:bestfit: the four side by side at once (-n {SIDE_BY_SIDE} each), then each one's "
           "whole_device checks alone", _tests),
     Stage("speed", 95, f"python -m benchmarks.gpu --quick, allocators {ALLOCATORS}: alloc_speed (torch.empty "

@@ -7,7 +7,7 @@
 // call that succeeds clears the thread's last error (bridge_api.h), so the
 // message must be read before they run, or the caller gets an empty
 // torch.cuda.OutOfMemoryError. Kept free of torch so that a test can build it
-// against pyalloc._C on a machine without a GPU (tests/test_bridge_api.py).
+// against pyalloc._C on a machine without a GPU (tests/cuda/test_bridge_api.py).
 #ifndef PYALLOC_TORCH_BRIDGE_ALLOCATE_H
 #define PYALLOC_TORCH_BRIDGE_ALLOCATE_H
 

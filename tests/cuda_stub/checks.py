@@ -1,16 +1,20 @@
 """pyalloc's CUDA backend against the stand-in driver (libcuda_stub.c).
 
-Run by test_cuda_backend_stub.py in a fresh process whose LD_LIBRARY_PATH finds
-the stand-in as libcuda.so.1:  checks.py PATH/TO/libcuda.so.1 [MODE] [norelax]
-Without MODE the segment checks (check_*, and relaxed_check_* or norelax_check_*)
-run; with MODE the MODE_check_* ones: "vmm" (the stand-in reports virtual
-memory management: pools map pages), "fallback" (vmm asked for where it cannot
-work), "capture" (vmm, with a device's pools made during a capture; "big": a
-pool_size it cannot map then; "error": a driver error mapping it; "access":
-the device refuses access to its pages then). "norelax": the stand-in was
-built without cuThreadExchangeStreamCaptureMode, so captures cannot grow the
-pool. A device's pools are made once per process,
-hence the modes. Prints OK when every check passed.
+Run by test_cuda_backend_stub.py, one check a process (a device's pools are
+made once per process, and a failed check would leave the next its state),
+with LD_LIBRARY_PATH finding the stand-in as libcuda.so.1:
+
+    checks.py PATH/TO/libcuda.so.1 [MODE...] CHECK...
+
+runs each CHECK (a function below) in turn after the mode's set-up, and prints
+OK when every one passed. MODE: none for the segment checks (check_*, and
+relaxed_check_* or norelax_check_*); "vmm" (the stand-in reports virtual
+memory management: pools map pages) for vmm_check_*; "fallback" (vmm asked
+for where it cannot work) for fallback_check_*; "capture" (vmm, with a
+device's pools made during a capture; "big": a pool_size it cannot map then;
+"error": a driver error mapping it; "access": the device refuses access to
+its pages then) for capture_check_*. "norelax": the stand-in was built
+without cuThreadExchangeStreamCaptureMode, so captures cannot grow the pool.
 """
 import ctypes
 import sys
@@ -54,7 +58,6 @@ def stats(device=0):
 def check_driver_loads():
     assert _C.cuda_check_driver() == 13000
     assert _C.cuda_device_count() == 2
-    _C.cuda_configure("pool_size:32MiB,strategy:bestfit")
 
 
 def check_contexts():
@@ -761,8 +764,6 @@ def relaxed_check_last_free_of_a_released_graph_pool_does_not_sync():
     _C.cuda_check_invariants(0)
 
 
-# Runs late: the failed block stays pending for the rest of the process, and
-# while any block is pending each allocation asks whether its stream captures.
 def check_failed_event_keeps_the_block_and_raises_once():
     p = malloc(MiB, 0, 0x1000)
     hooks.pyalloc_record_stream(p, 0x2000)
@@ -788,6 +789,12 @@ def check_failed_event_keeps_the_block_and_raises_once():
 
 
 def check_gone_streams_are_not_probed_again():
+    # A block waiting for its event: each allocation asks whether a capture is underway.
+    waiting = pending()
+    p = malloc(MiB, 0, 0x1000)
+    hooks.pyalloc_record_stream(p, 0x2000)
+    stub.events_pending = 1
+    free(p)
     gone = 0x7000
     stub.capture_id, stub.capturing_stream = 79, gone
     a = malloc(MiB, 0, gone)  # seen capturing: remembered
@@ -799,7 +806,10 @@ def check_gone_streams_are_not_probed_again():
         free(malloc(512, 0, 0x1000))
     assert stub.destroyed_queries == 1
     stub.destroyed_stream = 0
+    stub.events_pending = 0
     free(a)
+    free(malloc(512, 0, 0x1000))
+    assert pending() == waiting
     _C.cuda_release_graph_memory(0)
 
 
@@ -813,8 +823,6 @@ def check_base_alloc():
 
 def vmm_check_pages_are_mapped_on_demand():
     assert _C.cuda_check_driver() == 13000
-    _C.cuda_configure("strategy:vmm")
-    stub.peer_access = 1  # before the devices open: they find their peers then
     p = malloc(5 * MiB)
     q = malloc(5 * MiB)
     assert stub.mem_alloc == 0  # no cuMemAlloc: pages are mapped
@@ -1206,7 +1214,7 @@ def vmm_check_captures_beside_busy_threads():
 def vmm_check_peers_refused_by_a_pool_are_counted_as_made():
     """Peers refused at a pool's mapping, not at the device's trial (device 0
     was opened with them): cuMemSetAccess is asked twice, and counted twice
-    (the core counted once). Last of the checks: device 0 keeps no peers."""
+    (the core counted once)."""
     hooks.pyalloc_empty_cache()
     free(malloc(MiB))
     assert stub.access_count == 2
@@ -1223,7 +1231,6 @@ def vmm_check_peers_refused_by_a_pool_are_counted_as_made():
 def fallback_check_vmm_refused_by_a_sandbox():
     stub.vmm = 1
     stub.vmm_refuse = 1  # cuMemCreate: CUDA_ERROR_NOT_PERMITTED
-    _C.cuda_configure("strategy:vmm")
     p = None
 
     def opening():  # the refused trial mapping's calls counted too
@@ -1304,14 +1311,28 @@ def capture_check_a_device_opened_during_a_capture_breaks_nothing():
     _C.cuda_check_invariants(1)
 
 
-mode = next((a for a in sys.argv[2:] if a in ("vmm", "fallback", "capture")), "")
-stub.vmm = 1 if mode in ("vmm", "capture") else 0
-if mode:
-    prefixes = (mode + "_check_",)
-else:
-    prefixes = ("check_", "relaxed_check_" if RELAXED else "norelax_check_")
-for name, fn in list(globals().items()):
-    if name.startswith(prefixes) and callable(fn):
-        fn()
-        assert stub.bad_handle == 0, f"{name}: a released handle was mapped or released again"
+def set_up(mode):
+    """What every check of `mode` takes for granted."""
+    stub.vmm = 1 if mode in ("vmm", "capture") else 0
+    if mode == "":
+        _C.cuda_configure("pool_size:32MiB,strategy:bestfit")
+    elif mode == "vmm":
+        _C.cuda_configure("strategy:vmm")
+        stub.peer_access = 1  # the devices find their peers when they open
+        # Device 0 open, as a program's first allocation leaves it: its trial mapping
+        # made (and counted in its first pool) before any check sets the stand-in's knobs.
+        free(malloc(MiB))
+        hooks.pyalloc_empty_cache()
+    elif mode == "fallback":
+        _C.cuda_configure("strategy:vmm")
+
+
+words = sys.argv[2:]
+checks = [w for w in words if "check_" in w]
+unknown = [name for name in checks if not callable(globals().get(name))]
+assert checks and not unknown, f"name the checks to run (unknown: {unknown})"
+set_up(next((w for w in words if w in ("vmm", "fallback", "capture")), ""))
+for name in checks:
+    globals()[name]()
+    assert stub.bad_handle == 0, f"{name}: a released handle was mapped or released again"
 print("OK")

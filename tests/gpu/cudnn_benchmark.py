@@ -14,7 +14,7 @@ bridge and compares: benchmark mode picks algorithms by timing, so the runs agre
 to rounding rather than bit for bit, and each loss must lie within ABS_TOL +
 REL_TOL x native's and converge where native's does; a difference beyond that is
 a finding about pyalloc. The recipe converges for every seed tried on CPU
-(tests/test_gpu_checks_on_cpu.py); the first one (batch 64 of 48 px, a wider net)
+(tests/cuda/test_gpu_checks_on_cpu.py); the first one (batch 64 of 48 px, a wider net)
 rose back after falling for 8 of 12 seeds without pyalloc, which failed the check
 on the H200 for no fault of pyalloc's.
 """

@@ -1,4 +1,4 @@
-"""What the GPU check scripts share (each runs in a fresh process: tests/test_gpu.py).
+"""What the GPU check scripts share (each runs in a fresh process: tests/cuda/test_gpu.py).
 
 pyalloc reaches PyTorch by one of two routes, chosen by install() and, when
 install() is not told, by PYALLOC_BRIDGE: the bridge (1, or unset where it

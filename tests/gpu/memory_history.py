@@ -5,7 +5,7 @@ the bridge (only there: the C hooks route answers both with "not supported").
 
 The file PyTorch writes must hold alloc events whose Python frames name this
 script's own function, read back as PyTorch's web viewer reads it (the checks
-of tests/test_memory_viz.py), replay with `python -m pyalloc replay`, and render
+of tests/replay/test_memory_viz.py), replay with `python -m pyalloc replay`, and render
 with every Python function of torch.cuda._memory_viz that takes a snapshot
 (flamegraph.pl, which those of them that draw flame graphs would download, is
 replaced by a function that returns its input lines).
@@ -21,8 +21,8 @@ from torch.cuda import _memory_viz
 import pyalloc
 from gpu_common import bridge_only
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import test_memory_viz as viewer  # noqa: E402  (tests/: what the web viewer does)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "replay"))
+import test_memory_viz as viewer  # noqa: E402  (tests/replay/: what the web viewer does)
 
 HERE = os.path.abspath(__file__)
 FUNCTION = "allocate_for_the_history_check"
@@ -79,7 +79,7 @@ def check_file(path, before, live_pointers):
         assert frames_name_this_function(live[ptr]["frames"]), live[ptr]["frames"]
     assert snap["segments"] and all(s["device"] == 0 for s in snap["segments"])
 
-    # As the web viewer reads it (tests/test_memory_viz.py does what MemoryViz.js does).
+    # As the web viewer reads it (tests/replay/test_memory_viz.py does what MemoryViz.js does).
     viewer.check_block_addresses(snap)
     viewer.replay_history_backwards(snap)
     assert viewer.timeline_final_total(snap) == viewer.live_requested(snap)

@@ -1,7 +1,7 @@
 """An OOM is a RuntimeError batch-size finders recognise, and the process goes on.
 
 The sizes come from plan(total) and problems() says what they must satisfy;
-tests/test_gpu_checks_on_cpu.py checks both for 80 GB and 141 GB devices, and
+tests/cuda/test_gpu_checks_on_cpu.py checks both for 80 GB and 141 GB devices, and
 this script checks them again for its own device before it starts.
 
 set_per_process_memory_fraction caps growth only, as PyTorch's does: a request
@@ -153,7 +153,7 @@ def main():
         torch.empty(p.refused, dtype=torch.uint8, device="cuda")
         raise AssertionError("the memory fraction did not cap the pool")
     except RuntimeError as e:
-        # The message names the cap that refused it (tests/test_cuda_hooks.py pins the wording).
+        # The message names the cap that refused it (tests/cuda/test_cuda_hooks.py pins the wording).
         assert is_oom(e) and f"memory fraction {FRACTION:g} caps all of pyalloc's pools" in str(e), e
     small = torch.empty(p.granted, dtype=torch.uint8, device="cuda")
     assert torch.cuda.memory_reserved() <= p.cap

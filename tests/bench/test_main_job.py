@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: Two of the traces, so that a run takes seconds: a bundled one and a random workload.
 TRACES = "encoder-dynbatch-infer,random-1-stream-seed0"
 OUT_LINE = "wrote benchmarks/out/fragmentation.{md,json,png} (untracked; --update-results: benchmarks/results/)"

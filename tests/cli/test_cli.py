@@ -10,7 +10,7 @@ import pytest
 
 import pyalloc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = ROOT / "benchmarks" / "traces"
 MiB = 1 << 20
 

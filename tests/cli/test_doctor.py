@@ -11,14 +11,12 @@ import sys
 
 import pytest
 
-from test_cuda_backend_stub import stub_driver as stub_drivers  # noqa: F401  (the fixture)
-
 
 @pytest.fixture
-def stub_driver(stub_drivers):  # noqa: F811
+def stub_driver(stub_drivers):
     return stub_drivers["relaxed"]
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _torch_is_cpu_only() -> bool:
@@ -58,7 +56,7 @@ def test_without_a_driver_it_says_there_is_no_gpu(tmp_path):
     assert any(line.startswith("PYALLOC_CONF: not set") for line in lines)
 
 
-def test_with_the_stand_in_driver_it_reports_its_devices(stub_driver):  # noqa: F811
+def test_with_the_stand_in_driver_it_reports_its_devices(stub_driver):
     rc, lines = doctor("--no-live", ld_path=str(stub_driver.parent))
     text = "\n".join(lines)
     assert "driver:   CUDA 13.0 (13000), " + str(stub_driver) in text, text
@@ -78,14 +76,14 @@ def test_with_the_stand_in_driver_it_reports_its_devices(stub_driver):  # noqa: 
         assert lines[-1] == "ready" or lines[-1].startswith("not ready: "), lines
 
 
-def test_a_bad_pyalloc_conf_is_named(stub_driver):  # noqa: F811
+def test_a_bad_pyalloc_conf_is_named(stub_driver):
     rc, lines = doctor("--no-live", ld_path=str(stub_driver.parent), env={"PYALLOC_CONF": "pool_size:lots"})
     assert rc == 1
     assert "PYALLOC_CONF is invalid" in lines[-1], lines
     assert lines[-1].startswith("not ready: "), lines
 
 
-def test_a_broken_torch_is_a_line_not_a_traceback(stub_driver, tmp_path):  # noqa: F811
+def test_a_broken_torch_is_a_line_not_a_traceback(stub_driver, tmp_path):
     fake = tmp_path / "torch"
     fake.mkdir()
     (fake / "__init__.py").write_text("raise OSError('libtorch_cuda.so: cannot open shared object file')\n")
@@ -107,7 +105,7 @@ def test_doctor_is_a_command():
 # -- the bridge ---------------------------------------------------------------------------
 
 
-def test_a_cpu_torch_cannot_take_the_bridge_and_the_report_says_what_is_lost(stub_driver):  # noqa: F811
+def test_a_cpu_torch_cannot_take_the_bridge_and_the_report_says_what_is_lost(stub_driver):
     if not _torch_is_cpu_only():
         pytest.skip("a CUDA build of torch")
     from pyalloc.bridge import LOST_WITHOUT_BRIDGE
@@ -127,7 +125,7 @@ def test_a_cpu_torch_cannot_take_the_bridge_and_the_report_says_what_is_lost(stu
     assert "exceptions: a C++ exception thrown in pyalloc._C reaches Python (ValueError)" in lines, lines
 
 
-def test_pyalloc_bridge_1_without_a_bridge_is_not_ready(stub_driver):  # noqa: F811
+def test_pyalloc_bridge_1_without_a_bridge_is_not_ready(stub_driver):
     if not _torch_is_cpu_only():
         pytest.skip("a CUDA build of torch")
     rc, lines = doctor("--no-live", ld_path=str(stub_driver.parent), env={"PYALLOC_BRIDGE": "1"})

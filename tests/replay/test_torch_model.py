@@ -14,14 +14,15 @@ from pyalloc.replay import plan_trace, replay
 from pyalloc.replay_allocators import ALLOCATORS, AllocatorRun, run_allocator
 from pyalloc.replay_validate import validate
 from pyalloc.snapshot_io import read_trace
+from shared_dir import SHARED_DIR
 
 KiB, MiB = 1 << 10, 1 << 20
 SEG_ALLOC, SEG_FREE, SEG_MAP, SEG_UNMAP = 3, 4, 5, 6
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "traces"
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = SHARED_DIR / "traces"
 BUNDLED = ROOT / "benchmarks" / "traces"
-needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"{SHARED} not present")
+needs_shared = pytest.mark.shared
 
 
 def calls_of(ops):

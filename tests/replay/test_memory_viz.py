@@ -547,7 +547,7 @@ def replay_of_tiny_gpt(conf):
     from pyalloc.replay import plan_trace
     from pyalloc.snapshot_io import load_snapshot, read_trace
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "traces" / "tiny-gpt-varlen-train.pickle.gz"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "tiny-gpt-varlen-train.pickle.gz"
     plan = plan_trace(read_trace(load_snapshot(str(path))))
     calls = _C.ReplayTrace(plan.kinds, plan.ids, plan.sizes, plan.streams)
     core = _C.Allocator("virtual", conf, 0)
@@ -778,7 +778,7 @@ def test_dump_snapshot_writes_a_plain_pickle_unless_gz(fake, tmp_path):
 def test_record_writes_a_plain_pickle_unless_gz(tmp_path):
     prog = tmp_path / "p.py"
     prog.write_text("import torch\nx = torch.zeros(1000)\n")
-    env = dict(__import__("os").environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = dict(__import__("os").environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     for name, magic in (("r.pickle", b"\x80"), ("r.pickle.gz", b"\x1f\x8b")):
         out = tmp_path / name
         p = subprocess.run([sys.executable, "-m", "pyalloc", "record", "-o", str(out), "--device", "cpu",

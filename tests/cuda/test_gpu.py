@@ -16,10 +16,10 @@ under the default strategy and under bestfit (PYALLOC_CONF applies to every
 check):
 
     python3 -m pyalloc bridge build
-    PYALLOC_BRIDGE=1 python3 -m pytest tests/test_gpu.py
-    PYALLOC_BRIDGE=0 python3 -m pytest tests/test_gpu.py
-    PYALLOC_BRIDGE=1 PYALLOC_CONF=strategy:bestfit python3 -m pytest tests/test_gpu.py
-    PYALLOC_BRIDGE=0 PYALLOC_CONF=strategy:bestfit python3 -m pytest tests/test_gpu.py
+    PYALLOC_BRIDGE=1 python3 -m pytest tests/cuda/test_gpu.py
+    PYALLOC_BRIDGE=0 python3 -m pytest tests/cuda/test_gpu.py
+    PYALLOC_BRIDGE=1 PYALLOC_CONF=strategy:bestfit python3 -m pytest tests/cuda/test_gpu.py
+    PYALLOC_BRIDGE=0 PYALLOC_CONF=strategy:bestfit python3 -m pytest tests/cuda/test_gpu.py
 
 ``python -m benchmarks.gpu.session`` runs these as stages of a GPU window, the
 checks marked ``whole_device`` alone and the others side by side (pytest -n).
@@ -38,7 +38,7 @@ from crash_rerun import run_check
 
 pytestmark = pytest.mark.gpu
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPU_DIR = os.path.join(REPO, "tests", "gpu")
 
 

@@ -31,15 +31,17 @@ from pyalloc.snapshot_io import devices_of, load_snapshot, read_trace
 
 from benchmarks.random_workloads import WORKLOADS, random_ops, random_snapshot
 from benchmarks.random_workloads import name as workload_name
+from shared_dir import SHARED_DIR
 
 GiB = 1 << 30
 CONF = "strategy:vmm"
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "traces"
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = SHARED_DIR / "traces"
 TRACES = sorted((ROOT / "benchmarks" / "traces").glob("*.pickle.gz"))
 for folder in (SHARED, SHARED / "gpu"):
     if folder.is_dir():
         TRACES += sorted(folder.glob("*.pickle"))
+IN_SHARED = {path.name for path in TRACES if SHARED in path.parents}
 # By name: the recorded traces, then benchmarks/random_workloads.py's.
 SNAPSHOTS = {path.name: load_snapshot(path) for path in TRACES}
 SNAPSHOTS.update({workload_name(streams, seed): random_snapshot(seed, streams) for streams, seed in WORKLOADS})
@@ -95,6 +97,8 @@ def cases(missed):
         key = f"{name}:{device}"
         marks = ([pytest.mark.xfail(reason=missed[key], raises=AssertionError, strict=True)]
                  if key in missed else [])
+        if name in IN_SHARED:
+            marks.append(pytest.mark.shared)
         params.append(pytest.param(name, device, id=key, marks=marks))
     return params
 

@@ -13,7 +13,7 @@ import pytest
 from benchmarks.gpu import session
 from benchmarks.gpu.session import Stage, Step, run_stage
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ORDER = ["doctor", "tests", "speed", "steps", "traces", "batch", "diagnose"]
 
 
@@ -97,7 +97,7 @@ def test_the_build_comes_first_with_every_core_and_the_bridge_only_where_a_stage
 
 def test_the_checks_run_alone_are_those_that_need_the_whole_device():
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          "-m", "gpu and whole_device", "tests/test_gpu.py"],
+                          "-m", "gpu and whole_device", "tests/cuda/test_gpu.py"],
                          capture_output=True, text=True, cwd=REPO, timeout=300)
     chosen = {line.split("::")[1] for line in out.stdout.splitlines() if "::" in line}
     assert {"test_oom_is_caught_and_recovered_from", "test_out_of_memory_is_torchs_error_with_observers_called_first",
@@ -106,10 +106,10 @@ def test_the_checks_run_alone_are_those_that_need_the_whole_device():
 
 
 PYTEST_LIKE = r'''
-print("tests/test_gpu.py::test_a PASSED")
+print("tests/cuda/test_gpu.py::test_a PASSED")
 print("=========================== short test summary info ============================")
-print("SKIPPED [1] tests/test_gpu.py:140: skipped with one GPU")
-print("FAILED tests/test_gpu.py::test_oom_is_caught_and_recovered_from - AssertionError: exited with -11")
+print("SKIPPED [1] tests/cuda/test_gpu.py:140: skipped with one GPU")
+print("FAILED tests/cuda/test_gpu.py::test_oom_is_caught_and_recovered_from - AssertionError: exited with -11")
 print("============== 1 failed, 20 passed, 1 skipped in 42.00s ==============")
 raise SystemExit(1)
 '''
@@ -128,7 +128,7 @@ def test_a_stage_logs_its_environment_every_output_and_a_summary(tmp_path):
     assert lines[:5] == ["== stage fake: three fake steps", "limit: 60 s",
                          "command: python -m benchmarks.gpu.session --stage fake",
                          "device: a fake GPU, 555.55, 81559 MiB", "commit: abc1234"], lines
-    assert "compiled" in lines and "tests/test_gpu.py::test_a PASSED" in lines
+    assert "compiled" in lines and "tests/cuda/test_gpu.py::test_a PASSED" in lines
     assert any(line.startswith(f"$ {sys.executable} -c ") and "compiled" in line for line in lines), lines
     assert (tmp_path / "out" / "fake-result.json").exists()
     summary = lines[lines.index(next(x for x in lines if x.startswith("== summary of stage fake"))):]
@@ -136,9 +136,9 @@ def test_a_stage_logs_its_environment_every_output_and_a_summary(tmp_path):
         "passed: build; benchmark",
         "failed: gpu tests",
         "  gpu tests: exit 1 (1 failed, 20 passed, 1 skipped)",
-        "  failed test: tests/test_gpu.py::test_oom_is_caught_and_recovered_from - AssertionError: exited with -11",
+        "  failed test: tests/cuda/test_gpu.py::test_oom_is_caught_and_recovered_from - AssertionError: exited with -11",
         "did not run: nothing",
-        "  skipped test: tests/test_gpu.py:140: skipped with one GPU",
+        "  skipped test: tests/cuda/test_gpu.py:140: skipped with one GPU",
         "stage fake: FAILED",
     ], summary
 

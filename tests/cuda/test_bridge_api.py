@@ -27,7 +27,7 @@ from bridge_api import OWNER_NONE, OWNER_OTHER, OWNER_POOLS, VERSION, MemoryUsag
 
 MiB = 1 << 20
 CAPACITY = 64 * MiB
-HEADER_DIR = os.path.join(os.path.dirname(__file__), "..", "csrc")
+HEADER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "csrc")
 
 
 @pytest.fixture(scope="module")

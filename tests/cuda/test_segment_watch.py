@@ -19,9 +19,9 @@ import pytest
 from bridge_api import (FILTER_FN, OK, OUT_OF_MEMORY, SEGMENT_EVENT_FN, SOURCE_ALLOC_FN, SOURCE_FREE_FN, BridgeApi)
 
 MiB = 1 << 20
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-STUB_DIR = os.path.join(HERE, "cuda_stub")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(TESTS)
+STUB_DIR = os.path.join(TESTS, "cuda_stub")
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_units_are_told_as_the_stand_in_driver_maps_moves_and_unmaps_them(tmp_pa
     subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-pthread", "-Wl,-soname,libcuda.so.1",
                     os.path.join(STUB_DIR, "libcuda_stub.c"), "-o", str(library)],
                    check=True, capture_output=True, text=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), LD_LIBRARY_PATH=str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]), LD_LIBRARY_PATH=str(tmp_path))
     env.pop("PYALLOC_CONF", None)
     out = subprocess.run([sys.executable, os.path.join(STUB_DIR, "watch_checks.py"), str(library), mode],
                          capture_output=True, text=True, env=env, timeout=300)

@@ -19,6 +19,7 @@ from pyalloc.snapshot_io import (
     read_trace,
     write_snapshot,
 )
+from shared_dir import SHARED_DIR
 
 
 def event(action, addr, size, stream=0):
@@ -299,8 +300,7 @@ def test_a_memo_grown_by_repeated_stores_counts_as_cpython_sizes_it():
     assert scan(data, 1 << 20, memory=64 << 20).why == ""
 
 
-SHARED_TRACES = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
-                                              "shared", "traces", "**", "*.pickle"), recursive=True))
+SHARED_TRACES = sorted(glob.glob(os.path.join(SHARED_DIR, "traces", "**", "*.pickle"), recursive=True))
 
 
 # Objects CPython takes less memory for than their pickle's bytes suggest: characters
@@ -314,7 +314,7 @@ EDGE = {"latin": ["\u00e9" * k for k in range(1, 200, 7)], "cjk": ["\u4e2d" * k 
 
 @pytest.mark.parametrize("source", ["rich-%d" % p for p in range(pickle.HIGHEST_PROTOCOL + 1)] +
                          ["edge-%d" % p for p in range(pickle.HIGHEST_PROTOCOL + 1)] +
-                         [os.path.basename(p) for p in SHARED_TRACES])
+                         [pytest.param(os.path.basename(p), marks=pytest.mark.shared) for p in SHARED_TRACES])
 def test_the_least_memory_the_pass_counts_is_no_more_than_loading_takes(source):
     # A lower bound: a snapshot that loads in the memory there is is never refused for it.
     import tracemalloc

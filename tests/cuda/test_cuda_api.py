@@ -339,7 +339,7 @@ def test_fake_device_without_virtual_memory_says_nothing_of_vmm():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     prog = ("from benchmarks.bench_core import device_pair_ns\n"
             "from pyalloc import _C\n"
             "assert _C.cuda_config()['strategy'] == 'vmm'\n"

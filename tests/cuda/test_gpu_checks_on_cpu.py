@@ -1,6 +1,6 @@
 """What the GPU checks of tests/gpu/ decide before or without a GPU, checked on CPU.
 
-The checks themselves need a GPU (tests/test_gpu.py runs them); the sizes they
+The checks themselves need a GPU (tests/cuda/test_gpu.py runs them); the sizes they
 take, the helpers they verify with and the recipes they train are plain code,
 tested here against the devices the checks run on (80 GB and 141 GB).
 """
@@ -14,11 +14,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-GPU_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu")
+torch = pytest.importorskip("torch")  # the checks' recipes are torch code
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+GPU_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu")
 GB, GiB, MiB = 10**9, 1 << 30, 1 << 20
 
 

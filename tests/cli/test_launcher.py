@@ -11,7 +11,7 @@ import pytest
 from pyalloc import __main__ as cli
 from pyalloc import cuda as api
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 REPORT = (
     "import json, sys\n"

@@ -219,7 +219,7 @@ def test_replay_serves_the_same_allocations_under_every_strategy(name):
 
     from pyalloc.replay import replay
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "benchmarks", "traces", f"{name}.pickle.gz")
     results = [replay(path, config=f"strategy:{s}", search=False) for s in ("bestfit", "vmm")]
     keys = ("events", "allocs", "frees", "peak_live_bytes", "preexisting_bytes", "missed_frees",

@@ -14,10 +14,11 @@ import pytest
 from pyalloc import _C
 from pyalloc.replay import _fits, plan_trace, replay
 from pyalloc.snapshot_io import read_trace, write_snapshot
+from shared_dir import SHARED_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = ROOT / "benchmarks" / "traces"
-SHARED = ROOT.parent / "shared" / "traces"
+SHARED = SHARED_DIR / "traces"
 MiB = 1 << 20
 
 
@@ -372,7 +373,7 @@ def test_result_dict_has_the_documented_keys():
 
 
 def repeating(passes, sizes=(2 * MiB, 3 * MiB, 7 * MiB // 2)):
-    """The loop of tests/test_steady_state.py, `passes` times, as a trace."""
+    """The loop of tests/core/test_steady_state.py, `passes` times, as a trace."""
     p, q, s = sizes
     events = []
     for _ in range(passes):
@@ -424,7 +425,7 @@ def test_bundled_trace_known_totals(row):
     assert r.peak_live_bytes <= r.pyalloc_min_budget_bytes <= r.pyalloc_peak_reserved_bytes
 
 
-@pytest.mark.skipif(not (SHARED / "README.md").exists(), reason="no shared benchmark traces here")
+@pytest.mark.shared
 @pytest.mark.parametrize("row", readme_table(SHARED / "README.md") if (SHARED / "README.md").exists() else [],
                          ids=lambda r: r["file"])
 def test_shared_trace_totals(row):

@@ -17,15 +17,16 @@ from pyalloc.replay_allocators import ALLOCATORS, AllocatorRun, run_allocator
 from pyalloc.replay_oom import MAX_OOM_REPLAYS
 from pyalloc.replay_report import oom_sentence
 from pyalloc.snapshot_io import load_snapshot
+from shared_dir import SHARED_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
-GPU = ROOT.parent / "shared" / "traces" / "gpu"
+ROOT = Path(__file__).resolve().parents[2]
+GPU = SHARED_DIR / "traces" / "gpu"
 CONSTRUCTOR_SUN = GPU / "constructor-sun-code_location-qwen3emb-gnn-3gpu-expandable-oom.pickle"
 WINDOWS = GPU / "zidongliu-decomfl-opt125m-zo-fedlearn-windows.pickle"
 WRAPPED = GPU / "wedsonlin-cs336-a2-medium-ctx1024-trainstep-bf16.pickle"
 MiB, GiB = 1 << 20, 1 << 30
 
-needs_gpu_traces = pytest.mark.skipif(not CONSTRUCTOR_SUN.exists(), reason="no shared GPU traces here")
+needs_gpu_traces = pytest.mark.shared
 
 
 def _model_missing(name):

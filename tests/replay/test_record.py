@@ -14,7 +14,7 @@ from pyalloc.record import RecordError, parse_command, record_program, run_progr
 from pyalloc.replay import replay
 from pyalloc.snapshot_io import load_snapshot, write_snapshot
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def script(tmp_path, body, name="prog.py"):

@@ -18,7 +18,7 @@ import pyalloc
 from pyalloc import _C, bridge
 from pyalloc import cuda as api
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cpu_torch() -> bool:

@@ -16,7 +16,7 @@ import pytest
 
 from pyalloc import bridge
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _headers_or_skip():

@@ -22,9 +22,9 @@ from pyalloc import _C
 from bridge_api import INVALID, OK, BridgeApi
 
 MiB = 1 << 20
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-STUB_DIR = os.path.join(HERE, "cuda_stub")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(TESTS)
+STUB_DIR = os.path.join(TESTS, "cuda_stub")
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def stub_driver(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["bestfit", "vmm", "vmm-unshareable"])
 def test_ipc_between_two_processes_on_the_stand_in_driver(stub_driver, mode):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, HERE]), LD_LIBRARY_PATH=str(stub_driver.parent))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]), LD_LIBRARY_PATH=str(stub_driver.parent))
     env.pop("PYALLOC_CONF", None)
     out = subprocess.run(
         [sys.executable, os.path.join(STUB_DIR, "ipc_checks.py"), str(stub_driver), "send", mode],
