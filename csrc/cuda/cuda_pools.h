@@ -115,13 +115,14 @@
 
 #include "core/allocator.h"
 #include "cuda_backend.h"
+#include "pool_backend.h"
 
 namespace pyalloc {
 
 class DevicePools {
  public:
-  /// PyTorch's MempoolId_t: {CaptureId_t, CaptureId_t}.
-  using PoolId = std::pair<uint64_t, uint64_t>;
+  using PoolId = pyalloc::PoolId;
+  using SegmentSource = pyalloc::SegmentSource;
   /// True: this stream's allocations go to the pool.
   using StreamFilter = std::function<bool(Stream)>;
 
@@ -156,10 +157,7 @@ class DevicePools {
   bool share(uintptr_t ptr, std::vector<SharedMemory>* out, std::string* why);
   /// False if no pool of this device has ever held memory at ptr: read
   /// without a lock, to find a pointer's device (true is only a maybe).
-  bool may_hold(uintptr_t ptr) const {
-    return ptr >= budget_.lo.load(std::memory_order_acquire) &&
-           ptr < budget_.hi.load(std::memory_order_acquire);
-  }
+  bool may_hold(uintptr_t ptr) const { return budget_.may_hold(ptr); }
 
   /// From now on, allocations on streams the filter accepts come from pool
   /// `id` (created if new); a use of the pool. A pool may have several
@@ -186,14 +184,6 @@ class DevicePools {
   void heal_routes();
   /// How long a route's capture must have been seen over before it heals.
   static constexpr double kRouteHealGrace = 0.5;  // seconds
-  /// Where a pool's segments come from when not from the driver: a
-  /// torch.cuda.MemPool's own allocator (NCCL's ncclMemAlloc, say). reserve
-  /// returns 0 when out of memory and throws for other errors; release takes
-  /// back what reserve gave. Called with the pool's lock held.
-  struct SegmentSource {
-    std::function<uintptr_t(size_t)> reserve;
-    std::function<void(uintptr_t, size_t)> release;
-  };
   /// A MemPool: creates pool `id` with one use (its segments from `source`,
   /// if given), or adds a use.
   void create_or_incref_pool(PoolId id, SegmentSource source = {});
@@ -312,7 +302,6 @@ class DevicePools {
   using GraphKey = std::tuple<uint64_t, Stream, size_t>;  // (capture, stream, size)
 
   struct GraphPool;
-  class PoolBackend;
 
   // A route of begin_allocate_to_pool(). While `declared`, it counts as a
   // capture underway (capture.h): until end_allocate_to_pool(), its pool's
@@ -324,19 +313,6 @@ class DevicePools {
     bool declared = true;
     std::vector<std::pair<Stream, uint64_t>> seen;  // (stream, capture id) it served capturing
     double ended = 0;  // when all of `seen` were first found done (steady seconds), 0: not yet
-  };
-
-  // What every pool's backend of the device draws on: the bytes they hold
-  // from the driver against the memory fraction's cap, and the lowest and
-  // highest address any of them ever got (may_hold()).
-  struct Budget {
-    std::atomic<size_t> reserved{0};
-    std::atomic<size_t> cap{0};  // 0: no cap
-    std::atomic<uintptr_t> lo{UINTPTR_MAX};
-    std::atomic<uintptr_t> hi{0};
-    bool take(size_t bytes);
-    void give(size_t bytes) { reserved.fetch_sub(bytes, std::memory_order_acq_rel); }
-    void saw(uintptr_t base, size_t bytes);
   };
 
   std::unique_ptr<Backend> make_backend(bool held, PoolId id);
@@ -364,7 +340,7 @@ class DevicePools {
 
   std::unique_ptr<Device> device_;
   Config config_;
-  Budget budget_;           // before the pools that draw on it
+  DeviceBudget budget_;     // before the pools that draw on it
   StatsSink device_stats_;  // before the pools that push to it
   int64_t max_split_size_ = 0;
   std::unique_ptr<Allocator> general_;
