@@ -62,6 +62,8 @@ DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config)
     : device_(std::move(device)), config_(config) {
   general_ = std::make_unique<Allocator>(make_backend(false, {0, 0}), config_);
   buffers_ = std::make_unique<Allocator>(make_backend(false, kBufferPoolId), buffer_config(config_));
+  general_->set_oom_policy(&general_oom_);
+  buffers_->set_oom_policy(&buffer_oom_);
   general_->set_stats_sink(&device_stats_);
   buffers_->set_stats_sink(&device_stats_);
   general_->share_history();  // one device trace for all of its pools
@@ -105,22 +107,9 @@ uintptr_t DevicePools::malloc(size_t size, Stream stream, uint64_t context) {
     CaptureState cap = device_->captures().probe(stream);
     if (cap.capturing) return capture_malloc(size, stream, cap.id, context);
   }
-  try {
-    // Not yet the caller's error: counted below, once, if it is the one raised.
-    return general_->malloc(size, stream, context, /*caller_counts_oom=*/true);
-  } catch (const OutOfMemoryError& e) {
-    // Graph pools with no use left and the buffer pool's cache may still
-    // hold memory: give it back and retry once.
-    if (release_others(*general_) > 0) {
-      try {
-        return general_->malloc(size, stream, context);
-      } catch (const OutOfMemoryError& again) {
-        throw_oom(*general_, "general", size, again.reason(), device_->captures().underway());
-      }
-    }
-    general_->count_oom(size, stream, e.rejected());
-    throw_oom(*general_, "general", size, e.reason(), device_->captures().underway());
-  }
+  // Out of memory, it retries once the other pools have given back their
+  // cache (PoolOom::release_elsewhere), then raises the error itself.
+  return general_->malloc(size, stream, context);
 }
 
 size_t DevicePools::release_others(const Allocator& pool) {
@@ -186,22 +175,7 @@ bool DevicePools::segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const
   return false;
 }
 
-uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) {
-  try {
-    // Not yet the caller's error: counted below, once, if it is the one raised.
-    return buffers_->malloc(size, stream, 0, /*caller_counts_oom=*/true);
-  } catch (const OutOfMemoryError& e) {
-    if (release_others(*buffers_) > 0) {
-      try {
-        return buffers_->malloc(size, stream);
-      } catch (const OutOfMemoryError& again) {
-        throw_oom(*buffers_, "buffer", size, again.reason(), device_->captures().underway());
-      }
-    }
-    buffers_->count_oom(size, stream, e.rejected());
-    throw_oom(*buffers_, "buffer", size, e.reason(), device_->captures().underway());
-  }
-}
+uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) { return buffers_->malloc(size, stream); }
 
 void DevicePools::free_buffer(uintptr_t ptr) {
   ipc::forget(index(), ptr);
@@ -342,14 +316,9 @@ uintptr_t DevicePools::routed_malloc(size_t size, Stream stream, uint64_t contex
     }
     route->ended = 0;
   }
-  uintptr_t ptr;
-  try {
-    ptr = pool->alloc->malloc(size, stream, context);
-  } catch (const OutOfMemoryError& e) {
-    // A route is open, so a capture counts as underway: nothing can be
-    // released to make room (capture.h).
-    throw_oom(*pool->alloc, "graph", size, e.reason(), device_->captures().underway());
-  }
+  // Out of memory, nothing is given back to make room: the route counts as
+  // a capture underway (capture.h).
+  uintptr_t ptr = pool->alloc->malloc(size, stream, context);
   std::lock_guard<std::mutex> b(pool->mu);
   pool->blocks.insert(ptr);
   return ptr;
@@ -385,6 +354,7 @@ DevicePools::GraphPool& DevicePools::pool_incref_locked(PoolId id, SegmentSource
                                                std::move(source));
   pool->backend = backend.get();
   pool->alloc = std::make_unique<Allocator>(std::move(backend), graph_pool_config(config_));
+  pool->alloc->set_oom_policy(&graph_oom_);
   pool->alloc->set_stats_sink(&device_stats_);
   pool->alloc->share_history();
   if (history_) pool->alloc->record_history(true, history_max_);
@@ -826,12 +796,7 @@ uintptr_t DevicePools::capture_malloc(size_t size, Stream stream, uint64_t captu
       return ptr;
     }
   }
-  uintptr_t ptr;
-  try {
-    ptr = general_->malloc(size, stream, context);
-  } catch (const OutOfMemoryError& e) {
-    throw_oom(*general_, "general", size, e.reason(), true);
-  }
+  uintptr_t ptr = general_->malloc(size, stream, context);
   std::lock_guard<std::mutex> g(graph_mu_);
   graph_live_.emplace(ptr, GraphBlock{capture, stream, rounded});
   graph_bytes_ += rounded;
@@ -923,41 +888,31 @@ void DevicePools::record_history(bool enabled, size_t max_entries) {
 // ---------------------------------------------------------------------------
 // Errors
 
-namespace {
-
-// Called where the pool's OutOfMemoryError is being handled: whether the pool
-// refused the request at once (kept through the message rewritten above it).
-bool pool_oom_rejected() {
-  std::exception_ptr cause = std::current_exception();
-  if (!cause) return false;
-  try {
-    std::rethrow_exception(cause);
-  } catch (const OutOfMemoryError& e) {
-    return e.rejected();
-  } catch (...) {
-    return false;
-  }
+size_t DevicePools::PoolOom::release_elsewhere(Allocator& pool) {
+  // Graph pools with no use left and the other pools' caches may still hold
+  // memory. Never for a graph pool: its route counts as a capture underway.
+  return relieved_ ? pools_.release_others(pool) : 0;
 }
 
-}  // namespace
-
-void DevicePools::throw_oom(Allocator& pool, const char* which, size_t size,
-                            const std::string& why, bool capturing) {
+std::string DevicePools::PoolOom::describe(Allocator& pool, const OomFailure& failure) {
   Stats st = pool.stats();
   FragmentationInfo f = pool.fragmentation();
   size_t dev_free = 0, dev_total = 0;
-  device_->mem_info(&dev_free, &dev_total);
-  int d = index();
+  pools_.device_->mem_info(&dev_free, &dev_total);
+  int d = pools_.index();
+  size_t size = failure.request;
+  const std::string& why = failure.why;
+  bool capturing = pools_.device_->captures().underway();
   auto reserved = static_cast<size_t>(st.reserved_bytes.all.current);
   std::ostringstream m;
   // The first words are what batch-size finders (accelerate, Lightning) look for.
   // Each figure once, named for what it is: `why`, the core's reason, names none.
   m << "CUDA out of memory. Tried to allocate " << format_bytes(size) << " on device " << d
-    << " (pyalloc " << which << " pool). ";
+    << " (pyalloc " << which_ << " pool). ";
   if (dev_total != 0)
     m << "GPU " << d << " has a total capacity of " << format_bytes(dev_total) << " of which "
       << format_bytes(dev_free) << " is free. ";
-  size_t cap = device_cap();
+  size_t cap = pools_.device_cap();
   size_t own_cap = pool.config().max_pool_size;
   m << "pyalloc has " << format_bytes(static_cast<size_t>(st.allocated_bytes.all.current))
     << " allocated and " << format_bytes(reserved) << " reserved in this pool";
@@ -967,8 +922,8 @@ void DevicePools::throw_oom(Allocator& pool, const char* which, size_t size,
   if (f.free_bytes >= size && f.largest_free_block < size)
     m << "The free memory is fragmented: no free block is large enough. ";
   if (cap != 0) {
-    size_t held = device_reserved();
-    m << "The memory fraction " << memory_fraction() << " caps all of pyalloc's pools on device " << d
+    size_t held = pools_.device_reserved();
+    m << "The memory fraction " << pools_.memory_fraction() << " caps all of pyalloc's pools on device " << d
       << " at " << format_bytes(cap);
     if (held != reserved) m << ", of which they hold " << format_bytes(held);
     m << ": " << format_bytes(cap > held ? cap - held : 0) << " more can be reserved under the cap. ";
@@ -981,7 +936,7 @@ void DevicePools::throw_oom(Allocator& pool, const char* which, size_t size,
   else if (capturing)
     m << "A CUDA graph capture is underway: nothing cached can be released to make room. ";
   m << "Why: " << why << ".";
-  throw OutOfMemoryError(m.str(), pool_oom_rejected(), why);
+  return m.str();
 }
 
 // ---------------------------------------------------------------------------

@@ -335,13 +335,30 @@ class DevicePools {
   uintptr_t capture_malloc(size_t size, Stream stream, uint64_t capture, uint64_t context);
   bool capture_free(uintptr_t ptr);
   void capture_record_stream(uintptr_t ptr);
-  [[noreturn]] void throw_oom(Allocator& pool, const char* which, size_t size,
-                              const std::string& why, bool capturing);
+
+  // The out-of-memory path's device part for one kind of pool (core/oom.h):
+  // the other pools' memory given back (general and buffer pools), and the
+  // message, in PyTorch's words, with the device's figures.
+  class PoolOom final : public OomPolicy {
+   public:
+    PoolOom(DevicePools& pools, const char* which, bool relieved)
+        : pools_(pools), which_(which), relieved_(relieved) {}
+    size_t release_elsewhere(Allocator& pool) override;
+    std::string describe(Allocator& pool, const OomFailure& failure) override;
+
+   private:
+    DevicePools& pools_;
+    const char* which_;
+    bool relieved_;
+  };
 
   std::unique_ptr<Device> device_;
   Config config_;
   DeviceBudget budget_;     // before the pools that draw on it
   StatsSink device_stats_;  // before the pools that push to it
+  PoolOom general_oom_{*this, "general", true};  // before the pools that use them
+  PoolOom buffer_oom_{*this, "buffer", true};
+  PoolOom graph_oom_{*this, "graph", false};
   int64_t max_split_size_ = 0;
   std::unique_ptr<Allocator> general_;
   std::unique_ptr<Allocator> buffers_;
