@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda_pools.h"
+#include "registry.h"
 #include "ipc.h"
 #include "segment_watch.h"
 

@@ -14,7 +14,7 @@
 #include <utility>
 
 #include "cuda/cuda_driver.h"
-#include "cuda/cuda_pools.h"
+#include "cuda/registry.h"
 #include "cuda/ipc.h"
 #include "py_bindings.h"
 #include "py_convert.h"

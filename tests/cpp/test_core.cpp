@@ -18,7 +18,7 @@
 #include "core/allocator.h"
 #include "backends/sim_streams.h"
 #include "cuda/bridge_api.h"
-#include "cuda/cuda_pools.h"
+#include "cuda/registry.h"
 #include "replay/replay.h"
 #include "replay/torch_model.h"
 
