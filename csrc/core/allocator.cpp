@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <sstream>
 
 namespace pyalloc {
 namespace {
@@ -13,19 +12,6 @@ namespace {
 // PyTorch's rule: a request below max_split_size never takes an oversize
 // block, and an oversize request never wastes more than this on a block.
 constexpr size_t kOversizeSlack = size_t(20) << 20;
-
-// Sets a tag for the duration of a scope; restores the previous one after.
-class ContextScope {
- public:
-  ContextScope(uint64_t* slot, uint64_t value) : slot_(slot), saved_(*slot) { *slot = value; }
-  ~ContextScope() { *slot_ = saved_; }
-  ContextScope(const ContextScope&) = delete;
-  ContextScope& operator=(const ContextScope&) = delete;
-
- private:
-  uint64_t* slot_;
-  uint64_t saved_;
-};
 
 int64_t now_us() {
   using namespace std::chrono;
@@ -123,6 +109,7 @@ void Allocator::drop_block(Block* b) {
 
 uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
   if (size == 0) return 0;
+  // A refusal is not yet the caller's error: the owner's retry comes first (oom.h).
   try {
     return malloc_once(size, s, context);
   } catch (const Refused& refused) {
@@ -144,6 +131,19 @@ uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
   ContextScope scope(&trace_context_, context);
   Block* b = rounded <= cfg_.small_size ? alloc_small(rounded, s, size) : alloc_large(rounded, s, size);
   return hand_out(b, size, s, context);
+}
+
+uintptr_t Allocator::malloc_refused(size_t size, Stream s, uint64_t context, OomFailure failure) {
+  // The owner may hold memory this pool could take (the other pools of a
+  // device): given back with none of this pool's locks held, one more try.
+  if (oom_policy_ != nullptr && oom_policy_->release_elsewhere(*this) > 0) {
+    try {
+      return malloc_once(size, s, context);
+    } catch (const Refused& again) {
+      failure = again.failure;
+    }
+  }
+  throw_oom(failure, context);
 }
 
 uintptr_t Allocator::hand_out(Block* b, size_t size, Stream s, uint64_t context) {
@@ -1081,68 +1081,6 @@ Config Allocator::config() const {
 
 // ---------------------------------------------------------------------------
 // Errors
-
-void Allocator::refuse(size_t request, size_t size, Stream s, std::string why, bool rejected) {
-  throw Refused{OomFailure{request, size, s, std::move(why), rejected}};
-}
-
-uintptr_t Allocator::malloc_refused(size_t size, Stream s, uint64_t context, OomFailure failure) {
-  // The owner may hold memory this pool could take (the other pools of a
-  // device): given back with none of this pool's locks held, one more try.
-  if (oom_policy_ != nullptr && oom_policy_->release_elsewhere(*this) > 0) {
-    try {
-      return malloc_once(size, s, context);
-    } catch (const Refused& again) {
-      failure = again.failure;
-    }
-  }
-  throw_oom(failure, context);
-}
-
-void Allocator::throw_oom(const OomFailure& f, uint64_t context) {
-  std::string message;
-  {
-    std::lock_guard<Lock> guard(mu_);
-    // The driver is asked for the history's entry and for the core's own
-    // words; a policy's words ask it what they need.
-    size_t dev_free = 0, dev_total = 0;
-    if (history_on_ || oom_policy_ == nullptr) backend_->mem_info(&dev_free, &dev_total);
-    stats_.num_ooms++;
-    // Refused before trying, as PyTorch's throw_on_cudamalloc_oom refuses what
-    // its memory fraction cannot hold: PyTorch counts these apart.
-    if (f.rejected) stats_.num_oom_rejections++;
-    if (history_on_) {
-      ContextScope scope(&trace_context_, context);
-      trace(TraceEntry::kOom, dev_free, f.request, f.stream);
-    }
-    if (oom_policy_ == nullptr) message = describe_oom_locked(f, dev_free, dev_total);
-  }
-  if (oom_policy_ != nullptr) message = oom_policy_->describe(*this, f);
-  throw OutOfMemoryError(message, f.rejected);
-}
-
-std::string Allocator::describe_oom_locked(const OomFailure& f, size_t dev_free, size_t dev_total) const {
-  size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
-  size_t allocated = static_cast<size_t>(stats_.allocated_bytes.all.current);
-  size_t active = static_cast<size_t>(stats_.active_bytes.all.current);
-  size_t free_bytes = reserved - active;
-  size_t largest = std::max(largest_free_locked(kLargePool), largest_free_locked(kSmallPool));
-  std::ostringstream m;
-  m << "out of memory: tried to allocate " << format_bytes(f.request);
-  if (f.request <= kMaxRequest && f.size != round_up(f.request, kGranularity))
-    m << " (as a " << format_bytes(f.size) << " small-pool chunk)";
-  // Each figure once: `why` names none that follows.
-  m << " on stream " << f.stream << ": " << f.why << ". The pool has " << format_bytes(allocated)
-    << " allocated and " << format_bytes(reserved) << " reserved";
-  if (cfg_.max_pool_size != 0) m << ", under its cap of " << format_bytes(cfg_.max_pool_size) << " (max_pool_size)";
-  m << "; " << format_bytes(free_bytes) << " of the reserved memory is free, the largest free block is "
-    << format_bytes(largest) << ".";
-  if (free_bytes >= f.size && largest < f.size)
-    m << " The free memory is fragmented: no free block is large enough.";
-  if (dev_total != 0)
-    m << " The device has " << format_bytes(dev_free) << " free of " << format_bytes(dev_total) << ".";
-  return m.str();
-}
 
 std::string Allocator::describe_bad_pointer(uintptr_t ptr, const char* op) const {
   std::string where = std::string(op) + "(" + format_ptr(ptr) + "): ";

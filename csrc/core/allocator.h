@@ -279,6 +279,20 @@ class Allocator {
     }
   };
 
+  // Sets a tag (trace_context_) for the duration of a scope; restores the
+  // previous one after.
+  class ContextScope {
+   public:
+    ContextScope(uint64_t* slot, uint64_t value) : slot_(slot), saved_(*slot) { *slot = value; }
+    ~ContextScope() { *slot_ = saved_; }
+    ContextScope(const ContextScope&) = delete;
+    ContextScope& operator=(const ContextScope&) = delete;
+
+   private:
+    uint64_t* slot_;
+    uint64_t saved_;
+  };
+
   StreamState& state(Stream s) {
     if (last_state_ != nullptr && last_stream_ == s) return *last_state_;
     return state_slow(s);
@@ -462,7 +476,7 @@ class Allocator {
   /// rejected: refused at once, before anything was mapped, reserved or
   /// released (counted in num_oom_rejections, OutOfMemoryError::rejected()).
   [[noreturn]] void refuse(size_t request, size_t size, Stream s, std::string why, bool rejected = false);
-  // The final error: counted, traced and worded, once.
+  // The final error: counted, traced and worded, once (oom.cpp).
   [[noreturn]] void throw_oom(const OomFailure& failure, uint64_t context);
   std::string describe_oom_locked(const OomFailure& failure, size_t dev_free, size_t dev_total) const;
   std::string describe_bad_pointer(uintptr_t ptr, const char* op) const;
