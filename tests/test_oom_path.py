@@ -104,7 +104,8 @@ def test_a_graph_pool_oom_counts_once_and_gives_nothing_back(fake, lib, history)
         hook("end_allocate_to_pool", (0, 9))
         hook("release_pool", (0, 9))
     message = str(e.value)
-    assert message.startswith("CUDA out of memory. Tried to allocate 30.00 MiB on device 0 (pyalloc graph pool).")
+    assert message.startswith("CUDA out of memory. Tried to allocate 30.00 MiB on device 0 "
+                              "(pyalloc graph pool).")
     assert "A CUDA graph capture is underway" in message
     assert _C.cuda_stats(0, "buffers")["reserved_bytes.all.current"] >= 8 * MiB
     num_ooms, rejections, _ = counts()
@@ -125,7 +126,8 @@ def test_an_oom_during_an_unannounced_capture_counts_once(fake, lib, history):
     finally:
         _C._testing_set_capture(CAPTURE_STREAM, 0)
     message = str(e.value)
-    assert message.startswith("CUDA out of memory. Tried to allocate 128.00 MiB on device 0 (pyalloc general pool).")
+    assert message.startswith("CUDA out of memory. Tried to allocate 128.00 MiB on device 0 "
+                              "(pyalloc general pool).")
     assert "A CUDA graph capture is underway" in message
     assert counts() == (1, 1, 0)
     [oom] = ooms()

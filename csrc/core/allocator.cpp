@@ -124,7 +124,8 @@ uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
   // As PyTorch answers such a request (its cudaMalloc fails): out of memory,
   // here at once, since no device could hold it.
   if (size > kMaxRequest)
-    refuse(size, size, s, "larger than any device could hold (limit " + format_bytes(kMaxRequest) + ")", true);
+    refuse(size, size, s, "larger than any device could hold (limit " + format_bytes(kMaxRequest) + ")",
+           true);
   size_t rounded = round_up(size, kGranularity);
   if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
   // Segment events this request causes carry its tag (until it returns or throws).

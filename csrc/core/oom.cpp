@@ -48,7 +48,8 @@ std::string Allocator::describe_oom_locked(const OomFailure& f, size_t dev_free,
   // Each figure once: `why` names none that follows.
   m << " on stream " << f.stream << ": " << f.why << ". The pool has " << format_bytes(allocated)
     << " allocated and " << format_bytes(reserved) << " reserved";
-  if (cfg_.max_pool_size != 0) m << ", under its cap of " << format_bytes(cfg_.max_pool_size) << " (max_pool_size)";
+  if (cfg_.max_pool_size != 0)
+    m << ", under its cap of " << format_bytes(cfg_.max_pool_size) << " (max_pool_size)";
   m << "; " << format_bytes(free_bytes) << " of the reserved memory is free, the largest free block is "
     << format_bytes(largest) << ".";
   if (free_bytes >= f.size && largest < f.size)

@@ -1,4 +1,4 @@
-// The C interface of bridge_api.h over the pools of cuda_pools.h.
+// The C interface of bridge_api.h over the pools of registry.h and cuda_pools.h.
 //
 // Each function catches every exception and turns it into a status and a
 // per-thread message: nothing C++ crosses into the bridge, which may be

@@ -488,7 +488,8 @@ RestorePlan plan_restore(const Allocator& alloc, const std::unordered_set<uintpt
   // can overlap it. A dropped block's end is its own (an oversize block
   // holds more than its request).
   std::vector<std::pair<uintptr_t, uintptr_t>> new_ranges;
-  for (const LiveBlock* b : plan.to_make) new_ranges.emplace_back(b->ptr, b->ptr + round_up(b->size, kGranularity));
+  for (const LiveBlock* b : plan.to_make)
+    new_ranges.emplace_back(b->ptr, b->ptr + round_up(b->size, kGranularity));
   std::sort(new_ranges.begin(), new_ranges.end());
   for (const Dropped& d : plan.dropped) {
     uintptr_t end = d.ptr + d.info.size;

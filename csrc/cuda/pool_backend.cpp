@@ -34,7 +34,11 @@ void DeviceBudget::saw(uintptr_t base, size_t bytes) {
 
 PoolBackend::PoolBackend(std::unique_ptr<Backend> inner, DeviceBudget& budget, bool held, int device,
                          PoolId id, SegmentSource source)
-    : inner_(std::move(inner)), budget_(budget), source_(std::move(source)), units_(device, id), held_(held) {}
+    : inner_(std::move(inner)),
+      budget_(budget),
+      source_(std::move(source)),
+      units_(device, id),
+      held_(held) {}
 
 uintptr_t PoolBackend::reserve(size_t size) {
   if (!budget_.take(size)) {

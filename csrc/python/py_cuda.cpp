@@ -1,4 +1,4 @@
-// Python bindings of the CUDA pools (cuda_pools.h): configuration, per-device
+// Python bindings of the CUDA pools (registry.h, cuda_pools.h): configuration, per-device
 // stats, fragmentation, snapshots and history, cache control, and buffers
 // handed to PyTorch as DLPack capsules. pyalloc/cuda.py builds the public
 // API on these. The `_testing_` functions drive the same code over fake
