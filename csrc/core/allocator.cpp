@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <sstream>
 
 namespace pyalloc {
 namespace {
@@ -13,19 +12,6 @@ namespace {
 // PyTorch's rule: a request below max_split_size never takes an oversize
 // block, and an oversize request never wastes more than this on a block.
 constexpr size_t kOversizeSlack = size_t(20) << 20;
-
-// Sets a tag for the duration of a scope; restores the previous one after.
-class ContextScope {
- public:
-  ContextScope(uint64_t* slot, uint64_t value) : slot_(slot), saved_(*slot) { *slot = value; }
-  ~ContextScope() { *slot_ = saved_; }
-  ContextScope(const ContextScope&) = delete;
-  ContextScope& operator=(const ContextScope&) = delete;
-
- private:
-  uint64_t* slot_;
-  uint64_t saved_;
-};
 
 int64_t now_us() {
   using namespace std::chrono;
@@ -121,22 +107,44 @@ void Allocator::drop_block(Block* b) {
 // ---------------------------------------------------------------------------
 // malloc
 
-uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context, bool caller_counts_oom) {
+uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
   if (size == 0) return 0;
+  // A refusal is not yet the caller's error: the owner's retry comes first (oom.h).
+  try {
+    return malloc_once(size, s, context);
+  } catch (const Refused& refused) {
+    return malloc_refused(size, s, context, refused.failure);
+  }
+}
+
+// Inlined into malloc(), the hot path.
+[[gnu::always_inline]] inline uintptr_t Allocator::malloc_once(size_t size, Stream s, uint64_t context) {
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
-  oom_to_caller_ = caller_counts_oom;  // throw_oom is reached only from here
   // As PyTorch answers such a request (its cudaMalloc fails): out of memory,
   // here at once, since no device could hold it.
   if (size > kMaxRequest)
-    throw_oom(size, size, s, "larger than any device could hold (limit " + format_bytes(kMaxRequest) + ")",
-              true);
+    refuse(size, size, s, "larger than any device could hold (limit " + format_bytes(kMaxRequest) + ")",
+           true);
   size_t rounded = round_up(size, kGranularity);
   if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
   // Segment events this request causes carry its tag (until it returns or throws).
   ContextScope scope(&trace_context_, context);
   Block* b = rounded <= cfg_.small_size ? alloc_small(rounded, s, size) : alloc_large(rounded, s, size);
   return hand_out(b, size, s, context);
+}
+
+uintptr_t Allocator::malloc_refused(size_t size, Stream s, uint64_t context, OomFailure failure) {
+  // The owner may hold memory this pool could take (the other pools of a
+  // device): given back with none of this pool's locks held, one more try.
+  if (oom_policy_ != nullptr && oom_policy_->release_elsewhere(*this) > 0) {
+    try {
+      return malloc_once(size, s, context);
+    } catch (const Refused& again) {
+      failure = again.failure;
+    }
+  }
+  throw_oom(failure, context);
 }
 
 uintptr_t Allocator::hand_out(Block* b, size_t size, Stream s, uint64_t context) {
@@ -471,7 +479,7 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
   // page is mapped or any cached memory is thrown away for nothing.
   std::string why;
   size_t room = kUnknownRoom;
-  if (!may_grow(size, &room, &why)) throw_oom(request, size, s, why, true);
+  if (!may_grow(size, &room, &why)) refuse(request, size, s, why, true);
   b = vmm_ ? map_for(size, s, &why, room) : grow(size, s, &why, room);
   if (b == nullptr && !backend_->is_capturing(s) && !backend_->capture_underway()) {
     // Give back everything cached and try once more, as PyTorch does. The
@@ -493,7 +501,7 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
     }
     drop_spares();
   }
-  if (b == nullptr) throw_oom(request, size, s, why);
+  if (b == nullptr) refuse(request, size, s, why);
   return take(b, size, s);
 }
 
@@ -1074,48 +1082,6 @@ Config Allocator::config() const {
 
 // ---------------------------------------------------------------------------
 // Errors
-
-void Allocator::count_oom(size_t request, Stream s, bool rejected) {
-  std::lock_guard<Lock> guard(mu_);
-  // The driver is asked only for the history's entry: the OOM path's calls are counted.
-  size_t dev_free = 0, dev_total = 0;
-  if (history_on_) backend_->mem_info(&dev_free, &dev_total);
-  count_oom_locked(request, s, rejected, dev_free);
-}
-
-void Allocator::count_oom_locked(size_t request, Stream s, bool rejected, size_t dev_free) {
-  stats_.num_ooms++;
-  // Refused before trying, as PyTorch's throw_on_cudamalloc_oom refuses what
-  // its memory fraction cannot hold: PyTorch counts these apart.
-  if (rejected) stats_.num_oom_rejections++;
-  if (history_on_) trace(TraceEntry::kOom, dev_free, request, s);
-}
-
-void Allocator::throw_oom(size_t request, size_t size, Stream s, const std::string& why,
-                          bool rejected) {
-  size_t dev_free = 0, dev_total = 0;
-  backend_->mem_info(&dev_free, &dev_total);
-  if (!oom_to_caller_) count_oom_locked(request, s, rejected, dev_free);
-  size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
-  size_t allocated = static_cast<size_t>(stats_.allocated_bytes.all.current);
-  size_t active = static_cast<size_t>(stats_.active_bytes.all.current);
-  size_t free_bytes = reserved - active;
-  size_t largest = std::max(largest_free_locked(kLargePool), largest_free_locked(kSmallPool));
-  std::ostringstream m;
-  m << "out of memory: tried to allocate " << format_bytes(request);
-  if (request <= kMaxRequest && size != round_up(request, kGranularity)) m << " (as a " << format_bytes(size) << " small-pool chunk)";
-  // Each figure once: `why` names none that follows.
-  m << " on stream " << s << ": " << why << ". The pool has " << format_bytes(allocated)
-    << " allocated and " << format_bytes(reserved) << " reserved";
-  if (cfg_.max_pool_size != 0) m << ", under its cap of " << format_bytes(cfg_.max_pool_size) << " (max_pool_size)";
-  m << "; " << format_bytes(free_bytes) << " of the reserved memory is free, the largest free block is "
-    << format_bytes(largest) << ".";
-  if (free_bytes >= size && largest < size)
-    m << " The free memory is fragmented: no free block is large enough.";
-  if (dev_total != 0)
-    m << " The device has " << format_bytes(dev_free) << " free of " << format_bytes(dev_total) << ".";
-  throw OutOfMemoryError(m.str(), rejected, why);
-}
 
 std::string Allocator::describe_bad_pointer(uintptr_t ptr, const char* op) const {
   std::string where = std::string(op) + "(" + format_ptr(ptr) + "): ";

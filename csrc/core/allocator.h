@@ -20,11 +20,13 @@
 //   record_stream(p, T) makes free(p) wait for an event on T as well before
 //   the block becomes free at all ("pending free", as in PyTorch).
 // - Out of memory: release every cached free segment (after waiting for all
-//   events), retry once, then raise OutOfMemoryError saying why. Nothing live
-//   is moved or touched. A request the pool can never hold (beyond
-//   max_pool_size with what stays allocated, or beyond the device's free
-//   memory plus everything the pool could give back: one mem_info() per
-//   growth tells) fails at once, before anything is mapped or released.
+//   events), retry once; then, if the owner's policy gives back memory held
+//   elsewhere (oom.h), once more; only then raise OutOfMemoryError saying
+//   why, counted and traced here, once. Nothing live is moved or touched. A
+//   request the pool can never hold (beyond max_pool_size with what stays
+//   allocated, or beyond the device's free memory plus everything the pool
+//   could give back: one mem_info() per growth tells) is refused at once,
+//   before anything is mapped or released.
 // - Strategy "vmm" (backends with virtual memory): the large pool is one
 //   virtual range; physical pages are mapped under a block when it is taken
 //   and stay mapped while free (a cache). When a request fits no mapped free
@@ -58,6 +60,7 @@
 #include "config.h"
 #include "free_index.h"
 #include "lock.h"
+#include "oom.h"
 #include "ptr_map.h"
 #include "stats.h"
 
@@ -80,9 +83,9 @@ struct TraceEntry {
   size_t size;     // requested size for alloc / free; segment size otherwise
   Stream stream;
   int64_t time_us;  // steady clock
-  // The caller's tag (Allocator::malloc): alloc and the segment events it
-  // caused carry the allocation's; free_requested the free's, else the
-  // allocation's; free_completed the allocation's. 0: none.
+  // The caller's tag (Allocator::malloc): alloc, oom and the segment events
+  // the request caused carry the allocation's; free_requested the free's,
+  // else the allocation's; free_completed the allocation's. 0: none.
   uint64_t context;
 };
 
@@ -132,14 +135,11 @@ class Allocator {
   Allocator& operator=(const Allocator&) = delete;
 
   /// `size` bytes usable on `stream`; 0 for size 0. Throws OutOfMemoryError
-  /// (or std::invalid_argument for sizes no device could hold). `context`
-  /// is an opaque tag the history and snapshot() carry for this allocation
-  /// (PyTorch's recorded stack traces, kept by the caller); 0 for none.
-  /// caller_counts_oom: an out-of-memory error is thrown but neither counted
-  /// (num_ooms, num_oom_rejections) nor traced, for a caller that may retry
-  /// and calls count_oom() for the error it finally raises, if any: one OOM
-  /// the user sees, one count.
-  uintptr_t malloc(size_t size, Stream stream, uint64_t context = 0, bool caller_counts_oom = false);
+  /// once every retry failed (oom.h), worded by the OomPolicy if one is set.
+  /// `context` is an opaque tag the history and snapshot() carry for this
+  /// allocation (PyTorch's recorded stack traces, kept by the caller); 0 for
+  /// none.
+  uintptr_t malloc(size_t size, Stream stream, uint64_t context = 0);
   /// Allocates exactly [addr, addr + size rounded) for `stream`, which must
   /// be free memory of this pool, in one free block or in neighbouring ones
   /// of any streams (restoring a checkpoint of a pool, as PyTorch's
@@ -249,10 +249,9 @@ class Allocator {
   Backend& backend() { return *backend_; }
   Config config() const;
 
-  /// Counts and traces an out-of-memory error of `request` bytes on `s` that
-  /// this pool raised to a malloc(..., caller_counts_oom = true) (rejected: as
-  /// OutOfMemoryError::rejected()).
-  void count_oom(size_t request, Stream s, bool rejected);
+  /// The owner's part of the out-of-memory path (oom.h); null: none. Set
+  /// before the allocator is used; the policy must outlive it.
+  void set_oom_policy(OomPolicy* policy) { oom_policy_ = policy; }
 
  private:
   struct StreamState {
@@ -278,6 +277,20 @@ class Allocator {
       self->stats_.settle();
       if (self->sink_ != nullptr) self->sink_->push(self->stats_, &self->pushed_);
     }
+  };
+
+  // Sets a tag (trace_context_) for the duration of a scope; restores the
+  // previous one after.
+  class ContextScope {
+   public:
+    ContextScope(uint64_t* slot, uint64_t value) : slot_(slot), saved_(*slot) { *slot = value; }
+    ~ContextScope() { *slot_ = saved_; }
+    ContextScope(const ContextScope&) = delete;
+    ContextScope& operator=(const ContextScope&) = delete;
+
+   private:
+    uint64_t* slot_;
+    uint64_t saved_;
   };
 
   StreamState& state(Stream s) {
@@ -452,11 +465,20 @@ class Allocator {
   // History: the segment [addr, addr + size) freed; top: when the viewer
   // undoes the event, no segment lies above it and some lie below.
   void trace_segment_free(uintptr_t addr, size_t size, Stream s, bool top);
+  // malloc() under the lock, once; throws Refused when the pool cannot serve it.
+  uintptr_t malloc_once(size_t size, Stream s, uint64_t context);
+  // The rest of the out-of-memory path (oom.h): the owner's retry, then the error.
+  uintptr_t malloc_refused(size_t size, Stream s, uint64_t context, OomFailure failure);
+  // Thrown out of malloc_once(), caught in malloc(): not yet the caller's error.
+  struct Refused {
+    OomFailure failure;
+  };
   /// rejected: refused at once, before anything was mapped, reserved or
   /// released (counted in num_oom_rejections, OutOfMemoryError::rejected()).
-  [[noreturn]] void throw_oom(size_t request, size_t size, Stream s, const std::string& why,
-                              bool rejected = false);
-  void count_oom_locked(size_t request, Stream s, bool rejected, size_t dev_free);
+  [[noreturn]] void refuse(size_t request, size_t size, Stream s, std::string why, bool rejected = false);
+  // The final error: counted, traced and worded, once (oom.cpp).
+  [[noreturn]] void throw_oom(const OomFailure& failure, uint64_t context);
+  std::string describe_oom_locked(const OomFailure& failure, size_t dev_free, size_t dev_total) const;
   std::string describe_bad_pointer(uintptr_t ptr, const char* op) const;
   void trace(TraceEntry::Action a, uintptr_t addr, size_t size, Stream s);
   size_t largest_free_locked(Pool pool) const;
@@ -499,8 +521,7 @@ class Allocator {
   std::map<uintptr_t, Block*> parked_;    // mapped blocks no device may access yet (unpark())
 
   bool history_on_ = false;
-  // The current malloc's caller_counts_oom (read by throw_oom, under mu_).
-  bool oom_to_caller_ = false;
+  OomPolicy* oom_policy_ = nullptr;
   bool history_shared_ = false;
   uint64_t trace_context_ = 0;  // the tag of the malloc / free underway (history)
   size_t history_max_ = 0;

@@ -28,18 +28,15 @@ inline size_t round_up(size_t n, size_t unit) { return (n + unit - 1) / unit * u
 /// rejected(): refused at once, from figures already known (the cap, the
 /// device's free memory, a size no device holds), before anything was tried:
 /// what PyTorch calls an OOM rejection (num_oom_rejections, its rejection
-/// observers). reason(): why, without the pool's figures that what() states
-/// after it, for a caller that states them itself (the device pools).
+/// observers).
 class OutOfMemoryError : public std::runtime_error {
  public:
-  explicit OutOfMemoryError(const std::string& what, bool rejected = false, std::string reason = "")
-      : std::runtime_error(what), rejected_(rejected), reason_(reason.empty() ? what : std::move(reason)) {}
+  explicit OutOfMemoryError(const std::string& what, bool rejected = false)
+      : std::runtime_error(what), rejected_(rejected) {}
   bool rejected() const { return rejected_; }
-  const std::string& reason() const { return reason_; }
 
  private:
   bool rejected_;
-  std::string reason_;
 };
 
 /// free() / record_stream() got a pointer that is not a live allocation.

@@ -1,4 +1,4 @@
-// The C interface of bridge_api.h over the pools of cuda_pools.h.
+// The C interface of bridge_api.h over the pools of registry.h and cuda_pools.h.
 //
 // Each function catches every exception and turns it into a status and a
 // per-thread message: nothing C++ crosses into the bridge, which may be
@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda_pools.h"
+#include "registry.h"
 #include "ipc.h"
 #include "segment_watch.h"
 
@@ -368,7 +368,7 @@ int api_create_or_incref_pool(int device, uint64_t id0, uint64_t id1) {
 int api_pool_use_count(int device, uint64_t id0, uint64_t id1, int* out) {
   return guarded([&] {
     DevicePools* p = pools_of(device, false);
-    *out = p != nullptr ? p->pool_use_count({id0, id1}) : 0;
+    *out = p != nullptr ? p->graphs().use_count({id0, id1}) : 0;
   });
 }
 
@@ -376,7 +376,7 @@ int api_pool_live_blocks(int device, uint64_t id0, uint64_t id1, pyalloc_value_f
   return guarded([&] {
     DevicePools* p = pools_of(device, false);
     if (p == nullptr) return;
-    for (uintptr_t b : p->pool_live_blocks({id0, id1})) fn(user, b);
+    for (uintptr_t b : p->graphs().live_blocks({id0, id1})) fn(user, b);
   });
 }
 
@@ -385,7 +385,7 @@ int api_pool_checkpoint(int device, uint64_t id0, uint64_t id1, pyalloc_live_blo
   return guarded([&] {
     DevicePools* p = pools_of(device, false);
     if (p == nullptr) return;
-    for (const DevicePools::LiveBlock& b : p->pool_checkpoint({id0, id1})) {
+    for (const GraphPools::LiveBlock& b : p->graphs().checkpoint({id0, id1})) {
       pyalloc_live_block out{b.ptr, b.size, stream_ptr(b.stream)};
       fn(user, &out);
     }
@@ -396,11 +396,11 @@ int api_pool_restore(int device, uint64_t id0, uint64_t id1, const pyalloc_live_
                      uint64_t num_blocks, pyalloc_value_fn freed_fn, pyalloc_value_fn allocated_fn,
                      void* user) {
   return guarded([&] {
-    std::vector<DevicePools::LiveBlock> wanted;
+    std::vector<GraphPools::LiveBlock> wanted;
     for (uint64_t i = 0; i < num_blocks; ++i)
       wanted.push_back({blocks[i].ptr, blocks[i].size, stream_of(blocks[i].stream)});
     std::vector<uintptr_t> freed, allocated;
-    pools_of(device, true)->restore_pool({id0, id1}, wanted, &freed, &allocated);
+    pools_of(device, true)->graphs().restore({id0, id1}, wanted, &freed, &allocated);
     for (uintptr_t ptr : freed) freed_fn(user, ptr);
     for (uintptr_t ptr : allocated) allocated_fn(user, ptr);
   });

@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "cuda_driver.h"
-#include "cuda_pools.h"
+#include "registry.h"
 
 namespace pyalloc {
 namespace ipc {

@@ -36,7 +36,7 @@
 #include <string>
 #include <utility>
 
-#include "cuda_pools.h"
+#include "registry.h"
 
 #define PYALLOC_EXPORT extern "C" __attribute__((visibility("default")))
 

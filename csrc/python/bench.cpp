@@ -8,7 +8,7 @@
 
 #include "core/allocator.h"
 #include "cuda/bridge_api.h"
-#include "cuda/cuda_pools.h"
+#include "cuda/registry.h"
 #include "py_bindings.h"
 
 namespace py = pybind11;

@@ -1,4 +1,4 @@
-// Python bindings of the CUDA pools (cuda_pools.h): configuration, per-device
+// Python bindings of the CUDA pools (registry.h, cuda_pools.h): configuration, per-device
 // stats, fragmentation, snapshots and history, cache control, and buffers
 // handed to PyTorch as DLPack capsules. pyalloc/cuda.py builds the public
 // API on these. The `_testing_` functions drive the same code over fake
@@ -14,7 +14,7 @@
 #include <utility>
 
 #include "cuda/cuda_driver.h"
-#include "cuda/cuda_pools.h"
+#include "cuda/registry.h"
 #include "cuda/ipc.h"
 #include "py_bindings.h"
 #include "py_convert.h"
@@ -374,7 +374,7 @@ void bind_cuda(py::module_& m) {
         std::vector<py::dict> out;
         DevicePools* p = registry().find(device);
         if (p == nullptr) return out;
-        for (const DevicePools::GraphPoolInfo& info : p->graph_pools()) {
+        for (const GraphPools::Info& info : p->graphs().info()) {
           py::dict d;
           d["id"] = py::make_tuple(info.id.first, info.id.second);
           d["use_count"] = info.uses;
@@ -391,7 +391,7 @@ void bind_cuda(py::module_& m) {
       "cuda_pool_live_blocks",
       [](int device, std::pair<uint64_t, uint64_t> id) {
         DevicePools* p = registry().find(device);
-        return p != nullptr ? p->pool_live_blocks(id) : std::vector<uintptr_t>();
+        return p != nullptr ? p->graphs().live_blocks(id) : std::vector<uintptr_t>();
       },
       py::arg("device"), py::arg("pool_id"), "The live allocations of a graph pool, by address.");
   m.def(
@@ -430,7 +430,7 @@ void bind_cuda(py::module_& m) {
         else if (what == "release") p.release_pool(id);
         else if (what == "end") p.end_allocate_to_pool(id);
         else if (what != "use_count") throw std::invalid_argument("unknown pool call " + what);
-        return p.pool_use_count(id);
+        return p.graphs().use_count(id);
       },
       py::arg("what"), py::arg("device"), py::arg("pool_id"),
       "Tests: DevicePools' pool calls (create_or_incref, release, end, use_count); the use count.");
@@ -446,7 +446,7 @@ void bind_cuda(py::module_& m) {
       "_testing_fake_devices", [] { return registry().fake(); },
       "Tests: whether pools are made on fake devices (then every device index has pools to read).");
   m.def(
-      "cuda_route_heal_grace", [] { return DevicePools::kRouteHealGrace; },
+      "cuda_route_heal_grace", [] { return GraphPools::kRouteHealGrace; },
       "Seconds a graph-pool route left open must have seen its capture over before it stops "
       "counting as a capture underway (a failed cudaStreamEndCapture leaves it open).");
   m.def("_testing_set_capture", &set_fake_capture, py::arg("stream"), py::arg("capture_id"),

@@ -18,7 +18,7 @@
 #include "core/allocator.h"
 #include "backends/sim_streams.h"
 #include "cuda/bridge_api.h"
-#include "cuda/cuda_pools.h"
+#include "cuda/registry.h"
 #include "replay/replay.h"
 #include "replay/torch_model.h"
 
@@ -336,9 +336,9 @@ void test_device_pools_threads() {
         hooks::release_pool(dev, id);
       } else if (op == 1) {
         d.create_or_incref_pool(id);
-        d.pool_use_count(id);
-        d.pool_live_blocks(id);
-        d.pool_checkpoint(id);
+        d.graphs().use_count(id);
+        d.graphs().live_blocks(id);
+        d.graphs().checkpoint(id);
         d.release_pool(id);
       } else if (op == 2) {
         hooks::mark_capture(dev, true);
@@ -353,17 +353,17 @@ void test_device_pools_threads() {
         hooks::begin_allocate_to_pool(dev, id, [restoring](Stream s) { return s == restoring; });
         std::vector<uintptr_t> got;
         for (int k = 0; k < 3; ++k) got.push_back(try_malloc(1 + rng() % MiB, dev, restoring));
-        std::vector<DevicePools::LiveBlock> checkpoint = d.pool_checkpoint(id);
+        std::vector<GraphPools::LiveBlock> checkpoint = d.graphs().checkpoint(id);
         checked_free(got[1], dev);
         got[1] = try_malloc(1 + rng() % MiB, dev, restoring);
         std::vector<uintptr_t> freed, made;
         try {
-          d.restore_pool(id, checkpoint, &freed, &made);
+          d.graphs().restore(id, checkpoint, &freed, &made);
         } catch (const std::invalid_argument&) {
           // The freed block's memory went to the new one: the pool is as it was.
         }
         hooks::end_allocate_to_pool(dev, id);
-        for (uintptr_t p : d.pool_live_blocks(id)) checked_free(p, dev);
+        for (uintptr_t p : d.graphs().live_blocks(id)) checked_free(p, dev);
         hooks::release_pool(dev, id);
       } else if (op == 3 && rng() % 2) {
         // A capture on device 2's stream, seen by its allocations; then
@@ -380,7 +380,7 @@ void test_device_pools_threads() {
         checked_free(p, -1);
       } else {
         d.heal_routes();
-        d.graph_pools();
+        d.graphs().info();
       }
     }
   };
@@ -478,7 +478,7 @@ void test_device_pools_threads() {
     d->empty_cache();
     d->general().check_invariants();
     d->buffers().check_invariants();
-    CHECK(d->graph_pools().empty());
+    CHECK(d->graphs().info().empty());
     Stats s = d->stats();
     check_stat_identities(s);
     CHECK(s.allocation.all.current == 0);

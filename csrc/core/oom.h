@@ -1,0 +1,43 @@
+// What the owner of an allocator adds to its out-of-memory path.
+//
+// The path runs in one place, Allocator::malloc(): a request the pool cannot
+// serve makes it give back its own cached memory and try again once; if the
+// owner set an OomPolicy and it gives back memory held elsewhere (the other
+// pools of a device), once more; and only then is it an out-of-memory error,
+// counted (num_ooms, num_oom_rejections), traced (the history's `oom` event)
+// and worded there, once. A failure a retry mends is no error at all. The
+// policy only adds the memory and the words the allocator cannot know of.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "common.h"
+
+namespace pyalloc {
+
+class Allocator;
+
+/// A request the pool could not serve.
+struct OomFailure {
+  size_t request = 0;  // bytes asked for
+  size_t size = 0;     // what the pool needed for it: the request rounded, or a small-pool chunk
+  Stream stream = 0;
+  std::string why;        // the reason, naming none of the pool's figures
+  bool rejected = false;  // refused at once (OutOfMemoryError::rejected())
+};
+
+class OomPolicy {
+ public:
+  virtual ~OomPolicy() = default;
+  /// After the pool's own retry failed: gives back memory held outside the
+  /// pool that it could then take; the bytes given back (0: no more retry).
+  /// Called with none of the pool's locks held.
+  virtual size_t release_elsewhere(Allocator& pool) = 0;
+  /// The message of the error raised for `failure`, once it is final and
+  /// counted. Called with none of the pool's locks held: it may read the
+  /// pool (stats(), fragmentation(), config()).
+  virtual std::string describe(Allocator& pool, const OomFailure& failure) = 0;
+};
+
+}  // namespace pyalloc
