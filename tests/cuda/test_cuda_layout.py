@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSRC = os.path.join(REPO, "csrc")
 CUDA = os.path.join(CSRC, "cuda")
 
@@ -26,10 +26,11 @@ def _code(text):
 
 
 def _sources():
-    for folder, _, files in os.walk(CSRC):
-        for name in sorted(files):
-            if name.endswith((".h", ".cpp")):
-                yield os.path.join(folder, name)
+    found = [os.path.join(folder, name) for folder, _, files in os.walk(CSRC)
+             for name in sorted(files) if name.endswith((".h", ".cpp"))]
+    # A wrong path walks nothing, and every check over the sources would pass on none.
+    assert len(found) > 20, f"no C++ sources under {CSRC}"
+    return found
 
 
 def _class_body(text, name):
