@@ -38,6 +38,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, MutableMapping, Optional, Sequence, Tuple
@@ -48,6 +49,8 @@ SYSTEM_COMPILERS = ("/usr/bin/g++", "/usr/bin/c++")
 RUNTIME_SYMBOLS = ("__cxa_throw", "_Unwind_RaiseException")
 #: Shared objects of a C++ runtime that a RUNPATH could make the loader pick.
 RUNTIME_LIBRARIES = ("libstdc++.so*", "libgcc_s.so*")
+#: Another C++ runtime altogether (clang's libc++), which torch's libraries never use.
+FOREIGN_RUNTIMES = ("libc++.so", "libc++abi.so")
 #: Set to 1, builds go ahead with a compiler that links a private C++ runtime.
 ALLOW_PRIVATE_ENV = "PYALLOC_ALLOW_PRIVATE_RUNTIME"
 
@@ -204,14 +207,23 @@ class RuntimeInfo:
     error: Optional[str] = None  # why it could not be read
 
     @property
+    def foreign(self) -> List[str]:
+        """The NEEDED libraries of another C++ runtime (libc++): never the one torch uses."""
+        return [n for n in self.needed if n.startswith(FOREIGN_RUNTIMES)]
+
+    @property
     def is_private(self) -> bool:
-        """It holds its own C++ runtime or unwinder, or finds one through its RUNPATH."""
-        return bool(self.private or self.runtime_in_runpath)
+        """It holds its own C++ runtime or unwinder, or needs another one (libc++). A
+        runtime in its RUNPATH is not counted here: the loader takes a libstdc++.so.6
+        already loaded (by torch) for it, so the RUNPATH matters only when pyalloc loads
+        first, and the interpreter's own lib folder (conda's) holds torch's runtime anyway."""
+        return bool(self.private or self.foreign)
 
     def describe(self) -> str:
         """What readelf shows of its C++ runtime, in a few words."""
         shared = [n for n in self.needed if n.startswith("libstdc++.so")]
         parts = [f"{', '.join(self.private)} defined in it" if self.private else "",
+                 f"NEEDED {self.foreign[0]}, another C++ runtime" if self.foreign else "",
                  f"a C++ runtime in its RUNPATH: {self.runtime_in_runpath[0]}" if self.runtime_in_runpath else "",
                  f"NEEDED {shared[0]}" if shared else "no NEEDED libstdc++.so"]
         return ", ".join(p for p in parts if p)
@@ -225,8 +237,13 @@ def _readelf(readelf: str, args: List[str], path: str) -> str:
 
 
 def _is_system_dir(folder: str) -> bool:
+    """The system's library folders, or the interpreter's own (a conda environment's
+    lib/, which Python's LDSHARED puts in every extension's RUNPATH: the runtime there is
+    the one Python and torch load)."""
     real = os.path.realpath(folder)
-    return any(real == d or real.startswith(d + "/") for d in ("/lib", "/lib64", "/usr/lib", "/usr/lib64"))
+    ours = {os.path.realpath(os.path.join(p, "lib")) for p in (sys.prefix, sys.base_prefix)}
+    return real in ours or any(real == d or real.startswith(d + "/")
+                               for d in ("/lib", "/lib64", "/usr/lib", "/usr/lib64"))
 
 
 def read_runtime(path: str, readelf: str = "readelf") -> RuntimeInfo:
@@ -286,7 +303,7 @@ class Probe:
 
     compiler: str
     #: "shared": NEEDED libstdc++.so, the runtime torch uses; "private": a copy of the
-    #: runtime or unwinder inside, or one found through a RUNPATH; "none": no C++
+    #: runtime or unwinder inside, or another runtime (libc++) needed; "none": no C++
     #: runtime at all (a C compiler's link); "unknown": the probe could not be built or read.
     runtime: str
     detail: str  # what readelf showed, or why the probe failed
@@ -396,13 +413,18 @@ def torch_libraries(torch_dir: Optional[str]) -> List[Tuple[str, str]]:
 
 def runtime_problems(ours: Dict[str, RuntimeInfo], theirs: Dict[str, RuntimeInfo]) -> List[str]:
     """Why pyalloc's libraries and torch's would not share one C++ runtime: a private
-    copy, or a C++ runtime found through a RUNPATH, in one of ours but not in torch's."""
+    copy, another runtime (libc++), or a C++ runtime found through a RUNPATH outside the
+    system's and the interpreter's lib folders, in one of ours but not in torch's. Builds
+    refuse only the first two (private_runtime_problem()): a RUNPATH copy is used only
+    when pyalloc is loaded before torch, and doctor names it."""
     torch_private = any(i.private for i in theirs.values())
     problems = []
     for label, info in ours.items():
         if info.private and not torch_private:
             problems.append(f"{label} holds a private copy of the C++ runtime ({', '.join(info.private)}) "
                             "that torch's libraries do not")
+        if info.foreign:
+            problems.append(f"{label} needs another C++ runtime ({info.foreign[0]}) than torch's libstdc++")
         if info.runtime_in_runpath:
             problems.append(f"{label} finds a C++ runtime through its RUNPATH ({info.runtime_in_runpath[0]})")
     return problems

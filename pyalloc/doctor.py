@@ -369,7 +369,8 @@ def check_runtime(r: Report, libraries: Optional[List[Any]] = None, readelf: str
         r.line("            RUNPATH/RPATH: " + (":".join(info.runpath) or "none")
                + (f" (holds {', '.join(info.runtime_in_runpath)})" if info.runtime_in_runpath else ""))
         r.line("            C++ runtime: " + (f"a private copy ({', '.join(info.private)} defined here)"
-                                               if info.private else "the shared one"))
+                                               if info.private else f"another one ({info.foreign[0]})"
+                                               if info.foreign else "the shared one"))
     problems = _toolchain.runtime_problems(ours, theirs)
     for text in problems:
         r.problem(f"{text}: rebuild with the system g++ (python setup.py build_ext --inplace --force; "

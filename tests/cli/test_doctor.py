@@ -291,6 +291,68 @@ def test_a_library_with_a_private_cxx_runtime_is_told_apart(runtimes):
     assert shared.compilers and shared.compilers[0].startswith("GCC: ")
     runpath = read_runtime(runtimes["runpath"])
     assert runpath.runpath and runpath.runtime_in_runpath[0].endswith("own/libstdc++.so.6"), runpath
+    # A RUNPATH copy is taken only where pyalloc loads before torch: doctor names it, no
+    # build refuses it (conda's Python puts its own lib/, torch's runtime, in every RUNPATH).
+    assert not runpath.is_private
+
+
+def test_the_interpreters_own_lib_folder_in_a_runpath_is_no_problem(tmp_path, monkeypatch):
+    """conda's Python links every extension with -Wl,-rpath,$PREFIX/lib, where the
+    libstdc++.so.6 that Python and torch load lies: a build there must go ahead."""
+    import shutil
+    import sys
+
+    from pyalloc import _toolchain
+
+    cxx = shutil.which("g++")
+    if cxx is None or shutil.which("readelf") is None:
+        pytest.skip("needs g++ and readelf")
+    prefix = tmp_path / "env"
+    (prefix / "lib").mkdir(parents=True)
+    (prefix / "lib" / "libstdc++.so.6").write_text("")
+    (tmp_path / "throws.cpp").write_text(THROWS)
+    lib = str(tmp_path / "libconda.so")
+    subprocess.run([cxx, "-shared", "-fPIC", f"-Wl,-rpath,{prefix / 'lib'}", str(tmp_path / "throws.cpp"),
+                    "-o", lib], check=True)
+    assert read_runtime_of(lib).runtime_in_runpath  # elsewhere it would be named
+    monkeypatch.setattr(sys, "prefix", str(prefix))
+    info = read_runtime_of(lib)
+    assert info.runtime_in_runpath == [] and not info.is_private, info
+    assert _toolchain.private_runtime_problem(lib, "pyalloc._C", env={}) is None
+    assert _toolchain.runtime_problems({"pyalloc._C": info}, {}) == []
+
+
+def read_runtime_of(path):
+    from pyalloc._toolchain import read_runtime
+
+    return read_runtime(path)
+
+
+def test_a_library_on_libcxx_needs_another_runtime(tmp_path):
+    """clang++ -stdlib=libc++ links no libstdc++ and defines no __cxa_throw: it needs
+    libc++, a runtime torch never loads. A stand-in libc++.so.1 shows it."""
+    import shutil
+
+    from pyalloc import _toolchain
+
+    cxx = shutil.which("g++")
+    if cxx is None or shutil.which("readelf") is None:
+        pytest.skip("needs g++ and readelf")
+    (tmp_path / "empty.c").write_text("int pyalloc_libcxx_stand_in;\n")
+    subprocess.run([cxx, "-shared", "-fPIC", "-Wl,-soname,libc++.so.1", "-x", "c", str(tmp_path / "empty.c"),
+                    "-o", str(tmp_path / "libc++.so.1")], check=True)
+    (tmp_path / "throws.cpp").write_text(THROWS)
+    lib = str(tmp_path / "libcxx.so")
+    # --no-as-needed: the stand-in defines nothing the library uses, and a linker that drops
+    # unused libraries by default would leave it out of DT_NEEDED.
+    subprocess.run([cxx, "-shared", "-fPIC", str(tmp_path / "throws.cpp"), "-Wl,--no-as-needed",
+                    str(tmp_path / "libc++.so.1"), "-o", lib], check=True)
+    info = read_runtime_of(lib)
+    assert info.foreign == ["libc++.so.1"] and info.is_private, info
+    problem = _toolchain.private_runtime_problem(lib, "pyalloc._C", env={})
+    assert problem is not None and "libc++.so.1" in problem, problem
+    assert _toolchain.runtime_problems({"pyalloc._C": info}, {})[0].startswith(
+        "pyalloc._C needs another C++ runtime (libc++.so.1)")
 
 
 def test_doctor_calls_a_mix_of_cxx_runtimes_not_ready(runtimes):
