@@ -48,13 +48,13 @@ STDERR = {
             "a CUDA graph capture into pool (0, 31) on device 0 was never ended"],
     "fallback": ["device 0 cannot use strategy vmm (the driver refused a trial mapping: "
                  "cuMemCreate failed: CUDA_ERROR_NOT_PERMITTED (800)); its pools use strategy bestfit"],
-    "capture": [], "capture-big": [], "capture-error": [], "capture-access": [],
+    "capture": [], "capture-big": [], "capture-error": [], "capture-access": [], "areas-norelax": [],
 }
 STDERR["segments-norelax"] = STDERR["segments"][:1]  # no capture grows a graph pool there
 
 
 @pytest.mark.parametrize("mode", ["segments", "vmm", "fallback", "capture", "capture-big", "capture-error",
-                                  "capture-access", "segments-norelax"])
+                                  "capture-access", "segments-norelax", "areas-norelax"])
 def test_cuda_backend_against_the_stand_in_driver(stub_driver, mode):
     library = stub_driver["norelax" if mode.endswith("norelax") else "relaxed"]
     env = dict(os.environ, PYTHONPATH=REPO, LD_LIBRARY_PATH=str(library.parent))

@@ -135,7 +135,13 @@ uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context, bool caller
   if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
   // Segment events this request causes carry its tag (until it returns or throws).
   ContextScope scope(&trace_context_, context);
-  Block* b = rounded <= cfg_.small_size ? alloc_small(rounded, s, size) : alloc_large(rounded, s, size);
+  Block* b;
+  if (rounded <= cfg_.small_size) {
+    b = alloc_small(rounded, s, size);
+  } else {
+    AreaScope area(small_area_, rounded <= kSmallArea);
+    b = alloc_large(rounded, s, size);
+  }
   return hand_out(b, size, s, context);
 }
 
@@ -274,8 +280,13 @@ Block* Allocator::alloc_small(size_t size, Stream s, size_t request) {
   Block* b = find_free(kSmallPool, size, s);
   if (b != nullptr) return take(b, size, s);
 
-  // Borrow a chunk from the large pool; it keeps the parent's stream label.
-  Block* parent = alloc_large(cfg_.small_chunk_size, s, request);
+  // Borrow a chunk from the large pool (its small area, under vmm); it
+  // keeps the parent's stream label.
+  Block* parent;
+  {
+    AreaScope area(small_area_, true);
+    parent = alloc_large(cfg_.small_chunk_size, s, request);
+  }
   Segment* chunk = new Segment();
   chunk->base = parent->addr;
   chunk->size = parent->size;
@@ -462,6 +473,16 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
   std::string why;
   size_t room = kUnknownRoom;
   if (!may_grow(size, &room, &why)) throw_oom(request, size, s, why, true);
+  if (vmm_ && grows_by_moving(size, room, s)) {
+    // Where pages would move out of holes for it (the cap or the device is
+    // reached) or none may be mapped (a capture), a free block of the other
+    // area serves it in place, with no device call: the pool_size of a fixed
+    // pool serves small requests too.
+    AreaScope other(small_area_, !small_area_);
+    b = find_large(size, s, &frontier);
+    if (b == nullptr) b = frontier;
+    if (b != nullptr) return take(b, size, s);
+  }
   b = vmm_ ? map_for(size, s, &why, room) : grow(size, s, &why, room);
   if (b == nullptr && !backend_->is_capturing(s) && !backend_->capture_underway()) {
     // Give back everything cached and try once more, as PyTorch does. The
@@ -516,6 +537,15 @@ bool Allocator::may_grow(size_t size, size_t* room, std::string* why) {
   return true;
 }
 
+bool Allocator::grows_by_moving(size_t size, size_t room, Stream s) {
+  if ((backend_->is_capturing(s) || backend_->capture_underway()) && !backend_->grows_while_capturing())
+    return true;
+  size_t pages = round_up(size, page_);
+  size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  return (cfg_.max_pool_size != 0 && reserved + pages > cfg_.max_pool_size) ||
+         (room != kUnknownRoom && pages > room);
+}
+
 bool Allocator::fits_split_rule(const Block* b, size_t size) const {
   // A bestfit rule: under vmm, splitting a big block strands no memory (its
   // free pages can be unmapped), and map_for() relies on best fit taking any
@@ -537,14 +567,16 @@ bool Allocator::held_back(const Block* x, Block** frontier) const {
 
 Block* Allocator::find_free(Pool pool, size_t size, Stream s) {
   StreamState& st = state(s);
-  Block* b = st.free[pool].best_fit(size, [&](const Block* x) { return fits_split_rule(x, size); });
+  Block* b = st.free[pool].best_fit(size, [&](const Block* x) {
+    return in_area(x) && fits_split_rule(x, size);
+  });
   if (b != nullptr || streams_.size() == 1) return b;
   return find_other_streams(pool, size, s, nullptr);
 }
 
 Block* Allocator::find_large(size_t size, Stream s, Block** frontier) {
   FreeIndex& index = state(s).free[kLargePool];
-  auto fits = [&](const Block* x) { return fits_split_rule(x, size); };
+  auto fits = [&](const Block* x) { return in_area(x) && fits_split_rule(x, size); };
   *frontier = nullptr;
   Block* b = index.best_fit(size, fits);
   if (b != nullptr && at_frontier(b)) {
@@ -566,7 +598,7 @@ Block* Allocator::find_other_streams(Pool pool, size_t size, Stream s, Block** f
     StreamState& o = *stp;
     if (stream == s || o.free[pool].empty()) continue;
     auto ready = [&](const Block* x) {
-      return x->free_seq <= o.ready_seq && fits_split_rule(x, size) && !held_back(x, frontier);
+      return x->free_seq <= o.ready_seq && in_area(x) && fits_split_rule(x, size) && !held_back(x, frontier);
     };
     poll_syncs(o, false);
     Block* b = o.free[pool].best_fit(size, ready);
@@ -1030,7 +1062,9 @@ size_t Allocator::reserve(size_t nbytes) {
   size_t want = round_up(nbytes, kSegmentAlign);
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
-  if (largest_free_locked(kLargePool) >= round_up(nbytes, kGranularity)) return 0;
+  // Under vmm, a free range of the area a request of nbytes takes.
+  AreaScope area(small_area_, vmm_ && round_up(nbytes, kGranularity) <= kSmallArea);
+  if (largest_free_in_area() >= round_up(nbytes, kGranularity)) return 0;
   if (vmm_) {
     unpark();  // first: map_for() would, and they are no part of what this reserves
     int64_t before = stats_.reserved_bytes.all.current;

@@ -35,6 +35,12 @@
 //   where the pool grows) is taken only when no other free block fits. So a
 //   loop that repeats exactly puts each block where its first pass did, into
 //   pages that pass mapped: after it, the loop maps and unmaps nothing.
+//   The range has two areas, each growing upward from its start, as PyTorch
+//   keeps a large and a small expandable segment: requests of at most
+//   kSmallArea (PyTorch's small requests) and the small pool's chunks in the
+//   upper one, larger requests in the lower one; a request takes free blocks
+//   and maps pages only in its own area, so small blocks never wall in the
+//   large ones. Pages move between the areas only as they move out of holes.
 //   Pages are mapped in handles (backend.h), unmapped only whole: up to
 //   32 MiB with room on the device, one page near a limit (vmm.cpp).
 //
@@ -179,8 +185,8 @@ class Allocator {
   /// Returns wholly free segments (under vmm: free pages) to the backend,
   /// keeping pool_size reserved; the bytes released.
   size_t empty_cache();
-  /// Grows the pool so that a free range of at least nbytes exists; the
-  /// bytes newly reserved.
+  /// Grows the pool so that a free range of at least nbytes exists (under
+  /// vmm, in the area a request of nbytes takes); the bytes newly reserved.
   size_t reserve(size_t nbytes);
   /// Unmaps the pages parked during a capture (their access refused: see
   /// unpark()) once no capture is underway; the bytes given back (0 during a
@@ -247,7 +253,7 @@ class Allocator {
 
  private:
   struct StreamState {
-    explicit StreamState(Stream s) : stream(s) {}
+    explicit StreamState(Stream s) : stream(s) { free[kLargePool].lowest_ties(); }
     Stream stream;
     FreeIndex free[2];
     uint64_t ready_seq = 0;      // frees up to this are done on the device
@@ -303,9 +309,27 @@ class Allocator {
   // where the pool grows. Taken only when no other free block fits, as
   // dlmalloc preserves its top chunk: a loop that repeats exactly then puts
   // each block where its first pass did, into memory that pass mapped.
+  // The small area's first block grows only upward: the unmapped pages below
+  // it are the large area's.
   bool at_frontier(const Block* b) const {
-    return vmm_ && ((b->prev != nullptr && !b->prev->mapped) || (b->next != nullptr && !b->next->mapped));
+    return vmm_ && ((b->prev != nullptr && !b->prev->mapped && b->addr != small_floor_) ||
+                    (b->next != nullptr && !b->next->mapped));
   }
+  // Requests of at most this many bytes (rounded) go to the range's small
+  // area, as PyTorch's small pool serves requests of up to 1 MiB.
+  static constexpr size_t kSmallArea = size_t(1) << 20;
+  // Whether the large-pool block b lies in the area of the request underway
+  // (vmm; small-pool blocks and other strategies: always).
+  bool in_area(const Block* b) const {
+    return small_floor_ == 0 || b->segment->pool == kSmallPool || (b->addr >= small_floor_) == small_area_;
+  }
+  // small_area_ set for a scope (a request of the small area), restored after.
+  struct AreaScope {
+    bool& flag;
+    bool saved;
+    AreaScope(bool& f, bool small) : flag(f), saved(f) { flag = small; }
+    ~AreaScope() { flag = saved; }
+  };
   // x is at the frontier: noted in *frontier if it is the one to take last.
   bool held_back(const Block* x, Block** frontier) const;
   bool fits_split_rule(const Block* b, size_t size) const;
@@ -317,6 +341,11 @@ class Allocator {
   // plus what the pool could give back); *room: the device's free bytes, and
   // those of the spare handles an out-of-memory retry holds.
   bool may_grow(size_t size, size_t* room, std::string* why);
+  // Whether size more bytes of pages (vmm) would pass the cap or the device's
+  // room (may_grow()'s), so that pages would move out of holes for them; or
+  // no page may be mapped for stream s now (a capture the backend cannot
+  // grow during).
+  bool grows_by_moving(size_t size, size_t room, Stream s);
   Block* grow(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom);
   Block* add_segment(uintptr_t base, size_t size, Stream s);
   Block* insert_free(Block* b);
@@ -448,6 +477,8 @@ class Allocator {
   std::string describe_bad_pointer(uintptr_t ptr, const char* op) const;
   void trace(TraceEntry::Action a, uintptr_t addr, size_t size, Stream s);
   size_t largest_free_locked(Pool pool) const;
+  // The largest free large-pool block in the area of the request underway.
+  size_t largest_free_in_area() const;
 
   std::unique_ptr<Backend> backend_;
   Config cfg_;
@@ -476,6 +507,8 @@ class Allocator {
   bool vmm_ = false;
   size_t page_ = 0;
   Segment* vmm_seg_ = nullptr;
+  uintptr_t small_floor_ = 0;             // where the range's small area starts (vmm; 0: none)
+  bool small_area_ = false;               // the request underway is placed in the small area
   std::map<uintptr_t, Block*> unmapped_;  // unmapped blocks of vmm_seg_ by address
   std::map<uintptr_t, size_t> handles_;   // mapped handles of vmm_seg_: address -> size
   size_t max_handle_ = 0;                 // the largest handle (a power-of-two number of pages)
