@@ -401,13 +401,12 @@ def test_small_requests_and_chunks_grow_an_area_of_their_own(backend):
     a.check_invariants()
 
 
-@pytest.mark.parametrize("strategy", ["bestfit", "vmm"])
-def test_large_blocks_of_one_size_are_taken_lowest_first(backend, strategy):
+def test_large_blocks_of_one_size_are_taken_lowest_first(backend):
     """Of the free blocks of the size a request fits exactly, the large pool
     takes the lowest, as PyTorch does; the first one found (the last freed)
     made gpt2-varlen-train's pool grow at other times than expandable
     segments' (20 device calls in its second half, theirs 18)."""
-    a = pyalloc.Allocator(backend, strategy=strategy)
+    a = vmm(backend)
     x = [a.malloc(4 * MiB) for _ in range(4)]
     a.free(x[0])
     a.free(x[2])  # the last freed, first in its list

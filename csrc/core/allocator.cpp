@@ -92,7 +92,11 @@ Allocator::~Allocator() {
 
 Allocator::StreamState& Allocator::state_slow(Stream s) {
   auto it = streams_.find(s);
-  if (it == streams_.end()) it = streams_.emplace(s, std::make_unique<StreamState>(s)).first;
+  if (it == streams_.end()) {
+    it = streams_.emplace(s, std::make_unique<StreamState>(s)).first;
+    // Under vmm the large pool places blocks as PyTorch's does (free_index.h).
+    if (vmm_) it->second->free[kLargePool].lowest_ties();
+  }
   last_stream_ = s;
   last_state_ = it->second.get();
   return *last_state_;

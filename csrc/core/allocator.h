@@ -253,7 +253,7 @@ class Allocator {
 
  private:
   struct StreamState {
-    explicit StreamState(Stream s) : stream(s) { free[kLargePool].lowest_ties(); }
+    explicit StreamState(Stream s) : stream(s) {}
     Stream stream;
     FreeIndex free[2];
     uint64_t ready_seq = 0;      // frees up to this are done on the device

@@ -12,12 +12,12 @@
 // that fits and, failing that, the next non-empty bin, all of whose blocks
 // fit, for its smallest. Scans stop at an exact fit, unless the index breaks
 // ties by address (lowest_ties()): then the lowest of the exact fits, as
-// PyTorch's allocator picks among free blocks of one size. Where the blocks
-// are large (the large pool), the choice decides where a pool grows next, and
-// any first exact fit made pyalloc's large pool grow at other times than
-// expandable segments' on the same trace (two more device calls in the
-// second half of gpt2-varlen-train, in replay); the small pool's exact bins
-// may hold thousands of blocks of one size, so it stops at the first.
+// PyTorch's allocator picks among free blocks of one size. In the vmm
+// strategy's large pool the choice decides where the pool grows next, and
+// any first exact fit made it grow at other times than expandable segments'
+// on the same trace (two more device calls in the second half of
+// gpt2-varlen-train, in replay); the small pool's exact bins may hold
+// thousands of blocks of one size, so it stops at the first.
 #pragma once
 
 #include <cstddef>
