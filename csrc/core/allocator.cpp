@@ -143,7 +143,7 @@ uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context, bool caller
   if (rounded <= cfg_.small_size) {
     b = alloc_small(rounded, s, size);
   } else {
-    AreaScope area(small_area_, rounded <= kSmallArea);
+    if (bool small = rounded <= kSmallArea; small != small_area_) set_area(small);
     b = alloc_large(rounded, s, size);
   }
   return hand_out(b, size, s, context);
@@ -288,7 +288,7 @@ Block* Allocator::alloc_small(size_t size, Stream s, size_t request) {
   // keeps the parent's stream label.
   Block* parent;
   {
-    AreaScope area(small_area_, true);
+    AreaScope area(*this, true);
     parent = alloc_large(cfg_.small_chunk_size, s, request);
   }
   Segment* chunk = new Segment();
@@ -482,7 +482,7 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
     // reached) or none may be mapped (a capture), a free block of the other
     // area serves it in place, with no device call: the pool_size of a fixed
     // pool serves small requests too.
-    AreaScope other(small_area_, !small_area_);
+    AreaScope other(*this, !small_area_);
     b = find_large(size, s, &frontier);
     if (b == nullptr) b = frontier;
     if (b != nullptr) return take(b, size, s);
@@ -571,8 +571,9 @@ bool Allocator::held_back(const Block* x, Block** frontier) const {
 
 Block* Allocator::find_free(Pool pool, size_t size, Stream s) {
   StreamState& st = state(s);
+  // Small-pool blocks (chunks') are of any area.
   Block* b = st.free[pool].best_fit(size, [&](const Block* x) {
-    return in_area(x) && fits_split_rule(x, size);
+    return (pool == kSmallPool || in_area(x)) && fits_split_rule(x, size);
   });
   if (b != nullptr || streams_.size() == 1) return b;
   return find_other_streams(pool, size, s, nullptr);
@@ -602,7 +603,8 @@ Block* Allocator::find_other_streams(Pool pool, size_t size, Stream s, Block** f
     StreamState& o = *stp;
     if (stream == s || o.free[pool].empty()) continue;
     auto ready = [&](const Block* x) {
-      return x->free_seq <= o.ready_seq && in_area(x) && fits_split_rule(x, size) && !held_back(x, frontier);
+      return x->free_seq <= o.ready_seq && (pool == kSmallPool || in_area(x)) && fits_split_rule(x, size) &&
+             !held_back(x, frontier);
     };
     poll_syncs(o, false);
     Block* b = o.free[pool].best_fit(size, ready);
@@ -1036,6 +1038,7 @@ void Allocator::release_segment(Segment* seg) {
 size_t Allocator::empty_cache() {
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
+  set_area(false);  // pool_size, if mapped again, is the large area's
   size_t keep = cfg_.pool_size;
   if (keep == 0 || backend_->capture_underway()) return release_cached(0);
   keep = vmm_ ? round_up(keep, page_) : round_up(keep, kSegmentAlign);
@@ -1067,7 +1070,7 @@ size_t Allocator::reserve(size_t nbytes) {
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
   // Under vmm, a free range of the area a request of nbytes takes.
-  AreaScope area(small_area_, vmm_ && round_up(nbytes, kGranularity) <= kSmallArea);
+  AreaScope area(*this, vmm_ && round_up(nbytes, kGranularity) <= kSmallArea);
   if (largest_free_in_area() >= round_up(nbytes, kGranularity)) return 0;
   if (vmm_) {
     unpark();  // first: map_for() would, and they are no part of what this reserves

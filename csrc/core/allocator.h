@@ -319,16 +319,22 @@ class Allocator {
   // area, as PyTorch's small pool serves requests of up to 1 MiB.
   static constexpr size_t kSmallArea = size_t(1) << 20;
   // Whether the large-pool block b lies in the area of the request underway
-  // (vmm; small-pool blocks and other strategies: always).
-  bool in_area(const Block* b) const {
-    return small_floor_ == 0 || b->segment->pool == kSmallPool || (b->addr >= small_floor_) == small_area_;
+  // (always but under vmm); one compare, on the cache-hit path.
+  bool in_area(const Block* b) const { return b->addr - area_lo_ < area_len_; }
+  // The area of the request underway (small: the small area), kept until
+  // the next request sets its own: malloc() sets it only when it changes.
+  void set_area(bool small) {
+    small_area_ = small;
+    if (small_floor_ == 0) return;
+    area_lo_ = small ? small_floor_ : 0;
+    area_len_ = small ? UINTPTR_MAX - small_floor_ : small_floor_;
   }
-  // small_area_ set for a scope (a request of the small area), restored after.
+  // The area set for a scope inside a request, the request's restored after.
   struct AreaScope {
-    bool& flag;
+    Allocator& a;
     bool saved;
-    AreaScope(bool& f, bool small) : flag(f), saved(f) { flag = small; }
-    ~AreaScope() { flag = saved; }
+    AreaScope(Allocator& al, bool small) : a(al), saved(al.small_area_) { a.set_area(small); }
+    ~AreaScope() { a.set_area(saved); }
   };
   // x is at the frontier: noted in *frontier if it is the one to take last.
   bool held_back(const Block* x, Block** frontier) const;
@@ -509,6 +515,8 @@ class Allocator {
   Segment* vmm_seg_ = nullptr;
   uintptr_t small_floor_ = 0;             // where the range's small area starts (vmm; 0: none)
   bool small_area_ = false;               // the request underway is placed in the small area
+  uintptr_t area_lo_ = 0;                 // its area's addresses: [area_lo_, area_lo_ + area_len_)
+  uintptr_t area_len_ = UINTPTR_MAX;
   std::map<uintptr_t, Block*> unmapped_;  // unmapped blocks of vmm_seg_ by address
   std::map<uintptr_t, size_t> handles_;   // mapped handles of vmm_seg_: address -> size
   size_t max_handle_ = 0;                 // the largest handle (a power-of-two number of pages)
