@@ -38,9 +38,7 @@ def test_sizes_round_to_512_and_split_by_pool(make):
 
 
 def test_small_blocks_live_in_chunks_borrowed_from_the_large_pool(make):
-    # A pool of a fixed size: under vmm, with room to grow, chunks take pages
-    # of their own area instead (test_vmm.py).
-    a = make(pool_size=64 * MiB, max_pool_size=64 * MiB)
+    a = make(pool_size=64 * MiB)
     chunk = a.config["small_chunk_size"]
     ptrs = [a.malloc(4 * KiB) for _ in range(10)]
     s = a.stats()

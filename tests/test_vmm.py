@@ -453,17 +453,32 @@ def test_the_small_area_maps_ahead_a_share_of_the_pool():
             a.free(p)
 
 
-def test_a_full_pool_serves_a_request_from_the_other_area_in_place(backend):
-    """Where growing would move pages out of holes (a pool of a fixed size),
-    a request takes a free block of the other area as it is, with no device
-    call, rather than move pages into its own."""
-    a = vmm(backend, pool_size=64 * MiB, max_pool_size=64 * MiB)
+@pytest.mark.parametrize("cap", [0, 64 * MiB])
+def test_a_full_pool_serves_a_request_from_the_other_area_in_place(backend, cap):
+    """Where growing would move pages out of holes (a pool of a fixed size) or
+    take the pool past pool_size, a request takes a free block of the other
+    area as it is, with no device call, rather than map or move pages into
+    its own: pool_size serves requests of both areas."""
+    a = vmm(backend, pool_size=64 * MiB, max_pool_size=cap)
     ptrs = [a.malloc(1000), a.malloc(MiB), a.malloc(3 * MiB)]
     s = a.stats()
     assert (s["num_device_alloc"], s["num_device_free"]) == (1, 0)
     assert s["reserved_bytes.all.current"] == 64 * MiB
     for p in ptrs:
         a.free(p)
+    a.check_invariants()
+    assert a.empty_cache() == 0  # pool_size stays reserved, and nothing else was
+
+
+def test_past_pool_size_each_area_grows_its_own(backend):
+    """Once the pool holds more than pool_size, a small request maps pages of
+    the small area again, apart from the large blocks."""
+    a = vmm(backend, pool_size=8 * MiB)
+    big = a.malloc(16 * MiB)  # past pool_size
+    q = a.malloc(1000)
+    assert q > big + 1024 * MiB
+    a.free(q)
+    a.free(big)
     a.check_invariants()
 
 

@@ -477,11 +477,11 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
   std::string why;
   size_t room = kUnknownRoom;
   if (!may_grow(size, &room, &why)) throw_oom(request, size, s, why, true);
-  if (vmm_ && grows_by_moving(size, room, s)) {
-    // Where pages would move out of holes for it (the cap or the device is
-    // reached) or none may be mapped (a capture), a free block of the other
-    // area serves it in place, with no device call: the pool_size of a fixed
-    // pool serves small requests too.
+  if (vmm_ && takes_other_area(size, room, s)) {
+    // Where growing would move pages out of holes (the cap or the device is
+    // reached), take the pool past pool_size, or may map nothing (a
+    // capture), a free block of the other area serves it in place, with no
+    // device call: pool_size serves requests of both areas.
     AreaScope other(*this, !small_area_);
     b = find_large(size, s, &frontier);
     if (b == nullptr) b = frontier;
@@ -541,13 +541,14 @@ bool Allocator::may_grow(size_t size, size_t* room, std::string* why) {
   return true;
 }
 
-bool Allocator::grows_by_moving(size_t size, size_t room, Stream s) {
+bool Allocator::takes_other_area(size_t size, size_t room, Stream s) {
   if ((backend_->is_capturing(s) || backend_->capture_underway()) && !backend_->grows_while_capturing())
     return true;
   size_t pages = round_up(size, page_);
   size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   return (cfg_.max_pool_size != 0 && reserved + pages > cfg_.max_pool_size) ||
-         (room != kUnknownRoom && pages > room);
+         (room != kUnknownRoom && pages > room) ||
+         (cfg_.pool_size != 0 && reserved <= cfg_.pool_size && reserved + pages > cfg_.pool_size);
 }
 
 bool Allocator::fits_split_rule(const Block* b, size_t size) const {

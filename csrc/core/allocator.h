@@ -347,11 +347,13 @@ class Allocator {
   // plus what the pool could give back); *room: the device's free bytes, and
   // those of the spare handles an out-of-memory retry holds.
   bool may_grow(size_t size, size_t* room, std::string* why);
-  // Whether size more bytes of pages (vmm) would pass the cap or the device's
-  // room (may_grow()'s), so that pages would move out of holes for them; or
-  // no page may be mapped for stream s now (a capture the backend cannot
-  // grow during).
-  bool grows_by_moving(size_t size, size_t room, Stream s);
+  // Whether a request of stream s the area of which has no free block for
+  // size bytes takes one of the other area (vmm) rather than grow: size more
+  // bytes of pages would pass the cap or the device's room (may_grow()'s),
+  // so that pages would move out of holes, or take the pool past pool_size;
+  // or no page may be mapped for s now (a capture the backend cannot grow
+  // during).
+  bool takes_other_area(size_t size, size_t room, Stream s);
   Block* grow(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom);
   Block* add_segment(uintptr_t base, size_t size, Stream s);
   Block* insert_free(Block* b);
