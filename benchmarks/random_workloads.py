@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 MiB, GiB = 1 << 20, 1 << 30
 
 #: (streams, seed) of the workloads the fragmentation benchmark and the targets use.
-WORKLOADS: List[Tuple[int, int]] = [(streams, seed) for streams in (1, 3) for seed in range(4)]
+WORKLOADS: List[Tuple[int, int]] = [(streams, seed) for streams in (1, 2, 3, 4) for seed in range(4)]
 
 CALLS = 20000
 MAX_LIVE = 2 * GiB

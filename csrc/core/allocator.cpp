@@ -78,7 +78,11 @@ Allocator::~Allocator() {
 
 Allocator::StreamState& Allocator::state_slow(Stream s) {
   auto it = streams_.find(s);
-  if (it == streams_.end()) it = streams_.emplace(s, std::make_unique<StreamState>(s)).first;
+  if (it == streams_.end()) {
+    it = streams_.emplace(s, std::make_unique<StreamState>(s)).first;
+    // Under vmm the large pool places blocks as PyTorch's does (free_index.h).
+    if (vmm_) it->second->free[kLargePool].lowest_ties();
+  }
   last_stream_ = s;
   last_state_ = it->second.get();
   return *last_state_;
@@ -130,7 +134,13 @@ uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
   if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
   // Segment events this request causes carry its tag (until it returns or throws).
   ContextScope scope(&trace_context_, context);
-  Block* b = rounded <= cfg_.small_size ? alloc_small(rounded, s, size) : alloc_large(rounded, s, size);
+  Block* b;
+  if (rounded <= cfg_.small_size) {
+    b = alloc_small(rounded, s, size);
+  } else {
+    if (bool small = rounded <= kSmallArea; small != small_area_) set_area(small);
+    b = alloc_large(rounded, s, size);
+  }
   return hand_out(b, size, s, context);
 }
 
@@ -282,8 +292,13 @@ Block* Allocator::alloc_small(size_t size, Stream s, size_t request) {
   Block* b = find_free(kSmallPool, size, s);
   if (b != nullptr) return take(b, size, s);
 
-  // Borrow a chunk from the large pool; it keeps the parent's stream label.
-  Block* parent = alloc_large(cfg_.small_chunk_size, s, request);
+  // Borrow a chunk from the large pool (its small area, under vmm); it
+  // keeps the parent's stream label.
+  Block* parent;
+  {
+    AreaScope area(*this, true);
+    parent = alloc_large(cfg_.small_chunk_size, s, request);
+  }
   Segment* chunk = new Segment();
   chunk->base = parent->addr;
   chunk->size = parent->size;
@@ -480,6 +495,16 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
   std::string why;
   size_t room = kUnknownRoom;
   if (!may_grow(size, &room, &why)) refuse(request, size, s, why, true);
+  if (vmm_ && takes_other_area(size, room, s)) {
+    // Where growing would move pages out of holes (the cap or the device is
+    // reached), take the pool past pool_size, or may map nothing (a
+    // capture), a free block of the other area serves it in place, with no
+    // device call: pool_size serves requests of both areas.
+    AreaScope other(*this, !small_area_);
+    b = find_large(size, s, &frontier);
+    if (b == nullptr) b = frontier;
+    if (b != nullptr) return take(b, size, s);
+  }
   b = vmm_ ? map_for(size, s, &why, room) : grow(size, s, &why, room);
   if (b == nullptr && !backend_->is_capturing(s) && !backend_->capture_underway()) {
     // Give back everything cached and try once more, as PyTorch does. The
@@ -532,6 +557,16 @@ bool Allocator::may_grow(size_t size, size_t* room, std::string* why) {
   return true;
 }
 
+bool Allocator::takes_other_area(size_t size, size_t room, Stream s) {
+  if ((backend_->is_capturing(s) || backend_->capture_underway()) && !backend_->grows_while_capturing())
+    return true;
+  size_t pages = round_up(size, page_);
+  size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  return (cfg_.max_pool_size != 0 && reserved + pages > cfg_.max_pool_size) ||
+         (room != kUnknownRoom && pages > room) ||
+         (cfg_.pool_size != 0 && reserved <= cfg_.pool_size && reserved + pages > cfg_.pool_size);
+}
+
 bool Allocator::fits_split_rule(const Block* b, size_t size) const {
   // A bestfit rule: under vmm, splitting a big block strands no memory (its
   // free pages can be unmapped), and map_for() relies on best fit taking any
@@ -553,14 +588,17 @@ bool Allocator::held_back(const Block* x, Block** frontier) const {
 
 Block* Allocator::find_free(Pool pool, size_t size, Stream s) {
   StreamState& st = state(s);
-  Block* b = st.free[pool].best_fit(size, [&](const Block* x) { return fits_split_rule(x, size); });
+  // Small-pool blocks (chunks') are of any area.
+  Block* b = st.free[pool].best_fit(size, [&](const Block* x) {
+    return (pool == kSmallPool || in_area(x)) && fits_split_rule(x, size);
+  });
   if (b != nullptr || streams_.size() == 1) return b;
   return find_other_streams(pool, size, s, nullptr);
 }
 
 Block* Allocator::find_large(size_t size, Stream s, Block** frontier) {
   FreeIndex& index = state(s).free[kLargePool];
-  auto fits = [&](const Block* x) { return fits_split_rule(x, size); };
+  auto fits = [&](const Block* x) { return in_area(x) && fits_split_rule(x, size); };
   *frontier = nullptr;
   Block* b = index.best_fit(size, fits);
   if (b != nullptr && at_frontier(b)) {
@@ -582,7 +620,8 @@ Block* Allocator::find_other_streams(Pool pool, size_t size, Stream s, Block** f
     StreamState& o = *stp;
     if (stream == s || o.free[pool].empty()) continue;
     auto ready = [&](const Block* x) {
-      return x->free_seq <= o.ready_seq && fits_split_rule(x, size) && !held_back(x, frontier);
+      return x->free_seq <= o.ready_seq && (pool == kSmallPool || in_area(x)) && fits_split_rule(x, size) &&
+             !held_back(x, frontier);
     };
     poll_syncs(o, false);
     Block* b = o.free[pool].best_fit(size, ready);
@@ -1016,6 +1055,7 @@ void Allocator::release_segment(Segment* seg) {
 size_t Allocator::empty_cache() {
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
+  set_area(false);  // pool_size, if mapped again, is the large area's
   size_t keep = cfg_.pool_size;
   if (keep == 0 || backend_->capture_underway()) return release_cached(0);
   keep = vmm_ ? round_up(keep, page_) : round_up(keep, kSegmentAlign);
@@ -1046,7 +1086,9 @@ size_t Allocator::reserve(size_t nbytes) {
   size_t want = round_up(nbytes, kSegmentAlign);
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
-  if (largest_free_locked(kLargePool) >= round_up(nbytes, kGranularity)) return 0;
+  // Under vmm, a free range of the area a request of nbytes takes.
+  AreaScope area(*this, vmm_ && round_up(nbytes, kGranularity) <= kSmallArea);
+  if (largest_free_in_area() >= round_up(nbytes, kGranularity)) return 0;
   if (vmm_) {
     unpark();  // first: map_for() would, and they are no part of what this reserves
     int64_t before = stats_.reserved_bytes.all.current;

@@ -37,6 +37,12 @@
 //   where the pool grows) is taken only when no other free block fits. So a
 //   loop that repeats exactly puts each block where its first pass did, into
 //   pages that pass mapped: after it, the loop maps and unmaps nothing.
+//   The range has two areas, each growing upward from its start, as PyTorch
+//   keeps a large and a small expandable segment: requests of at most
+//   kSmallArea (PyTorch's small requests) and the small pool's chunks in the
+//   upper one, larger requests in the lower one; a request takes free blocks
+//   and maps pages only in its own area, so small blocks never wall in the
+//   large ones. Pages move between the areas only as they move out of holes.
 //   Pages are mapped in handles (backend.h), unmapped only whole: up to
 //   32 MiB with room on the device, one page near a limit (vmm.cpp).
 //
@@ -179,8 +185,8 @@ class Allocator {
   /// Returns wholly free segments (under vmm: free pages) to the backend,
   /// keeping pool_size reserved; the bytes released.
   size_t empty_cache();
-  /// Grows the pool so that a free range of at least nbytes exists; the
-  /// bytes newly reserved.
+  /// Grows the pool so that a free range of at least nbytes exists (under
+  /// vmm, in the area a request of nbytes takes); the bytes newly reserved.
   size_t reserve(size_t nbytes);
   /// Unmaps the pages parked during a capture (their access refused: see
   /// unpark()) once no capture is underway; the bytes given back (0 during a
@@ -325,9 +331,33 @@ class Allocator {
   // where the pool grows. Taken only when no other free block fits, as
   // dlmalloc preserves its top chunk: a loop that repeats exactly then puts
   // each block where its first pass did, into memory that pass mapped.
+  // The small area's first block grows only upward: the unmapped pages below
+  // it are the large area's.
   bool at_frontier(const Block* b) const {
-    return vmm_ && ((b->prev != nullptr && !b->prev->mapped) || (b->next != nullptr && !b->next->mapped));
+    return vmm_ && ((b->prev != nullptr && !b->prev->mapped && b->addr != small_floor_) ||
+                    (b->next != nullptr && !b->next->mapped));
   }
+  // Requests of at most this many bytes (rounded) go to the range's small
+  // area, as PyTorch's small pool serves requests of up to 1 MiB.
+  static constexpr size_t kSmallArea = size_t(1) << 20;
+  // Whether the large-pool block b lies in the area of the request underway
+  // (always but under vmm); one compare, on the cache-hit path.
+  bool in_area(const Block* b) const { return b->addr - area_lo_ < area_len_; }
+  // The area of the request underway (small: the small area), kept until
+  // the next request sets its own: malloc() sets it only when it changes.
+  void set_area(bool small) {
+    small_area_ = small;
+    if (small_floor_ == 0) return;
+    area_lo_ = small ? small_floor_ : 0;
+    area_len_ = small ? UINTPTR_MAX - small_floor_ : small_floor_;
+  }
+  // The area set for a scope inside a request, the request's restored after.
+  struct AreaScope {
+    Allocator& a;
+    bool saved;
+    AreaScope(Allocator& al, bool small) : a(al), saved(al.small_area_) { a.set_area(small); }
+    ~AreaScope() { a.set_area(saved); }
+  };
   // x is at the frontier: noted in *frontier if it is the one to take last.
   bool held_back(const Block* x, Block** frontier) const;
   bool fits_split_rule(const Block* b, size_t size) const;
@@ -339,6 +369,13 @@ class Allocator {
   // plus what the pool could give back); *room: the device's free bytes, and
   // those of the spare handles an out-of-memory retry holds.
   bool may_grow(size_t size, size_t* room, std::string* why);
+  // Whether a request of stream s the area of which has no free block for
+  // size bytes takes one of the other area (vmm) rather than grow: size more
+  // bytes of pages would pass the cap or the device's room (may_grow()'s),
+  // so that pages would move out of holes, or take the pool past pool_size;
+  // or no page may be mapped for s now (a capture the backend cannot grow
+  // during).
+  bool takes_other_area(size_t size, size_t room, Stream s);
   Block* grow(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom);
   Block* add_segment(uintptr_t base, size_t size, Stream s);
   Block* insert_free(Block* b);
@@ -482,6 +519,8 @@ class Allocator {
   std::string describe_bad_pointer(uintptr_t ptr, const char* op) const;
   void trace(TraceEntry::Action a, uintptr_t addr, size_t size, Stream s);
   size_t largest_free_locked(Pool pool) const;
+  // The largest free large-pool block in the area of the request underway.
+  size_t largest_free_in_area() const;
 
   std::unique_ptr<Backend> backend_;
   Config cfg_;
@@ -510,6 +549,10 @@ class Allocator {
   bool vmm_ = false;
   size_t page_ = 0;
   Segment* vmm_seg_ = nullptr;
+  uintptr_t small_floor_ = 0;             // where the range's small area starts (vmm; 0: none)
+  bool small_area_ = false;               // the request underway is placed in the small area
+  uintptr_t area_lo_ = 0;                 // its area's addresses: [area_lo_, area_lo_ + area_len_)
+  uintptr_t area_len_ = UINTPTR_MAX;
   std::map<uintptr_t, Block*> unmapped_;  // unmapped blocks of vmm_seg_ by address
   std::map<uintptr_t, size_t> handles_;   // mapped handles of vmm_seg_: address -> size
   size_t max_handle_ = 0;                 // the largest handle (a power-of-two number of pages)

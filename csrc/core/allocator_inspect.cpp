@@ -57,6 +57,15 @@ void Allocator::set_stats_sink(StatsSink* sink) {
   if (sink_ != nullptr) sink_->push(stats_, &pushed_);
 }
 
+size_t Allocator::largest_free_in_area() const {
+  size_t largest = 0;
+  for (const auto& [stream, st] : streams_)
+    st->free[kLargePool].for_each([&](const Block* b) {
+      if (in_area(b)) largest = std::max(largest, b->size);
+    });
+  return largest;
+}
+
 size_t Allocator::largest_free_locked(Pool pool) const {
   size_t largest = 0;
   for (const auto& [stream, st] : streams_) {

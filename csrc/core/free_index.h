@@ -10,7 +10,14 @@
 // A two-level bitmap finds the next non-empty bin in a few instructions.
 // best_fit() is exact: it scans the request's own bin for the smallest block
 // that fits and, failing that, the next non-empty bin, all of whose blocks
-// fit, for its smallest. Scans stop at an exact fit.
+// fit, for its smallest. Scans stop at an exact fit, unless the index breaks
+// ties by address (lowest_ties()): then the lowest of the exact fits, as
+// PyTorch's allocator picks among free blocks of one size. In the vmm
+// strategy's large pool the choice decides where the pool grows next, and
+// any first exact fit made it grow at other times than expandable segments'
+// on the same trace (two more device calls in the second half of
+// gpt2-varlen-train, in replay); the small pool's exact bins may hold
+// thousands of blocks of one size, so it stops at the first.
 #pragma once
 
 #include <cstddef>
@@ -46,6 +53,10 @@ class FreeIndex {
     insert(b);
   }
 
+  /// Of the blocks of the smallest size that fits, best_fit() returns the
+  /// lowest from now on (not the first found).
+  void lowest_ties() { lowest_ties_ = true; }
+
   /// The smallest block of at least `size` that `accept` takes, or null.
   template <typename Accept>
   Block* best_fit(size_t size, Accept accept) const;
@@ -80,6 +91,7 @@ class FreeIndex {
   uint64_t summary_;
   size_t count_ = 0;
   size_t bytes_ = 0;
+  bool lowest_ties_ = false;
 };
 
 inline int FreeIndex::bin_of(size_t size) {
@@ -111,7 +123,7 @@ Block* FreeIndex::best_fit(size_t size, Accept accept) const {
       if (best == nullptr || b->size < best->size ||
           (b->size == best->size && b->addr < best->addr)) {
         best = b;
-        if (b->size == size) break;  // nothing fits better
+        if (b->size == size && !lowest_ties_) break;  // nothing fits better
       }
     }
     if (best != nullptr) return best;

@@ -24,10 +24,14 @@
 // until the capture's end (release_parked(), from the device's pools), or the
 // first growth, reserve() or release of cached memory once no capture is
 // underway: unpark()).
-// While the pool holds at most a quarter of what the device (and the cap)
-// could give it, growth maps ahead to a grain of the pool, in the request's
-// handles; beyond, in one-page handles to a 20 MiB boundary while the room
-// left is ample.
+// The range has two areas (allocator.h): the large one from its start, the
+// small one from its middle, each growing upward, as PyTorch's large and
+// small expandable segments do. While the pool holds at most a quarter of
+// what the device (and the cap) could give it, growth maps ahead, in the
+// request's handles: in the large area to the next boundary of expandable
+// segments' 20 MiB pages, one page per stream, in the small one a share of
+// the pool; beyond, the same in one-page handles while the room left is
+// ample.
 #include <algorithm>
 #include <exception>
 #include <vector>
@@ -39,11 +43,13 @@ namespace pyalloc {
 namespace {
 constexpr size_t kMaxHandle = size_t(32) << 20;
 constexpr size_t kHandleHeadroom = 1024;
-constexpr size_t kGrowthShare = 16;
-constexpr size_t kMinGrain = size_t(12) << 20;
 constexpr size_t kAheadRoom = 3;
-constexpr size_t kSnugGrain = size_t(20) << 20;
 constexpr size_t kSnugAheadRoom = 16;
+// PyTorch's expandable segments map the large pool in pages of this size.
+constexpr size_t kExpandablePage = size_t(20) << 20;
+// The small area maps ahead up to this share of the pool, and at most this.
+constexpr size_t kSmallAheadShare = 256;
+constexpr size_t kSmallAheadMax = size_t(8) << 20;
 }  // namespace
 
 void Allocator::init_vmm() {
@@ -52,8 +58,8 @@ void Allocator::init_vmm() {
   size_t dev_free = 0, dev_total = 0;
   backend_->mem_info(&dev_free, &dev_total);
   size_t basis = cfg_.max_pool_size != 0 ? cfg_.max_pool_size : dev_total;
-  // Address space is cheap: room for the pool four times over, so that
-  // holes in the range never make it run out.
+  // Address space is cheap: room for the pool four times over (twice in
+  // each area), so that holes in the range never make it run out.
   size_t range = basis != 0 ? std::max(std::min(basis, size_t(1) << 44) * 4, size_t(64) << 30)
                             : size_t(1) << 42;
   range = round_up(range, page);
@@ -92,6 +98,8 @@ void Allocator::init_vmm() {
   }
   vmm_ = true;
   page_ = page;
+  // The upper half of the range is the small area (allocator.h).
+  small_floor_ = base + round_up(range / 2, page);
   // Handles of up to 32 MiB: a GiB mapped is some 100 driver calls, not the
   // 1500 of 2 MiB ones (cuMemCreate, cuMemMap, cuMemSetAccess each; the
   // same again to unmap).
@@ -123,6 +131,7 @@ void Allocator::init_vmm() {
     vmm_seg_ = nullptr;
     vmm_ = false;
     page_ = 0;
+    small_floor_ = 0;
     backend_->vmm_release(base, range);
   };
   if (keep_trial) {
@@ -237,36 +246,53 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   // moved out of holes below).
   if (size_t unparked = unpark(); unparked != 0 && room != kUnknownRoom) room += unparked;
 
-  // The unmapped block needing the fewest new pages, mapped from the side
-  // whose usable free neighbour is larger. `fresh`: size new bytes, whatever
-  // is free beside them (the pool filled back up to pool_size).
+  // The unmapped block needing the fewest new pages in the request's area
+  // (its part there: [u_lo, u_hi)), mapped from the side whose usable free
+  // neighbour of that area is larger; in the block the small area starts in,
+  // from the area's start: both areas grow upward. Only if the area's own
+  // address space is exhausted, anywhere in the range. `fresh`: size new
+  // bytes, whatever is free beside them (the pool filled back up to
+  // pool_size, in the large area).
   Block* u = nullptr;
-  uintptr_t lo = 0, hi = 0, keep_lo = 0, keep_hi = 0;
+  uintptr_t lo = 0, hi = 0, u_lo = 0, u_hi = 0, keep_lo = 0, keep_hi = 0;
   size_t need = SIZE_MAX;
-  for (auto& [addr, cand] : unmapped_) {
-    Block* left = fresh ? nullptr : usable_neighbour(cand->prev, s);
-    Block* right = fresh ? nullptr : usable_neighbour(cand->next, s);
-    size_t lsz = left ? left->size : 0, rsz = right ? right->size : 0;
-    if (lsz + cand->size + rsz < size) continue;
-    size_t from_left = size <= lsz ? 0 : round_up(size - lsz, page_);
-    size_t from_right = size <= rsz ? 0 : round_up(size - rsz, page_);
-    size_t n = std::min(std::min(from_left, from_right), cand->size);
-    if (n == 0 || n >= need) continue;  // n == 0: a mapped block fits; best fit saw it
-    need = n;
-    u = cand;
-    if (n == cand->size) {
-      lo = cand->addr;
-      hi = cand->end();
-    } else if (from_left <= from_right) {
-      lo = cand->addr;
-      hi = cand->addr + n;
-    } else {
-      lo = cand->end() - n;
-      hi = cand->end();
+  for (int pass = 0; pass < 2 && u == nullptr; ++pass) {
+    bool anywhere = pass == 1 || small_floor_ == 0;
+    for (auto& [addr, cand] : unmapped_) {
+      uintptr_t a0 = cand->addr, a1 = cand->end();
+      if (!anywhere) {
+        if (small_area_) a0 = std::max(a0, small_floor_);
+        else a1 = std::min(a1, small_floor_);
+        if (a0 >= a1) continue;
+      }
+      Block* left = fresh || a0 != cand->addr ? nullptr : usable_neighbour(cand->prev, s);
+      Block* right = fresh || a1 != cand->end() ? nullptr : usable_neighbour(cand->next, s);
+      if (!anywhere && left != nullptr && !in_area(left)) left = nullptr;
+      if (!anywhere && right != nullptr && !in_area(right)) right = nullptr;
+      size_t lsz = left ? left->size : 0, rsz = right ? right->size : 0;
+      if (lsz + (a1 - a0) + rsz < size) continue;
+      size_t from_left = size <= lsz ? 0 : round_up(size - lsz, page_);
+      size_t from_right = size <= rsz ? 0 : round_up(size - rsz, page_);
+      size_t n = std::min(std::min(from_left, from_right), a1 - a0);
+      if (n == 0 || n >= need) continue;  // n == 0: a mapped block fits; best fit saw it
+      need = n;
+      u = cand;
+      u_lo = a0;
+      u_hi = a1;
+      if (n == a1 - a0) {
+        lo = a0;
+        hi = a1;
+      } else if (from_left <= from_right) {
+        lo = a0;
+        hi = a0 + n;
+      } else {
+        lo = a1 - n;
+        hi = a1;
+      }
+      // Nothing next to u may be unmapped meanwhile: it would merge into u.
+      keep_lo = cand->prev != nullptr ? cand->prev->addr : cand->addr;
+      keep_hi = cand->next != nullptr ? cand->next->end() : cand->end();
     }
-    // Nothing next to u may be unmapped meanwhile: it would merge into u.
-    keep_lo = cand->prev != nullptr ? cand->prev->addr : cand->addr;
-    keep_hi = cand->next != nullptr ? cand->next->end() : cand->end();
   }
   if (u == nullptr) {
     *why = "the virtual address range of the pool is exhausted";
@@ -310,34 +336,38 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
     while (handle_limit_ > page_ && handle_limit_ > headroom / kHandleHeadroom) handle_limit_ /= 2;
   // Growth while the pool holds at most a quarter of what the device and
   // the cap could give it (room at least kAheadRoom times what is reserved;
-  // or the room unknown) goes on to the next boundary of a grain (the
-  // largest power of two of pages up to the handle limit and 1/16 of what
-  // is reserved, or kMinGrain if that is larger): the next growths of a
-  // workload that creeps up (varying shapes) find their pages mapped
-  // already. In replay the second half's device calls fell from 33 to 13 on
-  // gpt2-varlen-train and from 10 to 5 on vit-mixedres-train, for 1.046x
-  // peak live reserved against 1.023x and 1.094x against 1.064x. Mapping
-  // ahead up to a third of the device (room twice what is reserved) cost
-  // cs336-2.7b its smallest budget: 1.0075x peak live against 1.0057x with
-  // none ahead; up to a quarter, 1.0058x, every other budget unchanged (to
-  // 0.1%). Under 256 MiB reserved the grain is 12 MiB (kMinGrain, six
-  // pages, while the handle limit allows), not 1/16 of it: each growth is a
-  // cuMemCreate, a cuMemMap and a cuMemSetAccess, and a small pool grows
-  // often. A pool filling with 7.5 MiB weights mapped every one of them in
-  // handles of 2 to 8 MiB (jaspersolt-cnn's driver calls fell from 69 to 45,
-  // tiny-gpt-varlen's from 120 to 60), every trace's reserved and smallest
-  // budget unchanged. 8 MiB made more driver calls than expandable segments'
-  // 20 MiB pages on three small traces (convnet-mixedres 49 against 44,
-  // bert-dynbatch 42 against 36, jaspersolt-cnn 40 against 29); 12 MiB
-  // makes 37, 36 and 28, for reserved 1.100x peak live against 1.072x,
-  // 1.301x either way and 1.046x against 1.007x (tiny-gpt-varlen 1.138x
-  // against 1.108x), every smallest budget within 0.1% of peak live of
-  // what it was (bisected to 0.1%: jaspersolt-cnn 1.0079x against 1.0073x,
-  // tiny-gpt-varlen 1.0505x against 1.0508x). 10 MiB left
-  // jaspersolt-cnn at 34; 14 MiB took bert-dynbatch to 1.328x and 16 MiB
-  // tiny-gpt-varlen to 1.167x, past its 15%. The extra pages share the
-  // request's handles (as handles of their own, cs336-2.7b made 6135
-  // driver calls, not 4051).
+  // or the room unknown) goes on ahead of the request. In the large area, to
+  // the next boundary of expandable segments' 20 MiB pages (kExpandablePage,
+  // from the range's start): with the same placement as theirs (best fit,
+  // ties to the lowest address, the frontier last) the area then holds what
+  // expandable segments' large segment holds, no more, and grows when it
+  // does, no more often. In replay, bert_infer (H200) reserved 1.220 x peak
+  // live (expandable segments 1.220; 1.273 with the grain of 12 MiB to 1/16
+  // of the pool this replaced) and made no device call in its second half
+  // (1; theirs 0). Smaller grains for small pools (4, 10 or 12 MiB under
+  // 256 MiB reserved, holding less than their 20 MiB pages) made more calls
+  // than theirs: tiny-gpt-varlen 4 against 3 in the second half, vit-mixedres
+  // 7 against 5 (10 MiB up to 512 MiB), jaspersolt-cnn 40 to 58 driver calls
+  // against 29. So a small pool reserves what expandable segments do
+  // (convnet-mixedres 1.213 x, encoder-dynbatch 1.553 x; 1.100 and 1.243
+  // with 12 MiB grains) and needs a smaller device than theirs (the budget).
+  // In the small area, a page boundary and on, beyond the request, the
+  // largest power of two of pages up to 1/256 of what is reserved (at most
+  // kSmallAheadMax): the small pool's chunks hold their blocks apart where
+  // PyTorch's small segment packs them, and grew a page more often; without
+  // it, 10 of 30 unseen one-stream random workloads (seeds 100 to 129) made
+  // one device call more than expandable segments in their second half, with
+  // it none of 60 (seeds 100 to 159), each reserving within 0.006 x peak
+  // live of theirs (1/128 held 0.004 x more on average).
+  // With several streams, expandable segments keep a range per stream, each
+  // growing to its own stream's high-water mark in its own 20 MiB pages:
+  // they hold more (1.34 to 1.62 x peak live on unseen random workloads of
+  // two to four streams, seeds 100 to 159) but stop growing earlier. The
+  // large area's grain is one of their pages per stream the pool serves:
+  // with one page whatever the streams, 12 of those 180 workloads made 1 to
+  // 5 device calls more than theirs in the second half; with one a stream,
+  // 5, for reserved 1.22 to 1.25 x peak live against 1.21 to 1.23 x (two of
+  // them above theirs + 0.02 x either way: fragmentation.md).
   //
   // With room to spare (the pool at most a quarter of what the device and
   // the cap could give it, as for mapping ahead; or the room unknown) a
@@ -356,7 +386,7 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   // handles, at 1.0022x either way).
   //
   // Past that quarter, once handles are down to one page, growth still maps
-  // ahead to a 20 MiB boundary (kSnugGrain: expandable segments' page) while
+  // ahead, as above (to a 20 MiB boundary in the large area), while
   // the room left is at least 16 times the growth and the grain: one-page
   // handles leave holes page by page at the cap, so no smallest budget
   // moved (in replay, bisected to 0.1%), and on a snug device (peak live +
@@ -375,22 +405,23 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   // one-handle mapping maps nothing (the backend releases the handle it
   // could not map, as PyTorch does).
   whole_ = backend_->capture_underway();
-  bool snug_ahead = !roomy_ && handle_limit_ == page_ && headroom / kSnugAheadRoom >= need + kSnugGrain;
+  size_t large_page = round_up(kExpandablePage, page_);
+  bool snug_ahead = !roomy_ && handle_limit_ == page_ && headroom / kSnugAheadRoom >= need + large_page;
   uintptr_t ext_lo = 0, ext_hi = 0;
-  if (!exact && need < u->size && (roomy_ || snug_ahead)) {
-    size_t grain = page_;
-    if (snug_ahead) {
-      grain = round_up(kSnugGrain, page_);
-    } else {
-      while (grain * 2 <= handle_limit_ && grain * 2 * kGrowthShare <= reserved) grain *= 2;
-      grain = std::max(grain, std::min(round_up(kMinGrain, page_), handle_limit_));
-    }
+  if (!exact && need < u_hi - u_lo && (roomy_ || snug_ahead)) {
+    // In the large area one 20 MiB page per stream the pool serves, as
+    // expandable segments keep a range (rounded up to its pages) per stream.
+    size_t grain = small_area_ ? page_ : large_page * std::max<size_t>(1, streams_.size());
+    size_t ahead = 0;
+    if (small_area_)
+      for (size_t x = page_; x <= kSmallAheadMax && x * kSmallAheadShare <= reserved; x *= 2) ahead = x;
     uintptr_t base = vmm_seg_->base;
-    if (lo == u->addr) {
+    if (lo == u_lo) {
       ext_lo = hi;
-      ext_hi = std::min(u->end(), base + round_up(hi - base, grain));
+      ext_hi = std::min(u_hi, base + round_up(hi + ahead - base, grain));
     } else {
-      ext_lo = std::max(u->addr, base + (lo - base) / grain * grain);
+      uintptr_t from = lo - std::min(ahead, lo - u_lo);
+      ext_lo = std::max(u_lo, base + (from - base) / grain * grain);
       ext_hi = lo;
     }
     size_t more = ext_hi - ext_lo;
@@ -449,9 +480,13 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   Block* m = cut_mapped(u, lo, hi, s);
   // Merge only with neighbours s may use: fresh pages are safe anywhere and
   // would otherwise merge into (and take the label of) a block another
-  // stream may still be using.
-  while ((usable_neighbour(m->prev, s) != nullptr && merge_neighbour(m, m->prev)) ||
-         (usable_neighbour(m->next, s) != nullptr && merge_neighbour(m, m->next))) {
+  // stream may still be using; and only inside the area.
+  auto mergeable = [&](Block* n) {
+    bool same_area = small_floor_ == 0 || (n != nullptr && (n->addr >= small_floor_) == (lo >= small_floor_));
+    return same_area && usable_neighbour(n, s) != nullptr;
+  };
+  while ((mergeable(m->prev) && merge_neighbour(m, m->prev)) ||
+         (mergeable(m->next) && merge_neighbour(m, m->next))) {
   }
   m->state = BlockState::kFree;
   state(m->stream).free[kLargePool].insert(m);
@@ -490,11 +525,28 @@ Block* Allocator::cut_mapped(Block* u, uintptr_t lo, uintptr_t hi, Stream s) {
       u->prev = m;
       u->addr = hi;
       unmapped_.emplace(u->addr, u);
-    } else {
+    } else if (hi == u->end()) {
       m->prev = u;
       m->next = u->next;
       if (u->next != nullptr) u->next->prev = m;
       u->next = m;
+    } else {
+      // From the middle (the small area's first pages): what lies above the
+      // new pages stays unmapped, a block of its own.
+      Block* t = new_block();
+      t->segment = u->segment;
+      t->addr = hi;
+      t->size = u->end() - hi;
+      t->mapped = false;
+      t->state = BlockState::kFree;
+      t->prev = m;
+      t->next = u->next;
+      if (u->next != nullptr) u->next->prev = t;
+      m->prev = u;
+      m->next = t;
+      u->next = m;
+      unmapped_.emplace(t->addr, t);
+      u->size -= t->size;
     }
     u->size -= hi - lo;
   }

@@ -32,6 +32,7 @@ MODES = {
     "capture-big": ("relaxed", ["capture", "big"], ("capture_check_",)),
     "capture-error": ("relaxed", ["capture", "error"], ("capture_check_",)),
     "capture-access": ("relaxed", ["capture", "access"], ("capture_check_",)),
+    "areas-norelax": ("norelax", ["areas", "norelax"], ("areas_check_",)),
 }
 
 # What a check must say on stderr, each exactly once; pyalloc says nothing else.

@@ -10,7 +10,8 @@ runs each CHECK (a function below) in turn after the mode's set-up, and prints
 OK when every one passed. MODE: none for the segment checks (check_*, and
 relaxed_check_* or norelax_check_*); "vmm" (the stand-in reports virtual
 memory management: pools map pages) for vmm_check_*; "fallback" (vmm asked
-for where it cannot work) for fallback_check_*; "capture" (vmm, with a
+for where it cannot work) for fallback_check_*; "areas" (vmm, on the stand-in
+without the relaxed capture mode) for areas_check_*; "capture" (vmm, with a
 device's pools made during a capture; "big": a pool_size it cannot map then;
 "error": a driver error mapping it; "access": the device refuses access to
 its pages then) for capture_check_*. "norelax": the stand-in was built
@@ -826,7 +827,8 @@ def vmm_check_pages_are_mapped_on_demand():
     p = malloc(5 * MiB)
     q = malloc(5 * MiB)
     assert stub.mem_alloc == 0  # no cuMemAlloc: pages are mapped
-    assert stub.mem_map >= 5 and stub.mapped[0] == stats()["reserved_bytes.all.current"] == 10 * MiB
+    # On to the next boundary of expandable segments' 20 MiB pages.
+    assert stub.mem_map >= 5 and stub.mapped[0] == stats()["reserved_bytes.all.current"] == 20 * MiB
     c.memset(p, 7, 5 * MiB)
     c.memset(q, 8, 5 * MiB)
     assert c.string_at(p, 5 * MiB) == b"\x07" * (5 * MiB)
@@ -1006,7 +1008,7 @@ def vmm_check_impossible_requests_fail_at_once():
     hooks.pyalloc_empty_cache()
     keep = malloc(8 * MiB)
     hole = malloc(96 * MiB)
-    keep2 = malloc(2 * MiB)
+    keep2 = malloc(16 * MiB)  # to the 20 MiB boundary growth maps on to: nothing else cached
     free(hole)  # 48 pages mapped and cached, between live blocks
     made, size = impossible_and_possible_requests(96 * MiB)
     # The cached pages unmapped, each mapped again for the request or released;
@@ -1311,9 +1313,31 @@ def capture_check_a_device_opened_during_a_capture_breaks_nothing():
     _C.cuda_check_invariants(1)
 
 
+def areas_check_a_capture_that_cannot_grow_serves_small_requests_from_pool_size():
+    """Requests of up to 1 MiB take pages of the range's small area; where a
+    capture may map none (this driver cannot relax the capture mode), they take
+    free pages of the large area, pool_size's, rather than fail."""
+    assert _C.cuda_check_driver() == 13000
+    _C.cuda_configure("strategy:vmm,pool_size:32MiB")
+    capture_stream = 0x5000
+    keep = malloc(4 * MiB)  # the device's pools open, pool_size mapped; the rest never used
+    created = stub.mem_create
+    stub.capture_id, stub.capturing_stream = 77, capture_stream
+    try:
+        ptrs = [malloc(4096, 0, capture_stream), malloc(MiB, 0, capture_stream)]
+    finally:
+        stub.capturing_stream = 0
+    assert stub.mem_create == created and stats()["reserved_bytes.all.current"] == 32 * MiB, (
+        stub.mem_create - created, stats()["reserved_bytes.all.current"])
+    for ptr in ptrs + [keep]:
+        free(ptr)
+    _C.cuda_check_invariants(0)
+
+
+
 def set_up(mode):
     """What every check of `mode` takes for granted."""
-    stub.vmm = 1 if mode in ("vmm", "capture") else 0
+    stub.vmm = 1 if mode in ("vmm", "capture", "areas") else 0
     if mode == "":
         _C.cuda_configure("pool_size:32MiB,strategy:bestfit")
     elif mode == "vmm":
@@ -1331,7 +1355,7 @@ words = sys.argv[2:]
 checks = [w for w in words if "check_" in w]
 unknown = [name for name in checks if not callable(globals().get(name))]
 assert checks and not unknown, f"name the checks to run (unknown: {unknown})"
-set_up(next((w for w in words if w in ("vmm", "fallback", "capture")), ""))
+set_up(next((w for w in words if w in ("vmm", "fallback", "capture", "areas")), ""))
 for name in checks:
     globals()[name]()
     assert stub.bad_handle == 0, f"{name}: a released handle was mapped or released again"

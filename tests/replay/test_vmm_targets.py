@@ -1,20 +1,24 @@
-"""Issue 19's targets for the vmm strategy, on the recorded traces
-(benchmarks/traces, and ../shared/traces with its gpu/ where present), every
-device of each, and on the random workloads of benchmarks/random_workloads.py.
+"""Issue 42's targets for the vmm strategy: never behind PyTorch's own
+allocator with expandable_segments:True, the model the replay runs beside
+pyalloc (pyalloc/replay_allocators.py), on the same trace. On the recorded
+traces (benchmarks/traces, and ../shared/traces with its gpu/ and h200/ where
+present: skipped when absent), every device of each, and on the random
+workloads of benchmarks/random_workloads.py:
 
-Against the model of PyTorch's allocator with expandable_segments:True that
-the replay runs beside pyalloc (pyalloc/replay_allocators.py), on every trace
-and device: pyalloc's smallest budget no larger (both bisected to the same
-precision; where pyalloc's bisection lands above, pyalloc must still complete
-the trace on expandable segments' budget), its device calls in the trace's
-second half no more, and its driver calls over the whole replay no more.
-Absolute targets: peak reserved with no cap within 5% of peak live on traces
-of 1 GiB or more and within 15% on smaller ones and on random workloads; the
-smallest budget within 1% of peak live on traces of 1 GiB or more.
+- budget: pyalloc's smallest device no larger than expandable segments' (both
+  bisected to 0.1%; where pyalloc's bisection lands above theirs by more than
+  0.2%, pyalloc must still complete the trace on theirs), and within 1% of peak
+  live on the traces recorded on a GPU (their snapshots hold the recording
+  allocator's segments) with 1 GiB of peak live or more;
+- reserved with no cap: no more than expandable segments' + 0.02 x peak live;
+- device calls in the trace's second half, no cap: no more than theirs;
+- driver calls over the whole replay, no cap: at most 1.25 x theirs on the
+  traces recorded on a GPU.
 
-Where a target is missed today the case is an xfail with the measured figures
-(strict: it fails once the target is met, so that the mark goes);
-benchmarks/results/fragmentation.md says why.
+(A loop that repeats exactly making no device call after its first pass:
+tests/test_steady_state.py.) Where a target is missed the case is an xfail with
+the measured figures (strict: it fails once the target is met, so that the mark
+goes); benchmarks/results/fragmentation.md says why.
 """
 from __future__ import annotations
 
@@ -38,52 +42,22 @@ CONF = "strategy:vmm"
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = SHARED_DIR / "traces"
 TRACES = sorted((ROOT / "benchmarks" / "traces").glob("*.pickle.gz"))
-for folder in (SHARED, SHARED / "gpu"):
+for folder, pattern in ((SHARED, "*.pickle"), (SHARED / "gpu", "*.pickle"), (SHARED / "h200", "*.pickle.gz")):
     if folder.is_dir():
-        TRACES += sorted(folder.glob("*.pickle"))
+        TRACES += sorted(folder.glob(pattern))
 IN_SHARED = {path.name for path in TRACES if SHARED in path.parents}
 # By name: the recorded traces, then benchmarks/random_workloads.py's.
 SNAPSHOTS = {path.name: load_snapshot(path) for path in TRACES}
 SNAPSHOTS.update({workload_name(streams, seed): random_snapshot(seed, streams) for streams, seed in WORKLOADS})
 CASES = [(name, device) for name in SNAPSHOTS for device in devices_of(SNAPSHOTS[name])]
-RANDOM = {workload_name(streams, seed) for streams, seed in WORKLOADS}
 
 # Missed today, keyed "trace:device", with the figures measured (pyalloc
-# against expandable segments where the target is theirs); see fragmentation.md.
-RESERVED_MISSED = {
-    "bert-dynbatch-infer.pickle:0": "1.30: 13.4 MiB blocks split the hole its 53.6 MiB requests need",
-    "encoder-dynbatch-infer.pickle.gz:0": "1.24: a 7.8 MiB hole at its peak, and a 12 MiB grain mapped for 6 MiB",
-    "maphsge4-select_n-llama7b-offload-infer-10streams.pickle:0": "1.055: holes of ten streams stay mapped",
-    "mercuryb1-sqattn-qwen2.5-7b-layerwise-quant-calib.pickle:0": "1.095: two 512 KiB blocks bound the hole a 1036 MiB request needs",
-    # Random workloads: 15% whatever their size; nothing repeats, holes stay mapped.
-    "random-1-stream-seed1:0": "1.224", "random-1-stream-seed2:0": "1.252", "random-1-stream-seed3:0": "1.151",
-    "random-3-streams-seed0:0": "1.181", "random-3-streams-seed1:0": "1.284", "random-3-streams-seed2:0": "1.300",
-    "random-3-streams-seed3:0": "1.218",
-}
-BUDGET_MISSED = {
-    "gpt2-varlen-train.pickle:0": "1.011",
-    # Free bytes in pages beside live blocks of random sizes (expandable segments: 1.13 to 1.24).
-    "random-1-stream-seed3:0": "1.0341", "random-3-streams-seed0:0": "1.0432",
-    "random-3-streams-seed1:0": "1.0433", "random-3-streams-seed3:0": "1.0434",
-}
-EXPANDABLE_BUDGET_MISSED = {
-    "zidongliu-decomfl-opt125m-zo-fedlearn-windows.pickle:0": "1.0030 against 1.0018: a late 147 MiB request is 2 MiB short, the free bytes in pages under live blocks",
-}
-EXPANDABLE_CALLS_MISSED = {"random-1-stream-seed0:0": "2 against 1: two 32 MiB growths where expandable segments map once"}
-# Whole replay, pyalloc against expandable segments (cuMemSetAccess once per
-# mapped range for both, as PyTorch's mapAndSetAccess calls it): none missed
-# since small pools grow in 12 MiB steps (8 MiB steps made 49 against 44 on
-# convnet-mixedres, 42 against 36 on bert-dynbatch, 40 against 29 on
-# jaspersolt-cnn).
-EXPANDABLE_DRIVER_CALLS_MISSED: dict = {}
-
-# On an 80 GiB device (pyalloc sizes its handles by the room left, expandable
-# segments map 20 MiB pages on any device): benchmarks/results/fragmentation.md,
-# "On a device of a size", has these and the snug device's figures.
-DEVICE_80_DRIVER_CALLS_MISSED = {
-    "constructor-sun-code_location-qwen3emb-gnn-3gpu-expandable-oom.pickle:1":
-        "10010 against 9119: 78 GiB of peak live fills the device, and handles shrink to one page",
-}
+# against expandable segments); see fragmentation.md. None on these traces.
+BUDGET_MISSED: dict = {}
+BUDGET_GPU_MISSED: dict = {}
+RESERVED_MISSED: dict = {}
+CALLS_MISSED: dict = {}
+DRIVER_CALLS_MISSED: dict = {}
 
 
 def replay_calls(name, device):
@@ -100,6 +74,9 @@ def cases(missed):
         if name in IN_SHARED:
             marks.append(pytest.mark.shared)
         params.append(pytest.param(name, device, id=key, marks=marks))
+    if not SHARED.is_dir():
+        params.append(pytest.param(None, None, id="shared-traces",
+                                   marks=pytest.mark.skip(reason=f"{SHARED} not found: bundled traces only")))
     return params
 
 
@@ -122,27 +99,18 @@ def results():
     return get
 
 
-@pytest.mark.parametrize("name,device", cases(RESERVED_MISSED))
-def test_reserved_with_no_cap_is_near_peak_live(results, name, device):
-    r = results(name, device)
-    target = 1.05 if r.peak_live_bytes >= GiB and name not in RANDOM else 1.15
-    assert r.pyalloc_ratio <= target, r.pyalloc_ratio
+def recorded_on_a_gpu(r):
+    """The snapshot holds the recording allocator's segments (CPU profiler traces and
+    the random workloads have none)."""
+    return r.recorded_peak_reserved_bytes is not None
 
 
 @pytest.mark.parametrize("name,device", cases(BUDGET_MISSED))
-def test_smallest_budget_of_a_large_trace_is_within_1_percent(results, name, device):
-    r = results(name, device)
-    if r.peak_live_bytes < GiB:
-        pytest.skip("under 1 GiB of peak live: no absolute budget target")
-    assert r.pyalloc_min_budget_bytes <= 1.01 * r.peak_live_bytes, r.pyalloc_min_budget_bytes / r.peak_live_bytes
-
-
-@pytest.mark.parametrize("name,device", cases(EXPANDABLE_BUDGET_MISSED))
 def test_smallest_budget_no_larger_than_expandable_segments(results, name, device):
     r = results(name, device)
     ours, theirs = r.pyalloc_min_budget_bytes, r.native_expandable_min_budget_bytes
     assert ours and theirs
-    if ours <= theirs:
+    if ours <= theirs * 1.002:
         return
     # Two bisections of the same precision from different upper ends can land
     # either way of a tie: the question is whether pyalloc serves the whole
@@ -153,27 +121,37 @@ def test_smallest_budget_no_larger_than_expandable_segments(results, name, devic
                   f"expandable segments {theirs / r.peak_live_bytes:.4f}")
 
 
-@pytest.mark.parametrize("name,device", cases(EXPANDABLE_CALLS_MISSED))
+@pytest.mark.parametrize("name,device", cases(BUDGET_GPU_MISSED))
+def test_smallest_budget_of_a_large_gpu_trace_is_within_1_percent(results, name, device):
+    r = results(name, device)
+    if not recorded_on_a_gpu(r) or r.peak_live_bytes < GiB:
+        pytest.skip("not recorded on a GPU with 1 GiB of peak live or more")
+    assert r.pyalloc_min_budget_bytes <= 1.01 * r.peak_live_bytes, r.pyalloc_min_budget_bytes / r.peak_live_bytes
+
+
+@pytest.mark.parametrize("name,device", cases(RESERVED_MISSED))
+def test_reserved_with_no_cap_no_more_than_expandable_segments(results, name, device):
+    r = results(name, device)
+    slack = 0.02 * r.peak_live_bytes
+    assert r.pyalloc_peak_reserved_bytes <= r.native_expandable_peak_reserved_bytes + slack, (
+        f"{r.pyalloc_ratio:.3f} x peak live against "
+        f"{r.native_expandable_peak_reserved_bytes / r.peak_live_bytes:.3f}")
+
+
+@pytest.mark.parametrize("name,device", cases(CALLS_MISSED))
 def test_second_half_calls_no_more_than_expandable_segments(results, name, device):
     r = results(name, device)
     assert r.pyalloc_second_half_device_calls <= r.native_expandable_second_half_device_calls, (
         r.pyalloc_second_half_device_calls, r.native_expandable_second_half_device_calls)
 
 
-@pytest.mark.parametrize("name,device", cases(EXPANDABLE_DRIVER_CALLS_MISSED))
-def test_driver_calls_no_more_than_expandable_segments(results, name, device):
+@pytest.mark.parametrize("name,device", cases(DRIVER_CALLS_MISSED))
+def test_driver_calls_of_a_gpu_trace_within_a_quarter_of_expandable_segments(results, name, device):
     r = results(name, device)
-    assert r.pyalloc_driver_calls <= r.native_expandable_driver_calls, (
+    if not recorded_on_a_gpu(r):
+        pytest.skip("not recorded on a GPU")
+    assert r.pyalloc_driver_calls <= 1.25 * r.native_expandable_driver_calls, (
         r.pyalloc_driver_calls, r.native_expandable_driver_calls)
-
-
-@pytest.mark.parametrize("name,device", cases(DEVICE_80_DRIVER_CALLS_MISSED))
-def test_driver_calls_on_an_80_gib_device_no_more_than_expandable_segments(name, device):
-    calls = replay_calls(name, device)
-    ours = run_allocator(calls, "pyalloc", capacity=80 * GiB, conf=CONF)
-    theirs = run_allocator(calls, "native_expandable", capacity=80 * GiB)
-    assert ours.completed and theirs.completed
-    assert ours.driver_calls <= theirs.driver_calls, (ours.driver_calls, theirs.driver_calls)
 
 
 @pytest.mark.parametrize("streams,seed", WORKLOADS)
