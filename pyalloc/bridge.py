@@ -174,6 +174,12 @@ def _built_library(build_dir: str) -> Optional[str]:
     return max(found, key=os.path.getmtime) if found else None
 
 
+def built_library(torch=None) -> Optional[str]:
+    """The bridge built for this torch, CUDA, Python, pyalloc and compiler (in
+    cache_dir()), or None when none is built yet. Builds nothing."""
+    return _built_library(os.path.join(cache_dir(torch), "cuda"))
+
+
 def _dynamic_symbols(path: str, undefined: bool) -> List[str]:
     flag = "--undefined-only" if undefined else "--defined-only"
     out = subprocess.run(["nm", "-D", flag, path], capture_output=True, text=True, check=False).stdout
@@ -408,9 +414,8 @@ def status(torch: Any = None) -> dict:
         return out
     version = getattr(torch.version, "cuda", None)
     out["torch"] = f"{torch.__version__}, " + (f"CUDA {version}" if version else "CPU-only")
-    directory = os.path.join(cache_dir(torch), "cuda")
-    out["cache"] = directory
-    out["library"] = _built_library(directory)
+    out["cache"] = os.path.join(cache_dir(torch), "cuda")
+    out["library"] = built_library(torch)
     out["built"] = out["library"] is not None
     out["why_not"] = missing_prerequisite(torch)
     return out

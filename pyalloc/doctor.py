@@ -326,7 +326,7 @@ def _runtime_libraries() -> List[Any]:
         try:
             from . import bridge
 
-            built = bridge._built_library(os.path.join(bridge.cache_dir(), "cuda"))
+            built = bridge.built_library()
             if built:
                 libraries.append(("the bridge", built))
         except Exception:  # torch that cannot be imported: check_torch says so

@@ -410,3 +410,20 @@ def test_a_check_build_under_a_cuda_torch_without_a_gpu_says_so(monkeypatch, tmp
     message = bridge.build(check=True).message
     assert "CPU build" not in message and "no CUDA device" not in message, message
     assert message.endswith("`pyalloc bridge build` builds and loads it for this CUDA 13.0 build of torch")
+
+
+def test_built_library_is_the_newest_bridge_in_this_torchs_cache_folder(tmp_path, monkeypatch):
+    """doctor asks for the built bridge through built_library(): none before a build,
+    the newest of this torch's, Python's and compiler's cache folder after."""
+    pytest.importorskip("torch")
+    monkeypatch.setenv("PYALLOC_BRIDGE_CACHE", str(tmp_path))
+    assert bridge.built_library() is None
+    folder = os.path.join(bridge.cache_dir(), "cuda")
+    os.makedirs(folder)
+    old, new = (os.path.join(folder, f"{bridge.MODULE_NAME}{tag}.so") for tag in ("_v1", "_v2"))
+    for i, path in enumerate((old, new)):
+        open(path, "w").close()
+        os.utime(path, (1000 + i, 1000 + i))
+    assert bridge.built_library() == new
+    open(os.path.join(str(tmp_path), f"{bridge.MODULE_NAME}.so"), "w").close()  # another torch's folder
+    assert bridge.built_library() == new
