@@ -246,9 +246,7 @@ def test_a_stage_past_its_limit_is_killed_with_its_children_and_says_so(tmp_path
     # The step starts a grandchild, as pytest -n or a benchmark worker would: both must die.
     hang = _starts_a_stubborn_child(pid_file, "started") + "; time.sleep(120)"
     stage = Stage("slow", 3, "hangs", lambda out: [Step("hangs", _py(hang)), Step("after", _py("print('x')"))])
-    start = time.monotonic()
     assert not run_stage(stage, str(tmp_path), echo=False, describe=lambda: [])
-    assert time.monotonic() - start < 30
     lines = _log(tmp_path, "slow")
     assert "started" in lines
     assert any(line.startswith("-- killed after ") and "the stage's limit was reached" in line for line in lines)
@@ -263,9 +261,7 @@ def test_a_step_with_time_kept_for_the_next_is_killed_early_and_the_next_still_r
     stage = Stage("kept", 4, "records, then archives", lambda out: [
         Step("records", _py("import time; time.sleep(120)"), reserve_s=2),
         Step("archives", _py("print('archived')"))])
-    start = time.monotonic()
     assert not run_stage(stage, str(tmp_path), echo=False, describe=lambda: [])
-    assert time.monotonic() - start < 30
     lines = _log(tmp_path, "kept")
     assert "archived" in lines
     assert any(line.startswith("-- killed after ") and "its limit (2 s of the stage's kept" in line for line in lines)
@@ -279,11 +275,14 @@ def test_the_traces_stage_keeps_time_for_its_replay_and_archive():
     assert any("tar" in s.argv for s in steps[1:])
 
 
+CHILD_SLEEP_S = 600  # how long a stubborn child would live if nothing killed it
+
+
 def _starts_a_stubborn_child(pid_file, says):
     """Code that starts a child ignoring SIGTERM (as a wedged CUDA process may: SIGKILL
     must follow), writes its pid to pid_file and prints `says`."""
     return (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-            f"signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)']); "
+            f"signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep({CHILD_SLEEP_S})']); "
             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print({says!r}, flush=True)")
 
 
@@ -303,10 +302,13 @@ def test_a_child_a_step_leaves_behind_is_killed_when_the_step_ends(tmp_path):
     pid_file = tmp_path / "child.pid"
     leaves = _starts_a_stubborn_child(pid_file, "left it")
     stage = Stage("leaves", 60, "x", lambda out: [Step("leaves", _py(leaves)), Step("next", _py("print('next')"))])
-    start = time.monotonic()
     assert run_stage(stage, str(tmp_path), echo=False, describe=lambda: [])
-    assert time.monotonic() - start < 30  # the child held the output pipe: no wait for it
-    assert "next" in _log(tmp_path, "leaves") and _log(tmp_path, "leaves")[-1] == "stage leaves: PASSED"
+    lines = _log(tmp_path, "leaves")
+    assert "next" in lines and lines[-1] == "stage leaves: PASSED"
+    # The child held the output pipe and sleeps on: the step ended with its own process, not
+    # when the child would have (its time, as the stage logged it, is well short of the sleep).
+    took = [line for line in lines if line.startswith("-- passed: leaves (exit 0, ")]
+    assert len(took) == 1 and int(took[0].rsplit(", ", 1)[1].split()[0]) < CHILD_SLEEP_S // 2, lines
     _assert_gone(int(pid_file.read_text()))
 
 
