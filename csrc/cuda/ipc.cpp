@@ -97,6 +97,29 @@ struct PagesHandle {
 };
 constexpr uint8_t kPagesFormat = 1;
 
+std::atomic<uint32_t> pid_for_tests{0};
+uint32_t process_id() {
+  uint32_t pid = pid_for_tests.load(std::memory_order_relaxed);
+  return pid != 0 ? pid : static_cast<uint32_t>(::getpid());
+}
+
+// The sending server's abstract socket name: the process's id in ten digits
+// (all a uint32_t takes), so that every 'P' handle has one length,
+// kPagesHandleSize. Its length must never be CU_IPC_HANDLE_SIZE: PyTorch and
+// open() read a handle of exactly 64 bytes as the driver's legacy handle
+// sent alone (PyTorch before 2.2), whatever its first bytes; with the id
+// written as it came, a process of id 1000000 or more made a 64-byte 'P'
+// handle that receivers took for a segment's.
+std::string server_name(uint32_t pid, uint64_t nonce) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "pyalloc-ipc.%010u.%016llx", pid, static_cast<unsigned long long>(nonce));
+  return name;
+}
+constexpr size_t kServerNameSize = 12 + 10 + 1 + 16;
+// The version and type bytes, the format, pid, id, bytes, handles, the name's length and the name.
+constexpr size_t kPagesHandleSize = 2 + 1 + 4 + 8 + 8 + 4 + 1 + kServerNameSize;
+static_assert(kPagesHandleSize != CU_IPC_HANDLE_SIZE, "a 'P' handle would read as a legacy one");
+
 std::string encode(const PagesHandle& h) {
   std::string s;
   s.push_back(kHandleVersion);
@@ -108,6 +131,9 @@ std::string encode(const PagesHandle& h) {
   put(&s, h.handles);
   put<uint8_t>(&s, static_cast<uint8_t>(h.socket.size()));
   put(&s, h.socket.data(), h.socket.size());
+  if (s.size() != kPagesHandleSize)
+    throw std::logic_error("pyalloc: a CUDA IPC handle of pages of " + std::to_string(s.size()) +
+                           " bytes, not " + std::to_string(kPagesHandleSize));
   return s;
 }
 
@@ -229,7 +255,7 @@ class Exports {
     std::lock_guard<std::mutex> g(mu_);
     start_locked();
     PagesHandle h;
-    h.pid = static_cast<uint32_t>(::getpid());
+    h.pid = static_cast<uint32_t>(process_id());
     h.socket = name_;
     h.handles = static_cast<uint32_t>(mems.size());
     for (const SharedMemory& m : mems) h.bytes += m.size;
@@ -274,9 +300,8 @@ class Exports {
 
   void start_locked() {
     if (fd_ >= 0) return;
-    char suffix[32];
-    std::snprintf(suffix, sizeof(suffix), "%016llx", static_cast<unsigned long long>(rng_()));
-    std::string name = "pyalloc-ipc." + std::to_string(::getpid()) + "." + suffix;
+    // Of one length whatever the process's id (server_name()).
+    std::string name = server_name(static_cast<uint32_t>(process_id()), rng_());
     int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0)
       throw std::runtime_error(std::string("pyalloc: socket() for CUDA IPC failed: ") + std::strerror(errno));
@@ -322,7 +347,7 @@ class Exports {
     if (it == by_id_.end()) {
       refused_++;
       refuse(c, "the CUDA memory shared as export " + std::to_string(id) + " of process " +
-                    std::to_string(::getpid()) +
+                    std::to_string(process_id()) +
                     " is no longer shared: its allocation was freed there before this process "
                     "opened it (its memory may hold other data now)");
       return;
@@ -342,7 +367,7 @@ class Exports {
       close_fds(mems);
       refused_++;
       refuse(c, "the CUDA memory shared as export " + std::to_string(id) + " of process " +
-                    std::to_string(::getpid()) + " cannot be served: " + why);
+                    std::to_string(process_id()) + " cannot be served: " + why);
       return;
     }
     std::string head;
@@ -640,6 +665,8 @@ void close(uintptr_t ptr) {
   by_base().erase(b);
   unmap(&m);
 }
+
+void set_process_id_for_tests(uint32_t pid) { pid_for_tests.store(pid, std::memory_order_relaxed); }
 
 namespace detail {
 std::atomic<size_t> exports{0};

@@ -84,6 +84,12 @@ inline void forget(int device, uintptr_t ptr) {
   if (detail::exports.load(std::memory_order_acquire) != 0) detail::forget(device, ptr);
 }
 
+/// Tests: the process id that the sending side writes into its 'P' handles
+/// and its server's name, if called before its first export (0: the real
+/// one); ids up to Linux's largest pid_max (4194304) where this machine's
+/// are short.
+void set_process_id_for_tests(uint32_t pid);
+
 /// A fake device's token for the segment at base (FakeBackend::share_segment).
 std::string fake_token(uintptr_t base);
 

@@ -478,6 +478,10 @@ void bind_cuda(py::module_& m) {
       "served and refused, and the handles of other processes opened here (mappings, "
       "mapped_bytes: bytes of pages, 0 for segments, whose size their handle does not say).");
   m.def(
+      "_testing_ipc_process_id", [](uint32_t pid) { ipc::set_process_id_for_tests(pid); }, py::arg("pid"),
+      "Tests: the process id written into this process's CUDA IPC handles of pages from its first "
+      "export on (0: its own).");
+  m.def(
       "_testing_hook_malloc",
       [](size_t size, int device, Stream stream) { return hooks::malloc(size, device, stream); },
       py::arg("size"), py::arg("device"), py::arg("stream"), nogil,

@@ -3,7 +3,8 @@
 Run by test_ipc.py in a fresh process whose LD_LIBRARY_PATH finds the
 stand-in as libcuda.so.1:  ipc_checks.py PATH/TO/libcuda.so.1 send MODE
 MODE: "bestfit" (legacy IPC handles of segments), "vmm" (pages as file
-descriptors over the sender's socket), "vmm-unshareable" (the device refuses
+descriptors over the sender's socket), "vmm-large-pid" (the same from a
+sender whose process id has 7 digits), "vmm-unshareable" (the device refuses
 shareable pages: sharing is refused, the pools still work). The sender calls
 the bridge's table as the bridge does for PyTorch's shareIpcHandle, and
 starts receivers (this script with "receive"), which open the handle as the
@@ -179,6 +180,23 @@ def vmm():
     _C.cuda_check_invariants(0)
 
 
+def vmm_large_pid():
+    """Regression: the server's name held the process's id as written, so a sender
+    whose id has 7 digits (pid_max reaches 4194304) made 'P' handles of 64 bytes,
+    which receivers read as the driver's legacy handle sent alone (as PyTorch does
+    a handle of that length) and failed to open."""
+    stub.vmm = 1
+    _C._testing_ipc_process_id(1234567)
+    _C.cuda_configure("pool_size:0,strategy:vmm")
+    p, handle, _, _ = check_a_received_block_is_the_senders_memory()
+    assert handle[:2] == b"\x02P" and len(handle) != 64, len(handle)
+    assert int.from_bytes(handle[3:7], "little") == 1234567
+    assert b"1234567" in handle
+    # Every 'P' handle has one length, whatever the id: the shortest the same.
+    assert len(handle) == 2 + 1 + 4 + 8 + 8 + 4 + 1 + len("pyalloc-ipc.0001234567.") + 16
+    assert api.free(p, 0) == OK
+
+
 def vmm_unshareable():
     stub.vmm = 1
     stub.refuse_fd_handles = 1
@@ -195,6 +213,6 @@ def vmm_unshareable():
 if sys.argv[2] == "receive":
     print(json.dumps(receive(json.loads(sys.stdin.read()))))
 else:
-    {"bestfit": bestfit, "vmm": vmm, "vmm-unshareable": vmm_unshareable}[sys.argv[3]]()
+    {"bestfit": bestfit, "vmm": vmm, "vmm-large-pid": vmm_large_pid, "vmm-unshareable": vmm_unshareable}[sys.argv[3]]()
     assert stub.bad_handle == 0
     print("OK")
