@@ -407,7 +407,7 @@ class Exports {
 struct Mapping {
   int device = 0;
   std::string handle;
-  int uses = 0;
+  int uses = 0;  // 0: closed during a capture, its unmap deferred (unmap_deferred())
   bool legacy = false;  // cuIpcOpenMemHandle; else imported pages (or a fake device's)
   bool fake = false;
   uintptr_t base = 0;
@@ -574,6 +574,49 @@ void unmap(Mapping* m) {
   unmap_pages(d, m, m->pages.size());
 }
 
+// Unmaps m, unless a CUDA graph capture is underway in the process: then
+// false, and m stays mapped until unmap_deferred() after the capture, since
+// cuIpcCloseMemHandle, cuMemUnmap and cuMemRelease during one break it in
+// CUDA's default (global) capture mode, from any thread. The pools' capture
+// trackers say (a CUDA device's is the process's); a process without pools
+// has neither declared nor seen one.
+bool unmap_unless_capturing(Mapping* m) {
+  std::vector<DevicePools*> all = PoolRegistry::instance().all();
+  if (all.empty()) {
+    unmap(m);
+    return true;
+  }
+  for (DevicePools* p : all)
+    if (p->capture_underway()) return false;
+  return all.front()->unless_capture_underway([&] { unmap(m); });
+}
+
+size_t deferred_unmaps = 0;  // mappings closed with uses == 0, waiting; under mappings_mu
+
+// Under mappings_mu: the mappings closed during a capture, unmapped now if
+// none is underway any more. One that fails is said and dropped: its memory
+// is not reachable through pyalloc any more either way.
+void unmap_deferred_locked() {
+  if (deferred_unmaps == 0) return;
+  for (auto it = by_handle().begin(); it != by_handle().end();) {
+    Mapping& m = it->second;
+    if (m.uses != 0) {
+      ++it;
+      continue;
+    }
+    uintptr_t base = m.base;  // unmap() clears it
+    try {
+      if (!unmap_unless_capturing(&m)) return;  // still capturing: all of them wait
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "pyalloc: unmapping CUDA memory opened from another process failed: %s\n",
+                   e.what());
+    }
+    deferred_unmaps--;
+    by_base().erase(base);
+    it = by_handle().erase(it);
+  }
+}
+
 }  // namespace
 
 std::string fake_token(uintptr_t base) {
@@ -614,9 +657,10 @@ uintptr_t open(int device, const std::string& handle) {
     throw std::invalid_argument("pyalloc: an empty or truncated CUDA IPC handle (" +
                                 std::to_string(handle.size()) + " bytes)");
   std::lock_guard<std::mutex> g(mappings_mu);
+  unmap_deferred_locked();
   auto known = by_handle().find(handle);
   if (known != by_handle().end()) {
-    known->second.uses++;
+    if (known->second.uses++ == 0) deferred_unmaps--;  // closed during a capture: kept, used again
     return known->second.base;
   }
   Mapping m;
@@ -655,15 +699,32 @@ uintptr_t open(int device, const std::string& handle) {
 void close(uintptr_t ptr) {
   std::lock_guard<std::mutex> g(mappings_mu);
   auto b = by_base().find(ptr);
-  if (b == by_base().end())
+  auto it = b == by_base().end() ? by_handle().end() : by_handle().find(b->second);
+  if (it == by_handle().end() || it->second.uses == 0)
     throw std::invalid_argument("pyalloc: " + format_ptr(ptr) +
                                 " is no CUDA memory opened from another process");
-  auto it = by_handle().find(b->second);
   if (--it->second.uses > 0) return;
-  Mapping m = std::move(it->second);
+  // During a capture the mapping waits, closed, for its end (unmap_deferred()).
+  bool unmapped = false;
+  try {
+    unmapped = unmap_unless_capturing(&it->second);
+  } catch (...) {
+    by_handle().erase(it);
+    by_base().erase(b);
+    throw;
+  }
+  if (!unmapped) {
+    deferred_unmaps++;
+    return;
+  }
   by_handle().erase(it);
   by_base().erase(b);
-  unmap(&m);
+  unmap_deferred_locked();
+}
+
+void unmap_deferred() {
+  std::lock_guard<std::mutex> g(mappings_mu);
+  unmap_deferred_locked();
 }
 
 void set_process_id_for_tests(uint32_t pid) { pid_for_tests.store(pid, std::memory_order_relaxed); }
@@ -681,6 +742,7 @@ Counts counts() {
     c.mappings++;
     c.mapped_bytes += m.bytes;
   }
+  c.deferred_unmaps = deferred_unmaps;
   return c;
 }
 

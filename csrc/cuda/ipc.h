@@ -32,7 +32,8 @@
 //
 // Receivers: opening the same handle again gives the same mapping, counted;
 // close() drops one use, and the last unmaps it (cuIpcCloseMemHandle, or
-// cuMemUnmap and cuMemRelease of the imported handles).
+// cuMemUnmap and cuMemRelease of the imported handles), after the capture if
+// a CUDA graph capture is underway (those calls would break it).
 //
 // Fake devices (tests): a plain segment gives a 'c' handle whose payload
 // names this process and the address; a receiver in the same process
@@ -69,9 +70,15 @@ std::string share(DevicePools& pools, uintptr_t ptr, uint64_t* offset);
 /// driver or the sender refuses.
 uintptr_t open(int device, const std::string& handle);
 
-/// One use less of the mapping open() returned at ptr; the last unmaps it.
-/// Throws std::invalid_argument if ptr is no such mapping.
+/// One use less of the mapping open() returned at ptr; the last unmaps it,
+/// or, while a CUDA graph capture is underway, leaves it to unmap_deferred()
+/// (unmapping then would break the capture). Throws std::invalid_argument if
+/// ptr is no such mapping.
 void close(uintptr_t ptr);
+
+/// Unmaps the mappings closed during a capture, unless one is still
+/// underway: after a capture ends (DevicePools), and on each open and close.
+void unmap_deferred();
 
 namespace detail {
 extern std::atomic<size_t> exports;  // allocations whose pages are exported now
@@ -100,6 +107,7 @@ struct Counts {
   uint64_t refused = 0;       // requests refused (an export ended, unknown)
   uint64_t mappings = 0;      // handles opened by this process now
   uint64_t mapped_bytes = 0;  // the bytes those mappings hold
+  uint64_t deferred_unmaps = 0;  // of those mappings, the ones closed during a capture, not yet unmapped
 };
 Counts counts();
 

@@ -36,6 +36,8 @@ def receive(request):
     if status != OK:
         return {"error": api.error(), "mappings": _C.cuda_ipc_counts()["mappings"],
                 "imported": stub.imported, "ipc_opened": stub.ipc_opened}
+    if request.get("close_during_capture"):
+        return close_during_capture(base, request["device"])
     ptr, size = base + request["offset"], request["size"]
     seen = c.string_at(ptr, size)
     c.memset(ptr + size // 2, request["reply"], size - size // 2)
@@ -51,10 +53,41 @@ def receive(request):
     }
 
 
-def ask(handle, offset, size, pattern=0, reply=0, device=0):
+def close_during_capture(base, device):
+    """In the receiving process: the memory closed while a CUDA graph is captured
+    (torch 2.13's markCaptureBegin, a stream capturing), as a tensor received
+    may be freed then on any thread. Unmapping it then would break the capture
+    (CUDA's default global mode): it waits for the capture's end."""
+    assert api.mark_capture(device, 1) == OK, api.error()
+    stub.capture_id, stub.capturing_stream = 93, 0x5300
+    stub.forbidden_during_capture = 0
+    closed = api.ipc_close(base)
+    during = dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened,
+                  forbidden=stub.forbidden_during_capture)
+    reopened = api.ipc_close(base)  # closed already: no use left to drop
+    stub.capturing_stream = 0  # cudaStreamEndCapture
+    assert api.mark_capture(device, 0) == OK, api.error()
+    return {"closed": closed, "during": during, "closed_twice": reopened,
+            "after": dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened,
+                          forbidden=stub.forbidden_during_capture)}
+
+
+def check_a_close_during_a_capture_waits_for_its_end(p, size):
+    handle, offset = share(p)
+    got = ask(handle, offset, size, close_during_capture=True)
+    assert got["closed"] == OK and got["closed_twice"] == INVALID, got
+    during, after = got["during"], got["after"]
+    assert during["forbidden"] == 0, got
+    assert during["mappings"] == 1 and during["deferred_unmaps"] == 1, got
+    assert during["imported"] + during["ipc_opened"] >= 1, got
+    assert after["mappings"] == 0 and after["deferred_unmaps"] == 0, got
+    assert after["imported"] == 0 and after["ipc_opened"] == 0 and after["forbidden"] == 0, got
+
+
+def ask(handle, offset, size, pattern=0, reply=0, device=0, **more):
     """Starts a receiving process for the handle; its answer."""
     request = {"handle": handle.hex(), "offset": offset, "size": size, "pattern": pattern,
-               "reply": reply, "device": device}
+               "reply": reply, "device": device, **more}
     out = subprocess.run([sys.executable, __file__, LIB, "receive"], input=json.dumps(request),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -87,6 +120,7 @@ def check_a_received_block_is_the_senders_memory(size=3 * MiB):
     assert c.string_at(p + size // 2, size - size // 2) == b"\x22" * (size - size // 2)
     assert c.string_at(p, size // 2) == b"\x11" * (size // 2)
     assert share(p) == (handle, offset), "the same allocation gives the same handle"
+    check_a_close_during_a_capture_waits_for_its_end(p, size)
     return p, handle, offset, got
 
 
@@ -168,7 +202,7 @@ def vmm():
     assert not again["seen_pattern"] and "error" not in again  # first half 0x11, second 0x22
     # Freed by its owner: the export ends, and a late receiver is refused.
     served = _C.cuda_ipc_counts()["served"]
-    assert served == 2, served  # one request per receiving process: its second open is cached
+    assert served == 3, served  # one request per receiving process: its second open is cached
     assert api.free(p, 0) == OK
     assert _C.cuda_ipc_counts()["exports"] == 0
     got = ask(handle, offset, 3 * MiB)

@@ -554,6 +554,7 @@ CUresult cuIpcOpenMemHandle_v2(unsigned long long* p, CUipcMemHandle handle, uns
 }
 CUresult cuIpcCloseMemHandle(unsigned long long p) {
   ONE_AT_A_TIME;
+  during_capture();
   for (int i = 0; i < MAX_OPENED; ++i) {
     if (opened[i].ptr != (uintptr_t)p) continue;
     munmap((void*)opened[i].ptr, (size_t)opened[i].size);
