@@ -273,7 +273,7 @@ class Exports {
   }
 
   void forget(int device, uintptr_t ptr) {
-    std::lock_guard<std::mutex> g(mu_);  // waits for a request being served
+    std::lock_guard<std::mutex> g(mu_);  // waits for a request's handles being taken
     auto it = by_block_.find(std::make_pair(device, ptr));
     if (it == by_block_.end()) return;
     by_id_.erase(it->second);
@@ -335,6 +335,10 @@ class Exports {
   }
 
   // One request: an export's id; the answer: its handles' descriptors.
+  // The exports' lock is held to find the export and take its handles'
+  // descriptors, never while talking to the peer: every free in the process
+  // waits for that lock (forget()) while anything is exported, and a slow
+  // or stopped receiver must not stall them.
   void serve(int c) {
     set_timeouts(c);
     ucred peer{};
@@ -342,34 +346,21 @@ class Exports {
     if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &peer, &len) != 0 || peer.uid != ::getuid()) return;
     uint64_t id = 0;
     if (!recv_all(c, &id, sizeof(id))) return;
-    std::lock_guard<std::mutex> g(mu_);  // the allocation's free waits (forget())
-    auto it = by_id_.find(id);
-    if (it == by_id_.end()) {
-      refused_++;
-      refuse(c, "the CUDA memory shared as export " + std::to_string(id) + " of process " +
-                    std::to_string(process_id()) +
-                    " is no longer shared: its allocation was freed there before this process "
-                    "opened it (its memory may hold other data now)");
-      return;
-    }
-    const Export& e = it->second;
     std::vector<SharedMemory> mems;
-    std::string why;
-    DevicePools* pools = PoolRegistry::instance().find(e.device);
-    bool ok = pools != nullptr && pools->share(e.ptr, &mems, &why);
-    uint64_t bytes = 0;
-    for (const SharedMemory& m : mems) bytes += m.size;
-    if (ok && (mems.size() != e.handles || bytes != e.bytes)) {
-      ok = false;
-      why = "its pages are no longer those shared";
-    }
-    if (!ok) {
+    std::string refusal;
+    try {
+      refusal = take_handles(id, &mems);
+    } catch (...) {
       close_fds(mems);
-      refused_++;
-      refuse(c, "the CUDA memory shared as export " + std::to_string(id) + " of process " +
-                    std::to_string(process_id()) + " cannot be served: " + why);
+      throw;
+    }
+    if (!refusal.empty()) {
+      refuse(c, refusal);
       return;
     }
+    // The allocation may be freed from here on: as if right after the answer,
+    // which the receiver imports only later anyway. PyTorch's senders keep a
+    // shared block until its receivers are done with it.
     std::string head;
     put(&head, kServed);
     put(&head, static_cast<uint32_t>(mems.size()));
@@ -380,7 +371,41 @@ class Exports {
     for (size_t i = 0; sent && i < fds.size(); i += kFdsPerMessage)
       sent = send_fds(c, fds.data() + i, std::min(kFdsPerMessage, fds.size() - i));
     close_fds(mems);  // the receiver holds its own copies now
-    if (sent) served_++;
+    if (sent) {
+      std::lock_guard<std::mutex> g(mu_);
+      served_++;
+    }
+  }
+
+  // Under the exports' lock, so that the allocation's free waits (forget()):
+  // the descriptors of the handles under export `id` into *mems, whose
+  // descriptors the caller closes; or why it is refused (counted).
+  std::string take_handles(uint64_t id, std::vector<SharedMemory>* mems) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = by_id_.find(id);
+    if (it == by_id_.end()) {
+      refused_++;
+      return "the CUDA memory shared as export " + std::to_string(id) + " of process " +
+             std::to_string(process_id()) +
+             " is no longer shared: its allocation was freed there before this process "
+             "opened it (its memory may hold other data now)";
+    }
+    const Export& e = it->second;
+    std::string why;
+    DevicePools* pools = PoolRegistry::instance().find(e.device);
+    bool ok = pools != nullptr && pools->share(e.ptr, mems, &why);
+    uint64_t bytes = 0;
+    for (const SharedMemory& m : *mems) bytes += m.size;
+    if (ok && (mems->size() != e.handles || bytes != e.bytes)) {
+      ok = false;
+      why = "its pages are no longer those shared";
+    }
+    if (ok) return "";
+    close_fds(*mems);
+    mems->clear();
+    refused_++;
+    return "the CUDA memory shared as export " + std::to_string(id) + " of process " +
+           std::to_string(process_id()) + " cannot be served: " + why;
   }
 
   void refuse(int c, const std::string& message) {
@@ -458,7 +483,7 @@ void open_legacy(Mapping* m, const std::string& token) {
 }
 
 // Unmaps the first `mapped` of m's pages, releases every one of them and
-// frees the range: undoes open_pages().
+// frees the range: undoes map_pages().
 void unmap_pages(const Driver& d, Mapping* m, size_t mapped) {
   uintptr_t at = m->base;
   for (size_t i = 0; i < mapped; ++i) {
@@ -471,65 +496,103 @@ void unmap_pages(const Driver& d, Mapping* m, size_t mapped) {
   m->base = 0;
 }
 
-// Asks the sender's server for the pages' descriptors, imports them, maps
-// them side by side in a range of their size, and makes it accessible.
-void open_pages(Mapping* m, const std::string& handle) {
-  PagesHandle h = decode_pages(handle);
-  const Driver& d = driver();
-  if (!d.has_vmm() || !d.has_shareable_handles())
-    throw std::runtime_error(
-        "pyalloc: the CUDA driver cannot import shared pages (no cuMemImportFromShareableHandle)");
-  int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (sock < 0) throw std::runtime_error(std::string("pyalloc: socket() failed: ") + std::strerror(errno));
-  std::vector<int> fds;
+// A file descriptor, closed when it goes unless released: on every path.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = o.release();
+    }
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  int release() {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+  void reset() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+};
+
+// What a sender's server answered: the handles' sizes and descriptors.
+struct Served {
   std::vector<uint64_t> sizes;
+  std::vector<Fd> fds;
+  uint64_t total = 0;
+};
+
+// Asks the sender's server for the pages' descriptors. Socket I/O only, with
+// no lock held: a slow or stopped sender (each step may wait
+// kSocketTimeoutSeconds) must not stall this process's other opens and
+// closes, which PyTorch makes from tensors' deleters on any thread.
+Served fetch_pages(const PagesHandle& h) {
+  Fd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (sock.get() < 0) throw std::runtime_error(std::string("pyalloc: socket() failed: ") + std::strerror(errno));
+  Served out;
   auto fail = [&](const std::string& why) {
-    for (int fd : fds) ::close(fd);
-    ::close(sock);
     throw std::runtime_error("pyalloc: opening CUDA memory shared by process " + std::to_string(h.pid) +
                              " failed: " + why);
   };
-  set_timeouts(sock);
+  set_timeouts(sock.get());
   socklen_t len = 0;
   sockaddr_un a = abstract_address(h.socket, &len);
-  if (::connect(sock, reinterpret_cast<sockaddr*>(&a), len) != 0)
+  if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&a), len) != 0)
     fail(std::string("its pyalloc does not answer (") + std::strerror(errno) +
          "): the process has exited, or runs in another network namespace");
-  if (!send_all(sock, std::string(reinterpret_cast<const char*>(&h.id), sizeof(h.id))))
+  if (!send_all(sock.get(), std::string(reinterpret_cast<const char*>(&h.id), sizeof(h.id))))
     fail("the request could not be sent");
   int32_t status = 0;
   uint32_t n = 0;
-  if (!recv_all(sock, &status, sizeof(status)) || !recv_all(sock, &n, sizeof(n))) fail("no answer");
+  if (!recv_all(sock.get(), &status, sizeof(status)) || !recv_all(sock.get(), &n, sizeof(n))) fail("no answer");
   if (status != kServed) {
     std::string message(n, '\0');
-    if (n > 0 && !recv_all(sock, &message[0], n)) message = "refused";
+    if (n > 0 && !recv_all(sock.get(), &message[0], n)) message = "refused";
     fail(message);
   }
   if (n != h.handles) fail("it answered with another number of handles");
-  sizes.resize(n);
-  if (!recv_all(sock, sizes.data(), sizeof(uint64_t) * n)) fail("the answer was cut short");
-  while (fds.size() < n)
-    if (!recv_fds(sock, std::min<size_t>(kFdsPerMessage, n - fds.size()), &fds))
-      fail("its descriptors did not arrive");
-  ::close(sock);
-  uint64_t total = 0;
-  for (uint64_t s : sizes) total += s;
-  if (fds.size() != n || total != h.bytes) {
-    for (int fd : fds) ::close(fd);
+  out.sizes.resize(n);
+  if (!recv_all(sock.get(), out.sizes.data(), sizeof(uint64_t) * n)) fail("the answer was cut short");
+  std::vector<int> fds;
+  bool arrived = true;
+  while (arrived && fds.size() < n)
+    arrived = recv_fds(sock.get(), std::min<size_t>(kFdsPerMessage, n - fds.size()), &fds);
+  for (int fd : fds) out.fds.emplace_back(fd);  // owned, closed on every path from here
+  if (!arrived) fail("its descriptors did not arrive");
+  for (uint64_t size : out.sizes) out.total += size;
+  if (out.fds.size() != n || out.total != h.bytes)
     throw std::runtime_error("pyalloc: the pages served for a CUDA IPC handle do not match it");
-  }
+  return out;
+}
 
+// Imports the pages served, maps them side by side in a range of their
+// size, and makes it accessible.
+void map_pages(Mapping* m, Served& pages) {
+  const Driver& d = driver();
   ContextGuard g(d, context_of(m->device));
-  m->bytes = total;
+  size_t n = pages.fds.size();
+  m->bytes = pages.total;
   CUresult r = CUDA_SUCCESS;
   const char* step = "cuMemImportFromShareableHandle";
   for (size_t i = 0; i < n && r == CUDA_SUCCESS; ++i) {
     CUmemGenericAllocationHandle ph = 0;
-    r = d.MemImportFromShareableHandle(&ph, reinterpret_cast<void*>(static_cast<intptr_t>(fds[i])),
+    r = d.MemImportFromShareableHandle(&ph, reinterpret_cast<void*>(static_cast<intptr_t>(pages.fds[i].get())),
                                        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    if (r == CUDA_SUCCESS) m->pages.emplace_back(ph, sizes[i]);
+    if (r == CUDA_SUCCESS) m->pages.emplace_back(ph, pages.sizes[i]);
   }
-  for (int fd : fds) ::close(fd);  // the imported handles keep the memory
+  pages.fds.clear();  // closed: the imported handles keep the memory
+  uint64_t total = pages.total;
   size_t mapped = 0;
   if (r == CUDA_SUCCESS) {
     step = "cuMemAddressReserve";
@@ -656,31 +719,38 @@ uintptr_t open(int device, const std::string& handle) {
   if (handle.size() < 2)
     throw std::invalid_argument("pyalloc: an empty or truncated CUDA IPC handle (" +
                                 std::to_string(handle.size()) + " bytes)");
-  std::lock_guard<std::mutex> g(mappings_mu);
-  unmap_deferred_locked();
-  auto known = by_handle().find(handle);
-  if (known != by_handle().end()) {
+  // One more use of a mapping already made.
+  auto known_use = [&]() -> uintptr_t {
+    auto known = by_handle().find(handle);
+    if (known == by_handle().end()) return 0;
     if (known->second.uses++ == 0) deferred_unmaps--;  // closed during a capture: kept, used again
     return known->second.base;
+  };
+  {
+    std::lock_guard<std::mutex> g(mappings_mu);
+    unmap_deferred_locked();
+    if (uintptr_t base = known_use()) return base;
   }
-  Mapping m;
-  m.device = device;
-  m.handle = handle;
-  // PyTorch before 2.2 sent the driver's 64 bytes alone.
+  // PyTorch before 2.2 sent the driver's 64 bytes alone; PyTorch reads any
+  // handle of that length so, and no 'P' handle has it (kPagesHandleSize).
   bool raw = handle.size() == CU_IPC_HANDLE_SIZE;
   char type = raw ? kSegmentHandle : handle[1];
   if (!raw && handle[0] > kHandleVersion)
     throw std::invalid_argument("pyalloc: a CUDA IPC handle of a newer layout (version " +
                                 std::to_string(int(handle[0])) + ") than pyalloc knows");
   std::string token = raw ? handle : handle.substr(2);
+  Served pages;
   if (type == kSegmentHandle) {
     if (token.size() != CU_IPC_HANDLE_SIZE)
       throw std::invalid_argument("pyalloc: a CUDA IPC handle of a segment must hold 64 bytes, not " +
                                   std::to_string(token.size()));
-    if (PoolRegistry::instance().fake()) open_fake(&m, token);
-    else open_legacy(&m, token);
   } else if (type == kPagesHandle) {
-    open_pages(&m, handle);
+    PagesHandle h = decode_pages(handle);
+    const Driver& d = driver();
+    if (!d.has_vmm() || !d.has_shareable_handles())
+      throw std::runtime_error(
+          "pyalloc: the CUDA driver cannot import shared pages (no cuMemImportFromShareableHandle)");
+    pages = fetch_pages(h);  // no lock held: it talks to the sender
   } else if (type == kExpandableHandle) {
     throw std::invalid_argument(
         "pyalloc cannot open this CUDA tensor: it was shared by a process whose PyTorch allocator "
@@ -689,6 +759,15 @@ uintptr_t open(int device, const std::string& handle) {
   } else {
     throw std::invalid_argument(std::string("pyalloc: an unknown kind of CUDA IPC handle ('") + type + "')");
   }
+  std::lock_guard<std::mutex> g(mappings_mu);
+  // Opened by another thread meanwhile: its mapping (the pages fetched are closed).
+  if (uintptr_t base = known_use()) return base;
+  Mapping m;
+  m.device = device;
+  m.handle = handle;
+  if (type == kPagesHandle) map_pages(&m, pages);
+  else if (PoolRegistry::instance().fake()) open_fake(&m, token);
+  else open_legacy(&m, token);
   m.uses = 1;
   uintptr_t base = m.base;
   by_base()[base] = handle;

@@ -5,7 +5,8 @@ stand-in as libcuda.so.1:  ipc_checks.py PATH/TO/libcuda.so.1 send MODE
 MODE: "bestfit" (legacy IPC handles of segments), "vmm" (pages as file
 descriptors over the sender's socket), "vmm-large-pid" (the same from a
 sender whose process id has 7 digits), "vmm-unshareable" (the device refuses
-shareable pages: sharing is refused, the pools still work). The sender calls
+shareable pages: sharing is refused, the pools still work), "slow-sender" (a
+sender that never answers stalls no other open or close). The sender calls
 the bridge's table as the bridge does for PyTorch's shareIpcHandle, and
 starts receivers (this script with "receive"), which open the handle as the
 bridge's getIpcDevPtr does, read and write the memory, and answer in JSON.
@@ -231,6 +232,50 @@ def vmm_large_pid():
     assert api.free(p, 0) == OK
 
 
+def pages_handle(socket_name, pid=4242, export=77, size=2 * MiB, handles=1):
+    """A 'P' handle (ipc.cpp's PagesHandle) naming a server at `socket_name`."""
+    name = socket_name.encode()
+    return (b"\x02P\x01" + pid.to_bytes(4, "little") + export.to_bytes(8, "little") +
+            size.to_bytes(8, "little") + handles.to_bytes(4, "little") + bytes([len(name)]) + name)
+
+
+def slow_sender():
+    """Regression: open() held the receivers' lock while it asked the sender for
+    its pages, each step waiting up to 30 s: a stopped or slow sender stalled
+    every other open and close of the process (tensors' deleters, any thread)."""
+    import socket
+    import threading
+
+    stub.vmm = 1
+    name = f"pyalloc-test-silent.{os.getpid()}"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind("\0" + name)
+    server.listen(1)
+    opened = {}
+
+    def open_it():
+        opened["status"] = api.ipc_open(pages_handle(name))[0]
+        opened["error"] = api.error()
+
+    waiting = threading.Thread(target=open_it)
+    waiting.start()
+    conn, _ = server.accept()  # the receiver now waits for an answer that does not come
+    assert conn.recv(8) == (77).to_bytes(8, "little")
+    other = {}
+    closer = threading.Thread(target=lambda: other.setdefault("status", api.ipc_close(0x1000)))
+    closer.start()
+    closer.join(timeout=20)
+    stalled = closer.is_alive()
+    conn.close()  # the sender gives up: the waiting open fails
+    waiting.join()
+    closer.join()
+    assert not stalled, "a close waited for another thread's open to hear from its sender"
+    assert other["status"] == INVALID
+    assert opened["status"] == ERROR and "failed: no answer" in opened["error"], opened
+    assert _C.cuda_ipc_counts()["mappings"] == 0
+    server.close()
+
+
 def vmm_unshareable():
     stub.vmm = 1
     stub.refuse_fd_handles = 1
@@ -247,6 +292,7 @@ def vmm_unshareable():
 if sys.argv[2] == "receive":
     print(json.dumps(receive(json.loads(sys.stdin.read()))))
 else:
-    {"bestfit": bestfit, "vmm": vmm, "vmm-large-pid": vmm_large_pid, "vmm-unshareable": vmm_unshareable}[sys.argv[3]]()
+    {"bestfit": bestfit, "vmm": vmm, "vmm-large-pid": vmm_large_pid, "vmm-unshareable": vmm_unshareable,
+     "slow-sender": slow_sender}[sys.argv[3]]()
     assert stub.bad_handle == 0
     print("OK")
