@@ -79,10 +79,51 @@ CUcontext context_of(int device) {
   return ctx;
 }
 
-void close_fds(const std::vector<SharedMemory>& mems) {
-  for (const SharedMemory& m : mems)
-    if (m.fd >= 0) ::close(m.fd);
-}
+// A file descriptor, closed when it goes unless released: on every path.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = o.release();
+    }
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  int release() {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+  void reset() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+};
+
+// What DevicePools::share() hands over: the shared memory, whose file
+// descriptors the caller owns (core/backend.h), even where the share failed
+// or threw half way. Closes them when it goes, on every path.
+struct SharedMems {
+  std::vector<SharedMemory> v;
+  SharedMems() = default;
+  SharedMems(const SharedMems&) = delete;
+  SharedMems& operator=(const SharedMems&) = delete;
+  ~SharedMems() { close(); }
+  void close() {
+    for (SharedMemory& m : v)
+      if (m.fd >= 0) ::close(m.fd);
+    v.clear();
+  }
+};
 
 // ---------------------------------------------------------------------------
 // The sending side: exports of pages and the socket that serves them.
@@ -302,35 +343,33 @@ class Exports {
     if (fd_ >= 0) return;
     // Of one length whatever the process's id (server_name()).
     std::string name = server_name(static_cast<uint32_t>(process_id()), rng_());
-    int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0)
+    Fd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (fd.get() < 0)
       throw std::runtime_error(std::string("pyalloc: socket() for CUDA IPC failed: ") + std::strerror(errno));
     socklen_t len = 0;
     sockaddr_un a = abstract_address(name, &len);
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), len) != 0 || ::listen(fd, 64) != 0) {
-      int e = errno;
-      ::close(fd);
+    if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), len) != 0 || ::listen(fd.get(), 64) != 0)
       throw std::runtime_error(std::string("pyalloc: the CUDA IPC socket could not listen: ") +
-                               std::strerror(e));
-    }
-    fd_ = fd;
+                               std::strerror(errno));
+    fd_ = fd.release();
     name_ = name;
     std::thread([this] { serve_forever(); }).detach();
   }
 
   void serve_forever() {
     for (;;) {
-      int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (c < 0) {
+      Fd c(::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC));
+      if (c.get() < 0) {
         if (errno != EINTR && errno != ECONNABORTED) ::usleep(10000);
         continue;
       }
       try {
-        serve(c);
+        serve(c.get());
       } catch (const std::exception& e) {
         std::fprintf(stderr, "pyalloc: serving a CUDA IPC request failed: %s\n", e.what());
+      } catch (...) {
+        std::fprintf(stderr, "pyalloc: serving a CUDA IPC request failed\n");
       }
-      ::close(c);
     }
   }
 
@@ -346,14 +385,8 @@ class Exports {
     if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &peer, &len) != 0 || peer.uid != ::getuid()) return;
     uint64_t id = 0;
     if (!recv_all(c, &id, sizeof(id))) return;
-    std::vector<SharedMemory> mems;
-    std::string refusal;
-    try {
-      refusal = take_handles(id, &mems);
-    } catch (...) {
-      close_fds(mems);
-      throw;
-    }
+    SharedMems mems;
+    std::string refusal = take_handles(id, &mems);
     if (!refusal.empty()) {
       refuse(c, refusal);
       return;
@@ -363,14 +396,14 @@ class Exports {
     // shared block until its receivers are done with it.
     std::string head;
     put(&head, kServed);
-    put(&head, static_cast<uint32_t>(mems.size()));
-    for (const SharedMemory& m : mems) put(&head, static_cast<uint64_t>(m.size));
+    put(&head, static_cast<uint32_t>(mems.v.size()));
+    for (const SharedMemory& m : mems.v) put(&head, static_cast<uint64_t>(m.size));
     bool sent = send_all(c, head);
     std::vector<int> fds;
-    for (const SharedMemory& m : mems) fds.push_back(m.fd);
+    for (const SharedMemory& m : mems.v) fds.push_back(m.fd);
     for (size_t i = 0; sent && i < fds.size(); i += kFdsPerMessage)
       sent = send_fds(c, fds.data() + i, std::min(kFdsPerMessage, fds.size() - i));
-    close_fds(mems);  // the receiver holds its own copies now
+    mems.close();  // the receiver holds its own copies now
     if (sent) {
       std::lock_guard<std::mutex> g(mu_);
       served_++;
@@ -379,8 +412,8 @@ class Exports {
 
   // Under the exports' lock, so that the allocation's free waits (forget()):
   // the descriptors of the handles under export `id` into *mems, whose
-  // descriptors the caller closes; or why it is refused (counted).
-  std::string take_handles(uint64_t id, std::vector<SharedMemory>* mems) {
+  // descriptors it closes; or why it is refused (counted).
+  std::string take_handles(uint64_t id, SharedMems* mems) {
     std::lock_guard<std::mutex> g(mu_);
     auto it = by_id_.find(id);
     if (it == by_id_.end()) {
@@ -393,16 +426,15 @@ class Exports {
     const Export& e = it->second;
     std::string why;
     DevicePools* pools = PoolRegistry::instance().find(e.device);
-    bool ok = pools != nullptr && pools->share(e.ptr, mems, &why);
+    bool ok = pools != nullptr && pools->share(e.ptr, &mems->v, &why);
     uint64_t bytes = 0;
-    for (const SharedMemory& m : *mems) bytes += m.size;
-    if (ok && (mems->size() != e.handles || bytes != e.bytes)) {
+    for (const SharedMemory& m : mems->v) bytes += m.size;
+    if (ok && (mems->v.size() != e.handles || bytes != e.bytes)) {
       ok = false;
       why = "its pages are no longer those shared";
     }
     if (ok) return "";
-    close_fds(*mems);
-    mems->clear();
+    mems->close();
     refused_++;
     return "the CUDA memory shared as export " + std::to_string(id) + " of process " +
            std::to_string(process_id()) + " cannot be served: " + why;
@@ -495,36 +527,6 @@ void unmap_pages(const Driver& d, Mapping* m, size_t mapped) {
   m->pages.clear();
   m->base = 0;
 }
-
-// A file descriptor, closed when it goes unless released: on every path.
-class Fd {
- public:
-  explicit Fd(int fd = -1) : fd_(fd) {}
-  ~Fd() { reset(); }
-  Fd(Fd&& o) noexcept : fd_(o.release()) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = o.release();
-    }
-    return *this;
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  int release() {
-    int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-  void reset() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_;
-};
 
 // What a sender's server answered: the handles' sizes and descriptors.
 struct Served {
@@ -691,28 +693,19 @@ std::string fake_token(uintptr_t base) {
 }
 
 std::string share(DevicePools& pools, uintptr_t ptr, uint64_t* offset) {
-  std::vector<SharedMemory> mems;
+  SharedMems mems;  // closed on every path: served afresh to each receiver that asks
   std::string why;
-  if (!pools.share(ptr, &mems, &why)) {
-    close_fds(mems);
-    if (mems.empty()) throw std::invalid_argument("pyalloc cannot share " + format_ptr(ptr) + ": " + why);
+  if (!pools.share(ptr, &mems.v, &why)) {
+    if (mems.v.empty()) throw std::invalid_argument("pyalloc cannot share " + format_ptr(ptr) + ": " + why);
     throw std::runtime_error("pyalloc cannot share the CUDA memory at " + format_ptr(ptr) +
                              " with another process: " + why);
   }
-  *offset = ptr - mems.front().addr;
-  if (mems.front().fd < 0) {  // a segment: the driver's token
+  *offset = ptr - mems.v.front().addr;
+  if (mems.v.front().fd < 0) {  // a segment: the driver's token
     std::string handle{kHandleVersion, kSegmentHandle};
-    return handle + mems.front().token;
+    return handle + mems.v.front().token;
   }
-  std::string handle;
-  try {
-    handle = Exports::instance().add(pools.index(), ptr, mems);
-  } catch (...) {
-    close_fds(mems);
-    throw;
-  }
-  close_fds(mems);  // served afresh to each receiver that asks
-  return handle;
+  return Exports::instance().add(pools.index(), ptr, mems.v);
 }
 
 uintptr_t open(int device, const std::string& handle) {

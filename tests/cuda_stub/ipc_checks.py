@@ -6,7 +6,8 @@ MODE: "bestfit" (legacy IPC handles of segments), "vmm" (pages as file
 descriptors over the sender's socket), "vmm-large-pid" (the same from a
 sender whose process id has 7 digits), "vmm-unshareable" (the device refuses
 shareable pages: sharing is refused, the pools still work), "slow-sender" (a
-sender that never answers stalls no other open or close). The sender calls
+sender that never answers stalls no other open or close), "fd-leaks" (no
+descriptor is left open when an export or an import fails). The sender calls
 the bridge's table as the bridge does for PyTorch's shareIpcHandle, and
 starts receivers (this script with "receive"), which open the handle as the
 bridge's getIpcDevPtr does, read and write the memory, and answer in JSON.
@@ -33,10 +34,12 @@ api = BridgeApi()
 def receive(request):
     """In the receiving process: open, read, write back, open again, close."""
     handle = bytes.fromhex(request["handle"])
+    fds = open_fds()
     status, base = api.ipc_open(handle, request["device"])
     if status != OK:
         return {"error": api.error(), "mappings": _C.cuda_ipc_counts()["mappings"],
-                "imported": stub.imported, "ipc_opened": stub.ipc_opened}
+                "imported": stub.imported, "ipc_opened": stub.ipc_opened,
+                "fds_left": dict(open_fds() - fds)}
     if request.get("close_during_capture"):
         return close_during_capture(base, request["device"])
     ptr, size = base + request["offset"], request["size"]
@@ -276,6 +279,31 @@ def slow_sender():
     server.close()
 
 
+def fd_leaks():
+    """Regression: descriptors were left open on error paths. The sender's, when
+    exporting the handles under a block failed after the first (a driver error
+    thrown by the context switch), and the receiver's, when mapping the pages it
+    was sent failed (here on a device it does not have)."""
+    stub.vmm = 1
+    _C.cuda_configure("pool_size:0,strategy:vmm")
+    p = malloc(40 * MiB)  # over several handles
+    fds = open_fds()
+    # The first handle's export switches context twice (in and back); the third switch fails.
+    stub.fail_ctx_set_in = 3
+    status, handle, _ = api.ipc_share(p)
+    assert status == ERROR and handle == b"" and "cuCtxSetCurrent" in api.error(), api.error()
+    assert stub.fail_ctx_set_in == 0 and stub.exports >= 1
+    assert open_fds() == fds, (open_fds(), fds)
+    # Shared, then opened on device 7: the receiver had the descriptors when it failed.
+    handle, offset = share(p)
+    got = ask(handle, offset, MiB, device=7)
+    assert "cuDeviceGet" in got.get("error", ""), got
+    assert got["fds_left"] == {} and got["mappings"] == 0 and got["imported"] == 0, got
+    assert _C.cuda_ipc_counts()["served"] == 1
+    assert api.free(p, 0) == OK
+    assert open_fds() - fds == collections.Counter(socket=1), (open_fds(), fds)
+
+
 def vmm_unshareable():
     stub.vmm = 1
     stub.refuse_fd_handles = 1
@@ -293,6 +321,6 @@ if sys.argv[2] == "receive":
     print(json.dumps(receive(json.loads(sys.stdin.read()))))
 else:
     {"bestfit": bestfit, "vmm": vmm, "vmm-large-pid": vmm_large_pid, "vmm-unshareable": vmm_unshareable,
-     "slow-sender": slow_sender}[sys.argv[3]]()
+     "slow-sender": slow_sender, "fd-leaks": fd_leaks}[sys.argv[3]]()
     assert stub.bad_handle == 0
     print("OK")
