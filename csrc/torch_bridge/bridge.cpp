@@ -600,8 +600,10 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   void createOrIncrefPool(DeviceIndex device, MempoolId id,
                           std::shared_ptr<cca::CUDAAllocator> allocator) override {
     if (allocator != nullptr && allocator.get() != this) {
+      // Kept once per allocator, not once per call: MemPools and their increfs
+      // come and go for the process's life, their allocators are few.
       std::lock_guard<std::mutex> g(trackers_mu_);
-      pool_allocators_.push_back(allocator);  // kept: the pool's segments go back to it
+      pool_allocators_.emplace(allocator.get(), allocator);  // the pool's segments go back to it
     }
     create_or_incref_pool(device, id, allocator.get());
   }
@@ -928,7 +930,7 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   std::vector<cca::AllocatorTraceTracker> trackers_;
   std::once_flag watching_once_;
   std::atomic<bool> watching_{false};
-  std::vector<std::shared_ptr<cca::CUDAAllocator>> pool_allocators_;
+  std::unordered_map<cca::CUDAAllocator*, std::shared_ptr<cca::CUDAAllocator>> pool_allocators_;
 
   std::mutex filters_mu_;
   std::multimap<std::tuple<int, uint64_t, uint64_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>>
