@@ -114,15 +114,17 @@ void Allocator::drop_block(Block* b) {
 uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
   if (size == 0) return 0;
   // A refusal is not yet the caller's error: the owner's retry comes first (oom.h).
+  bool retried = false;
   try {
-    return malloc_once(size, s, context);
+    return malloc_once(size, s, context, &retried);
   } catch (const Refused& refused) {
-    return malloc_refused(size, s, context, refused.failure);
+    return malloc_refused(size, s, context, refused.failure, &retried);
   }
 }
 
 // Inlined into malloc(), the hot path.
-[[gnu::always_inline]] inline uintptr_t Allocator::malloc_once(size_t size, Stream s, uint64_t context) {
+[[gnu::always_inline]] inline uintptr_t Allocator::malloc_once(size_t size, Stream s, uint64_t context,
+                                                                bool* retried) {
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
   // As PyTorch answers such a request (its cudaMalloc fails): out of memory,
@@ -136,20 +138,20 @@ uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
   ContextScope scope(&trace_context_, context);
   Block* b;
   if (rounded <= cfg_.small_size) {
-    b = alloc_small(rounded, s, size);
+    b = alloc_small(rounded, s, size, retried);
   } else {
     if (bool small = rounded <= kSmallArea; small != small_area_) set_area(small);
-    b = alloc_large(rounded, s, size);
+    b = alloc_large(rounded, s, size, retried);
   }
   return hand_out(b, size, s, context);
 }
 
-uintptr_t Allocator::malloc_refused(size_t size, Stream s, uint64_t context, OomFailure failure) {
+uintptr_t Allocator::malloc_refused(size_t size, Stream s, uint64_t context, OomFailure failure, bool* retried) {
   // The owner may hold memory this pool could take (the other pools of a
   // device): given back with none of this pool's locks held, one more try.
   if (oom_policy_ != nullptr && oom_policy_->release_elsewhere(*this) > 0) {
     try {
-      return malloc_once(size, s, context);
+      return malloc_once(size, s, context, retried);
     } catch (const Refused& again) {
       failure = again.failure;
     }
@@ -288,7 +290,7 @@ Block* Allocator::split_free_at(Block* b, uintptr_t at) {
   return n;
 }
 
-Block* Allocator::alloc_small(size_t size, Stream s, size_t request) {
+Block* Allocator::alloc_small(size_t size, Stream s, size_t request, bool* retried) {
   Block* b = find_free(kSmallPool, size, s);
   if (b != nullptr) return take(b, size, s);
 
@@ -297,7 +299,7 @@ Block* Allocator::alloc_small(size_t size, Stream s, size_t request) {
   Block* parent;
   {
     AreaScope area(*this, true);
-    parent = alloc_large(cfg_.small_chunk_size, s, request);
+    parent = alloc_large(cfg_.small_chunk_size, s, request, retried);
   }
   Segment* chunk = new Segment();
   chunk->base = parent->addr;
@@ -481,7 +483,7 @@ void Allocator::trace_segment_free(uintptr_t addr, size_t size, Stream s, bool t
   trace(TraceEntry::kSegmentUnmap, addr + size, 0, s);
 }
 
-Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
+Block* Allocator::alloc_large(size_t size, Stream s, size_t request, bool* retried) {
   // Where the pool grows comes last: after every other free block, and
   // after the wholly free chunks the small pool can give back.
   Block* frontier = nullptr;
@@ -511,7 +513,10 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request) {
     // handles unmapped wait as spares (as pages moving out of holes do:
     // map_for()), so the retry maps them again rather than create new ones;
     // what it has no use for is released at the end.
-    stats_.num_alloc_retries++;
+    // Once per malloc: a second attempt (after the owner gave memory back,
+    // malloc_refused()) may come here again.
+    if (!*retried) stats_.num_alloc_retries++;
+    *retried = true;
     try {
       {
         KeepHandles keep(keep_handles_, vmm_ && backend_->vmm_moves());

@@ -317,8 +317,11 @@ class Allocator {
   Block* carve_at(uintptr_t addr, size_t extent, size_t rounded, Stream s, const std::string& where);
   // Splits free block b at `at`; returns the free block [at, b's old end).
   Block* split_free_at(Block* b, uintptr_t at);
-  Block* alloc_small(size_t size, Stream s, size_t request);
-  Block* alloc_large(size_t size, Stream s, size_t request);
+  // *retried: whether this malloc has counted its out-of-memory retry
+  // (num_alloc_retries counts each malloc that retried once, as PyTorch's
+  // does, however many of its attempts reach the retry).
+  Block* alloc_small(size_t size, Stream s, size_t request, bool* retried);
+  Block* alloc_large(size_t size, Stream s, size_t request, bool* retried);
   // Best fit over the caller's stream, then over other streams' blocks that
   // are safe to take.
   Block* find_free(Pool pool, size_t size, Stream s);
@@ -503,9 +506,9 @@ class Allocator {
   // undoes the event, no segment lies above it and some lie below.
   void trace_segment_free(uintptr_t addr, size_t size, Stream s, bool top);
   // malloc() under the lock, once; throws Refused when the pool cannot serve it.
-  uintptr_t malloc_once(size_t size, Stream s, uint64_t context);
+  uintptr_t malloc_once(size_t size, Stream s, uint64_t context, bool* retried);
   // The rest of the out-of-memory path (oom.h): the owner's retry, then the error.
-  uintptr_t malloc_refused(size_t size, Stream s, uint64_t context, OomFailure failure);
+  uintptr_t malloc_refused(size_t size, Stream s, uint64_t context, OomFailure failure, bool* retried);
   // Thrown out of malloc_once(), caught in malloc(): not yet the caller's error.
   struct Refused {
     OomFailure failure;

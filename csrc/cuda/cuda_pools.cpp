@@ -298,6 +298,7 @@ void DevicePools::release_parked_everywhere() {
   release(this);
   for (DevicePools* p : process_.all())
     if (p != this) release(p);
+  ipc::unmap_deferred();  // memory of other processes closed during the capture
 }
 
 // ---------------------------------------------------------------------------

@@ -156,6 +156,16 @@ class DevicePools {
   /// the segment watchers of (segment_watch.h), by address.
   void for_each_pool_units(
       const std::function<void(PoolId, Allocator&, const std::vector<std::pair<uintptr_t, size_t>>&)>& fn);
+  /// A CUDA graph capture is underway, as far as the device knows: a route
+  /// or mark PyTorch declared, or a stream seen capturing (capture.h). CUDA
+  /// devices share the process's tracker: then anywhere in the process.
+  bool capture_underway() const { return graphs_.capture_declared() || device_->captures().underway(); }
+  /// Calls `call` (driver calls CUDA's default capture mode forbids, made
+  /// with no pools lock held) unless a capture is underway; false if it did
+  /// not. A capture declared later waits for it (CaptureTracker::unless_underway).
+  bool unless_capture_underway(const std::function<void()>& call) const {
+    return !graphs_.capture_declared() && device_->captures().unless_underway(call);
+  }
   /// Unless a capture is underway, every pool of the device gives back the
   /// pages it parked during one (Allocator::release_parked).
   void release_parked();

@@ -79,10 +79,51 @@ CUcontext context_of(int device) {
   return ctx;
 }
 
-void close_fds(const std::vector<SharedMemory>& mems) {
-  for (const SharedMemory& m : mems)
-    if (m.fd >= 0) ::close(m.fd);
-}
+// A file descriptor, closed when it goes unless released: on every path.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = o.release();
+    }
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  int release() {
+    int fd = fd_;
+    fd_ = -1;
+    return fd;
+  }
+  void reset() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+};
+
+// What DevicePools::share() hands over: the shared memory, whose file
+// descriptors the caller owns (core/backend.h), even where the share failed
+// or threw half way. Closes them when it goes, on every path.
+struct SharedMems {
+  std::vector<SharedMemory> v;
+  SharedMems() = default;
+  SharedMems(const SharedMems&) = delete;
+  SharedMems& operator=(const SharedMems&) = delete;
+  ~SharedMems() { close(); }
+  void close() {
+    for (SharedMemory& m : v)
+      if (m.fd >= 0) ::close(m.fd);
+    v.clear();
+  }
+};
 
 // ---------------------------------------------------------------------------
 // The sending side: exports of pages and the socket that serves them.
@@ -97,6 +138,29 @@ struct PagesHandle {
 };
 constexpr uint8_t kPagesFormat = 1;
 
+std::atomic<uint32_t> pid_for_tests{0};
+uint32_t process_id() {
+  uint32_t pid = pid_for_tests.load(std::memory_order_relaxed);
+  return pid != 0 ? pid : static_cast<uint32_t>(::getpid());
+}
+
+// The sending server's abstract socket name: the process's id in ten digits
+// (all a uint32_t takes), so that every 'P' handle has one length,
+// kPagesHandleSize. Its length must never be CU_IPC_HANDLE_SIZE: PyTorch and
+// open() read a handle of exactly 64 bytes as the driver's legacy handle
+// sent alone (PyTorch before 2.2), whatever its first bytes; with the id
+// written as it came, a process of id 1000000 or more made a 64-byte 'P'
+// handle that receivers took for a segment's.
+std::string server_name(uint32_t pid, uint64_t nonce) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "pyalloc-ipc.%010u.%016llx", pid, static_cast<unsigned long long>(nonce));
+  return name;
+}
+constexpr size_t kServerNameSize = 12 + 10 + 1 + 16;
+// The version and type bytes, the format, pid, id, bytes, handles, the name's length and the name.
+constexpr size_t kPagesHandleSize = 2 + 1 + 4 + 8 + 8 + 4 + 1 + kServerNameSize;
+static_assert(kPagesHandleSize != CU_IPC_HANDLE_SIZE, "a 'P' handle would read as a legacy one");
+
 std::string encode(const PagesHandle& h) {
   std::string s;
   s.push_back(kHandleVersion);
@@ -108,6 +172,9 @@ std::string encode(const PagesHandle& h) {
   put(&s, h.handles);
   put<uint8_t>(&s, static_cast<uint8_t>(h.socket.size()));
   put(&s, h.socket.data(), h.socket.size());
+  if (s.size() != kPagesHandleSize)
+    throw std::logic_error("pyalloc: a CUDA IPC handle of pages of " + std::to_string(s.size()) +
+                           " bytes, not " + std::to_string(kPagesHandleSize));
   return s;
 }
 
@@ -229,7 +296,7 @@ class Exports {
     std::lock_guard<std::mutex> g(mu_);
     start_locked();
     PagesHandle h;
-    h.pid = static_cast<uint32_t>(::getpid());
+    h.pid = static_cast<uint32_t>(process_id());
     h.socket = name_;
     h.handles = static_cast<uint32_t>(mems.size());
     for (const SharedMemory& m : mems) h.bytes += m.size;
@@ -247,7 +314,7 @@ class Exports {
   }
 
   void forget(int device, uintptr_t ptr) {
-    std::lock_guard<std::mutex> g(mu_);  // waits for a request being served
+    std::lock_guard<std::mutex> g(mu_);  // waits for a request's handles being taken
     auto it = by_block_.find(std::make_pair(device, ptr));
     if (it == by_block_.end()) return;
     by_id_.erase(it->second);
@@ -274,42 +341,43 @@ class Exports {
 
   void start_locked() {
     if (fd_ >= 0) return;
-    char suffix[32];
-    std::snprintf(suffix, sizeof(suffix), "%016llx", static_cast<unsigned long long>(rng_()));
-    std::string name = "pyalloc-ipc." + std::to_string(::getpid()) + "." + suffix;
-    int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0)
+    // Of one length whatever the process's id (server_name()).
+    std::string name = server_name(static_cast<uint32_t>(process_id()), rng_());
+    Fd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (fd.get() < 0)
       throw std::runtime_error(std::string("pyalloc: socket() for CUDA IPC failed: ") + std::strerror(errno));
     socklen_t len = 0;
     sockaddr_un a = abstract_address(name, &len);
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), len) != 0 || ::listen(fd, 64) != 0) {
-      int e = errno;
-      ::close(fd);
+    if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), len) != 0 || ::listen(fd.get(), 64) != 0)
       throw std::runtime_error(std::string("pyalloc: the CUDA IPC socket could not listen: ") +
-                               std::strerror(e));
-    }
-    fd_ = fd;
+                               std::strerror(errno));
+    fd_ = fd.release();
     name_ = name;
     std::thread([this] { serve_forever(); }).detach();
   }
 
   void serve_forever() {
     for (;;) {
-      int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (c < 0) {
+      Fd c(::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC));
+      if (c.get() < 0) {
         if (errno != EINTR && errno != ECONNABORTED) ::usleep(10000);
         continue;
       }
       try {
-        serve(c);
+        serve(c.get());
       } catch (const std::exception& e) {
         std::fprintf(stderr, "pyalloc: serving a CUDA IPC request failed: %s\n", e.what());
+      } catch (...) {
+        std::fprintf(stderr, "pyalloc: serving a CUDA IPC request failed\n");
       }
-      ::close(c);
     }
   }
 
   // One request: an export's id; the answer: its handles' descriptors.
+  // The exports' lock is held to find the export and take its handles'
+  // descriptors, never while talking to the peer: every free in the process
+  // waits for that lock (forget()) while anything is exported, and a slow
+  // or stopped receiver must not stall them.
   void serve(int c) {
     set_timeouts(c);
     ucred peer{};
@@ -317,45 +385,59 @@ class Exports {
     if (getsockopt(c, SOL_SOCKET, SO_PEERCRED, &peer, &len) != 0 || peer.uid != ::getuid()) return;
     uint64_t id = 0;
     if (!recv_all(c, &id, sizeof(id))) return;
-    std::lock_guard<std::mutex> g(mu_);  // the allocation's free waits (forget())
+    SharedMems mems;
+    std::string refusal = take_handles(id, &mems);
+    if (!refusal.empty()) {
+      refuse(c, refusal);
+      return;
+    }
+    // The allocation may be freed from here on: as if right after the answer,
+    // which the receiver imports only later anyway. PyTorch's senders keep a
+    // shared block until its receivers are done with it.
+    std::string head;
+    put(&head, kServed);
+    put(&head, static_cast<uint32_t>(mems.v.size()));
+    for (const SharedMemory& m : mems.v) put(&head, static_cast<uint64_t>(m.size));
+    bool sent = send_all(c, head);
+    std::vector<int> fds;
+    for (const SharedMemory& m : mems.v) fds.push_back(m.fd);
+    for (size_t i = 0; sent && i < fds.size(); i += kFdsPerMessage)
+      sent = send_fds(c, fds.data() + i, std::min(kFdsPerMessage, fds.size() - i));
+    mems.close();  // the receiver holds its own copies now
+    if (sent) {
+      std::lock_guard<std::mutex> g(mu_);
+      served_++;
+    }
+  }
+
+  // Under the exports' lock, so that the allocation's free waits (forget()):
+  // the descriptors of the handles under export `id` into *mems, whose
+  // descriptors it closes; or why it is refused (counted).
+  std::string take_handles(uint64_t id, SharedMems* mems) {
+    std::lock_guard<std::mutex> g(mu_);
     auto it = by_id_.find(id);
     if (it == by_id_.end()) {
       refused_++;
-      refuse(c, "the CUDA memory shared as export " + std::to_string(id) + " of process " +
-                    std::to_string(::getpid()) +
-                    " is no longer shared: its allocation was freed there before this process "
-                    "opened it (its memory may hold other data now)");
-      return;
+      return "the CUDA memory shared as export " + std::to_string(id) + " of process " +
+             std::to_string(process_id()) +
+             " is no longer shared: its allocation was freed there before this process "
+             "opened it (its memory may hold other data now)";
     }
     const Export& e = it->second;
-    std::vector<SharedMemory> mems;
     std::string why;
     DevicePools* pools = PoolRegistry::instance().find(e.device);
-    bool ok = pools != nullptr && pools->share(e.ptr, &mems, &why);
+    bool ok = pools != nullptr && pools->share(e.ptr, &mems->v, &why);
     uint64_t bytes = 0;
-    for (const SharedMemory& m : mems) bytes += m.size;
-    if (ok && (mems.size() != e.handles || bytes != e.bytes)) {
+    for (const SharedMemory& m : mems->v) bytes += m.size;
+    if (ok && (mems->v.size() != e.handles || bytes != e.bytes)) {
       ok = false;
       why = "its pages are no longer those shared";
     }
-    if (!ok) {
-      close_fds(mems);
-      refused_++;
-      refuse(c, "the CUDA memory shared as export " + std::to_string(id) + " of process " +
-                    std::to_string(::getpid()) + " cannot be served: " + why);
-      return;
-    }
-    std::string head;
-    put(&head, kServed);
-    put(&head, static_cast<uint32_t>(mems.size()));
-    for (const SharedMemory& m : mems) put(&head, static_cast<uint64_t>(m.size));
-    bool sent = send_all(c, head);
-    std::vector<int> fds;
-    for (const SharedMemory& m : mems) fds.push_back(m.fd);
-    for (size_t i = 0; sent && i < fds.size(); i += kFdsPerMessage)
-      sent = send_fds(c, fds.data() + i, std::min(kFdsPerMessage, fds.size() - i));
-    close_fds(mems);  // the receiver holds its own copies now
-    if (sent) served_++;
+    if (ok) return "";
+    mems->close();
+    refused_++;
+    return "the CUDA memory shared as export " + std::to_string(id) + " of process " +
+           std::to_string(process_id()) + " cannot be served: " + why;
   }
 
   void refuse(int c, const std::string& message) {
@@ -382,7 +464,7 @@ class Exports {
 struct Mapping {
   int device = 0;
   std::string handle;
-  int uses = 0;
+  int uses = 0;  // 0: closed during a capture, its unmap deferred (unmap_deferred())
   bool legacy = false;  // cuIpcOpenMemHandle; else imported pages (or a fake device's)
   bool fake = false;
   uintptr_t base = 0;
@@ -433,7 +515,7 @@ void open_legacy(Mapping* m, const std::string& token) {
 }
 
 // Unmaps the first `mapped` of m's pages, releases every one of them and
-// frees the range: undoes open_pages().
+// frees the range: undoes map_pages().
 void unmap_pages(const Driver& d, Mapping* m, size_t mapped) {
   uintptr_t at = m->base;
   for (size_t i = 0; i < mapped; ++i) {
@@ -446,65 +528,73 @@ void unmap_pages(const Driver& d, Mapping* m, size_t mapped) {
   m->base = 0;
 }
 
-// Asks the sender's server for the pages' descriptors, imports them, maps
-// them side by side in a range of their size, and makes it accessible.
-void open_pages(Mapping* m, const std::string& handle) {
-  PagesHandle h = decode_pages(handle);
-  const Driver& d = driver();
-  if (!d.has_vmm() || !d.has_shareable_handles())
-    throw std::runtime_error(
-        "pyalloc: the CUDA driver cannot import shared pages (no cuMemImportFromShareableHandle)");
-  int sock = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (sock < 0) throw std::runtime_error(std::string("pyalloc: socket() failed: ") + std::strerror(errno));
-  std::vector<int> fds;
+// What a sender's server answered: the handles' sizes and descriptors.
+struct Served {
   std::vector<uint64_t> sizes;
+  std::vector<Fd> fds;
+  uint64_t total = 0;
+};
+
+// Asks the sender's server for the pages' descriptors. Socket I/O only, with
+// no lock held: a slow or stopped sender (each step may wait
+// kSocketTimeoutSeconds) must not stall this process's other opens and
+// closes, which PyTorch makes from tensors' deleters on any thread.
+Served fetch_pages(const PagesHandle& h) {
+  Fd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (sock.get() < 0) throw std::runtime_error(std::string("pyalloc: socket() failed: ") + std::strerror(errno));
+  Served out;
   auto fail = [&](const std::string& why) {
-    for (int fd : fds) ::close(fd);
-    ::close(sock);
     throw std::runtime_error("pyalloc: opening CUDA memory shared by process " + std::to_string(h.pid) +
                              " failed: " + why);
   };
-  set_timeouts(sock);
+  set_timeouts(sock.get());
   socklen_t len = 0;
   sockaddr_un a = abstract_address(h.socket, &len);
-  if (::connect(sock, reinterpret_cast<sockaddr*>(&a), len) != 0)
+  if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&a), len) != 0)
     fail(std::string("its pyalloc does not answer (") + std::strerror(errno) +
          "): the process has exited, or runs in another network namespace");
-  if (!send_all(sock, std::string(reinterpret_cast<const char*>(&h.id), sizeof(h.id))))
+  if (!send_all(sock.get(), std::string(reinterpret_cast<const char*>(&h.id), sizeof(h.id))))
     fail("the request could not be sent");
   int32_t status = 0;
   uint32_t n = 0;
-  if (!recv_all(sock, &status, sizeof(status)) || !recv_all(sock, &n, sizeof(n))) fail("no answer");
+  if (!recv_all(sock.get(), &status, sizeof(status)) || !recv_all(sock.get(), &n, sizeof(n))) fail("no answer");
   if (status != kServed) {
     std::string message(n, '\0');
-    if (n > 0 && !recv_all(sock, &message[0], n)) message = "refused";
+    if (n > 0 && !recv_all(sock.get(), &message[0], n)) message = "refused";
     fail(message);
   }
   if (n != h.handles) fail("it answered with another number of handles");
-  sizes.resize(n);
-  if (!recv_all(sock, sizes.data(), sizeof(uint64_t) * n)) fail("the answer was cut short");
-  while (fds.size() < n)
-    if (!recv_fds(sock, std::min<size_t>(kFdsPerMessage, n - fds.size()), &fds))
-      fail("its descriptors did not arrive");
-  ::close(sock);
-  uint64_t total = 0;
-  for (uint64_t s : sizes) total += s;
-  if (fds.size() != n || total != h.bytes) {
-    for (int fd : fds) ::close(fd);
+  out.sizes.resize(n);
+  if (!recv_all(sock.get(), out.sizes.data(), sizeof(uint64_t) * n)) fail("the answer was cut short");
+  std::vector<int> fds;
+  bool arrived = true;
+  while (arrived && fds.size() < n)
+    arrived = recv_fds(sock.get(), std::min<size_t>(kFdsPerMessage, n - fds.size()), &fds);
+  for (int fd : fds) out.fds.emplace_back(fd);  // owned, closed on every path from here
+  if (!arrived) fail("its descriptors did not arrive");
+  for (uint64_t size : out.sizes) out.total += size;
+  if (out.fds.size() != n || out.total != h.bytes)
     throw std::runtime_error("pyalloc: the pages served for a CUDA IPC handle do not match it");
-  }
+  return out;
+}
 
+// Imports the pages served, maps them side by side in a range of their
+// size, and makes it accessible.
+void map_pages(Mapping* m, Served& pages) {
+  const Driver& d = driver();
   ContextGuard g(d, context_of(m->device));
-  m->bytes = total;
+  size_t n = pages.fds.size();
+  m->bytes = pages.total;
   CUresult r = CUDA_SUCCESS;
   const char* step = "cuMemImportFromShareableHandle";
   for (size_t i = 0; i < n && r == CUDA_SUCCESS; ++i) {
     CUmemGenericAllocationHandle ph = 0;
-    r = d.MemImportFromShareableHandle(&ph, reinterpret_cast<void*>(static_cast<intptr_t>(fds[i])),
+    r = d.MemImportFromShareableHandle(&ph, reinterpret_cast<void*>(static_cast<intptr_t>(pages.fds[i].get())),
                                        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-    if (r == CUDA_SUCCESS) m->pages.emplace_back(ph, sizes[i]);
+    if (r == CUDA_SUCCESS) m->pages.emplace_back(ph, pages.sizes[i]);
   }
-  for (int fd : fds) ::close(fd);  // the imported handles keep the memory
+  pages.fds.clear();  // closed: the imported handles keep the memory
+  uint64_t total = pages.total;
   size_t mapped = 0;
   if (r == CUDA_SUCCESS) {
     step = "cuMemAddressReserve";
@@ -549,6 +639,49 @@ void unmap(Mapping* m) {
   unmap_pages(d, m, m->pages.size());
 }
 
+// Unmaps m, unless a CUDA graph capture is underway in the process: then
+// false, and m stays mapped until unmap_deferred() after the capture, since
+// cuIpcCloseMemHandle, cuMemUnmap and cuMemRelease during one break it in
+// CUDA's default (global) capture mode, from any thread. The pools' capture
+// trackers say (a CUDA device's is the process's); a process without pools
+// has neither declared nor seen one.
+bool unmap_unless_capturing(Mapping* m) {
+  std::vector<DevicePools*> all = PoolRegistry::instance().all();
+  if (all.empty()) {
+    unmap(m);
+    return true;
+  }
+  for (DevicePools* p : all)
+    if (p->capture_underway()) return false;
+  return all.front()->unless_capture_underway([&] { unmap(m); });
+}
+
+size_t deferred_unmaps = 0;  // mappings closed with uses == 0, waiting; under mappings_mu
+
+// Under mappings_mu: the mappings closed during a capture, unmapped now if
+// none is underway any more. One that fails is said and dropped: its memory
+// is not reachable through pyalloc any more either way.
+void unmap_deferred_locked() {
+  if (deferred_unmaps == 0) return;
+  for (auto it = by_handle().begin(); it != by_handle().end();) {
+    Mapping& m = it->second;
+    if (m.uses != 0) {
+      ++it;
+      continue;
+    }
+    uintptr_t base = m.base;  // unmap() clears it
+    try {
+      if (!unmap_unless_capturing(&m)) return;  // still capturing: all of them wait
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "pyalloc: unmapping CUDA memory opened from another process failed: %s\n",
+                   e.what());
+    }
+    deferred_unmaps--;
+    by_base().erase(base);
+    it = by_handle().erase(it);
+  }
+}
+
 }  // namespace
 
 std::string fake_token(uintptr_t base) {
@@ -560,58 +693,57 @@ std::string fake_token(uintptr_t base) {
 }
 
 std::string share(DevicePools& pools, uintptr_t ptr, uint64_t* offset) {
-  std::vector<SharedMemory> mems;
+  SharedMems mems;  // closed on every path: served afresh to each receiver that asks
   std::string why;
-  if (!pools.share(ptr, &mems, &why)) {
-    close_fds(mems);
-    if (mems.empty()) throw std::invalid_argument("pyalloc cannot share " + format_ptr(ptr) + ": " + why);
+  if (!pools.share(ptr, &mems.v, &why)) {
+    if (mems.v.empty()) throw std::invalid_argument("pyalloc cannot share " + format_ptr(ptr) + ": " + why);
     throw std::runtime_error("pyalloc cannot share the CUDA memory at " + format_ptr(ptr) +
                              " with another process: " + why);
   }
-  *offset = ptr - mems.front().addr;
-  if (mems.front().fd < 0) {  // a segment: the driver's token
+  *offset = ptr - mems.v.front().addr;
+  if (mems.v.front().fd < 0) {  // a segment: the driver's token
     std::string handle{kHandleVersion, kSegmentHandle};
-    return handle + mems.front().token;
+    return handle + mems.v.front().token;
   }
-  std::string handle;
-  try {
-    handle = Exports::instance().add(pools.index(), ptr, mems);
-  } catch (...) {
-    close_fds(mems);
-    throw;
-  }
-  close_fds(mems);  // served afresh to each receiver that asks
-  return handle;
+  return Exports::instance().add(pools.index(), ptr, mems.v);
 }
 
 uintptr_t open(int device, const std::string& handle) {
   if (handle.size() < 2)
     throw std::invalid_argument("pyalloc: an empty or truncated CUDA IPC handle (" +
                                 std::to_string(handle.size()) + " bytes)");
-  std::lock_guard<std::mutex> g(mappings_mu);
-  auto known = by_handle().find(handle);
-  if (known != by_handle().end()) {
-    known->second.uses++;
+  // One more use of a mapping already made.
+  auto known_use = [&]() -> uintptr_t {
+    auto known = by_handle().find(handle);
+    if (known == by_handle().end()) return 0;
+    if (known->second.uses++ == 0) deferred_unmaps--;  // closed during a capture: kept, used again
     return known->second.base;
+  };
+  {
+    std::lock_guard<std::mutex> g(mappings_mu);
+    unmap_deferred_locked();
+    if (uintptr_t base = known_use()) return base;
   }
-  Mapping m;
-  m.device = device;
-  m.handle = handle;
-  // PyTorch before 2.2 sent the driver's 64 bytes alone.
+  // PyTorch before 2.2 sent the driver's 64 bytes alone; PyTorch reads any
+  // handle of that length so, and no 'P' handle has it (kPagesHandleSize).
   bool raw = handle.size() == CU_IPC_HANDLE_SIZE;
   char type = raw ? kSegmentHandle : handle[1];
   if (!raw && handle[0] > kHandleVersion)
     throw std::invalid_argument("pyalloc: a CUDA IPC handle of a newer layout (version " +
                                 std::to_string(int(handle[0])) + ") than pyalloc knows");
   std::string token = raw ? handle : handle.substr(2);
+  Served pages;
   if (type == kSegmentHandle) {
     if (token.size() != CU_IPC_HANDLE_SIZE)
       throw std::invalid_argument("pyalloc: a CUDA IPC handle of a segment must hold 64 bytes, not " +
                                   std::to_string(token.size()));
-    if (PoolRegistry::instance().fake()) open_fake(&m, token);
-    else open_legacy(&m, token);
   } else if (type == kPagesHandle) {
-    open_pages(&m, handle);
+    PagesHandle h = decode_pages(handle);
+    const Driver& d = driver();
+    if (!d.has_vmm() || !d.has_shareable_handles())
+      throw std::runtime_error(
+          "pyalloc: the CUDA driver cannot import shared pages (no cuMemImportFromShareableHandle)");
+    pages = fetch_pages(h);  // no lock held: it talks to the sender
   } else if (type == kExpandableHandle) {
     throw std::invalid_argument(
         "pyalloc cannot open this CUDA tensor: it was shared by a process whose PyTorch allocator "
@@ -620,6 +752,15 @@ uintptr_t open(int device, const std::string& handle) {
   } else {
     throw std::invalid_argument(std::string("pyalloc: an unknown kind of CUDA IPC handle ('") + type + "')");
   }
+  std::lock_guard<std::mutex> g(mappings_mu);
+  // Opened by another thread meanwhile: its mapping (the pages fetched are closed).
+  if (uintptr_t base = known_use()) return base;
+  Mapping m;
+  m.device = device;
+  m.handle = handle;
+  if (type == kPagesHandle) map_pages(&m, pages);
+  else if (PoolRegistry::instance().fake()) open_fake(&m, token);
+  else open_legacy(&m, token);
   m.uses = 1;
   uintptr_t base = m.base;
   by_base()[base] = handle;
@@ -630,16 +771,35 @@ uintptr_t open(int device, const std::string& handle) {
 void close(uintptr_t ptr) {
   std::lock_guard<std::mutex> g(mappings_mu);
   auto b = by_base().find(ptr);
-  if (b == by_base().end())
+  auto it = b == by_base().end() ? by_handle().end() : by_handle().find(b->second);
+  if (it == by_handle().end() || it->second.uses == 0)
     throw std::invalid_argument("pyalloc: " + format_ptr(ptr) +
                                 " is no CUDA memory opened from another process");
-  auto it = by_handle().find(b->second);
   if (--it->second.uses > 0) return;
-  Mapping m = std::move(it->second);
+  // During a capture the mapping waits, closed, for its end (unmap_deferred()).
+  bool unmapped = false;
+  try {
+    unmapped = unmap_unless_capturing(&it->second);
+  } catch (...) {
+    by_handle().erase(it);
+    by_base().erase(b);
+    throw;
+  }
+  if (!unmapped) {
+    deferred_unmaps++;
+    return;
+  }
   by_handle().erase(it);
   by_base().erase(b);
-  unmap(&m);
+  unmap_deferred_locked();
 }
+
+void unmap_deferred() {
+  std::lock_guard<std::mutex> g(mappings_mu);
+  unmap_deferred_locked();
+}
+
+void set_process_id_for_tests(uint32_t pid) { pid_for_tests.store(pid, std::memory_order_relaxed); }
 
 namespace detail {
 std::atomic<size_t> exports{0};
@@ -654,6 +814,7 @@ Counts counts() {
     c.mappings++;
     c.mapped_bytes += m.bytes;
   }
+  c.deferred_unmaps = deferred_unmaps;
   return c;
 }
 

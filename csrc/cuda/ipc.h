@@ -32,7 +32,8 @@
 //
 // Receivers: opening the same handle again gives the same mapping, counted;
 // close() drops one use, and the last unmaps it (cuIpcCloseMemHandle, or
-// cuMemUnmap and cuMemRelease of the imported handles).
+// cuMemUnmap and cuMemRelease of the imported handles), after the capture if
+// a CUDA graph capture is underway (those calls would break it).
 //
 // Fake devices (tests): a plain segment gives a 'c' handle whose payload
 // names this process and the address; a receiver in the same process
@@ -69,9 +70,15 @@ std::string share(DevicePools& pools, uintptr_t ptr, uint64_t* offset);
 /// driver or the sender refuses.
 uintptr_t open(int device, const std::string& handle);
 
-/// One use less of the mapping open() returned at ptr; the last unmaps it.
-/// Throws std::invalid_argument if ptr is no such mapping.
+/// One use less of the mapping open() returned at ptr; the last unmaps it,
+/// or, while a CUDA graph capture is underway, leaves it to unmap_deferred()
+/// (unmapping then would break the capture). Throws std::invalid_argument if
+/// ptr is no such mapping.
 void close(uintptr_t ptr);
+
+/// Unmaps the mappings closed during a capture, unless one is still
+/// underway: after a capture ends (DevicePools), and on each open and close.
+void unmap_deferred();
 
 namespace detail {
 extern std::atomic<size_t> exports;  // allocations whose pages are exported now
@@ -84,6 +91,12 @@ inline void forget(int device, uintptr_t ptr) {
   if (detail::exports.load(std::memory_order_acquire) != 0) detail::forget(device, ptr);
 }
 
+/// Tests: the process id that the sending side writes into its 'P' handles
+/// and its server's name, if called before its first export (0: the real
+/// one); ids up to Linux's largest pid_max (4194304) where this machine's
+/// are short.
+void set_process_id_for_tests(uint32_t pid);
+
 /// A fake device's token for the segment at base (FakeBackend::share_segment).
 std::string fake_token(uintptr_t base);
 
@@ -94,6 +107,7 @@ struct Counts {
   uint64_t refused = 0;       // requests refused (an export ended, unknown)
   uint64_t mappings = 0;      // handles opened by this process now
   uint64_t mapped_bytes = 0;  // the bytes those mappings hold
+  uint64_t deferred_unmaps = 0;  // of those mappings, the ones closed during a capture, not yet unmapped
 };
 Counts counts();
 

@@ -472,11 +472,17 @@ void bind_cuda(py::module_& m) {
         d["refused"] = c.refused;
         d["mappings"] = c.mappings;
         d["mapped_bytes"] = c.mapped_bytes;
+        d["deferred_unmaps"] = c.deferred_unmaps;
         return d;
       },
       "CUDA IPC in this process: allocations whose pages are exported now, requests for them "
       "served and refused, and the handles of other processes opened here (mappings, "
-      "mapped_bytes: bytes of pages, 0 for segments, whose size their handle does not say).");
+      "mapped_bytes: bytes of pages, 0 for segments, whose size their handle does not say; "
+      "deferred_unmaps: those closed during a CUDA graph capture, unmapped after it).");
+  m.def(
+      "_testing_ipc_process_id", [](uint32_t pid) { ipc::set_process_id_for_tests(pid); }, py::arg("pid"),
+      "Tests: the process id written into this process's CUDA IPC handles of pages from its first "
+      "export on (0: its own).");
   m.def(
       "_testing_hook_malloc",
       [](size_t size, int device, Stream stream) { return hooks::malloc(size, device, stream); },

@@ -131,6 +131,34 @@ void report(int status, const char* what) {
   if (status != PYALLOC_OK) std::fprintf(stderr, "pyalloc: %s: %s\n", what, api->last_error());
 }
 
+// A callback of PyTorch's or a tracker's, called by pyalloc through its C
+// table (often with a pool's lock held), failed: nothing may unwind into
+// pyalloc, so it is caught, whatever it threw, and counted here. Said on
+// stderr the first time and at each power of two, so that a callback failing
+// on every event neither floods stderr nor goes unseen.
+std::atomic<uint64_t> callback_failures{0};
+
+void callback_failed(const std::string& what_failed, const char* why) {
+  uint64_t n = callback_failures.fetch_add(1, std::memory_order_relaxed) + 1;
+  if ((n & (n - 1)) != 0) return;
+  std::fprintf(stderr, "pyalloc: %s: %s (%llu failure%s of PyTorch's callbacks so far)\n",
+               what_failed.c_str(), why, static_cast<unsigned long long>(n), n == 1 ? "" : "s");
+}
+
+// Calls fn() as a callback pyalloc made; false if it threw (callback_failed()).
+template <class F>
+bool guard_callback(const char* what, F&& fn) {
+  try {
+    fn();
+    return true;
+  } catch (const std::exception& e) {
+    callback_failed(std::string(what) + " failed", e.what());
+  } catch (...) {
+    callback_failed(std::string(what) + " failed", "an exception of unknown type");
+  }
+  return false;
+}
+
 [[noreturn]] void unsupported(const std::string& feature, const std::string& workaround) {
   TORCH_CHECK(false, "pyalloc does not support ", feature, ". ", workaround);
 }
@@ -480,23 +508,38 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   // With a pool's lock held in pyalloc: trackers must not allocate (as PyTorch
   // says of its own, called under its allocator's lock), nor throw into pyalloc.
   static void tell_trackers(void* user, int device, int mapped, uint64_t addr, uint64_t size,
-                            const uint64_t* pool) {
+                            const uint64_t* pool) noexcept {
     auto* self = static_cast<PyallocAllocator*>(user);
+    // "an allocator trace tracker failed" is what test_gpu.py looks for on stderr.
+    const char* what = mapped ? "telling the allocator trace trackers of a segment_alloc"
+                              : "telling the allocator trace trackers of a segment_free";
     std::vector<cca::AllocatorTraceTracker> trackers;
-    {
-      std::lock_guard<std::mutex> g(self->trackers_mu_);
-      trackers = self->trackers_;
-    }
-    cca::TraceEntry te(mapped ? cca::TraceEntry::SEGMENT_ALLOC : cca::TraceEntry::SEGMENT_FREE,
-                       static_cast<DeviceIndex>(device), addr, size, nullptr, MempoolId{pool[0], pool[1]}, 0,
-                       nullptr);
-    for (const auto& t : trackers) {
+    std::unique_ptr<cca::TraceEntry> te;
+    bool ready = guard_callback(what, [&] {
+      {
+        std::lock_guard<std::mutex> g(self->trackers_mu_);
+        trackers = self->trackers_;
+      }
+      te = std::make_unique<cca::TraceEntry>(
+          mapped ? cca::TraceEntry::SEGMENT_ALLOC : cca::TraceEntry::SEGMENT_FREE,
+          static_cast<DeviceIndex>(device), addr, size, nullptr, MempoolId{pool[0], pool[1]}, 0, nullptr);
+    });
+    if (!ready) return;
+    for (const auto& t : trackers) {  // each tracker is told, whatever the others do
+      auto failed = [&](const char* why) {
+        char at[32];
+        std::snprintf(at, sizeof(at), "0x%llx", static_cast<unsigned long long>(addr));
+        callback_failed(std::string("an allocator trace tracker failed on ") +
+                            (mapped ? "segment_alloc" : "segment_free") + " of " + std::to_string(size) +
+                            " bytes at " + at,
+                        why);
+      };
       try {
-        t(te);
+        t(*te);
       } catch (const std::exception& e) {
-        std::fprintf(stderr, "pyalloc: an allocator trace tracker failed on %s of %llu bytes at 0x%llx: %s\n",
-                     mapped ? "segment_alloc" : "segment_free", static_cast<unsigned long long>(size),
-                     static_cast<unsigned long long>(addr), e.what());
+        failed(e.what());
+      } catch (...) {
+        failed("an exception of unknown type");
       }
     }
   }
@@ -509,18 +552,16 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
     std::lock_guard<std::mutex> g(filters_mu_);
     check(api->begin_allocate_to_pool(
         device, id.first, id.second,
-        [](void* user, void* stream) {
+        [](void* user, void* stream) noexcept {
           // PyTorch's filters may throw (a CUDA error asking about a capture);
           // nothing may unwind into pyalloc: the stream is then not routed.
-          try {
-            return (*static_cast<std::function<bool(cudaStream_t)>*>(user))(
-                       static_cast<cudaStream_t>(stream))
-                       ? 1
-                       : 0;
-          } catch (const std::exception& e) {
-            std::fprintf(stderr, "pyalloc: a private pool's stream filter failed: %s\n", e.what());
-            return 0;
-          }
+          int routed = 0;
+          guard_callback("a private pool's stream filter", [&] {
+            routed = (*static_cast<std::function<bool(cudaStream_t)>*>(user))(static_cast<cudaStream_t>(stream))
+                         ? 1
+                         : 0;
+          });
+          return routed;
         },
         kept.get()));
     // In begin order, as pyalloc keeps the routes: the same pool may be begun
@@ -559,8 +600,10 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   void createOrIncrefPool(DeviceIndex device, MempoolId id,
                           std::shared_ptr<cca::CUDAAllocator> allocator) override {
     if (allocator != nullptr && allocator.get() != this) {
+      // Kept once per allocator, not once per call: MemPools and their increfs
+      // come and go for the process's life, their allocators are few.
       std::lock_guard<std::mutex> g(trackers_mu_);
-      pool_allocators_.push_back(allocator);  // kept: the pool's segments go back to it
+      pool_allocators_.emplace(allocator.get(), allocator);  // the pool's segments go back to it
     }
     create_or_incref_pool(device, id, allocator.get());
   }
@@ -587,27 +630,26 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
                                           allocator));
   }
 
-  static int source_alloc(void* user, int device, uint64_t size, void** out) {
+  static int source_alloc(void* user, int device, uint64_t size, void** out) noexcept {
     *out = nullptr;
-    try {
-      c10::cuda::CUDAGuard guard(static_cast<DeviceIndex>(device));
-      *out = static_cast<cca::CUDAAllocator*>(user)->raw_alloc(size);  // nullptr: none left
-      return PYALLOC_OK;
-    } catch (const c10::OutOfMemoryError&) {
-      return PYALLOC_OK;
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "pyalloc: a MemPool's allocator failed: %s\n", e.what());
-      return PYALLOC_ERROR;
-    }
+    bool out_of_memory = false;
+    bool ok = guard_callback("a MemPool's allocator (raw_alloc)", [&] {
+      try {
+        c10::cuda::CUDAGuard guard(static_cast<DeviceIndex>(device));
+        *out = static_cast<cca::CUDAAllocator*>(user)->raw_alloc(size);  // nullptr: none left
+      } catch (const c10::OutOfMemoryError&) {
+        out_of_memory = true;  // none left: pyalloc's out-of-memory path, not a failure
+      }
+    });
+    if (out_of_memory) *out = nullptr;
+    return ok ? PYALLOC_OK : PYALLOC_ERROR;
   }
 
-  static void source_free(void* user, int device, void* ptr, uint64_t) {
-    try {
+  static void source_free(void* user, int device, void* ptr, uint64_t) noexcept {
+    guard_callback("a MemPool's allocator (raw_delete)", [&] {
       c10::cuda::CUDAGuard guard(static_cast<DeviceIndex>(device));
       static_cast<cca::CUDAAllocator*>(user)->raw_delete(ptr);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "pyalloc: a MemPool's allocator failed to free: %s\n", e.what());
-    }
+    });
   }
 
 #if PYALLOC_TORCH_AT_LEAST(2, 11)
@@ -888,7 +930,7 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   std::vector<cca::AllocatorTraceTracker> trackers_;
   std::once_flag watching_once_;
   std::atomic<bool> watching_{false};
-  std::vector<std::shared_ptr<cca::CUDAAllocator>> pool_allocators_;
+  std::unordered_map<cca::CUDAAllocator*, std::shared_ptr<cca::CUDAAllocator>> pool_allocators_;
 
   std::mutex filters_mu_;
   std::multimap<std::tuple<int, uint64_t, uint64_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>>

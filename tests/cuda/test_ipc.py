@@ -133,7 +133,8 @@ def stub_driver(tmp_path_factory):
     return library
 
 
-@pytest.mark.parametrize("mode", ["bestfit", "vmm", "vmm-unshareable"])
+@pytest.mark.parametrize("mode", ["bestfit", "vmm", "vmm-large-pid", "vmm-unshareable", "slow-sender",
+                                  "fd-leaks"])
 def test_ipc_between_two_processes_on_the_stand_in_driver(stub_driver, mode):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]), LD_LIBRARY_PATH=str(stub_driver.parent))
     env.pop("PYALLOC_CONF", None)

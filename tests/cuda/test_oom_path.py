@@ -146,3 +146,36 @@ def test_the_core_alone_words_and_counts_its_own_errors(make):
     s = a.stats()
     assert (s["num_ooms"], s["num_oom_rejections"]) == (1, 1)
     assert [h["action"] for h in a.history()].count("oom") == 1
+
+
+def test_a_malloc_that_retried_twice_counts_one_retry(fake, lib, history):
+    """Regression: num_alloc_retries counted each attempt that reached the pool's
+    release-and-retry: a malloc whose first attempt retried in vain, then had the
+    device's other pools give back their cache (the device's part of the retry)
+    and tried again, in vain too, counted 2. PyTorch counts each malloc that
+    retried once."""
+    _C.cuda_configure("pool_size:0,strategy:bestfit")
+    a = lib.pyalloc_malloc(6 * MiB, 0, None)
+    b = lib.pyalloc_malloc(6 * MiB, 0, None)  # the same segment: it stays, holding free memory
+    lib.pyalloc_free(a, 0, 0, None)
+    live = _C.cuda_buffer(0, 4 * MiB, 0)  # the buffer pool keeps this,
+    cached = _C.cuda_buffer(0, 8 * MiB, 0)
+    del cached  # and gives this back, which is not enough
+    lib.pyalloc_set_memory_fraction(0.75, 0)  # 48 MiB for all of device 0's pools
+    general = _C.cuda_stats(0, "general")
+    buffers = _C.cuda_stats(0, "buffers")["reserved_bytes.all.current"]
+    device_free = 48 * MiB - general["reserved_bytes.all.current"] - buffers
+    unallocated = general["reserved_bytes.all.current"] - general["allocated_bytes.all.current"]
+    # More than the device has free even after the buffer pool's release, within
+    # what the general pool's unallocated memory seems to make up: it retries.
+    request = device_free + 8 * MiB + 4 * MiB
+    assert request - device_free <= unallocated
+    ooms_before, _, retries_before = counts()
+    with pytest.raises(pyalloc.OutOfMemoryError):
+        _C._testing_hook_malloc(request, 0, 0)
+    num_ooms, _, retries = counts()
+    assert _C.cuda_stats(0, "buffers")["reserved_bytes.all.current"] < buffers  # it did give back
+    assert (num_ooms - ooms_before, retries - retries_before) == (1, 1)
+    del live
+    lib.pyalloc_free(b, 0, 0, None)
+    _C.cuda_check_invariants(0)

@@ -3,8 +3,11 @@
 Run by test_ipc.py in a fresh process whose LD_LIBRARY_PATH finds the
 stand-in as libcuda.so.1:  ipc_checks.py PATH/TO/libcuda.so.1 send MODE
 MODE: "bestfit" (legacy IPC handles of segments), "vmm" (pages as file
-descriptors over the sender's socket), "vmm-unshareable" (the device refuses
-shareable pages: sharing is refused, the pools still work). The sender calls
+descriptors over the sender's socket), "vmm-large-pid" (the same from a
+sender whose process id has 7 digits), "vmm-unshareable" (the device refuses
+shareable pages: sharing is refused, the pools still work), "slow-sender" (a
+sender that never answers stalls no other open or close), "fd-leaks" (no
+descriptor is left open when an export or an import fails). The sender calls
 the bridge's table as the bridge does for PyTorch's shareIpcHandle, and
 starts receivers (this script with "receive"), which open the handle as the
 bridge's getIpcDevPtr does, read and write the memory, and answer in JSON.
@@ -31,10 +34,14 @@ api = BridgeApi()
 def receive(request):
     """In the receiving process: open, read, write back, open again, close."""
     handle = bytes.fromhex(request["handle"])
+    fds = open_fds()
     status, base = api.ipc_open(handle, request["device"])
     if status != OK:
         return {"error": api.error(), "mappings": _C.cuda_ipc_counts()["mappings"],
-                "imported": stub.imported, "ipc_opened": stub.ipc_opened}
+                "imported": stub.imported, "ipc_opened": stub.ipc_opened,
+                "fds_left": dict(open_fds() - fds)}
+    if request.get("close_during_capture"):
+        return close_during_capture(base, request["device"])
     ptr, size = base + request["offset"], request["size"]
     seen = c.string_at(ptr, size)
     c.memset(ptr + size // 2, request["reply"], size - size // 2)
@@ -50,10 +57,41 @@ def receive(request):
     }
 
 
-def ask(handle, offset, size, pattern=0, reply=0, device=0):
+def close_during_capture(base, device):
+    """In the receiving process: the memory closed while a CUDA graph is captured
+    (torch 2.13's markCaptureBegin, a stream capturing), as a tensor received
+    may be freed then on any thread. Unmapping it then would break the capture
+    (CUDA's default global mode): it waits for the capture's end."""
+    assert api.mark_capture(device, 1) == OK, api.error()
+    stub.capture_id, stub.capturing_stream = 93, 0x5300
+    stub.forbidden_during_capture = 0
+    closed = api.ipc_close(base)
+    during = dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened,
+                  forbidden=stub.forbidden_during_capture)
+    reopened = api.ipc_close(base)  # closed already: no use left to drop
+    stub.capturing_stream = 0  # cudaStreamEndCapture
+    assert api.mark_capture(device, 0) == OK, api.error()
+    return {"closed": closed, "during": during, "closed_twice": reopened,
+            "after": dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened,
+                          forbidden=stub.forbidden_during_capture)}
+
+
+def check_a_close_during_a_capture_waits_for_its_end(p, size):
+    handle, offset = share(p)
+    got = ask(handle, offset, size, close_during_capture=True)
+    assert got["closed"] == OK and got["closed_twice"] == INVALID, got
+    during, after = got["during"], got["after"]
+    assert during["forbidden"] == 0, got
+    assert during["mappings"] == 1 and during["deferred_unmaps"] == 1, got
+    assert during["imported"] + during["ipc_opened"] >= 1, got
+    assert after["mappings"] == 0 and after["deferred_unmaps"] == 0, got
+    assert after["imported"] == 0 and after["ipc_opened"] == 0 and after["forbidden"] == 0, got
+
+
+def ask(handle, offset, size, pattern=0, reply=0, device=0, **more):
     """Starts a receiving process for the handle; its answer."""
     request = {"handle": handle.hex(), "offset": offset, "size": size, "pattern": pattern,
-               "reply": reply, "device": device}
+               "reply": reply, "device": device, **more}
     out = subprocess.run([sys.executable, __file__, LIB, "receive"], input=json.dumps(request),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -86,6 +124,7 @@ def check_a_received_block_is_the_senders_memory(size=3 * MiB):
     assert c.string_at(p + size // 2, size - size // 2) == b"\x22" * (size - size // 2)
     assert c.string_at(p, size // 2) == b"\x11" * (size // 2)
     assert share(p) == (handle, offset), "the same allocation gives the same handle"
+    check_a_close_during_a_capture_waits_for_its_end(p, size)
     return p, handle, offset, got
 
 
@@ -167,7 +206,7 @@ def vmm():
     assert not again["seen_pattern"] and "error" not in again  # first half 0x11, second 0x22
     # Freed by its owner: the export ends, and a late receiver is refused.
     served = _C.cuda_ipc_counts()["served"]
-    assert served == 2, served  # one request per receiving process: its second open is cached
+    assert served == 3, served  # one request per receiving process: its second open is cached
     assert api.free(p, 0) == OK
     assert _C.cuda_ipc_counts()["exports"] == 0
     got = ask(handle, offset, 3 * MiB)
@@ -177,6 +216,92 @@ def vmm():
     # Every descriptor exported for a receiver was closed: the server's socket is left.
     assert open_fds() - fds == collections.Counter(socket=1), (open_fds(), fds)
     _C.cuda_check_invariants(0)
+
+
+def vmm_large_pid():
+    """Regression: the server's name held the process's id as written, so a sender
+    whose id has 7 digits (pid_max reaches 4194304) made 'P' handles of 64 bytes,
+    which receivers read as the driver's legacy handle sent alone (as PyTorch does
+    a handle of that length) and failed to open."""
+    stub.vmm = 1
+    _C._testing_ipc_process_id(1234567)
+    _C.cuda_configure("pool_size:0,strategy:vmm")
+    p, handle, _, _ = check_a_received_block_is_the_senders_memory()
+    assert handle[:2] == b"\x02P" and len(handle) != 64, len(handle)
+    assert int.from_bytes(handle[3:7], "little") == 1234567
+    assert b"1234567" in handle
+    # Every 'P' handle has one length, whatever the id: the shortest the same.
+    assert len(handle) == 2 + 1 + 4 + 8 + 8 + 4 + 1 + len("pyalloc-ipc.0001234567.") + 16
+    assert api.free(p, 0) == OK
+
+
+def pages_handle(socket_name, pid=4242, export=77, size=2 * MiB, handles=1):
+    """A 'P' handle (ipc.cpp's PagesHandle) naming a server at `socket_name`."""
+    name = socket_name.encode()
+    return (b"\x02P\x01" + pid.to_bytes(4, "little") + export.to_bytes(8, "little") +
+            size.to_bytes(8, "little") + handles.to_bytes(4, "little") + bytes([len(name)]) + name)
+
+
+def slow_sender():
+    """Regression: open() held the receivers' lock while it asked the sender for
+    its pages, each step waiting up to 30 s: a stopped or slow sender stalled
+    every other open and close of the process (tensors' deleters, any thread)."""
+    import socket
+    import threading
+
+    stub.vmm = 1
+    name = f"pyalloc-test-silent.{os.getpid()}"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind("\0" + name)
+    server.listen(1)
+    opened = {}
+
+    def open_it():
+        opened["status"] = api.ipc_open(pages_handle(name))[0]
+        opened["error"] = api.error()
+
+    waiting = threading.Thread(target=open_it)
+    waiting.start()
+    conn, _ = server.accept()  # the receiver now waits for an answer that does not come
+    assert conn.recv(8) == (77).to_bytes(8, "little")
+    other = {}
+    closer = threading.Thread(target=lambda: other.setdefault("status", api.ipc_close(0x1000)))
+    closer.start()
+    closer.join(timeout=20)
+    stalled = closer.is_alive()
+    conn.close()  # the sender gives up: the waiting open fails
+    waiting.join()
+    closer.join()
+    assert not stalled, "a close waited for another thread's open to hear from its sender"
+    assert other["status"] == INVALID
+    assert opened["status"] == ERROR and "failed: no answer" in opened["error"], opened
+    assert _C.cuda_ipc_counts()["mappings"] == 0
+    server.close()
+
+
+def fd_leaks():
+    """Regression: descriptors were left open on error paths. The sender's, when
+    exporting the handles under a block failed after the first (a driver error
+    thrown by the context switch), and the receiver's, when mapping the pages it
+    was sent failed (here on a device it does not have)."""
+    stub.vmm = 1
+    _C.cuda_configure("pool_size:0,strategy:vmm")
+    p = malloc(40 * MiB)  # over several handles
+    fds = open_fds()
+    # The first handle's export switches context twice (in and back); the third switch fails.
+    stub.fail_ctx_set_in = 3
+    status, handle, _ = api.ipc_share(p)
+    assert status == ERROR and handle == b"" and "cuCtxSetCurrent" in api.error(), api.error()
+    assert stub.fail_ctx_set_in == 0 and stub.exports >= 1
+    assert open_fds() == fds, (open_fds(), fds)
+    # Shared, then opened on device 7: the receiver had the descriptors when it failed.
+    handle, offset = share(p)
+    got = ask(handle, offset, MiB, device=7)
+    assert "cuDeviceGet" in got.get("error", ""), got
+    assert got["fds_left"] == {} and got["mappings"] == 0 and got["imported"] == 0, got
+    assert _C.cuda_ipc_counts()["served"] == 1
+    assert api.free(p, 0) == OK
+    assert open_fds() - fds == collections.Counter(socket=1), (open_fds(), fds)
 
 
 def vmm_unshareable():
@@ -195,6 +320,7 @@ def vmm_unshareable():
 if sys.argv[2] == "receive":
     print(json.dumps(receive(json.loads(sys.stdin.read()))))
 else:
-    {"bestfit": bestfit, "vmm": vmm, "vmm-unshareable": vmm_unshareable}[sys.argv[3]]()
+    {"bestfit": bestfit, "vmm": vmm, "vmm-large-pid": vmm_large_pid, "vmm-unshareable": vmm_unshareable,
+     "slow-sender": slow_sender, "fd-leaks": fd_leaks}[sys.argv[3]]()
     assert stub.bad_handle == 0
     print("OK")

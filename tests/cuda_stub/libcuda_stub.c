@@ -96,6 +96,7 @@ struct Stub {
   int64_t exports, imports, imported;  /* shareable handles exported, imported; imported live */
   int refuse_fd_handles;     /* cuMemCreate asked for a POSIX fd handle answers NOT_SUPPORTED */
   int64_t fd_handles;        /* handles made with a POSIX fd handle type, live */
+  int fail_ctx_set_in;       /* > 0: the cuCtxSetCurrent that brings it to 0 fails with STUB_FAILURE */
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -154,7 +155,12 @@ CUresult cuDeviceGet(int* d, int ordinal) {
 }
 CUresult cuDevicePrimaryCtxRetain(CUcontext* c, int d) { *c = &contexts[d]; return SUCCESS; }
 CUresult cuCtxGetCurrent(CUcontext* c) { *c = current; return SUCCESS; }
-CUresult cuCtxSetCurrent(CUcontext c) { current = c; stub.ctx_set++; return SUCCESS; }
+CUresult cuCtxSetCurrent(CUcontext c) {
+  if (stub.fail_ctx_set_in > 0 && --stub.fail_ctx_set_in == 0) return STUB_FAILURE;
+  current = c;
+  stub.ctx_set++;
+  return SUCCESS;
+}
 
 static int stream_device(CUstream s) {
   uint64_t d = (uint64_t)(uintptr_t)s >> 32;
@@ -554,6 +560,7 @@ CUresult cuIpcOpenMemHandle_v2(unsigned long long* p, CUipcMemHandle handle, uns
 }
 CUresult cuIpcCloseMemHandle(unsigned long long p) {
   ONE_AT_A_TIME;
+  during_capture();
   for (int i = 0; i < MAX_OPENED; ++i) {
     if (opened[i].ptr != (uintptr_t)p) continue;
     munmap((void*)opened[i].ptr, (size_t)opened[i].size);

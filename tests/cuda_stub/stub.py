@@ -26,5 +26,5 @@ class Stub(c.Structure):
         ("set_access_fail", c.c_int), ("mem_failed", c.c_int64),
         ("ipc_get", c.c_int64), ("ipc_open", c.c_int64), ("ipc_close", c.c_int64), ("ipc_opened", c.c_int64),
         ("exports", c.c_int64), ("imports", c.c_int64), ("imported", c.c_int64),
-        ("refuse_fd_handles", c.c_int), ("fd_handles", c.c_int64),
+        ("refuse_fd_handles", c.c_int), ("fd_handles", c.c_int64), ("fail_ctx_set_in", c.c_int),
     ]
