@@ -728,9 +728,16 @@ uintptr_t open(int device, const std::string& handle) {
   // handle of that length so, and no 'P' handle has it (kPagesHandleSize).
   bool raw = handle.size() == CU_IPC_HANDLE_SIZE;
   char type = raw ? kSegmentHandle : handle[1];
+  // A newer version may change any kind's payload (PyTorch's own reader
+  // refuses it too): say which version and kind came, and what is read.
   if (!raw && handle[0] > kHandleVersion)
-    throw std::invalid_argument("pyalloc: a CUDA IPC handle of a newer layout (version " +
-                                std::to_string(int(handle[0])) + ") than pyalloc knows");
+    throw std::invalid_argument(
+        "pyalloc: a CUDA IPC handle of a newer layout: version " + std::to_string(int(handle[0])) +
+        " of kind '" + std::string(1, type) + "', where pyalloc reads versions up to " +
+        std::to_string(int(kHandleVersion)) +
+        ". The process that shared it runs a newer PyTorch or pyalloc than this pyalloc knows; "
+        "share it from a process whose PyTorch writes version " + std::to_string(int(kHandleVersion)) +
+        " handles, or update pyalloc");
   std::string token = raw ? handle : handle.substr(2);
   Served pages;
   if (type == kSegmentHandle) {

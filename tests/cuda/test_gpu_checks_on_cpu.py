@@ -144,3 +144,20 @@ def test_the_cudnn_checks_native_run_prints_its_losses_as_json():
     cudnn = gpu_check("cudnn_benchmark")
     assert result["half"] is None and [len(c) for c in result["fp32"]] == [cudnn.STEPS // 2] * 2
     assert cudnn.differences(result, result) == []
+
+
+def test_the_nccl_check_finds_the_registered_ranges_a_buffer_lies_in():
+    nccl = gpu_check("nccl_register")
+    seg = [{"address": 0x1000, "total_size": 0x1000, "blocks": []},
+           {"address": 0x2000, "total_size": 0x2000, "blocks": []},
+           {"address": 0x8000, "total_size": 0x1000, "blocks": []}]
+    registered = nccl.ranges(seg)
+    assert registered == {(0x1000, 0x1000), (0x2000, 0x2000), (0x8000, 0x1000)}
+    assert nccl.holders(registered, 0x2100, 0x2200) == [(0x2000, 0x2000)]
+    # Across two adjacent ranges: held, by both (NCCL may not count it as registered).
+    assert nccl.holders(registered, 0x1800, 0x2800) == [(0x1000, 0x1000), (0x2000, 0x2000)]
+    # A gap, a byte past the end, or before everything: not held.
+    assert nccl.holders(registered, 0x3800, 0x8100) is None
+    assert nccl.holders(registered, 0x8000, 0x9001) is None
+    assert nccl.holders(registered, 0x800, 0x1100) is None
+    assert nccl.holders(set(), 0x1000, 0x1001) is None
