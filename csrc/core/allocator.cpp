@@ -88,15 +88,10 @@ Allocator::StreamState& Allocator::state_slow(Stream s) {
   return *last_state_;
 }
 
-Block* Allocator::new_block() {
-  if (spare_blocks_.empty()) {
-    constexpr size_t kSlab = 256;
-    block_slabs_.emplace_back(new Block[kSlab]);
-    for (size_t i = 0; i < kSlab; ++i) spare_blocks_.push_back(&block_slabs_.back()[i]);
-  }
-  Block* b = spare_blocks_.back();
-  spare_blocks_.pop_back();
-  return b;
+void Allocator::add_block_slab() {
+  constexpr size_t kSlab = 256;
+  block_slabs_.emplace_back(new Block[kSlab]);
+  for (size_t i = 0; i < kSlab; ++i) spare_blocks_.push_back(&block_slabs_.back()[i]);
 }
 
 void Allocator::drop_block(Block* b) {

@@ -407,6 +407,7 @@ void Allocator::check_invariants() const {
         }
       }
       if (count != idx.count() || bytes != idx.bytes()) fail("free index counters are off");
+      if (!idx.marks_match()) fail("free index bitmap does not match its bins");
       indexed += count;
     }
   }

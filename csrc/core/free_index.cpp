@@ -11,8 +11,7 @@ FreeIndex::FreeIndex() {
   summary_ = 0;
 }
 
-void FreeIndex::insert(Block* b) {
-  int bin = bin_of(b->size);
+inline void FreeIndex::link(Block* b, int bin) {
   b->bin = bin;
   b->bin_prev = nullptr;
   b->bin_next = heads_[bin];
@@ -20,11 +19,9 @@ void FreeIndex::insert(Block* b) {
   heads_[bin] = b;
   words_[bin >> 6] |= uint64_t(1) << (bin & 63);
   summary_ |= uint64_t(1) << (bin >> 6);
-  count_++;
-  bytes_ += b->size;
 }
 
-void FreeIndex::remove(Block* b) {
+inline void FreeIndex::unlink(Block* b) {
   int bin = b->bin;
   if (b->bin_prev != nullptr) {
     b->bin_prev->bin_next = b->bin_next;
@@ -36,10 +33,37 @@ void FreeIndex::remove(Block* b) {
     words_[bin >> 6] &= ~(uint64_t(1) << (bin & 63));
     if (words_[bin >> 6] == 0) summary_ &= ~(uint64_t(1) << (bin >> 6));
   }
+}
+
+void FreeIndex::insert(Block* b) {
+  link(b, bin_of(b->size));
+  count_++;
+  bytes_ += b->size;
+}
+
+void FreeIndex::remove(Block* b) {
+  unlink(b);
   b->bin = -1;
   b->bin_prev = b->bin_next = nullptr;
   count_--;
   bytes_ -= b->size;
+}
+
+void FreeIndex::relink(Block* b, int bin) {
+  unlink(b);
+  link(b, bin);
+}
+
+bool FreeIndex::marks_match() const {
+  uint64_t summary = 0;
+  for (int w = 0; w < kWords; ++w) {
+    uint64_t word = 0;
+    for (int i = 0; i < 64; ++i)
+      if (heads_[(w << 6) + i] != nullptr) word |= uint64_t(1) << i;
+    if (word != words_[w]) return false;
+    if (word != 0) summary |= uint64_t(1) << w;
+  }
+  return summary == summary_;
 }
 
 Block* FreeIndex::largest() const {

@@ -41,16 +41,13 @@ class FreeIndex {
 
   void insert(Block* b);
   void remove(Block* b);
-  /// Changes a listed block's size, moving it only if its bin changes.
+  /// Changes a listed block's size, moving it only if its bin changes (to
+  /// the head of its new bin, as remove() then insert() would).
   void resize(Block* b, size_t size) {
-    if (bin_of(size) == b->bin) {
-      bytes_ += size - b->size;
-      b->size = size;
-      return;
-    }
-    remove(b);
+    int bin = bin_of(size);
+    bytes_ += size - b->size;
     b->size = size;
-    insert(b);
+    if (bin != b->bin) relink(b, bin);
   }
 
   /// Of the blocks of the smallest size that fits, best_fit() returns the
@@ -65,6 +62,8 @@ class FreeIndex {
   size_t bytes() const { return bytes_; }
   bool empty() const { return count_ == 0; }
   Block* head(int bin) const { return heads_[bin]; }
+  /// Whether the bitmap marks exactly the non-empty bins (for invariants).
+  bool marks_match() const;
   /// Largest block in the index (linear in the bins; for stats).
   Block* largest() const;
 
@@ -85,6 +84,12 @@ class FreeIndex {
 
  private:
   int next_nonempty(int from) const;
+  // The list and bitmap steps of remove() and insert(), without the counts:
+  // a split or merge that changes a block's bin (a 20 MiB page split for an
+  // 8 MiB request) moves it on every malloc+free pair.
+  void unlink(Block* b);
+  void link(Block* b, int bin);
+  void relink(Block* b, int bin);
 
   Block* heads_[kNumBins];
   uint64_t words_[kWords];
