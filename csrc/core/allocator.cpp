@@ -562,9 +562,19 @@ bool Allocator::takes_other_area(size_t size, size_t room, Stream s) {
     return true;
   size_t pages = round_up(size, page_);
   size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  size_t keep = kept_pool_size();
   return (cfg_.max_pool_size != 0 && reserved + pages > cfg_.max_pool_size) ||
          (room != kUnknownRoom && pages > room) ||
-         (cfg_.pool_size != 0 && reserved <= cfg_.pool_size && reserved + pages > cfg_.pool_size);
+         (keep != 0 && reserved <= keep && reserved + pages > keep);
+}
+
+size_t Allocator::kept_pool_size() const {
+  size_t keep = cfg_.pool_size;
+  if (keep == 0) return 0;
+  keep = vmm_ ? round_up(keep, page_) : round_up(keep, kSegmentAlign);
+  // A segment of a cap off the granularity would hold a block no granule tiles.
+  if (cfg_.max_pool_size != 0) keep = std::min(keep, cfg_.max_pool_size / kGranularity * kGranularity);
+  return keep;
 }
 
 bool Allocator::fits_split_rule(const Block* b, size_t size) const {
@@ -1056,12 +1066,8 @@ size_t Allocator::empty_cache() {
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
   set_area(false);  // pool_size, if mapped again, is the large area's
-  size_t keep = cfg_.pool_size;
+  size_t keep = kept_pool_size();
   if (keep == 0 || backend_->capture_underway()) return release_cached(0);
-  keep = vmm_ ? round_up(keep, page_) : round_up(keep, kSegmentAlign);
-  // A segment of a cap off the granularity would hold a block no granule tiles.
-  if (cfg_.max_pool_size != 0) keep = std::min(keep, cfg_.max_pool_size / kGranularity * kGranularity);
-  if (keep == 0) return release_cached(0);
   size_t released = release_cached(keep);
   // Below pool_size (the out-of-memory path released it, or what was free
   // did not add up to it): reserve the rest again, as far as the backend lets.

@@ -387,6 +387,9 @@ class Allocator {
   // or no page may be mapped for s now (a capture the backend cannot grow
   // during).
   bool takes_other_area(size_t size, size_t room, Stream s);
+  // What the pool keeps of pool_size: rounded up to whole pages (vmm) or
+  // segment alignment, within max_pool_size's granules; 0 for none.
+  size_t kept_pool_size() const;
   Block* grow(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom);
   Block* add_segment(uintptr_t base, size_t size, Stream s);
   Block* insert_free(Block* b);

@@ -453,17 +453,18 @@ def test_the_small_area_maps_ahead_a_share_of_the_pool():
             a.free(p)
 
 
-@pytest.mark.parametrize("cap", [0, 64 * MiB])
-def test_a_full_pool_serves_a_request_from_the_other_area_in_place(backend, cap):
+@pytest.mark.parametrize("pool, cap", [(64 * MiB, 0), (64 * MiB, 64 * MiB), (65 * MiB, 0)])
+def test_a_full_pool_serves_a_request_from_the_other_area_in_place(backend, pool, cap):
     """Where growing would move pages out of holes (a pool of a fixed size) or
     take the pool past pool_size, a request takes a free block of the other
     area as it is, with no device call, rather than map or move pages into
-    its own: pool_size serves requests of both areas."""
-    a = vmm(backend, pool_size=64 * MiB, max_pool_size=cap)
+    its own: pool_size serves requests of both areas, a pool_size off the page
+    size too (its pages are mapped whole)."""
+    a = vmm(backend, pool_size=pool, max_pool_size=cap)
     ptrs = [a.malloc(1000), a.malloc(MiB), a.malloc(3 * MiB)]
     s = a.stats()
     assert (s["num_device_alloc"], s["num_device_free"]) == (1, 0)
-    assert s["reserved_bytes.all.current"] == 64 * MiB
+    assert s["reserved_bytes.all.current"] == 66 * MiB if pool == 65 * MiB else pool
     for p in ptrs:
         a.free(p)
     a.check_invariants()
