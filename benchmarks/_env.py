@@ -36,12 +36,20 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _script(path: str) -> str:
+    """The script as run from the checkout's root where it lies in it (an absolute path
+    names a folder only the machine that ran it has)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    full = os.path.abspath(path)
+    return os.path.relpath(full, root) if full.startswith(root + os.sep) else path
+
+
 def environment() -> Dict[str, Any]:
     import pyalloc
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "command": " ".join([os.path.basename(sys.executable), _script(sys.argv[0])] + sys.argv[1:]),
         "machine": platform.machine(),
         "cpu": cpu_model(),
         "cpus": os.cpu_count(),

@@ -403,20 +403,44 @@ def read_pytest(output: str, result: StepResult) -> None:
             result.counts["errors" if what == "error" else what] = int(number)
 
 
+def machine_paths(out: str) -> List[tuple]:
+    """(path, placeholder) for the folders of this machine a log would name but no
+    other machine has: the checkout, the virtualenv, the output folder, the temporary
+    folder and the home folder. System paths (compilers, CUDA, headers) stay: they say
+    what the image holds."""
+    pairs = [(REPO, "<checkout>"), (os.path.abspath(out), "$OUT"), (tempfile.gettempdir(), "<tmp>"),
+             (os.path.expanduser("~"), "~")]
+    if sys.prefix != sys.base_prefix:  # a virtualenv: the system's prefix (/usr) names system paths
+        pairs.append((sys.prefix, "<venv>"))
+    # The longest first, so that a folder inside another takes its own name.
+    return sorted(((os.path.realpath(p), name) for p, name in pairs if p not in ("", "/")),
+                  key=lambda pair: -len(pair[0]))
+
+
+def portable(text: str, paths: Sequence[tuple]) -> str:
+    """text with each machine path (machine_paths()) as its placeholder, where it is a
+    whole path or begins one."""
+    for path, name in paths:
+        text = re.sub(re.escape(path) + r"(?=[/\s'\":,)\]]|$)", lambda _: name, text, flags=re.M)
+    return text
+
+
 class Tee:
     """Every line to the log file (flushed at once) and to this process's stdout; whole
-    lines, from several threads at once."""
+    lines, from several threads at once. With ``paths`` (machine_paths()) the log names
+    this machine's own folders by placeholders, so that it reads the same anywhere."""
 
-    def __init__(self, path: str, echo: bool = True):
+    def __init__(self, path: str, echo: bool = True, paths: Sequence[tuple] = ()):
         self.file = open(path, "w", buffering=1)  # one log per run of a stage
         self.echo = echo
+        self.paths = list(paths)
         self.lock = threading.Lock()
 
     def write(self, text: str) -> None:
         with self.lock:
             if self.file.closed:  # a straggling reader after the stage ended
                 return
-            self.file.write(text)
+            self.file.write(portable(text, self.paths))
             self.file.flush()
             if self.echo:
                 sys.stdout.write(text)
@@ -577,7 +601,7 @@ def stage_results(stage: Stage, out: str, command: str = "", echo: bool = True,
     os.makedirs(out, exist_ok=True)
     start = time.monotonic()
     deadline = start + stage.limit_s if until is None else min(start + stage.limit_s, until)
-    tee = Tee(os.path.join(out, f"{stage.name}.log"), echo)
+    tee = Tee(os.path.join(out, f"{stage.name}.log"), echo, machine_paths(out))
     results: List[StepResult] = []
     try:
         tee.line(f"== stage {stage.name}: {stage.what}")

@@ -129,7 +129,9 @@ def test_a_stage_logs_its_environment_every_output_and_a_summary(tmp_path):
                          "command: python -m benchmarks.gpu.session --stage fake",
                          "device: a fake GPU, 555.55, 81559 MiB", "commit: abc1234"], lines
     assert "compiled" in lines and "tests/cuda/test_gpu.py::test_a PASSED" in lines
-    assert any(line.startswith(f"$ {sys.executable} -c ") and "compiled" in line for line in lines), lines
+    # The interpreter as the log names it: by a placeholder where it lies in a virtualenv.
+    python = session.portable(sys.executable, session.machine_paths(str(tmp_path / "out")))
+    assert any(line.startswith(f"$ {python} -c ") and "compiled" in line for line in lines), lines
     assert (tmp_path / "out" / "fake-result.json").exists()
     summary = lines[lines.index(next(x for x in lines if x.startswith("== summary of stage fake"))):]
     assert summary[1:] == [
@@ -391,3 +393,28 @@ def test_the_speed_stage_starts_no_round_too_late_for_its_limit():
     # Around the rounds: the session's start, the device-information worker and the
     # tables at the end, 15-16 s on the H200 at 4ec56a2; 25 s kept for them.
     assert within + 25 <= stage.limit_s
+
+
+def test_a_log_names_this_machines_folders_by_placeholders(tmp_path, monkeypatch):
+    """The logs are committed: the checkout, the output folder, the virtualenv and the
+    home folder of the machine that ran them are named by placeholders, system paths
+    (a compiler) as they are."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    out = tmp_path / "out"
+    said = [os.path.join(REPO, "pyalloc", "_C.so"), str(out / "speed.json"), os.path.join(sys.prefix, "bin", "python3"),
+            str(tmp_path / "home" / ".cache" / "pyalloc"), "/usr/bin/g++", REPO + "-other/x"]
+    stage = Stage("paths", 60, "prints paths", lambda o: [Step("prints", _py(f"print({' '.join(said)!r})"))])
+    assert run_stage(stage, str(out), echo=False, describe=lambda: [])
+    line = next(line for line in _log(out, "paths") if line.startswith("<checkout>"))
+    venv = "<venv>" if sys.prefix != sys.base_prefix else sys.prefix
+    assert line.split() == ["<checkout>/pyalloc/_C.so", "$OUT/speed.json", f"{venv}/bin/python3",
+                            "~/.cache/pyalloc", "/usr/bin/g++", REPO + "-other/x"], line
+
+
+def test_a_results_command_names_the_script_from_the_checkout(monkeypatch):
+    from benchmarks import _env
+
+    monkeypatch.setattr(sys, "argv", [os.path.join(REPO, "benchmarks", "gpu", "__main__.py"), "--quick"])
+    assert _env.environment()["command"] == f"{os.path.basename(sys.executable)} benchmarks/gpu/__main__.py --quick"
+    monkeypatch.setattr(sys, "argv", ["-c", "--quick"])
+    assert _env.environment()["command"].endswith(" -c --quick")
