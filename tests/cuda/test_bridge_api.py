@@ -30,11 +30,6 @@ CAPACITY = 64 * MiB
 HEADER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "csrc")
 
 
-@pytest.fixture(scope="module")
-def api():
-    return BridgeApi()
-
-
 def test_the_table_is_versioned(api):
     assert api.version == VERSION == 2
     assert api.size == ctypes.sizeof(Api)

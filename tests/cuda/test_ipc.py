@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import subprocess
 import sys
 
@@ -19,17 +18,12 @@ import pytest
 
 from pyalloc import _C
 
-from bridge_api import INVALID, OK, BridgeApi
+from bridge_api import INVALID, OK
 
 MiB = 1 << 20
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(TESTS)
 STUB_DIR = os.path.join(TESTS, "cuda_stub")
-
-
-@pytest.fixture(scope="module")
-def api():
-    return BridgeApi()
 
 
 def counts():
@@ -119,24 +113,10 @@ def test_a_handle_too_long_for_the_buffer_says_its_length(api, fake):
 # Two processes on the stand-in driver
 
 
-@pytest.fixture(scope="module")
-def stub_driver(tmp_path_factory):
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler to build the stand-in driver")
-    out_dir = tmp_path_factory.mktemp("stub_driver_ipc")
-    library = out_dir / "libcuda.so.1"
-    subprocess.run(
-        [compiler, "-shared", "-fPIC", "-O1", "-pthread", "-Wl,-soname,libcuda.so.1",
-         os.path.join(STUB_DIR, "libcuda_stub.c"), "-o", str(library)],
-        check=True, capture_output=True, text=True,
-    )
-    return library
-
-
 @pytest.mark.parametrize("mode", ["bestfit", "vmm", "vmm-large-pid", "vmm-unshareable", "slow-sender",
                                   "fd-leaks"])
-def test_ipc_between_two_processes_on_the_stand_in_driver(stub_driver, mode):
+def test_ipc_between_two_processes_on_the_stand_in_driver(stub_drivers, mode):
+    stub_driver = stub_drivers["relaxed"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]), LD_LIBRARY_PATH=str(stub_driver.parent))
     env.pop("PYALLOC_CONF", None)
     out = subprocess.run(

@@ -10,23 +10,17 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from bridge_api import (FILTER_FN, OK, OUT_OF_MEMORY, SEGMENT_EVENT_FN, SOURCE_ALLOC_FN, SOURCE_FREE_FN, BridgeApi)
+from bridge_api import (FILTER_FN, OK, OUT_OF_MEMORY, SEGMENT_EVENT_FN, SOURCE_ALLOC_FN, SOURCE_FREE_FN)
 
 MiB = 1 << 20
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(TESTS)
 STUB_DIR = os.path.join(TESTS, "cuda_stub")
-
-
-@pytest.fixture(scope="module")
-def api():
-    return BridgeApi()
 
 
 class Registrar:
@@ -151,15 +145,9 @@ def test_a_mempool_allocator_out_of_memory_is_an_oom(api, fake):
 
 
 @pytest.mark.parametrize("mode", ["vmm", "bestfit"])
-def test_units_are_told_as_the_stand_in_driver_maps_moves_and_unmaps_them(tmp_path, mode):
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler to build the stand-in driver")
-    library = tmp_path / "libcuda.so.1"
-    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-pthread", "-Wl,-soname,libcuda.so.1",
-                    os.path.join(STUB_DIR, "libcuda_stub.c"), "-o", str(library)],
-                   check=True, capture_output=True, text=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]), LD_LIBRARY_PATH=str(tmp_path))
+def test_units_are_told_as_the_stand_in_driver_maps_moves_and_unmaps_them(stub_drivers, mode):
+    library = stub_drivers["relaxed"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]), LD_LIBRARY_PATH=str(library.parent))
     env.pop("PYALLOC_CONF", None)
     out = subprocess.run([sys.executable, os.path.join(STUB_DIR, "watch_checks.py"), str(library), mode],
                          capture_output=True, text=True, env=env, timeout=300)
