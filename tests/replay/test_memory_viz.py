@@ -467,6 +467,21 @@ def history_workload(a, rng, steps, earlier, streams=(0, 0, 7)):
     return live
 
 
+def free_all_and_undo(a, live, earlier, conf):
+    """Frees what is live and empties the cache; the viewer's undo from the snapshot
+    then reaches every earlier state, and, with no pool_size kept, nothing at the start.
+    Returns that snapshot."""
+    for p in live:
+        a.free(p)
+    a.empty_cache()
+    final = a.snapshot()
+    earlier[len(final["device_traces"][0])] = final
+    start = undo_history(final, earlier)
+    if "pool_size" not in conf.replace("max_pool_size", ""):
+        assert start == []
+    return final
+
+
 @pytest.mark.parametrize("conf", HISTORY_CONFIGS)
 @pytest.mark.parametrize("backend", ["host", "virtual"])
 @pytest.mark.parametrize("seed", [0, 1])
@@ -478,14 +493,7 @@ def test_history_undoes_to_what_was_at_every_step(backend, conf, seed):
     a.record_history(True, max_entries=1 << 20)
     earlier = {}
     live = history_workload(a, random.Random(seed), 300, earlier)
-    for p in live:
-        a.free(p)
-    a.empty_cache()
-    final = a.snapshot()
-    earlier[len(final["device_traces"][0])] = final
-    start = undo_history(final, earlier)
-    if "pool_size" not in conf.replace("max_pool_size", ""):
-        assert start == []
+    final = free_all_and_undo(a, live, earlier, conf)
     # A snapshot taken midway undoes to the same states.
     mid = max(n for n in earlier if n <= len(final["device_traces"][0]) // 2)
     undo_history(earlier[mid], earlier)
@@ -503,14 +511,7 @@ def test_history_with_every_event_on_stream_0_undoes_to_what_was(conf):
     final = a.snapshot()
     assert annotate(final)["streams_elided"]
     undo_history(final, earlier)
-    for p in live:
-        a.free(p)
-    a.empty_cache()
-    final = a.snapshot()
-    earlier[len(final["device_traces"][0])] = final
-    start = undo_history(final, earlier)
-    if "pool_size" not in conf.replace("max_pool_size", ""):
-        assert start == []
+    free_all_and_undo(a, live, earlier, conf)
 
 
 @pytest.mark.parametrize("conf", [
