@@ -222,37 +222,41 @@ bool recv_all(int fd, void* out, size_t n) {
   return true;
 }
 
-bool send_fds(int sock, const int* fds, size_t n) {
+// One message of one byte, with room for n descriptors beside it (SCM_RIGHTS).
+struct FdMessage {
   char byte = 0;
   iovec iov{&byte, 1};
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * n));
+  std::vector<char> control;
   msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control.data();
-  msg.msg_controllen = control.size();
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+
+  explicit FdMessage(size_t n) : control(CMSG_SPACE(sizeof(int) * n)) {
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.data();
+    msg.msg_controllen = control.size();
+  }
+  FdMessage(const FdMessage&) = delete;
+  FdMessage& operator=(const FdMessage&) = delete;
+};
+
+bool send_fds(int sock, const int* fds, size_t n) {
+  FdMessage m(n);
+  cmsghdr* c = CMSG_FIRSTHDR(&m.msg);
   c->cmsg_level = SOL_SOCKET;
   c->cmsg_type = SCM_RIGHTS;
   c->cmsg_len = CMSG_LEN(sizeof(int) * n);
   std::memcpy(CMSG_DATA(c), fds, sizeof(int) * n);
   ssize_t r;
   do {
-    r = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
+    r = ::sendmsg(sock, &m.msg, MSG_NOSIGNAL);
   } while (r < 0 && errno == EINTR);
   return r == 1;
 }
 
 // Up to `want` descriptors of one message, appended to *out.
 bool recv_fds(int sock, size_t want, std::vector<int>* out) {
-  char byte = 0;
-  iovec iov{&byte, 1};
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * want));
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control.data();
-  msg.msg_controllen = control.size();
+  FdMessage m(want);
+  msghdr& msg = m.msg;
   ssize_t r;
   do {
     r = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
@@ -463,7 +467,6 @@ class Exports {
 
 struct Mapping {
   int device = 0;
-  std::string handle;
   int uses = 0;  // 0: closed during a capture, its unmap deferred (unmap_deferred())
   bool legacy = false;  // cuIpcOpenMemHandle; else imported pages (or a fake device's)
   bool fake = false;
@@ -764,7 +767,6 @@ uintptr_t open(int device, const std::string& handle) {
   if (uintptr_t base = known_use()) return base;
   Mapping m;
   m.device = device;
-  m.handle = handle;
   if (type == kPagesHandle) map_pages(&m, pages);
   else if (PoolRegistry::instance().fake()) open_fake(&m, token);
   else open_legacy(&m, token);
