@@ -800,23 +800,16 @@ def test_record_writes_a_plain_pickle_unless_gz(tmp_path):
         "of each unit told, so listing mapped runs instead would leave NCCL registrations "
         "over unmapped pages; both need the told ranges to follow the snapshot's segments."))),
 ])
-def test_a_snapshot_taken_while_a_tracker_listens_reads_in_the_viewer(tmp_path, kind):
+def test_a_snapshot_taken_while_a_tracker_listens_reads_in_the_viewer(stub_drivers, kind):
     """With an allocator trace tracker attached (ProcessGroupNCCL's), under vmm on the
     stand-in driver: pyalloc's own snapshot (plain) stays what the viewer reads; the
     units the bridge hands torch.cuda.memory._snapshot do not yet."""
     import os
-    import shutil
 
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler to build the stand-in driver")
     tests = Path(__file__).resolve().parents[1]
-    library = tmp_path / "libcuda.so.1"
-    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-pthread", "-Wl,-soname,libcuda.so.1",
-                    str(tests / "cuda_stub" / "libcuda_stub.c"), "-o", str(library)],
-                   check=True, capture_output=True, text=True)
+    library = stub_drivers["relaxed"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)]),
-               LD_LIBRARY_PATH=str(tmp_path))
+               LD_LIBRARY_PATH=str(library.parent))
     env.pop("PYALLOC_CONF", None)
     out = subprocess.run([sys.executable, str(tests / "cuda_stub" / "viewer_checks.py"), str(library), kind],
                          capture_output=True, text=True, env=env, timeout=300)
