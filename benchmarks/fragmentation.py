@@ -352,8 +352,8 @@ def prose(r: ReplayResult) -> str:
     if budgets["pyalloc"] > best_torch:
         text += (f"pyalloc does no better here: it needs {(budgets['pyalloc'] - best_torch) / live:.1%} of peak "
                  "live more than PyTorch's best. ")
-    elif budgets["pyalloc"] >= best_torch - 0.005 * best_torch:
-        text += "pyalloc does no better here: within the search's 0.5% of PyTorch's best. "
+    elif budgets["pyalloc"] >= best_torch - TIE * best_torch:
+        text += f"pyalloc does no better here: within the search's {TIE:.1%} of PyTorch's best. "
     else:
         text += f"pyalloc saves {(best_torch - budgets['pyalloc']) / live:.1%} of peak live over PyTorch's best. "
     calls = [getattr(r, f"{a}_second_half_device_calls") for a in NAMES]

@@ -53,7 +53,7 @@ from .replay_allocators import ALLOCATORS, run_allocator
 from .replay_oom import diagnose_ooms
 from .replay_report import (BUDGET_LEGEND, TABLE_LEGEND, format_names, format_ooms, format_recorded, format_table,
                             plot_results, verdicts, wrap)
-from .replay_result import ReplayResult
+from .replay_result import BUDGET_PRECISION, ReplayResult
 from .replay_validate import validate
 from .snapshot_io import (
     ALLOC,
@@ -82,7 +82,6 @@ _KIND_ALLOC, _KIND_FREE, _KIND_NONE = 1, 2, 0
 _COVER_STREAM = (1 << 64) - 1
 
 #: The budget search stops once the bracket is this fraction of its upper end.
-BUDGET_PRECISION = 0.005
 
 #: An allocator can complete a trace on a device and fail on a slightly larger
 #: one (its choices depend on the room it has: pyalloc's handle sizes, PyTorch's

@@ -12,7 +12,7 @@ import textwrap
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ._C import format_bytes
-from .replay_result import ReplayResult
+from .replay_result import BUDGET_PRECISION, ReplayResult
 
 __all__ = ["ALLOCATOR_NAMES", "BUDGET_LEGEND", "COLUMNS", "LEGEND", "TABLE_LEGEND", "TIE", "WIDTH", "comparison_figure", "figure",
            "format_names", "format_ooms", "format_recorded", "format_table", "oom_sentence", "plot_comparison",
@@ -43,7 +43,7 @@ LEGEND = (
     "expandable_segments:True (expandable). peak live: most requested bytes live at once, the "
     "least any allocator must hold. budget: the smallest device on which the allocator serves "
     "the whole trace, each running its own out-of-memory path (PyTorch frees its cache and "
-    "retries), bisected to 0.5% and served on devices up to 5% larger too (an allocator can "
+    f"retries), bisected to {BUDGET_PRECISION:.1%} and served on devices up to 5% larger too (an allocator can "
     "complete on one device and fail on a slightly larger one), as a ratio to peak live: the "
     "comparison at equal budgets. "
     "reserved: peak reserved bytes with no cap, to peak live; recorded: the allocator that "
@@ -70,10 +70,10 @@ TABLE_LEGEND = (
     "real snapshots recorded); e: PyTorch with expandable_segments:True. dev: the snapshot's "
     "device. peak live: most requested bytes live at once, the least any allocator must hold. "
     "budget: the smallest device on which the allocator serves the whole trace, running its own "
-    "out-of-memory path (bisected to 0.5%), over peak live. reserved (no cap): peak reserved "
+    f"out-of-memory path (bisected to {BUDGET_PRECISION:.1%}), over peak live. reserved (no cap): peak reserved "
     "bytes on a device of unbounded size, over peak live. driver calls: cudaMalloc, cudaFree, "
     "cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap and cuMemRelease calls of the uncapped "
-    "replay ('-': not counted). Lower is better in every column; within 0.5% is a tie."
+    f"replay ('-': not counted). Lower is better in every column; within {BUDGET_PRECISION:.1%} is a tie."
 )
 
 #: What the terminal's table on a device of --budget's size shows (`pyalloc replay --budget`).
@@ -83,8 +83,8 @@ BUDGET_LEGEND = (
 )
 
 #: Two figures within this fraction of the larger are a tie: the budget search's
-#: precision (replay.BUDGET_PRECISION), used for every measure so that one rule holds.
-TIE = 0.005
+#: precision, used for every measure so that one rule holds.
+TIE = BUDGET_PRECISION
 
 
 def _bytes(n: Optional[int]) -> str:

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
+#: The smallest budgets are bisected to within this fraction; two figures closer than
+#: that are a tie (replay_report.TIE).
+BUDGET_PRECISION = 0.005
+
 
 @dataclass
 class ReplayResult:
