@@ -187,8 +187,8 @@ def _bench(what: str, only: Sequence[str], extra: Sequence[str] = ()) -> Callabl
 
 #: The speed stage's alloc_speed rounds: one process per allocator each. A process cost
 #: about 9 s at 4ec56a2 on the H200 (4-5 s measuring, the rest python, torch and the CUDA
-#: context, and the tables and plots redrawn after it); it now measures for about a second
-#: and draws once at the end. No round starts that would end past SPEED_WITHIN_S.
+#: context, and the tables and plots redrawn after it); it now should measure for about a
+#: second (an estimate, not yet run on a GPU) and draws once at the end. No round starts that would end past SPEED_WITHIN_S.
 SPEED_ROUNDS = 3
 SPEED_WITHIN_S = 70
 

@@ -156,10 +156,11 @@ def speed_mode(smoke: bool, quick: bool) -> str:
 def alloc_speed_cases(smoke: bool, quick: bool, seed: int) -> List[Dict[str, Any]]:
     """The cases of workload 1: (name, sizes, pairs per thread, live tensors, threads).
 
-    A repeat lasts 10-30 ms on an H200's host with --quick (1-5 us a pair alone,
-    about 50 us a pair per thread with 4 threads, which contend for the GIL): one
-    process then measures in about a second, and its start (python, torch, the CUDA
-    context) costs more than that, so more processes, not longer ones, buy precision.
+    A repeat should last 10-30 ms with --quick: an estimate from the pair counts and
+    the 2.3-4.5 us a torch.empty pair the H200 runs of 2026-11-28 measured, not yet a
+    measured figure. One process then measures in about a second, and its start
+    (python, torch, the CUDA context) costs more than that, so more processes, not
+    longer ones, buy precision.
     """
     top = 64 * KiB if smoke else 256 * MiB
     mixed = mixed_sizes(64 if smoke else 4096, 512, top, seed)
