@@ -29,6 +29,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
@@ -51,6 +52,11 @@ DEFAULT_ALLOCATORS = ("native", "pyalloc")
 #: --trace-allocators: the native allocator records a memory history under these settings
 #: (cudaMallocAsync keeps none); under pyalloc the same run is made live only.
 TRACE_ALLOCATORS = ("native", "native_expandable") + PYALLOC_ALLOCATORS
+#: What a process holds on the device beside what its allocator counts (the CUDA context,
+#: the libraries' handles): a few hundred MiB; a GiB is kept for each.
+CONTEXT_BYTES = 1 << 30
+#: --parallel auto fills this share of the device with budgets, the rest left to the driver.
+AUTO_SHARE = 0.95
 OWNED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYALLOC_CONF", "PYALLOC_BRIDGE")
 
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
@@ -85,22 +91,62 @@ def child_env(allocator: str) -> Dict[str, str]:
     return env
 
 
-def spawn(worker_args: List[str], allocator: str, timeout: float) -> Dict[str, Any]:
-    """Runs one worker and returns its JSON result (or what went wrong)."""
+def spawn(worker_args: List[str], allocator: str, timeout: float, tag: str = "") -> Dict[str, Any]:
+    """Runs one worker and returns its JSON result (or what went wrong). With ``tag``
+    (workers running side by side) each line the worker prints comes after ``[tag] ``."""
     with tempfile.TemporaryDirectory(prefix="pyalloc-gpu-") as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "benchmarks.gpu.worker", "--allocator", allocator, *worker_args,
                "--result", out]
         start = time.perf_counter()
+        pipe = subprocess.PIPE if tag else None
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(allocator), stdout=pipe,
+                                stderr=subprocess.STDOUT if tag else None, text=True, errors="replace")
+        reader = None
+        if tag:
+            def pump() -> None:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    print(f"[{tag}] {line}", end="" if line.endswith("\n") else "\n", flush=True)
+
+            reader = threading.Thread(target=pump, daemon=True)
+            reader.start()
         try:
-            proc = subprocess.run(cmd, cwd=REPO, env=child_env(allocator), timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
             return {"status": "timeout", "error": f"no result within {timeout:.0f} s", "wall_s": timeout}
+        finally:
+            if reader is not None:
+                reader.join(timeout=5)
+            if proc.stdout is not None and (reader is None or not reader.is_alive()):
+                proc.stdout.close()
         if not os.path.exists(out):
             return {"status": "crashed", "error": f"worker exited with {proc.returncode} and no result",
                     "wall_s": time.perf_counter() - start}
         with open(out) as f:
             return json.load(f)
+
+
+def crowded(r: Dict[str, Any]) -> str:
+    """Why a run made beside others is not the run it makes alone ("" when it is): it
+    failed, ran out of memory, or its allocator had to free its cache and retry."""
+    if r.get("status") != "ok":
+        return f"ended {r.get('status')} ({str(r.get('error') or '')[:120]})"
+    retries = (r.get("stats") or {}).get("num_alloc_retries")
+    return f"freed its cache and retried {retries} times" if retries else ""
+
+
+def lanes_for(parallel: str, budget: Optional[int], total: Optional[int]) -> int:
+    """How many workers may run side by side: --parallel N, or with "auto" as many as
+    the device holds at the budget each (and a CUDA context beside each, which no cap
+    counts), from 95% of its memory; one without a budget or a device size."""
+    if parallel != "auto":
+        return max(1, int(parallel))
+    if not budget or not total:
+        return 1
+    return max(1, int(total * AUTO_SHARE) // (budget + CONTEXT_BYTES))
 
 
 def round_order(allocators: List[str], r: int) -> List[str]:
@@ -254,83 +300,128 @@ class Harness:
             longest = max(longest, time.perf_counter() - started - elapsed)
         self.save()
 
-    def search(self, spec: Spec) -> None:
-        """The largest size of `spec` that runs under the budget, for each allocator.
+    def search_all(self, specs: List[Spec]) -> None:
+        """The largest size of each workload that runs under the budget, for each allocator.
 
-        With --parallel N, N allocators search at the same time, each in processes of its
-        own: every process is capped at the budget, so on a device with room for N budgets
-        (and N CUDA contexts) the answers are those of searches one after the other; only
-        the probes' wall time grows."""
+        Each (workload, allocator) search is a run of probes, each probe a process of its
+        own capped at the budget. --parallel N (or auto: as many as the device holds at
+        the budget each, lanes_for) runs N searches at the same time, the workloads'
+        in order, a lane taking the next search as soon as its own ends: on a device
+        with room for N budgets (and N CUDA contexts) the answers are those of searches
+        one after the other; only the probes' wall time grows. The results are saved as
+        each search ends."""
+        a = self.args
+        lanes = lanes_for(a.parallel, self.budget, self.device.get("total_memory"))
+        cap = f"a {self.budget / 2**30:.1f} GiB budget" if self.budget else "no memory cap"
+        jobs = [(spec, allocator) for spec in specs for allocator in self.allocators_for(spec)]
+        if lanes > 1:
+            print(f"searching {len(jobs)} (workload, allocator) pairs, {lanes} at a time under {cap}", flush=True)
+        lock = threading.Lock()
+
+        def one(job) -> None:
+            spec, allocator = job
+            found = self._search_one(spec, allocator, cap, tag=f"{spec.name} {allocator}" if lanes > 1 else "")
+            with lock:
+                entry = report.workload_entry(self.results, spec.name, spec.title, spec.kind, spec.size_name)
+                searches = entry.setdefault("search", {})
+                searches["budget"] = self.budget
+                searches[allocator] = found
+                if found["stopped"] == "error":
+                    self.failures += 1
+                self.save()  # a command that ends first keeps every search done
+
+        with ThreadPoolExecutor(max_workers=lanes) as pool:
+            list(pool.map(one, jobs))
+
+    def _search_one(self, spec: Spec, allocator: str, cap: str, tag: str = "") -> Dict[str, Any]:
         a = self.args
         hi = min(spec.search_hi, 4) if a.smoke else spec.search_hi
         max_probes = 3 if a.smoke else a.max_probes
         probe_steps = 1 if a.smoke else a.probe_steps or spec.probe_steps
-        entry = report.workload_entry(self.results, spec.name, spec.title, spec.kind, spec.size_name)
-        searches = entry.setdefault("search", {})
-        searches["budget"] = self.budget
-        cap = f"a {self.budget / 2**30:.1f} GiB budget" if self.budget else "no memory cap"
+        print(f"== {spec.name} / {allocator}: searching the {spec.size_name} under {cap}", flush=True)
 
-        def one(allocator: str) -> Dict[str, Any]:
-            print(f"== {spec.name} / {allocator}: searching the {spec.size_name} under {cap}", flush=True)
+        def probe(size: int):
+            worker_args = self._common(spec) + ["--probe", "--size", str(size), "--probe-steps",
+                                                str(probe_steps), "--budget", str(self.budget or 0)]
+            r = spawn(worker_args, allocator, a.worker_timeout, tag=tag)
+            print(f"   {spec.name} / {allocator}: probe {size}: {r['status']} in {r.get('wall_s', 0):.0f} s"
+                  + (f" (peak reserved {r['peak_reserved'] / 2**30:.2f} GiB)" if r.get("peak_reserved") else ""),
+                  flush=True)
+            keep = {k: r.get(k) for k in ("peak_allocated", "peak_reserved", "error", "wall_s", "at_step")
+                    if r.get(k) is not None}
+            return r["status"], keep
 
-            def probe(size: int):
-                worker_args = self._common(spec) + ["--probe", "--size", str(size), "--probe-steps",
-                                                    str(probe_steps), "--budget", str(self.budget or 0)]
-                r = spawn(worker_args, allocator, a.worker_timeout)
-                print(f"   {allocator}: probe {size}: {r['status']} in {r.get('wall_s', 0):.0f} s"
-                      + (f" (peak reserved {r['peak_reserved'] / 2**30:.2f} GiB)" if r.get("peak_reserved") else ""),
-                      flush=True)
-                keep = {k: r.get(k) for k in ("peak_allocated", "peak_reserved", "error", "wall_s", "at_step")
-                        if r.get(k) is not None}
-                return r["status"], keep
-
-            start = spec.smoke_size if a.smoke else spec.search_start
-            found = largest_passing(probe, start=start, hi=hi, max_probes=max_probes, rel_tol=a.search_tolerance)
-            found.update(budget=self.budget, probe_steps=probe_steps, invocation=self.command)
-            print(f"   {allocator}: largest that runs: {found['largest']} ({found['stopped']})", flush=True)
-            return found
-
-        allocators = self.allocators_for(spec)
-        with ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
-            for allocator, found in zip(allocators, pool.map(one, allocators)):
-                searches[allocator] = found
-                if found["stopped"] == "error":
-                    self.failures += 1
-        self.save()
+        start = spec.smoke_size if a.smoke else spec.search_start
+        found = largest_passing(probe, start=start, hi=hi, max_probes=max_probes, rel_tol=a.search_tolerance)
+        found.update(budget=self.budget, probe_steps=probe_steps, invocation=self.command)
+        print(f"   {spec.name} / {allocator}: largest that runs: {found['largest']} ({found['stopped']})", flush=True)
+        return found
 
     def trace(self, spec: Spec) -> None:
-        for allocator in self.args.trace_allocators.split(","):
-            self._trace_one(spec, allocator.strip())
-
-    def _trace_one(self, spec: Spec, allocator: str) -> None:
+        """The workload's memory history under each native trace allocator, and pyalloc's
+        live run of the same steps. With --parallel (auto: all of them) the runs go side
+        by side, each a process of its own: none measures time, and each allocator sees
+        the device only through its own process. A run that ran out of memory, had to
+        free its cache and retry, or failed beside the others is made again alone: its
+        history would not be the one it makes alone."""
         a = self.args
-        entry = report.workload_entry(self.results, spec.name, spec.title, spec.kind, spec.size_name)
         if a.device != "cuda":
             print(f"== {spec.name}: memory history needs CUDA; no trace on a CPU")
             return
+        allocators = [x.strip() for x in a.trace_allocators.split(",") if x.strip()]
+        lanes = len(allocators) if a.parallel == "auto" else min(int(a.parallel), len(allocators))
+        if lanes > 1:
+            with ThreadPoolExecutor(max_workers=lanes) as pool:
+                runs = list(pool.map(lambda x: self._trace_run(spec, x, tag=f"{spec.name} {x}"), allocators))
+            for i, (allocator, r) in enumerate(zip(allocators, runs)):
+                why = crowded(r)
+                if why:
+                    print(f"== {spec.name} / {allocator}: beside the others it {why}; again, alone", flush=True)
+                    runs[i] = dict(self._trace_run(spec, allocator), made_alone_after=why)
+        else:
+            runs = [self._trace_run(spec, x) for x in allocators]
+        for allocator, r in zip(allocators, runs):
+            self._record_trace(spec, allocator, r, beside=lanes > 1 and "made_alone_after" not in r)
+
+    def _trace_path(self, spec: Spec, allocator: str) -> str:
+        # The native allocator's traces keep their names; another's names it.
+        tag = "" if allocator == "native" else f"-{allocator}"
+        return os.path.join(self.trace_dir, f"{spec.name}{tag}-{report.slug(self.device.get('name', 'gpu'))}.pickle")
+
+    def _trace_run(self, spec: Spec, allocator: str, tag: str = "") -> Dict[str, Any]:
+        a = self.args
         os.makedirs(self.trace_dir, exist_ok=True)
-        steps = 2 if a.smoke else a.trace_steps or spec.trace_steps
-        worker_args = self._common(spec) + ["--size", str(self.size(spec)), "--steps", str(steps), "--warmup", "0"]
+        worker_args = self._common(spec) + ["--size", str(self.size(spec)), "--steps", str(self._trace_steps(spec)),
+                                            "--warmup", "0"]
         if allocator in PYALLOC_ALLOCATORS:
             # pyalloc records no history of its own here: the same run (steps, seed, size),
             # live only, is what the replay's prediction for pyalloc is judged against.
             print(f"== {spec.name} / {allocator}: the traced run, live, for the replay's prediction", flush=True)
         else:
-            # The native allocator's traces keep their names; another's names it.
-            tag = "" if allocator == "native" else f"-{allocator}"
-            path = os.path.join(self.trace_dir,
-                                f"{spec.name}{tag}-{report.slug(self.device.get('name', 'gpu'))}.pickle")
+            path = self._trace_path(spec, allocator)
             print(f"== {spec.name} / {allocator}: recording the memory history into {_show(path)}", flush=True)
             worker_args += ["--trace", path, "--trace-max-entries", str(a.trace_max_entries)]
-        r = spawn(worker_args, allocator, a.worker_timeout)
+        return spawn(worker_args, allocator, a.worker_timeout, tag=tag)
+
+    def _trace_steps(self, spec: Spec) -> int:
+        return 2 if self.args.smoke else self.args.trace_steps or spec.trace_steps
+
+    def _record_trace(self, spec: Spec, allocator: str, r: Dict[str, Any], beside: bool) -> None:
+        a = self.args
+        entry = report.workload_entry(self.results, spec.name, spec.title, spec.kind, spec.size_name)
+        steps = self._trace_steps(spec)
         info = dict(r.get("trace") or {}, status=r["status"], steps=steps, seed=a.seed, size=self.size(spec),
                     max_entries=a.trace_max_entries, device=self.device.get("name"),
-                    torch=self.device.get("torch"), invocation=self.command, allocator=allocator)
+                    torch=self.device.get("torch"), invocation=self.command, allocator=allocator,
+                    side_by_side=beside)
+        if r.get("made_alone_after"):
+            info["made_alone_after"] = r["made_alone_after"]
         # What the live run measured, beside which a replay of its trace is judged.
         stats = r.get("stats") or {}
         info["live"] = {"peak_allocated": r.get("peak_allocated"), "peak_reserved": r.get("peak_reserved"),
                         "num_device_alloc": stats.get("num_device_alloc"),
-                        "num_device_free": stats.get("num_device_free")}
+                        "num_device_free": stats.get("num_device_free"),
+                        "num_alloc_retries": stats.get("num_alloc_retries")}
         # A full ring buffer has dropped its oldest events: a replay must start from the blocks then live.
         info["wrapped"] = info.get("entries", 0) >= a.trace_max_entries
         if "path" in info:
@@ -343,7 +434,7 @@ class Harness:
         entry.setdefault("traces", {})[allocator] = info
         if allocator not in PYALLOC_ALLOCATORS:
             self._write_trace_index(spec.name, info)
-        print(f"   {info['status']}: {info.get('entries', '?')} entries, "
+        print(f"   {spec.name} / {allocator}: {info['status']}: {info.get('entries', '?')} entries, "
               f"{(info.get('bytes') or 0) / 2**20:.1f} MiB", flush=True)
         self.save()
 
@@ -404,9 +495,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-probes", type=int, default=8, help="probes per allocator in the batch search")
     p.add_argument("--search-tolerance", type=float, default=0.03,
                    help="stop the search when the answer is known to this fraction (default 0.03)")
-    p.add_argument("--parallel", type=int, default=1,
-                   help="allocators searched at the same time (each probe still a process of its own, "
-                        "capped at the budget; the device needs room for this many budgets)")
+    p.add_argument("--parallel", type=_lanes, default="1", metavar="N|auto",
+                   help="runs made side by side where no time is measured: (workload, allocator) searches "
+                        "of --budget-search (each probe still a process of its own, capped at the budget; "
+                        "the device needs room for this many budgets; auto: as many as it has) and the "
+                        "runs of one workload under --trace-allocators (auto: all of them)")
     p.add_argument("--probe-steps", type=int, default=0,
                    help="drawn steps before the worst shape in a probe (default: the workload's)")
     p.add_argument("--traces", action="store_true", help="record native memory histories (workloads 2-5)")
@@ -434,6 +527,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="put the results into benchmarks/gpu/README.md's results section")
     p.add_argument("--list", action="store_true", help="list the workloads and groups")
     return p
+
+
+def _lanes(text: str) -> str:
+    if text == "auto" or (text.isdigit() and int(text) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(f"'{text}': give a number of at least 1, or auto")
 
 
 def _list() -> int:
@@ -513,6 +612,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"device: {device.get('name')}; torch {device.get('torch')}, CUDA {device.get('cuda')}; "
           f"allocators: {', '.join(harness.allocators)}; results: {_show(harness.json_path)}", flush=True)
     started = time.perf_counter()
+    searched: List[Spec] = []
     for i, name in enumerate(names, 1):
         spec = SPECS[name]
         missing = [m for m in spec.requires if importlib.util.find_spec(m) is None]
@@ -524,9 +624,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not args.no_timing:
             harness.timing(spec)
         if args.budget_search and spec.kind == "steps":
-            harness.search(spec)
+            searched.append(spec)
         if args.traces and spec.trace:
             harness.trace(spec)
+    if searched:  # after the timed runs, which need the device alone; the searches may share it
+        harness.search_all(searched)
     harness.invocation["finished"] = _utc_now()
     harness.save()
     if args.update_readme:

@@ -58,19 +58,25 @@ PY = sys.executable
 COMMAND_LIMIT_S = 560
 #: A GPU task's device time: 15 minutes, the machine's start and idle waits included.
 DEVICE_TIME_S = 900
-#: A bare machine's start, counted in the device time: 35 s on an H200 on 2026-11-28
-#: (held 570 s for a command of 535 s); the guide allows for a minute or two.
-START_S = 60
-#: Between two commands the machine idles (and counts) while the next is sent; it goes back after 30 s.
-TURNAROUND_S = 30
+#: A bare machine's start, counted in the device time. The guide allows a minute or two;
+#: the H200 of 2026-11-28 took 35 s (held 570 s for a command of 535 s). The plan takes two
+#: minutes, and shows the window with the start measured too.
+START_S = 120
+MEASURED_START_S = 35
+#: Between two commands the machine idles (and counts) while the next is sent; it goes
+#: back after 30 s. The second command is sent as soon as the first returns.
+TURNAROUND_S = 20
 #: Kept in hand at the end: a step killed at its limit takes a few seconds more to go,
 #: and the machine counts until it is given back (give_back, at once after the last command).
 END_MARGIN_S = 20
 #: Building pyalloc._C with every core, then the bridge, on a bare machine: 39 s on an
 #: H200's 16 cores with /usr/bin/g++ (11 s and 25 s; 58 s with the image's CXX the day
-#: before). On a warm one the build outputs are still there: 5-6 s.
+#: before); the C++ runtime's probe adds a tiny library or two. BUILD_S is what a plan
+#: expects, BUILD_LIMIT_S where the build is stopped. On a warm machine the build
+#: outputs are still there: 5-6 s.
+BUILD_S = 45
 BUILD_LIMIT_S = 75
-WARM_BUILD_S = 20
+WARM_BUILD_S = 10
 #: What comes back from a GPU machine's output folder: 8 files, each of at most 16 MiB.
 MAX_FILES = 8
 MAX_FILE_BYTES = 16 << 20
@@ -105,11 +111,21 @@ class Step:
 @dataclass
 class Stage:
     name: str
-    limit_s: int  # its steps, the build excluded (the command builds once for all its stages)
+    limit_s: int  # where its steps are stopped, the build excluded (a command builds once)
     what: str
     steps: Callable[[str], List[Step]]  # the stage's steps, given its output folder
     bridge: bool = True  # needs the bridge built
     in_window: bool = True  # planned in every window; else run by name when needed
+    #: What the stage is expected to take, from the measured runs (default: its limit). A
+    #: plan fits stages by it, and a command starts a stage while it fits what is left.
+    cost_s: Optional[int] = None
+    #: A stage that takes what is left of its command, up to its limit, and keeps what
+    #: it finished when the command ends: its cost is the least worth starting it for.
+    fills: bool = False
+
+    @property
+    def expected_s(self) -> int:
+        return self.limit_s if self.cost_s is None else self.cost_s
 
 
 # -- the stages -------------------------------------------------------------------------
@@ -141,7 +157,9 @@ def _test_env(route: str, conf: str) -> Dict[str, str]:
 
 # pytest-benchmark (on the GPU machine's image) warns that xdist disables it, and the
 # project's filterwarnings = error makes that an internal error: no check would run.
-_PYTEST = [PY, "-m", "pytest", "tests/cuda/test_gpu.py", "-v", "-rA", "-p", "no:cacheprovider", "-p", "no:benchmark"]
+# --durations: the stage is the window's longest, and its plan needs to know which checks take its time.
+_PYTEST = [PY, "-m", "pytest", "tests/cuda/test_gpu.py", "-v", "-rA", "--durations", "12", "-p", "no:cacheprovider",
+           "-p", "no:benchmark"]
 
 
 def gpu_test_steps(configurations=CONFIGURATIONS) -> List[Step]:
@@ -199,8 +217,8 @@ def _traces(out: str) -> List[Step]:
     return [
         Step("memory histories (native, native_expandable), and pyalloc's live run of each", [
             PY, "-m", "benchmarks.gpu", "--no-timing", "--traces", "--trace-allocators",
-            "native,native_expandable,pyalloc", "--only", "bert_infer", "llm_train", "generate",
-            "--trace-dir", traces, "--out-dir", out, "--name", "traces", "--fresh"], reserve_s=30),
+            "native,native_expandable,pyalloc", "--parallel", "auto", "--only", "bert_infer", "llm_train",
+            "generate", "--trace-dir", traces, "--out-dir", out, "--name", "traces", "--fresh"], reserve_s=20),
         Step("replay of the histories", ["bash", "-c",
              f'{shlex.quote(PY)} -m pyalloc replay --no-search --json "$0"/traces-replay.json "$1"/*.pickle',
              out, traces]),
@@ -210,40 +228,78 @@ def _traces(out: str) -> List[Step]:
     ]
 
 
+#: The batch stage's workloads, each searched under every allocator, in the order the
+#: harness takes them (its registry's): generate, whose probes take longest, last.
+BATCH_WORKLOADS = ("llm_train_bf16_ckpt", "bert_infer", "generate")
+BATCH_BUDGET_GIB = 16
+BATCH_PROBES = 4
+#: Drawn shapes before the worst one twice, in each probe (the workloads' own default: 6).
+BATCH_PROBE_STEPS = 2
+#: A probe's seconds, expected. Measured on the H200 at 4ec56a2, two probes at a time:
+#: bert_infer 10-12 s and llm_train_bf16_ckpt 8-13 s with 6 drawn shapes, generate 55 s with
+#: 3 drawn calls of up to 256 new tokens (50 ms a token: each call 6-18 s). With 2 drawn
+#: shapes, and generate's calls of at most 128 new tokens since, expected:
+PROBE_S = {"bert_infer": 9, "llm_train_bf16_ckpt": 8, "generate": 27}
+#: What the H200 holds side by side at the budget: lanes_for(auto) on its 143,771 MiB.
+H200_LANES = 7
+
+
+def batch_seconds(lanes: int = H200_LANES, allocators: int = len(ALLOCATORS.split(","))) -> int:
+    """What the batch stage is expected to take for every workload: each (workload,
+    allocator) search at most BATCH_PROBES probes, ``lanes`` searches at a time, and the
+    harness's own start and tables (10 s)."""
+    work = sum(allocators * BATCH_PROBES * PROBE_S[w] for w in BATCH_WORKLOADS)
+    longest = BATCH_PROBES * max(PROBE_S.values())
+    return max(-(-work // lanes), longest) + 10
+
+
 def _batch(out: str) -> List[Step]:
     return [Step("largest batch under a budget", [
-        PY, "-m", "benchmarks.gpu", "--no-timing", "--budget-search", "--budget", "16GiB",
-        "--max-probes", "4", "--search-tolerance", "0.1", "--allocators", ALLOCATORS,
-        "--parallel", str(len(ALLOCATORS.split(","))),
-        "--only", "bert_infer", "llm_train_bf16_ckpt", "generate", "--out-dir", out, "--name", "batch", "--fresh"])]
+        PY, "-m", "benchmarks.gpu", "--no-timing", "--budget-search", "--budget", f"{BATCH_BUDGET_GIB}GiB",
+        "--max-probes", str(BATCH_PROBES), "--search-tolerance", "0.1", "--probe-steps", str(BATCH_PROBE_STEPS),
+        "--allocators", ALLOCATORS, "--parallel", "auto",
+        "--only", *BATCH_WORKLOADS, "--out-dir", out, "--name", "batch", "--fresh"])]
 
 
-# The limits, from what the H200 took on 2026-11-28 (benchmarks/results/gpu-2026-11-28-h200-4ec56a2):
-# doctor 10 s; tests 241 s; speed 53-60 s for one process per allocator (now three rounds of
-# them: see SPEED_ROUNDS); steps: llm_train 12-14 s a run, control_transformer
-# 6-9 s, five allocators each, with the models built on the device; traces: 40 s for llm_train's
-# three runs, 41 s for bert_infer's, about 70 s for generate's two recordings, then the replay and
-# the archive (kept 30 s); batch: a bert_infer or llm_train_bf16_ckpt probe 8-13 s, a generate
-# probe 55 s, at most 4 probes each, the five allocators side by side.
+# What each stage is expected to take (cost) and where it is stopped (limit), from what the
+# H200 took on 2026-11-28 (benchmarks/results/gpu-2026-11-28-h200-4ec56a2, and -1ceb995 for
+# the tests):
+# - doctor 9-10 s.
+# - tests 241 s at 1ceb995 (the four configurations side by side 82-125 s, then each one's
+#   whole_device checks alone 22-38 s); four checks were added since, all side by side.
+# - speed 53-60 s for one process per allocator, now three rounds of them (SPEED_ROUNDS)
+#   within 70 s, the session's start and the tables around them 15-16 s.
+# - steps: llm_train 88 s for its five runs (12-14 s each in the worker, the rest the
+#   process's start), control_transformer 6 s a run in the worker (11 s with the start).
+# - traces: one after the other, llm_train's three runs took 40 s, bert_infer's 41 s and
+#   generate's two recordings about 70 s; a workload's three runs now go side by side
+#   (about the longest one, 15-25 s each: an estimate), generate's calls are half as long,
+#   and the replay of six histories takes seconds.
+# - batch: see PROBE_S; it takes what is left of its command (fills), and is worth starting
+#   for its first seven searches (llm_train_bf16_ckpt's five, two of bert_infer's), which
+#   take about BATCH_PROBES of bert_infer's probes.
 STAGES: List[Stage] = [
-    Stage("doctor", 30, "pyalloc doctor: ready, the route, the device's virtual memory", _doctor),
+    Stage("doctor", 30, "pyalloc doctor: ready, the route, the device's virtual memory", _doctor, cost_s=10),
     Stage("tests", 360, "tests/cuda/test_gpu.py on both routes (PYALLOC_BRIDGE=1, 0) under the default strategy "
           f"and strategy:bestfit: the four side by side at once (-n {SIDE_BY_SIDE} each), then each one's "
-          "whole_device checks alone", _tests),
+          "whole_device checks alone", _tests, cost_s=280),
     Stage("speed", 95, f"python -m benchmarks.gpu --quick, allocators {ALLOCATORS}: alloc_speed (torch.empty "
           f"pairs), {SPEED_ROUNDS} rounds of one process each, none started that would end past "
           f"{SPEED_WITHIN_S} s -> speed.json/.md/plot",
           _bench("speed", ["alloc_speed"],
-                 ["--rounds", str(SPEED_ROUNDS), "--rounds-within", str(SPEED_WITHIN_S)])),
-    Stage("steps", 150, f"python -m benchmarks.gpu --quick, allocators {ALLOCATORS}: control_transformer, "
+                 ["--rounds", str(SPEED_ROUNDS), "--rounds-within", str(SPEED_WITHIN_S)]), cost_s=85),
+    Stage("steps", 170, f"python -m benchmarks.gpu --quick, allocators {ALLOCATORS}: control_transformer, "
           "llm_train (step times, peak allocated and reserved) -> steps.json/.md/plots",
-          _bench("steps", ["control_transformer", "llm_train"])),
-    Stage("traces", 240, "memory histories of llm_train, bert_infer, generate under native and "
-          "native_expandable, and pyalloc's live run of each; pyalloc replay --json -> traces.json, traces-replay.json, traces.tar.gz",
-          _traces, bridge=False),
-    Stage("batch", 330, f"largest batch under 16 GiB for bert_infer, llm_train_bf16_ckpt and generate, "
-          f"allocators {ALLOCATORS}, searched side by side (each probe capped at 16 GiB) -> batch.json/.md",
-          _batch),
+          _bench("steps", ["control_transformer", "llm_train"]), cost_s=150),
+    Stage("traces", 150, "memory histories of llm_train, bert_infer, generate under native and "
+          "native_expandable, and pyalloc's live run of each, a workload's three side by side; "
+          "pyalloc replay --json -> traces.json, traces-replay.json, traces.tar.gz",
+          _traces, bridge=False, cost_s=80),
+    Stage("batch", 330, f"largest batch under {BATCH_BUDGET_GIB} GiB for {', '.join(BATCH_WORKLOADS)}, "
+          f"allocators {ALLOCATORS}, as many searches side by side as the device holds at the budget, "
+          f"{BATCH_PROBES} probes each ({BATCH_PROBE_STEPS} drawn shapes, then the worst twice); takes what "
+          "is left of its command -> batch.json/.md",
+          _batch, cost_s=BATCH_PROBES * PROBE_S["bert_infer"] + 10, fills=True),
     Stage("diagnose", 240, "only when a GPU check died by a signal: tests/gpu/diagnose_exceptions.sh (the C++ "
           "runtime of each library, throws with and without torch on both routes and strategies, cuda-gdb, a "
           "rebuild with the system g++)", _diagnose, in_window=False),
@@ -258,30 +314,32 @@ def stage_named(name: str, stages: Sequence[Stage] = STAGES) -> Stage:
 
 
 def command_cost(stages: Sequence[Stage], warm: bool = False) -> int:
-    """Seconds one command of these stages may take: the build, then each stage's limit."""
-    return (WARM_BUILD_S if warm else BUILD_LIMIT_S) + sum(s.limit_s for s in stages)
+    """Seconds one command of these stages is expected to take: the build, then each
+    stage's expected time (what a filling stage needs at least)."""
+    return (WARM_BUILD_S if warm else BUILD_S) + sum(s.expected_s for s in stages)
 
 
-def window_plan(stages: Sequence[Stage]) -> List[List[Stage]]:
+def window_plan(stages: Sequence[Stage], start_s: int = START_S) -> List[List[Stage]]:
     """The stages as a GPU window runs them: a first command on a bare machine takes
     them in order while they fit its limit; a second one on the warm machine takes the
     next while they fit what is left of the device time. What is left over is the
     last list: for the next window. A stage too long for any command is left over."""
     todo = list(stages)
     first: List[Stage] = []
-    while todo and command_cost(first + todo[:1]) <= COMMAND_LIMIT_S:
+    while todo and fits([todo[0]]) and command_cost(first + todo[:1]) <= COMMAND_LIMIT_S:
         first.append(todo.pop(0))
     second: List[Stage] = []
-    while first and todo and command_cost(second + todo[:1], warm=True) <= second_limit(first):
+    while first and todo and fits([todo[0]]) and \
+            command_cost(second + todo[:1], warm=True) <= second_limit(first, start_s):
         second.append(todo.pop(0))
     return [first, second, todo]
 
 
-def second_limit(first: Sequence[Stage]) -> int:
+def second_limit(first: Sequence[Stage], start_s: int = START_S) -> int:
     """The --limit of a window's second command, after a first of these stages: the
     device time left, less the margin kept at the end. On the GPU, take it from the
     device's budget_left_s less END_MARGIN_S instead: it counts what really happened."""
-    left = DEVICE_TIME_S - START_S - command_cost(first) - TURNAROUND_S - END_MARGIN_S
+    left = DEVICE_TIME_S - start_s - command_cost(first) - TURNAROUND_S - END_MARGIN_S
     return max(0, min(left, COMMAND_LIMIT_S))
 
 
@@ -289,29 +347,47 @@ def _names(stages: Sequence[Stage]) -> str:
     return ",".join(s.name for s in stages)
 
 
+def _filled(command: Sequence[Stage], limit: int, warm: bool) -> str:
+    """What a filling stage at the end of a command gets: the command's limit less the
+    rest of it, against what it needs for all its work."""
+    last = command[-1] if command else None
+    if last is None or not last.fills:
+        return ""
+    gets = limit - command_cost(command[:-1], warm=warm)
+    need = batch_seconds() if last.name == "batch" else last.limit_s
+    return (f"; {last.name} has {gets} s for the {min(need, last.limit_s)} s all its work is expected "
+            f"to take{'' if gets >= need else ': it stops where its time ends, keeping what it finished'}")
+
+
 def plan_lines(stages: Sequence[Stage] = STAGES, planned: Optional[Sequence[Stage]] = None) -> List[str]:
-    """Each stage (name, limit, what), then how a window runs ``planned`` (by default
-    every stage planned in every window, in order)."""
-    lines = [f"{s.name:<10} {s.limit_s:>4} s  {s.what}" for s in stages]
+    """Each stage (name, expected time, limit, what), then how a window runs ``planned``
+    (by default every stage planned in every window, in order): with a start of START_S
+    and, where it differs, with the start measured."""
+    lines = [f"{s.name:<10} {s.expected_s:>4} s{'+' if s.fills else ' '} {s.limit_s:>4} s  {s.what}"
+             for s in stages]
+    lines.append("(expected seconds, + where a stage takes what is left of its command; the limit; what it runs)")
     if planned is None:
         planned = [s for s in stages if s.in_window]
-    first, second, later = window_plan(planned)
-    lines.append(f"a window: {DEVICE_TIME_S} s of device time, a start {START_S} s, a build {BUILD_LIMIT_S} s "
-                 f"({WARM_BUILD_S} s on a warm machine), at most {COMMAND_LIMIT_S} s a command, "
-                 f"{END_MARGIN_S} s kept in hand")
-    lines.append(f"command 1: --stages {_names(first)} --limit {COMMAND_LIMIT_S} "
-                 f"({command_cost(first)} s)" if first else "command 1: nothing fits")
-    if second:
-        lines.append(f"command 2, on the warm machine within {TURNAROUND_S} s: --stages {_names(second)} "
-                     f"--limit {second_limit(first)} ({command_cost(second, warm=True)} s; the limit: "
-                     f"budget_left_s less {END_MARGIN_S}), then give the machine back")
-    lines.append(f"next window: {_names(later) or 'nothing'}")
+    for start in (START_S, MEASURED_START_S):
+        first, second, later = window_plan(planned, start)
+        limit = second_limit(first, start)
+        lines.append(f"a window with a start of {start} s: {DEVICE_TIME_S} s of device time, a build of {BUILD_S} s "
+                     f"({WARM_BUILD_S} s on a warm machine), at most {COMMAND_LIMIT_S} s a command, "
+                     f"{END_MARGIN_S} s kept in hand")
+        lines.append(f"command 1: --stages {_names(first)} --limit {COMMAND_LIMIT_S} "
+                     f"({command_cost(first)} s expected{_filled(first, COMMAND_LIMIT_S, False)})"
+                     if first else "command 1: nothing fits")
+        if second:
+            lines.append(f"command 2, on the warm machine within {TURNAROUND_S} s: --stages {_names(second)} "
+                         f"--limit {limit} ({command_cost(second, warm=True)} s expected; the limit: "
+                         f"budget_left_s less {END_MARGIN_S}{_filled(second, limit, True)}), then give the machine back")
+        lines.append(f"next window: {_names(later) or 'nothing'}")
     return lines
 
 
 def fits(stages: Sequence[Stage] = STAGES) -> bool:
     """Every stage fits one command, its build included."""
-    return all(command_cost([s]) <= COMMAND_LIMIT_S for s in stages)
+    return all(BUILD_LIMIT_S + s.expected_s <= COMMAND_LIMIT_S for s in stages)
 
 
 # -- the replay's prediction beside the live runs ----------------------------------------
@@ -605,7 +681,9 @@ def stage_results(stage: Stage, out: str, command: str = "", echo: bool = True,
     results: List[StepResult] = []
     try:
         tee.line(f"== stage {stage.name}: {stage.what}")
-        tee.line(f"limit: {deadline - start:.0f} s")
+        tee.line(f"limit: {deadline - start:.0f} s" + (
+            f" (what is left of the command; the stage's own: {stage.limit_s} s)"
+            if deadline < start + stage.limit_s else ""))
         tee.line(f"command: {command or shlex.join([PY, '-m', 'benchmarks.gpu.session'] + sys.argv[1:])}")
         try:
             for line in (describe or describe_machine)():
@@ -688,8 +766,9 @@ def run_command(stages: Sequence[Stage], out: str, limit_s: float, command: str 
                 describe: Optional[Callable[[], List[str]]] = None, env: Optional[Dict[str, str]] = None,
                 build: Optional[List[Step]] = None) -> bool:
     """One command of a window: the build once (build.log), then each stage in order, each
-    started only while its limit fits what is left of ``limit_s``; a stage that does not
-    fit, or follows a failed build, leaves a log that says so. True when all passed.
+    started only while what it is expected to take fits what is left of ``limit_s``, and
+    stopped at its limit or the command's end, whichever comes first; a stage that does
+    not fit, or follows a failed build, leaves a log that says so. True when all passed.
     ``build`` replaces the real build steps (tests)."""
     start = time.monotonic()
     until = start + limit_s
@@ -713,8 +792,8 @@ def run_command(stages: Sequence[Stage], out: str, limit_s: float, command: str 
         for stage in stages:
             left = until - time.monotonic()
             why = ("building pyalloc._C failed or ran out of time" if not built else
-                   f"{left:.0f} s of the command were left, and the stage needs {stage.limit_s} s"
-                   if left < stage.limit_s else "")
+                   f"{left:.0f} s of the command were left, and the stage is expected to take {stage.expected_s} s"
+                   if left < stage.expected_s else "")
             ok &= run_stage(stage, out, command, echo, described, env, until=until, not_run=why)
     finally:
         for line in pack_results(out):

@@ -13,6 +13,8 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -29,6 +31,7 @@ from benchmarks.gpu.__main__ import README, _parser, main, parse_budget  # noqa:
 from benchmarks.gpu.search import largest_passing  # noqa: E402
 
 GiB = 1 << 30
+MiB = 1 << 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -583,6 +586,127 @@ def test_speed_rounds_alternate_and_none_starts_past_its_time(tmp_path, monkeypa
     spawned.clear()
     _harness(tmp_path, "--quick", "--allocators", "native,pyalloc").speed_rounds(workloads.SPECS["alloc_speed"])
     assert spawned == ["native", "pyalloc", "pyalloc", "native", "native", "pyalloc"]
+
+
+def test_side_by_side_lanes_are_what_the_device_holds_at_the_budget():
+    from benchmarks.gpu.__main__ import lanes_for
+
+    h200 = 143771 * MiB
+    # Seven 16 GiB budgets, each with a GiB for its process's CUDA context, in 95% of an H200.
+    assert lanes_for("auto", 16 * GiB, h200) == 7
+    assert lanes_for("auto", 8 * GiB, 80 * GiB) == 8
+    assert lanes_for("auto", 100 * GiB, 80 * GiB) == 1  # never fewer than one
+    assert lanes_for("auto", None, h200) == 1 and lanes_for("auto", 16 * GiB, None) == 1
+    assert lanes_for("3", None, None) == 3
+    assert _parser().parse_args(["--parallel", "auto"]).parallel == "auto"
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["--parallel", bad])
+
+
+def _fake_probes(monkeypatch, fits, seconds):
+    """spawn() replaced by probes that take `seconds[workload]` of a fake clock, run out of
+    memory above `fits[workload]`, and note how many ran at once, and which."""
+    import benchmarks.gpu.__main__ as harness_main
+
+    lock = threading.Lock()
+    running, seen = [], {"most": 0, "mixed": False, "tags": set()}
+
+    def fake_spawn(worker_args, allocator, timeout, tag=""):
+        workload = worker_args[worker_args.index("--workload") + 1]
+        size = int(worker_args[worker_args.index("--size") + 1])
+        with lock:
+            running.append(workload)
+            seen["most"] = max(seen["most"], len(running))
+            seen["mixed"] |= len(set(running)) > 1
+            seen["tags"].add(tag)
+        time.sleep(seconds[workload])
+        with lock:
+            running.remove(workload)
+        ok = size <= fits[workload]
+        return {"status": "ok" if ok else "oom", "wall_s": seconds[workload], "peak_reserved": size * MiB}
+
+    monkeypatch.setattr(harness_main, "spawn", fake_spawn)
+    return seen
+
+
+def test_batch_searches_of_every_workload_share_the_lanes(tmp_path, monkeypatch):
+    # The first H200 window searched one workload at a time, its five allocators side by
+    # side: a lane whose search ended waited for the slowest. The searches of the next
+    # workloads now take a lane as soon as one is free, and each is saved as it ends.
+    seen = _fake_probes(monkeypatch, {"bert_infer": 1500, "generate": 300}, {"bert_infer": 0.05, "generate": 0.2})
+    h = _harness(tmp_path, "--budget-search", "--budget", "16GiB", "--parallel", "3", "--max-probes", "4",
+                 "--allocators", "native,pyalloc,native_expandable")
+    saves = []
+    monkeypatch.setattr(h, "save", lambda: saves.append(sum(
+        len([k for k in w.get("search", {}) if k != "budget"]) for w in h.results["workloads"].values())))
+    h.search_all([workloads.SPECS["generate"], workloads.SPECS["bert_infer"]])
+    assert seen["most"] == 3 and seen["mixed"]  # bert_infer's searches ran beside generate's
+    assert seen["tags"] == {f"{w} {a}" for w in ("generate", "bert_infer")
+                            for a in ("native", "pyalloc", "native_expandable")}
+    assert saves == [1, 2, 3, 4, 5, 6]
+    for name, fit in (("bert_infer", 1500), ("generate", 300)):
+        search = h.results["workloads"][name]["search"]
+        assert search["budget"] == 16 * GiB
+        for allocator in ("native", "pyalloc", "native_expandable"):
+            found = search[allocator]
+            assert found["largest"] <= fit < (found["smallest_failing"] or 10 ** 9) and len(found["probes"]) <= 4
+    # One lane: the searches one after the other, untagged.
+    seen = _fake_probes(monkeypatch, {"bert_infer": 1500}, {"bert_infer": 0.0})
+    _harness(tmp_path, "--budget-search", "--allocators", "native,pyalloc").search_all([workloads.SPECS["bert_infer"]])
+    assert seen["most"] == 1 and seen["tags"] == {""}
+
+
+def test_a_traced_run_beside_others_that_had_to_retry_is_made_again_alone(tmp_path, monkeypatch):
+    import benchmarks.gpu.__main__ as harness_main
+
+    calls = []
+
+    def fake_spawn(worker_args, allocator, timeout, tag=""):
+        calls.append((allocator, tag))
+        crowded = tag and allocator == "native"  # beside the others, native ran short and retried
+        return {"status": "ok", "peak_allocated": 10, "peak_reserved": 20 if crowded else 15,
+                "stats": {"num_alloc_retries": 2 if crowded else 0, "num_device_alloc": 3},
+                "trace": {"path": worker_args[worker_args.index("--trace") + 1], "entries": 5, "bytes": 100}
+                if "--trace" in worker_args else None}
+
+    monkeypatch.setattr(harness_main, "spawn", fake_spawn)
+    h = _harness(tmp_path, "--traces", "--no-timing", "--trace-allocators", "native,native_expandable,pyalloc",
+                 "--parallel", "auto", "--trace-dir", str(tmp_path / "traces"))
+    h.trace(workloads.SPECS["bert_infer"])
+    assert sorted(calls[:3]) == [("native", "bert_infer native"), ("native_expandable", "bert_infer native_expandable"),
+                                 ("pyalloc", "bert_infer pyalloc")]
+    assert calls[3:] == [("native", "")]  # made again, alone
+    traces = h.results["workloads"]["bert_infer"]["traces"]
+    assert traces["native"]["live"]["peak_reserved"] == 15 and traces["native"]["live"]["num_alloc_retries"] == 0
+    assert traces["native"]["made_alone_after"] == "freed its cache and retried 2 times"
+    assert not traces["native"]["side_by_side"]
+    assert traces["native_expandable"]["side_by_side"] and traces["pyalloc"]["side_by_side"]
+    # One at a time without --parallel.
+    calls.clear()
+    _harness(tmp_path, "--traces", "--no-timing", "--trace-allocators", "native,pyalloc",
+             "--trace-dir", str(tmp_path / "traces")).trace(workloads.SPECS["bert_infer"])
+    assert calls == [("native", ""), ("pyalloc", "")]
+
+
+def test_a_failed_or_crowded_run_says_why():
+    from benchmarks.gpu.__main__ import crowded
+
+    assert crowded({"status": "ok", "stats": {"num_alloc_retries": 0}}) == ""
+    assert crowded({"status": "ok"}) == ""
+    assert crowded({"status": "oom", "error": "CUDA out of memory"}) == "ended oom (CUDA out of memory)"
+    assert crowded({"status": "ok", "stats": {"num_alloc_retries": 1}}) == "freed its cache and retried 1 times"
+
+
+def test_a_worker_beside_others_has_each_line_it_prints_tagged(capfd):
+    from benchmarks.gpu.__main__ import spawn
+
+    r = spawn(["--workload", "control_transformer", "--device", "cpu", "--smoke", "--size", "2", "--steps", "2"],
+              "native", 120, tag="control native")
+    assert r["status"] == "ok", r
+    out = capfd.readouterr().out.splitlines()
+    steps = [line for line in out if "step 2/2" in line]
+    assert steps and all(line.startswith("[control native]     step") for line in steps), out
 
 
 def test_the_cpp_pair_cost_is_measured_beside_torchs():
