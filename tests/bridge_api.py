@@ -106,6 +106,7 @@ POOL_STAT_FN = c.CFUNCTYPE(None, c.c_void_p, c.c_uint64, c.c_uint64, c.POINTER(S
 SEGMENT_EVENT_FN = c.CFUNCTYPE(None, c.c_void_p, c.c_int, c.c_int, c.c_uint64, c.c_uint64, c.POINTER(c.c_uint64))
 SOURCE_ALLOC_FN = c.CFUNCTYPE(c.c_int, c.c_void_p, c.c_int, c.c_uint64, c.POINTER(c.c_void_p))
 SOURCE_FREE_FN = c.CFUNCTYPE(None, c.c_void_p, c.c_int, c.c_void_p, c.c_uint64)
+FREE_MEMORY_FN = c.CFUNCTYPE(c.c_int, c.c_void_p)
 u64, i32 = c.c_uint64, c.c_int
 
 
@@ -155,6 +156,7 @@ class Api(c.Structure):
         ("snapshot_units", c.CFUNCTYPE(i32, i32, c.POINTER(u64), SEGMENT_FN, c.c_void_p)),
         ("create_or_incref_pool_with", c.CFUNCTYPE(i32, i32, u64, u64, SOURCE_ALLOC_FN, SOURCE_FREE_FN,
                                                    c.c_void_p)),
+        ("set_free_memory_hook", c.CFUNCTYPE(i32, FREE_MEMORY_FN, c.c_void_p)),
     ]
 
 

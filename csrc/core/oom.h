@@ -31,7 +31,8 @@ class OomPolicy {
  public:
   virtual ~OomPolicy() = default;
   /// After the pool's own retry failed: gives back memory held outside the
-  /// pool that it could then take; the bytes given back (0: no more retry).
+  /// pool that it could then take; the bytes given back, or any nonzero
+  /// number when they are not known (0: no more retry).
   /// Called with none of the pool's locks held.
   virtual size_t release_elsewhere(Allocator& pool) = 0;
   /// The message of the error raised for `failure`, once it is final and

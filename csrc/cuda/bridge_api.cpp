@@ -480,6 +480,10 @@ struct SegmentWatch {
   void* user;
 };
 
+int api_set_free_memory_hook(pyalloc_free_memory_fn fn, void* user) {
+  return guarded([&] { set_free_memory_hook(fn, user); });
+}
+
 int api_watch_segments(pyalloc_segment_event_fn fn, void* user) {
   return guarded([&] {
     static SegmentWatch watch{nullptr, nullptr};  // read by the watcher; set only here
@@ -642,6 +646,7 @@ const pyalloc_bridge_api kApi = {
     &api_watch_segments,
     &api_snapshot_units,
     &api_create_or_incref_pool_with,
+    &api_set_free_memory_hook,
 };
 
 // Version 1: the members before record_stream_owned, and a malloc that fills
@@ -661,6 +666,7 @@ pyalloc_bridge_api make_v1() {
   t.watch_segments = nullptr;
   t.snapshot_units = nullptr;
   t.create_or_incref_pool_with = nullptr;
+  t.set_free_memory_hook = nullptr;
   return t;
 }
 

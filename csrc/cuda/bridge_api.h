@@ -163,6 +163,8 @@ typedef int (*pyalloc_source_alloc_fn)(void* user, int device, uint64_t size, vo
 typedef void (*pyalloc_source_free_fn)(void* user, int device, void* ptr, uint64_t size);
 /* Returns nonzero if the stream's allocations go to the pool. */
 typedef int (*pyalloc_stream_filter_fn)(void* user, void* stream);
+/* Frees memory held outside pyalloc's pools: nonzero when it freed some. */
+typedef int (*pyalloc_free_memory_fn)(void* user);
 
 typedef struct pyalloc_bridge_api {
   uint32_t version; /* PYALLOC_BRIDGE_API_VERSION of this table */
@@ -292,6 +294,12 @@ typedef struct pyalloc_bridge_api {
    * pool's segments come from alloc and go back through free. Appended. */
   int (*create_or_incref_pool_with)(int device, uint64_t id0, uint64_t id1, pyalloc_source_alloc_fn alloc,
                                     pyalloc_source_free_fn free, void* user);
+  /* PyTorch's free-memory callbacks (FreeCudaMemoryCallbacksRegistry): fn
+   * runs on the out-of-memory path of a malloc, with no lock of pyalloc's
+   * held, before the error; when it says it freed memory (whose frees came
+   * back through free) the malloc tries once more. Never from inside fn on
+   * the same thread. NULL: none. Appended: check size before calling. */
+  int (*set_free_memory_hook)(pyalloc_free_memory_fn fn, void* user);
 } pyalloc_bridge_api;
 
 /* The table of `version`, or NULL if this pyalloc does not offer it. */

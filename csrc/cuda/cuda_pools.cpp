@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <mutex>
 #include <sstream>
 
 #include "ipc.h"
@@ -411,9 +412,50 @@ void DevicePools::record_history(bool enabled, size_t max_entries) {
 // Out of memory
 
 size_t DevicePools::PoolOom::release_elsewhere(Allocator& pool) {
-  // Graph pools with no use left and the other pools' caches may still hold
-  // memory. Never for a graph pool: its route counts as a capture underway.
-  return relieved_ ? pools_.release_others(pool) : 0;
+  // Never for a graph pool: its route counts as a capture underway.
+  if (!relieved_) return 0;
+  // PyTorch's free-memory callbacks first, as its allocator runs them when no
+  // cached block fits (it does so before it grows; the pools learn of a miss
+  // only here, once their own cache is given back): the blocks they free come
+  // back to these pools. Then graph pools with no use left and the other
+  // pools' caches.
+  bool freed = run_free_memory_hook();
+  size_t released = pools_.release_others(pool);
+  return released > 0 ? released : freed ? 1 : 0;  // nonzero: worth another try
+}
+
+namespace {
+
+std::mutex free_memory_mu;
+FreeMemoryHook free_memory_fn = nullptr;
+void* free_memory_user = nullptr;
+thread_local bool inside_free_memory = false;
+
+}  // namespace
+
+void set_free_memory_hook(FreeMemoryHook fn, void* user) {
+  std::lock_guard<std::mutex> g(free_memory_mu);
+  free_memory_fn = fn;
+  free_memory_user = user;
+}
+
+bool run_free_memory_hook() {
+  FreeMemoryHook fn;
+  void* user;
+  {
+    std::lock_guard<std::mutex> g(free_memory_mu);
+    fn = free_memory_fn;
+    user = free_memory_user;
+  }
+  if (fn == nullptr || inside_free_memory) return false;
+  inside_free_memory = true;
+  int freed = 0;
+  try {
+    freed = fn(user);
+  } catch (...) {  // a C function pointer: nothing should cross it, but an out-of-memory path must not break
+  }
+  inside_free_memory = false;
+  return freed != 0;
 }
 
 std::string DevicePools::PoolOom::describe(Allocator& pool, const OomFailure& failure) {

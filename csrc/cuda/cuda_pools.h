@@ -34,6 +34,21 @@ namespace pyalloc {
 
 class DevicePools;
 
+/// Frees memory held outside pyalloc's pools whose frees come back into them:
+/// PyTorch's free-memory callbacks (FreeCudaMemoryCallbacksRegistry; torch's
+/// "cuda_ipc_collect" frees the blocks sent to other processes that every
+/// receiver has let go), which the bridge sets. Nonzero when it freed some.
+using FreeMemoryHook = int (*)(void* user);
+
+/// Sets the process's one hook (nullptr: none). A call under way on another
+/// thread may still finish after it returns.
+void set_free_memory_hook(FreeMemoryHook fn, void* user);
+
+/// Runs the hook, if one is set, with no pools lock held: true when it
+/// freed memory. Not again on a thread already inside it (its frees never
+/// allocate, but a hook that did could run out of memory in turn).
+bool run_free_memory_hook();
+
 /// What the pools of one device ask of the process's other devices. The
 /// registry, which owns every device's pools (registry.h), answers: the
 /// pools never reach up to it.

@@ -14,6 +14,7 @@ import gc
 import os
 import shutil
 import subprocess
+import threading
 import time
 
 import pytest
@@ -22,7 +23,7 @@ import pyalloc
 from pyalloc import _C
 
 from bridge_api import INVALID, OK, OUT_OF_MEMORY, Api, BlockInfo, BridgeApi, DeviceStats
-from bridge_api import FILTER_FN, LiveBlock, OomInfo, SegmentInfo, TraceEntry, checkpoint, restore
+from bridge_api import FILTER_FN, FREE_MEMORY_FN, LiveBlock, OomInfo, SegmentInfo, TraceEntry, checkpoint, restore
 from bridge_api import OWNER_NONE, OWNER_OTHER, OWNER_POOLS, VERSION, MemoryUsage
 
 MiB = 1 << 20
@@ -132,6 +133,50 @@ def test_out_of_memory_says_why_and_keeps_live_blocks(api, fake):
     assert 0 < oom.device_free <= CAPACITY
     assert ctypes.string_at(live, 8 * MiB) == b"\x5a" * (8 * MiB)
     assert api.free(live, 0) == OK
+
+
+def test_out_of_memory_runs_pytorchs_free_memory_callbacks_first(api, fake):
+    # PyTorch's allocator runs the FreeCudaMemoryCallbacksRegistry callbacks (torch's
+    # cuda_ipc_collect: blocks sent to other processes that every receiver let go) when
+    # no cached block fits. Through the bridge they never ran, so a process that sent
+    # tensors ran out of memory where PyTorch's allocator frees them and goes on.
+    assert api.size >= Api.set_free_memory_hook.offset + ctypes.sizeof(ctypes.c_void_p)
+    _, held, _ = api.malloc(40 * MiB)  # a block sent away and let go: only the callback frees it
+    calls = []
+
+    def collect(_user):
+        # The first time, an allocation inside it that fails (counted) does not run it again.
+        calls.append(api.malloc(10 * CAPACITY)[0] if not calls else "again")
+        nonlocal held
+        if not held:
+            return 0
+        assert api.free(held, 0) == OK  # its frees come back into pyalloc: no pools lock is held
+        held = 0
+        return 1
+
+    hook = FREE_MEMORY_FN(collect)
+    assert api.table.set_free_memory_hook(hook, None) == OK
+    try:
+        _, small, _ = api.malloc(8 * MiB)
+        assert calls == []  # only a request the pools cannot serve runs it
+        result = []
+        worker = threading.Thread(target=lambda: result.append(api.malloc(40 * MiB)), daemon=True)
+        worker.start()
+        worker.join(timeout=60)
+        assert not worker.is_alive(), "the free-memory hook deadlocked"
+        status, p, _ = result[0]
+        assert status == OK and p != 0 and calls == [OUT_OF_MEMORY]
+        assert api.stats(0)["num_ooms"] == 1  # the callback's own; a failure a retry mends is no error
+        # Nothing left to free: the error, counted once, after the callback ran.
+        status, q, _ = api.malloc(40 * MiB)
+        assert (status, q) == (OUT_OF_MEMORY, 0) and calls == [OUT_OF_MEMORY, "again"]
+        assert api.error().startswith("CUDA out of memory.") and api.stats(0)["num_ooms"] == 2
+        assert api.free(p, 0) == OK and api.free(small, 0) == OK
+    finally:
+        assert api.table.set_free_memory_hook(FREE_MEMORY_FN(), None) == OK
+    status, q, _ = api.malloc(10 * CAPACITY)
+    assert status == OUT_OF_MEMORY and len(calls) == 2  # no hook: nothing runs
+    assert not BridgeApi(1).table.set_free_memory_hook  # not in version 1's table
 
 
 def test_errors_are_per_call(api, fake):

@@ -8,6 +8,7 @@ is loaded and exercised by tests/gpu/ (test_gpu.py).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -67,6 +68,8 @@ def test_check_build_compiles_and_links_against_the_installed_torch(tmp_path, re
         assert "c10::memoryProfilingEnabled()" in imports
         assert "c10::reportMemoryUsageToProfiler(" in imports
         assert "c10::reportOutOfMemoryToProfiler(" in imports
+        # Out of memory, it runs PyTorch's free-memory callbacks (torch's cuda_ipc_collect).
+        assert re.search(r"c10::FreeCudaMemoryCallbacksRegistry(\[abi:cxx11\])?\(\)", imports)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None or shutil.which("nm") is None,

@@ -5,7 +5,8 @@ Under the session's strategy (PYALLOC_CONF: vmm by default, bestfit): the
 receiver sees the sender's values and the sender sees the receiver's writes;
 the sender's block stays allocated while the receiver holds it (PyTorch's
 reference count of shared blocks) and is freed by torch.cuda.ipc_collect()
-once the receiver let go; the receiver unmaps what it opened. Under vmm the
+once the receiver let go, or by an allocation that runs out of memory (PyTorch's
+free-memory callbacks); the receiver unmaps what it opened. Under vmm the
 receiver maps only the pages under the tensor. Under bestfit, a receiver with
 PyTorch's own allocator opens the same handle (PyTorch's layout).
 """
@@ -81,7 +82,21 @@ def send(ctx, with_pyalloc):
     after = outbox.get(timeout=300)
     if with_pyalloc:
         assert after["mappings"] == 0 and after["mapped_bytes"] == 0, after
-    torch.cuda.ipc_collect()  # the receiver has released them: now they go
+    # The receiver has released them, and nobody called ipc_collect(): a request the
+    # memory fraction leaves no room for runs PyTorch's free-memory callbacks (torch's
+    # cuda_ipc_collect frees the released block), as PyTorch's allocator does, and the
+    # freed block serves it. Before, pyalloc raised out of memory here.
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    held = pyalloc.memory_allocated()
+    torch.cuda.set_per_process_memory_fraction((held + 32 * MiB) / total)
+    try:
+        again = torch.empty(64 * MiB // 4, device="cuda")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert pyalloc.memory_allocated() < held + MiB, (pyalloc.memory_allocated(), held)  # the block went first
+    del again
+    torch.cuda.ipc_collect()  # what is left of them (the small one) goes
     assert pyalloc.memory_allocated() < allocated - 64 * MiB + MiB, (pyalloc.memory_allocated(), allocated)
     inbox.put("exit")
     proc.join(timeout=120)
