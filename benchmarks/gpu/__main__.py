@@ -106,8 +106,9 @@ def spawn(worker_args: List[str], allocator: str, timeout: float, tag: str = "")
         if tag:
             def pump() -> None:
                 assert proc.stdout is not None
-                for line in proc.stdout:
-                    print(f"[{tag}] {line}", end="" if line.endswith("\n") else "\n", flush=True)
+                for line in proc.stdout:  # one write a line: the lanes' lines never mix
+                    sys.stdout.write(f"[{tag}] {line}" if line.endswith("\n") else f"[{tag}] {line}\n")
+                    sys.stdout.flush()
 
             reader = threading.Thread(target=pump, daemon=True)
             reader.start()
@@ -117,6 +118,10 @@ def spawn(worker_args: List[str], allocator: str, timeout: float, tag: str = "")
             proc.kill()
             proc.wait()
             return {"status": "timeout", "error": f"no result within {timeout:.0f} s", "wall_s": timeout}
+        except BaseException:  # interrupted: the worker must not live on, holding the device
+            proc.kill()
+            proc.wait()
+            raise
         finally:
             if reader is not None:
                 reader.join(timeout=5)
@@ -129,11 +134,22 @@ def spawn(worker_args: List[str], allocator: str, timeout: float, tag: str = "")
             return json.load(f)
 
 
+def search_order(specs: List[Spec], only: Optional[List[str]]) -> List[Spec]:
+    """The workloads whose searches run, in the order --only names them (a group's in
+    the registry's order, after those named): the first start first."""
+    words = [w for word in only or [] for w in word.split(",") if w]
+    rank = {name: i for i, name in reversed(list(enumerate(words)))}
+    return sorted(specs, key=lambda spec: rank.get(spec.name, len(words)))
+
+
 def crowded(r: Dict[str, Any]) -> str:
-    """Why a run made beside others is not the run it makes alone ("" when it is): it
-    failed, ran out of memory, or its allocator had to free its cache and retry."""
-    if r.get("status") != "ok":
-        return f"ended {r.get('status')} ({str(r.get('error') or '')[:120]})"
+    """Why a run made beside others may not be the run it makes alone ("" when it is):
+    it ran out of memory, failed for want of it (a CUDA context, a library's workspace)
+    or without a result, or its allocator had to free its cache and retry. Another error
+    would come again alone."""
+    status, error = r.get("status"), str(r.get("error") or "")
+    if status in ("oom", "crashed") or (status != "ok" and "memory" in error.lower()):
+        return f"ended {status} ({error[:120]})"
     retries = (r.get("stats") or {}).get("num_alloc_retries")
     return f"freed its cache and retried {retries} times" if retries else ""
 
@@ -370,18 +386,25 @@ class Harness:
             return
         allocators = [x.strip() for x in a.trace_allocators.split(",") if x.strip()]
         lanes = len(allocators) if a.parallel == "auto" else min(int(a.parallel), len(allocators))
-        if lanes > 1:
-            with ThreadPoolExecutor(max_workers=lanes) as pool:
-                runs = list(pool.map(lambda x: self._trace_run(spec, x, tag=f"{spec.name} {x}"), allocators))
-            for i, (allocator, r) in enumerate(zip(allocators, runs)):
-                why = crowded(r)
-                if why:
-                    print(f"== {spec.name} / {allocator}: beside the others it {why}; again, alone", flush=True)
-                    runs[i] = dict(self._trace_run(spec, allocator), made_alone_after=why)
-        else:
-            runs = [self._trace_run(spec, x) for x in allocators]
+        if lanes <= 1:
+            for allocator in allocators:
+                self._record_trace(spec, allocator, self._trace_run(spec, allocator), beside=False)
+            return
+        with ThreadPoolExecutor(max_workers=lanes) as pool:
+            runs = list(pool.map(lambda x: self._trace_run(spec, x, tag=f"{spec.name} {x}"), allocators))
+        again = []
         for allocator, r in zip(allocators, runs):
-            self._record_trace(spec, allocator, r, beside=lanes > 1 and "made_alone_after" not in r)
+            why = crowded(r)
+            if why:
+                again.append((allocator, why))
+            else:
+                self._record_trace(spec, allocator, r, beside=True)
+        for allocator, why in again:
+            print(f"== {spec.name} / {allocator}: beside the others it {why}; again, alone", flush=True)
+            if allocator not in PYALLOC_ALLOCATORS and os.path.exists(self._trace_path(spec, allocator)):
+                os.remove(self._trace_path(spec, allocator))  # a crowded history must not be replayed
+            r = dict(self._trace_run(spec, allocator), made_alone_after=why)
+            self._record_trace(spec, allocator, r, beside=False)
 
     def _trace_path(self, spec: Spec, allocator: str) -> str:
         # The native allocator's traces keep their names; another's names it.
@@ -497,8 +520,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="stop the search when the answer is known to this fraction (default 0.03)")
     p.add_argument("--parallel", type=_lanes, default="1", metavar="N|auto",
                    help="runs made side by side where no time is measured: (workload, allocator) searches "
-                        "of --budget-search (each probe still a process of its own, capped at the budget; "
-                        "the device needs room for this many budgets; auto: as many as it has) and the "
+                        "of --budget-search, in the order --only names the workloads (each probe still a "
+                        "process of its own, capped at the budget; the device needs room for this many "
+                        "budgets; auto: as many as it has) and the "
                         "runs of one workload under --trace-allocators (auto: all of them)")
     p.add_argument("--probe-steps", type=int, default=0,
                    help="drawn steps before the worst shape in a probe (default: the workload's)")
@@ -628,7 +652,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.traces and spec.trace:
             harness.trace(spec)
     if searched:  # after the timed runs, which need the device alone; the searches may share it
-        harness.search_all(searched)
+        harness.search_all(search_order(searched, args.only))
     harness.invocation["finished"] = _utc_now()
     harness.save()
     if args.update_readme:

@@ -591,7 +591,7 @@ def test_speed_rounds_alternate_and_none_starts_past_its_time(tmp_path, monkeypa
 def test_side_by_side_lanes_are_what_the_device_holds_at_the_budget():
     from benchmarks.gpu.__main__ import lanes_for
 
-    h200 = 143771 * MiB
+    h200 = 150_109_880_320  # what torch reported for the H200 of 2026-11-28
     # Seven 16 GiB budgets, each with a GiB for its process's CUDA context, in 95% of an H200.
     assert lanes_for("auto", 16 * GiB, h200) == 7
     assert lanes_for("auto", 8 * GiB, 80 * GiB) == 8
@@ -604,13 +604,15 @@ def test_side_by_side_lanes_are_what_the_device_holds_at_the_budget():
             _parser().parse_args(["--parallel", bad])
 
 
-def _fake_probes(monkeypatch, fits, seconds):
-    """spawn() replaced by probes that take `seconds[workload]` of a fake clock, run out of
-    memory above `fits[workload]`, and note how many ran at once, and which."""
+def _fake_probes(monkeypatch, fits, seconds, together=1):
+    """spawn() replaced by probes that take `seconds[workload]`, run out of memory above
+    `fits[workload]`, and note how many ran at once, and which; the first `together`
+    probes wait for each other (they must be running at the same time)."""
     import benchmarks.gpu.__main__ as harness_main
 
     lock = threading.Lock()
-    running, seen = [], {"most": 0, "mixed": False, "tags": set()}
+    running, seen = [], {"most": 0, "mixed": False, "tags": set(), "calls": 0}
+    meet = threading.Barrier(together, timeout=60)
 
     def fake_spawn(worker_args, allocator, timeout, tag=""):
         workload = worker_args[worker_args.index("--workload") + 1]
@@ -618,8 +620,13 @@ def _fake_probes(monkeypatch, fits, seconds):
         with lock:
             running.append(workload)
             seen["most"] = max(seen["most"], len(running))
-            seen["mixed"] |= len(set(running)) > 1
             seen["tags"].add(tag)
+            first = seen["calls"] < together
+            seen["calls"] += 1
+        if first:
+            meet.wait()  # a lane short of `together` breaks it: BrokenBarrierError
+            with lock:
+                seen["mixed"] |= len(set(running)) > 1
         time.sleep(seconds[workload])
         with lock:
             running.remove(workload)
@@ -634,14 +641,16 @@ def test_batch_searches_of_every_workload_share_the_lanes(tmp_path, monkeypatch)
     # The first H200 window searched one workload at a time, its five allocators side by
     # side: a lane whose search ended waited for the slowest. The searches of the next
     # workloads now take a lane as soon as one is free, and each is saved as it ends.
-    seen = _fake_probes(monkeypatch, {"bert_infer": 1500, "generate": 300}, {"bert_infer": 0.05, "generate": 0.2})
-    h = _harness(tmp_path, "--budget-search", "--budget", "16GiB", "--parallel", "3", "--max-probes", "4",
+    seen = _fake_probes(monkeypatch, {"bert_infer": 1500, "generate": 300}, {"bert_infer": 0.01, "generate": 0.05},
+                        together=4)
+    h = _harness(tmp_path, "--budget-search", "--budget", "16GiB", "--parallel", "4", "--max-probes", "4",
                  "--allocators", "native,pyalloc,native_expandable")
     saves = []
     monkeypatch.setattr(h, "save", lambda: saves.append(sum(
         len([k for k in w.get("search", {}) if k != "budget"]) for w in h.results["workloads"].values())))
     h.search_all([workloads.SPECS["generate"], workloads.SPECS["bert_infer"]])
-    assert seen["most"] == 3 and seen["mixed"]  # bert_infer's searches ran beside generate's
+    # Four lanes: generate's three searches and bert_infer's first, at once.
+    assert seen["most"] == 4 and seen["mixed"]
     assert seen["tags"] == {f"{w} {a}" for w in ("generate", "bert_infer")
                             for a in ("native", "pyalloc", "native_expandable")}
     assert saves == [1, 2, 3, 4, 5, 6]
@@ -664,11 +673,17 @@ def test_a_traced_run_beside_others_that_had_to_retry_is_made_again_alone(tmp_pa
 
     def fake_spawn(worker_args, allocator, timeout, tag=""):
         calls.append((allocator, tag))
+        path = worker_args[worker_args.index("--trace") + 1] if "--trace" in worker_args else None
+        if path and not tag:
+            assert not os.path.exists(path), "the crowded run's history was left to be replayed"
+        if path:
+            open(path, "w").close()
+        if allocator == "native_expandable":  # an error no company causes: not made again
+            return {"status": "error", "error": "ValueError: a bad shape"}
         crowded = tag and allocator == "native"  # beside the others, native ran short and retried
         return {"status": "ok", "peak_allocated": 10, "peak_reserved": 20 if crowded else 15,
                 "stats": {"num_alloc_retries": 2 if crowded else 0, "num_device_alloc": 3},
-                "trace": {"path": worker_args[worker_args.index("--trace") + 1], "entries": 5, "bytes": 100}
-                if "--trace" in worker_args else None}
+                "trace": {"path": path, "entries": 5, "bytes": 100} if path else None}
 
     monkeypatch.setattr(harness_main, "spawn", fake_spawn)
     h = _harness(tmp_path, "--traces", "--no-timing", "--trace-allocators", "native,native_expandable,pyalloc",
@@ -682,11 +697,24 @@ def test_a_traced_run_beside_others_that_had_to_retry_is_made_again_alone(tmp_pa
     assert traces["native"]["made_alone_after"] == "freed its cache and retried 2 times"
     assert not traces["native"]["side_by_side"]
     assert traces["native_expandable"]["side_by_side"] and traces["pyalloc"]["side_by_side"]
+    assert traces["native_expandable"]["error"] == "ValueError: a bad shape" and h.failures == 1
     # One at a time without --parallel.
     calls.clear()
     _harness(tmp_path, "--traces", "--no-timing", "--trace-allocators", "native,pyalloc",
-             "--trace-dir", str(tmp_path / "traces")).trace(workloads.SPECS["bert_infer"])
+             "--trace-dir", str(tmp_path / "one-at-a-time")).trace(workloads.SPECS["bert_infer"])
     assert calls == [("native", ""), ("pyalloc", "")]
+
+
+def test_searches_start_in_the_order_only_names_the_workloads():
+    from benchmarks.gpu.__main__ import search_order
+    from benchmarks.gpu.session import BATCH_WORKLOADS
+
+    specs = [workloads.SPECS[n] for n in workloads.select(list(BATCH_WORKLOADS))]  # the registry's order
+    assert [s.name for s in specs] != list(BATCH_WORKLOADS)
+    assert [s.name for s in search_order(specs, list(BATCH_WORKLOADS))] == list(BATCH_WORKLOADS)
+    assert [s.name for s in search_order(specs, ["generate,serve"])] == ["generate", "llm_train_bf16_ckpt",
+                                                                         "bert_infer"]
+    assert search_order(specs, None) == specs
 
 
 def test_a_failed_or_crowded_run_says_why():
@@ -696,6 +724,9 @@ def test_a_failed_or_crowded_run_says_why():
     assert crowded({"status": "ok"}) == ""
     assert crowded({"status": "oom", "error": "CUDA out of memory"}) == "ended oom (CUDA out of memory)"
     assert crowded({"status": "ok", "stats": {"num_alloc_retries": 1}}) == "freed its cache and retried 1 times"
+    assert crowded({"status": "error", "error": "CUDA error: out of memory"}).startswith("ended error")
+    assert crowded({"status": "crashed", "error": "worker exited with -9 and no result"}).startswith("ended crashed")
+    assert crowded({"status": "error", "error": "ValueError: a bad shape"}) == ""  # comes again alone
 
 
 def test_a_worker_beside_others_has_each_line_it_prints_tagged(capfd):
