@@ -11,7 +11,10 @@
 // public call of the Allocator): one malloc may grow a segment and lend part
 // of it to the small pool, or map pages and split them, and the steps in
 // between are no state anyone can observe. PyTorch applies such changes with
-// their net effect too.
+// their net effect too. Only a count that rose can pass its peak, so only the
+// arrays an increment touched since the last settle are settled: a free, which
+// mostly lowers counts, settles next to nothing (callgrind: a quarter of a
+// cached 4 KiB malloc+free pair went to settling every peak twice).
 //
 // Meanings, as in PyTorch:
 //   allocation / allocated_bytes   user blocks not yet freed by the caller
@@ -59,10 +62,12 @@ struct Stat {
 
 struct StatArray {
   Stat all, small, large;
+  bool risen = false;  // an increment since the last settle()
 
   void add(Pool pool, int64_t n) {
     all.add(n);
     (pool == kSmallPool ? small : large).add(n);
+    if (n > 0) risen = true;
   }
   /// n moves from one pool to the other: `all` sees it leave and come back,
   /// keeping all = small + large for current, allocated and freed.
@@ -70,7 +75,10 @@ struct StatArray {
     add(from, -n);
     add(to, n);
   }
+  /// The peaks catch up with the counts, if any rose since the last settle.
   void settle() {
+    if (!risen) return;
+    risen = false;
     all.settle();
     small.settle();
     large.settle();
