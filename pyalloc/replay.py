@@ -81,8 +81,6 @@ _KIND_ALLOC, _KIND_FREE, _KIND_NONE = 1, 2, 0
 #: its pieces or back (csrc/core/allocator.h, kShadowStream).
 _COVER_STREAM = (1 << 64) - 1
 
-#: The budget search stops once the bracket is this fraction of its upper end.
-
 #: An allocator can complete a trace on a device and fail on a slightly larger
 #: one (its choices depend on the room it has: pyalloc's handle sizes, PyTorch's
 #: out-of-memory retries). The smallest budget is checked on devices this much

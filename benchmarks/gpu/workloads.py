@@ -335,7 +335,7 @@ def build_generate(device: torch.device, size: int, smoke: bool) -> Runner:
     model, cfg = _gpt2(smoke, small=True, use_cache=True)
     model.to(device=device, dtype=_half(device)).eval()
     prompt = (4, 16) if smoke else (16, 512)
-    # At most 128 new tokens: generate() took about 50 ms a token on the H200 (2026-11-28),
+    # At most 128 new tokens: generate() took 44-72 ms a token on the H200 (2026-11-28),
     # and 256 made a batch-search probe 55 s long; the cache still grows a token at a time.
     new = (2, 8) if smoke else (16, 128)
     eos = model.config.eos_token_id

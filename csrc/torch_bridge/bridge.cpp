@@ -988,33 +988,22 @@ void register_for_device_type(PyallocAllocator* allocator) {
 // and tries once more when one freed memory. Nothing may cross the C table.
 int free_memory_callbacks(void*) noexcept {
   bool freed = false;
-  std::string failed;
-  try {
+  guard_callback("a free-memory callback of PyTorch's (FreeCudaMemoryCallbacksRegistry)", [&] {
     for (const auto& name : c10::FreeCudaMemoryCallbacksRegistry()->Keys())
       freed |= c10::FreeCudaMemoryCallbacksRegistry()->Create(name)->Execute();
-  } catch (const std::exception& e) {
-    failed = e.what();
-  } catch (...) {
-    failed = "an exception that is not a std::exception";
-  }
-  if (!failed.empty()) {
-    try {
-      TORCH_WARN("pyalloc: a free-memory callback of PyTorch's failed: ", failed);
-    } catch (...) {  // a warning turned into an error: the out-of-memory error follows anyway
-    }
-  }
+  });
   return freed ? 1 : 0;
 }
 
 void install(const std::string& pyalloc_library) {
   TORCH_CHECK(instance == nullptr, "pyalloc's bridge is installed already");
   api = find_api(pyalloc_library);
-  check(api->set_free_memory_hook(&free_memory_callbacks, nullptr));
   auto allocator = std::make_shared<PyallocAllocator>();
   // Throws "Can't swap an already initialized allocator" once CUDA is in use.
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
   instance = allocator.get();  // PyTorch keeps the shared_ptr for the process's life
   register_for_device_type(instance);
+  check(api->set_free_memory_hook(&free_memory_callbacks, nullptr));  // only once PyTorch's pools are pyalloc's
   check(api->set_route(2));
 }
 
