@@ -365,18 +365,20 @@ int api_create_or_incref_pool(int device, uint64_t id0, uint64_t id1) {
   return guarded([&] { pools_of(device, true)->create_or_incref_pool({id0, id1}); });
 }
 
+// A device without pools has no graph pool either.
+GraphPools& graph_pools_holding(int device, DevicePools::PoolId id) {
+  DevicePools* p = pools_of(device, false);
+  if (p == nullptr) throw GraphPools::no_such_pool(id);
+  return p->graphs();
+}
+
 int api_pool_use_count(int device, uint64_t id0, uint64_t id1, int* out) {
-  return guarded([&] {
-    DevicePools* p = pools_of(device, false);
-    *out = p != nullptr ? p->graphs().use_count({id0, id1}) : 0;
-  });
+  return guarded([&] { *out = graph_pools_holding(device, {id0, id1}).use_count({id0, id1}); });
 }
 
 int api_pool_live_blocks(int device, uint64_t id0, uint64_t id1, pyalloc_value_fn fn, void* user) {
   return guarded([&] {
-    DevicePools* p = pools_of(device, false);
-    if (p == nullptr) return;
-    for (uintptr_t b : p->graphs().live_blocks({id0, id1})) fn(user, b);
+    for (uintptr_t b : graph_pools_holding(device, {id0, id1}).live_blocks({id0, id1})) fn(user, b);
   });
 }
 
@@ -434,6 +436,10 @@ int api_settings(char* buf, uint64_t len) {
 
 int api_mark_capture(int device, int begin) {
   return guarded([&] { hooks::mark_capture(device, begin != 0); });
+}
+
+int api_set_captures_marked(int marked) {
+  return guarded([&] { registry().set_captures_marked(marked != 0); });
 }
 
 int api_ipc_share(void* ptr, char* buf, uint64_t capacity, uint64_t* length, uint64_t* offset) {
@@ -647,6 +653,7 @@ const pyalloc_bridge_api kApi = {
     &api_snapshot_units,
     &api_create_or_incref_pool_with,
     &api_set_free_memory_hook,
+    &api_set_captures_marked,
 };
 
 // Version 1: the members before record_stream_owned, and a malloc that fills
@@ -667,6 +674,7 @@ pyalloc_bridge_api make_v1() {
   t.snapshot_units = nullptr;
   t.create_or_incref_pool_with = nullptr;
   t.set_free_memory_hook = nullptr;
+  t.set_captures_marked = nullptr;
   return t;
 }
 

@@ -212,10 +212,16 @@ typedef struct pyalloc_bridge_api {
   /* fn for each context tag a live block or a history entry still holds. */
   int (*contexts_in_use)(pyalloc_value_fn fn, void* user);
 
-  /* PyTorch's private pools (CUDA graphs, torch.cuda.MemPool). The filter
-   * and its user pointer must stay valid until end_allocate_to_pool: at each
-   * end of a pool, the oldest filter still kept for that pool (in begin
-   * order) may be dropped, as no route begun before the one ended is left. */
+  /* PyTorch's private pools (CUDA graphs, torch.cuda.MemPool). As in
+   * PyTorch's allocator, a pool has one route at a time: a begin into a pool
+   * already being recorded to is PYALLOC_INVALID ("already recording to
+   * mempool_id"), and an end ends the pool's route. Where several routes
+   * accept a stream, the newest wins. The filter and its user pointer must
+   * stay valid until end_allocate_to_pool; once a begin or end of a pool has
+   * returned, the filters of the pool's earlier routes (a route of a failed
+   * capture, healed and never ended) may be dropped. A device's pool that
+   * does not exist makes pool_use_count and pool_live_blocks
+   * PYALLOC_INVALID ("Could not find pool of id"), as PyTorch raises. */
   int (*begin_allocate_to_pool)(int device, uint64_t id0, uint64_t id1,
                                 pyalloc_stream_filter_fn filter, void* user);
   int (*end_allocate_to_pool)(int device, uint64_t id0, uint64_t id1);
@@ -300,6 +306,13 @@ typedef struct pyalloc_bridge_api {
    * back through free) the malloc tries once more. Never from inside fn on
    * the same thread. NULL: none. Appended: check size before calling. */
   int (*set_free_memory_hook)(pyalloc_free_memory_fn fn, void* user);
+  /* marked 1: PyTorch marks each capture (torch 2.13+: mark_capture), and
+   * routing a pool (use_mem_pool, NCCL registration, CUDA-graph trees'
+   * warm-up) is no capture by itself: routes begun from then on do not
+   * count as a capture underway, as PyTorch's allocator defers its event
+   * processing for marked captures alone. 0: every route counts as one (the
+   * default). Appended: check size before calling. */
+  int (*set_captures_marked)(int marked);
 } pyalloc_bridge_api;
 
 /* The table of `version`, or NULL if this pyalloc does not offer it. */

@@ -8,7 +8,9 @@
 // window between the route's opening and the capture's start is covered too:
 // another thread's event query or free there would invalidate the capture
 // as it begins. PyTorch's own allocator likewise defers its event processing
-// while any pool route is open.
+// while any pool route is open. Where PyTorch marks its captures (the bridge
+// on torch 2.13 and later), only the marks count, as they do in PyTorch's
+// allocator: a route alone (use_mem_pool) is no capture (graph_pools.h).
 //
 // Seen: without those calls, every stream pyalloc allocates on is probed, and a
 // stream found capturing is remembered until a later probe finds it done.

@@ -58,6 +58,9 @@ class ProcessPools {
   /// where torch has the setters): allocations need not ask the driver
   /// whether their stream is capturing.
   virtual bool told_of_captures() const = 0;
+  /// PyTorch marks each capture (torch 2.13's markCaptureBegin/End, through
+  /// the bridge): a pool route alone is no capture (GraphPools::begin_route).
+  virtual bool captures_marked() const = 0;
   /// Every device's pools made so far.
   virtual std::vector<DevicePools*> all() const = 0;
 

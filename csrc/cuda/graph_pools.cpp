@@ -56,6 +56,14 @@ GraphPools::~GraphPools() {
   for (int i = 0; i < marks_; ++i) device_.captures().close();
 }
 
+std::invalid_argument GraphPools::no_such_pool(PoolId id) {
+  // PyTorch's checkPoolLiveAllocations says "Could not find pool of id" (its
+  // getPoolUseCount asserts the same).
+  return std::invalid_argument("Could not find pool of id (" + std::to_string(id.first) + ", " +
+                               std::to_string(id.second) +
+                               "): no graph pool or MemPool of the device has it");
+}
+
 // ---------------------------------------------------------------------------
 // Pools: made on a first use, given back once unused and empty
 
@@ -135,9 +143,10 @@ bool GraphPools::release(PoolId id) {
       ++r;
       continue;
     }
-    undeclare_locked(*r, "its pool was released while it was open");
+    retire_locked(*r, "its pool was released while it was open");
     r = routes_.erase(r);
   }
+  end_abandoned_marks_locked();
   routing_.store(!routes_.empty(), std::memory_order_release);
   reclaim_locked(pool);
   return true;
@@ -151,53 +160,45 @@ void GraphPools::quiesce() const {
 // ---------------------------------------------------------------------------
 // Routes and the capture window
 
-void GraphPools::begin_route(PoolId id, StreamFilter filter) {
+void GraphPools::begin_route(PoolId id, StreamFilter filter, bool capture) {
   std::unique_lock<std::shared_mutex> g(mu_);
-  // The same pool may be routed to more than once at a time, as PyTorch's
-  // allocator allows (use_mem_pool on several threads): each is a use.
+  // One route to a pool at a time, as PyTorch's beginAllocateToPool checks
+  // ("already recording to mempool_id"): then each end ends the route it
+  // belongs to. Refused before any use is taken, so the pool stays as it was.
+  for (const Route& r : routes_) {
+    if (r.id == id && !r.healed)
+      throw std::invalid_argument(pool_name(id) +
+                                  " is already being recorded to (beginAllocateToPool: already recording to "
+                                  "mempool_id): a CUDA graph capture or use_mem_pool into it has not ended");
+  }
   told_of_captures_.store(true, std::memory_order_release);
-  // A route to this pool that healed (its capture was seen over, never ended)
-  // would shadow the new one: its filter would match first, and the new
-  // capture's end would close it instead of the new route.
-  routes_.erase(std::remove_if(routes_.begin(), routes_.end(),
-                               [&](const Route& r) { return r.id == id && !r.declared; }),
+  // A healed route to the pool (its capture seen over, never ended) gives way
+  // to the new one; the bridge drops its filter when this returns.
+  routes_.erase(std::remove_if(routes_.begin(), routes_.end(), [&](const Route& r) { return r.id == id; }),
                 routes_.end());
   incref_locked(id);
   Route route;
   route.id = id;
   route.filter = std::move(filter);
+  route.declared = capture;
   routes_.push_back(std::move(route));
+  routing_.store(true, std::memory_order_release);
+  if (!capture) return;
   // PyTorch begins the capture only after this returns: from now on, a
   // capture counts as underway, for every thread (capture.h).
   device_.captures().open();
   declared_routes_.fetch_add(1, std::memory_order_acq_rel);
-  routing_.store(true, std::memory_order_release);
 }
 
 void GraphPools::end_route(PoolId id) {
   std::unique_lock<std::shared_mutex> g(mu_);
-  // The first route to the pool that still counts as a capture ends, as
-  // PyTorch's allocator ends the first of its captures underway with that
-  // pool; a healed one only if there is no other.
-  auto ending = routes_.end(), healed = routes_.end();
-  for (auto it = routes_.begin(); it != routes_.end(); ++it) {
-    if (it->id != id) continue;
-    if (it->declared) {
-      ending = it;
-      break;
-    }
-    if (healed == routes_.end()) healed = it;
-  }
-  if (ending == routes_.end()) ending = healed;
+  // A pool has one route at a time (begin_route()): the one to `id` ends.
+  auto ending = std::find_if(routes_.begin(), routes_.end(), [&](const Route& r) { return r.id == id; });
   if (ending != routes_.end()) {
-    undeclare_locked(*ending, nullptr);  // the capture, if any, ended before this call
-    // Healed routes to the pool begun before it end with it (their captures
-    // failed: no end comes for them). The bridge drops the filter of the
-    // pool's oldest route at each end, as PyTorch ends its oldest capture:
-    // a route left behind would call a filter already freed.
-    auto last = std::next(ending);
-    routes_.erase(std::remove_if(routes_.begin(), last, [&](const Route& r) { return r.id == id; }), last);
+    retire_locked(*ending, nullptr);  // the capture, if any, ended before this call
+    routes_.erase(ending);
   }
+  end_abandoned_marks_locked();
   routing_.store(!routes_.empty(), std::memory_order_release);
   auto it = pools_.find(id);
   if (it != pools_.end()) reclaim_locked(*it->second);  // released while routed
@@ -213,6 +214,29 @@ bool GraphPools::mark_capture(bool begin) {
   if (marks_ == 0) return false;
   marks_--;
   device_.captures().close();
+  return true;
+}
+
+void GraphPools::retire_locked(Route& route, const char* why) {
+  undeclare_locked(route, why);
+  route.healed = true;  // ended: no capture of it may be counted again
+}
+
+// A mark whose end never comes: torch 2.13's CUDAGraph::capture_end ends the
+// mark before it ends the route, but a capture abandoned before capture_end
+// (an exception in the captured code, the graph destroyed) gets from reset()
+// an end of its route and a release of its pool only, and its mark would
+// count as a capture underway for the rest of the process. Every capture
+// PyTorch marks has its route open until after its mark ends, so once no
+// route is left open on the device (healed ones aside), every mark left is
+// such a one, and ends. A mark that outlives its route while another route
+// of the device stays open ends only then: a capture still marked cannot be
+// told apart from it.
+bool GraphPools::end_abandoned_marks_locked() {
+  if (marks_ == 0) return false;
+  for (const Route& r : routes_)
+    if (!r.healed) return false;
+  for (; marks_ > 0; --marks_) device_.captures().close();
   return true;
 }
 
@@ -280,7 +304,8 @@ void GraphPools::heal_routes() {
   }
   std::unique_lock<std::shared_mutex> g(mu_);
   for (Route& route : routes_)
-    if (route_abandoned_locked(route)) undeclare_locked(route, "its streams stopped capturing");
+    if (route_abandoned_locked(route)) retire_locked(route, "its streams stopped capturing");
+  end_abandoned_marks_locked();
 }
 
 // ---------------------------------------------------------------------------
@@ -290,10 +315,12 @@ uintptr_t GraphPools::malloc(size_t size, Stream stream, uint64_t context, bool*
   std::shared_lock<std::shared_mutex> g(mu_);
   Pool* pool = nullptr;
   Route* route = nullptr;
-  for (Route& r : routes_) {
-    if (r.filter && r.filter(stream)) {
-      pool = pools_.at(r.id).get();
-      route = &r;
+  // Newest first, as PyTorch's allocator searches its routes: use_mem_pool(P)
+  // inside torch.cuda.graph(g) sends the capture's allocations to P.
+  for (auto r = routes_.rbegin(); r != routes_.rend(); ++r) {
+    if (r->filter && r->filter(stream)) {
+      pool = pools_.at(r->id).get();
+      route = &*r;
       break;
     }
   }
@@ -373,14 +400,16 @@ bool GraphPools::share(uintptr_t ptr, std::vector<SharedMemory>* out, std::strin
 int GraphPools::use_count(PoolId id) const {
   std::shared_lock<std::shared_mutex> g(mu_);
   auto it = pools_.find(id);
-  return it == pools_.end() ? 0 : it->second->uses;
+  if (it == pools_.end()) throw no_such_pool(id);
+  return it->second->uses;
 }
 
 std::vector<uintptr_t> GraphPools::live_blocks(PoolId id) const {
   std::shared_lock<std::shared_mutex> g(mu_);
-  std::vector<uintptr_t> out;
   auto it = pools_.find(id);
-  if (it != pools_.end()) {
+  if (it == pools_.end()) throw no_such_pool(id);
+  std::vector<uintptr_t> out;
+  {
     std::lock_guard<std::mutex> b(it->second->mu);
     out.assign(it->second->blocks.begin(), it->second->blocks.end());
   }

@@ -5,11 +5,14 @@
 // PyTorch says when a CUDA graph capture (or a MemPool context) begins and
 // ends, and when a graph or MemPool is gone: begin_route(id, filter) sends
 // every allocation on a stream the filter accepts to pool `id` until
-// end_route(id). Each pool is a core Allocator of its own over the device,
-// with plain segments (no page remapping) and a backend that tells the core
-// a capture is underway for as long as the pool has a use (PoolBackend's
-// `held`): nothing of it is released or reused elsewhere while a graph
-// captured into it may still be replayed. Graphs given the same pool id
+// end_route(id). As in PyTorch's allocator, a pool has one route at a time
+// (a second begin is refused), and where several routes accept a stream the
+// newest wins: use_mem_pool(P) inside torch.cuda.graph(g) sends the
+// capture's allocations to P. Each pool is a core Allocator of its own over
+// the device, with plain segments (no page remapping) and a backend that
+// tells the core a capture is underway for as long as the pool has a use
+// (PoolBackend's `held`): nothing of it is released or reused elsewhere
+// while a graph captured into it may still be replayed. Graphs given the same pool id
 // share it, and a block freed into it serves later allocations routed to it,
 // as in PyTorch's allocator. Each begin_route() and create_or_incref() is a
 // use, each release() drops one. Once no use is left and nothing in the pool
@@ -22,12 +25,20 @@
 // and never while a capture is underway.
 //
 // The capture window: PyTorch routes a graph's pool before it begins the
-// capture, and ends the route after the capture ends. Each open route counts
-// as a capture underway (capture.h) on every device, from its opening on: no
-// pool queries events, releases or unmaps memory, or reclaims graph pools.
-// torch 2.13 also marks the capture itself (mark_capture()), which counts
-// the same way. The caller waits, once a route or mark is open, for every
-// pool of every device to finish the operation it was in (quiesce()).
+// capture, and ends the route after the capture ends. Before torch 2.13 each
+// open route counts as a capture underway (capture.h) on every device, from
+// its opening on: no pool queries events, releases or unmaps memory, or
+// reclaims graph pools. torch 2.13 also marks the capture itself
+// (mark_capture()), which counts the same way; where PyTorch marks its
+// captures (begin_route()'s `capture` false), a route alone counts as none,
+// as PyTorch's allocator then defers its event processing for the marks
+// alone: use_mem_pool, NCCL registration and CUDA-graph trees' warm-up route
+// with no capture. A mark PyTorch never ends (a capture abandoned before
+// capture_end, whose reset() ends the route only) ends once no route is left
+// open on the device: PyTorch ends a capture's mark before its route, so no
+// capture is marked without its route open. The caller waits, once a route
+// or mark is open, for every pool of every device to finish the operation it
+// was in (quiesce()).
 //
 // Locks: mu_ is taken shared to allocate from, free into or read the pools,
 // and exclusively to add, release, reclaim or restore one; then a pool's own
@@ -43,6 +54,7 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -84,14 +96,14 @@ class GraphPools {
   // -- Routes and the capture window ------------------------------------------
 
   /// From now on, allocations on streams the filter accepts come from pool
-  /// `id` (created if new); a use of the pool. A pool may have several
-  /// routes at once. The filter is called with no lock of PyTorch's held,
-  /// and must not allocate.
-  void begin_route(PoolId id, StreamFilter filter);
-  /// Stops the first route to pool `id` still counting as a capture (as
-  /// PyTorch's allocator stops the first), and with it the healed routes to
-  /// the pool begun before it (never one whose filter the bridge has dropped,
-  /// bridge_api.h); the pool and its blocks stay.
+  /// `id` (created if new); a use of the pool. With `capture`, the route
+  /// counts as a capture underway until it ends (PyTorch marks no capture).
+  /// Throws std::invalid_argument if the pool is being recorded to already
+  /// (a route to it still open, not healed), as PyTorch's allocator refuses
+  /// it; a healed route to it goes. The filter is called with no lock of
+  /// PyTorch's held, and must not allocate.
+  void begin_route(PoolId id, StreamFilter filter, bool capture = true);
+  /// Stops the route to pool `id`, if any; the pool and its blocks stay.
   void end_route(PoolId id);
   /// A MemPool: creates pool `id` with one use (its segments from `source`,
   /// if given), or adds a use.
@@ -102,8 +114,9 @@ class GraphPools {
   /// if that was the last use (a capture it declared may have ended).
   bool release(PoolId id);
   /// torch 2.13's markCaptureBegin (begin) / markCaptureEnd: a capture on
-  /// the device counts as underway in between. An end without a begin is
-  /// ignored. True if a mark ended.
+  /// the device counts as underway in between, or until no route is left
+  /// open on the device. An end without a begin is ignored. True if a mark
+  /// ended.
   bool mark_capture(bool begin);
   /// Ends counting as a capture underway each route whose capturing streams
   /// have all been done for kRouteHealGrace (see graph_pools.cpp, "A route
@@ -139,10 +152,14 @@ class GraphPools {
 
   // -- Checkpoints (PyTorch's CUDA-graph trees) -------------------------------
 
-  /// The uses of pool `id` (0 if there is no such pool).
+  /// The uses of pool `id`. Throws no_such_pool() if there is none.
   int use_count(PoolId id) const;
   /// The live allocations of pool `id` (PyTorch's checkPoolLiveAllocations).
+  /// Throws no_such_pool() if there is none.
   std::vector<uintptr_t> live_blocks(PoolId id) const;
+  /// The error PyTorch's allocator raises for a pool that does not exist
+  /// ("Could not find pool of id").
+  static std::invalid_argument no_such_pool(PoolId id);
   /// The live allocations of pool `id` with their sizes and streams
   /// (PyTorch's getCheckpointState).
   std::vector<LiveBlock> checkpoint(PoolId id) const;
@@ -186,12 +203,14 @@ class GraphPools {
   struct Pool;
   // A route of begin_route(). While `declared`, it counts as a capture
   // underway (capture.h): until end_route(), its pool's last release(), or
-  // heal_routes(). Changed under mu_ held exclusively, except `seen` and
-  // `ended`, guarded by seen_mu_.
+  // heal_routes() (then `healed`: its capture was seen over, and PyTorch
+  // never ended the route). Changed under mu_ held exclusively, except
+  // `seen` and `ended`, guarded by seen_mu_.
   struct Route {
     PoolId id;
     StreamFilter filter;
     bool declared = true;
+    bool healed = false;
     std::vector<std::pair<Stream, uint64_t>> seen;  // (stream, capture id) it served capturing
     double ended = 0;  // when all of `seen` were first found done (steady seconds), 0: not yet
   };
@@ -200,6 +219,8 @@ class GraphPools {
   bool reclaim_locked(Pool& pool);
   bool route_abandoned_locked(Route& route);
   void undeclare_locked(Route& route, const char* why);
+  void retire_locked(Route& route, const char* why);
+  bool end_abandoned_marks_locked();
 
   Device& device_;
   DeviceBudget& budget_;

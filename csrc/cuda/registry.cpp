@@ -110,6 +110,7 @@ void PoolRegistry::reset_fake() {
   history_max_ = 0;
   route_ = kNotInstalled;
   told_of_captures_ = false;
+  captures_marked_ = false;
   device_count_ = -1;
   fake_ = false;
   fake_capacity_ = 0;

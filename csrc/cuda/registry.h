@@ -59,12 +59,17 @@ class PoolRegistry final : public ProcessPools {
   void set_route(Route route) {
     route_ = route;
     if (route == kBridge) set_told_of_captures(true);  // the bridge always passes them on
+    else set_captures_marked(false);                   // only the bridge passes marks on
   }
   /// PyTorch will call begin/end_allocate_to_pool around every capture (the
   /// bridge, or hooks where torch has the setters): allocations need not ask
   /// the driver whether their stream is capturing.
   void set_told_of_captures(bool told) { told_of_captures_.store(told, std::memory_order_release); }
   bool told_of_captures() const override { return told_of_captures_.load(std::memory_order_acquire); }
+  /// The bridge, built against torch 2.13 or later, passes on PyTorch's
+  /// markCaptureBegin/End: from then on a pool route alone is no capture.
+  void set_captures_marked(bool marked) { captures_marked_.store(marked, std::memory_order_release); }
+  bool captures_marked() const override { return captures_marked_.load(std::memory_order_acquire); }
   Route route() const { return static_cast<Route>(route_.load()); }
   bool installed() const { return route_.load() != kNotInstalled; }
 
@@ -89,6 +94,7 @@ class PoolRegistry final : public ProcessPools {
   std::atomic<DevicePools*> only_{nullptr};  // kSeveral once a second device has pools
   std::atomic<int> route_{kNotInstalled};
   std::atomic<bool> told_of_captures_{false};
+  std::atomic<bool> captures_marked_{false};
   std::atomic<int> device_count_{-1};
   bool fake_ = false;
   size_t fake_capacity_ = 0;

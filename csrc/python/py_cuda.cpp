@@ -391,9 +391,11 @@ void bind_cuda(py::module_& m) {
       "cuda_pool_live_blocks",
       [](int device, std::pair<uint64_t, uint64_t> id) {
         DevicePools* p = registry().find(device);
-        return p != nullptr ? p->graphs().live_blocks(id) : std::vector<uintptr_t>();
+        if (p == nullptr) throw GraphPools::no_such_pool(id);
+        return p->graphs().live_blocks(id);
       },
-      py::arg("device"), py::arg("pool_id"), "The live allocations of a graph pool, by address.");
+      py::arg("device"), py::arg("pool_id"),
+      "The live allocations of a graph pool, by address; ValueError if there is no such pool.");
   m.def(
       "_testing_pool_hook",
       [](const std::string& name, int device, std::pair<unsigned long long, unsigned long long> id,
@@ -430,10 +432,13 @@ void bind_cuda(py::module_& m) {
         else if (what == "release") p.release_pool(id);
         else if (what == "end") p.end_allocate_to_pool(id);
         else if (what != "use_count") throw std::invalid_argument("unknown pool call " + what);
-        return p.graphs().use_count(id);
+        for (const GraphPools::Info& pool : p.graphs().info())
+          if (pool.id == id) return pool.uses;
+        return 0;  // no such pool (any more)
       },
       py::arg("what"), py::arg("device"), py::arg("pool_id"),
-      "Tests: DevicePools' pool calls (create_or_incref, release, end, use_count); the use count.");
+      "Tests: DevicePools' pool calls (create_or_incref, release, end, use_count); the use count "
+      "after it (0: no such pool).");
 
   m.def(
       "_testing_use_fake_devices",

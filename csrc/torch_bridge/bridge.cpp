@@ -564,17 +564,18 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
           return routed;
         },
         kept.get()));
-    // In begin order, as pyalloc keeps the routes: the same pool may be begun
-    // more than once (use_mem_pool from several threads), and each end stops
-    // the first.
-    filters_.emplace(std::make_tuple(int(device), id.first, id.second), std::move(kept));
+    // A pool has one route at a time in pyalloc, as in PyTorch's allocator (a
+    // second begin raised above): a filter still kept for the pool is that of
+    // a failed capture's route, which pyalloc dropped for this one.
+    auto key = std::make_tuple(int(device), id.first, id.second);
+    filters_.erase(key);
+    filters_.emplace(key, std::move(kept));
   }
 
   void endAllocateToPool(DeviceIndex device, MempoolId id) override {
     std::lock_guard<std::mutex> g(filters_mu_);
     check(api->end_allocate_to_pool(device, id.first, id.second));
-    auto it = filters_.find(std::make_tuple(int(device), id.first, id.second));
-    if (it != filters_.end()) filters_.erase(it);  // pyalloc calls it no more
+    filters_.erase(std::make_tuple(int(device), id.first, id.second));  // pyalloc calls them no more
   }
 
 #if PYALLOC_TORCH_AT_LEAST(2, 13)
@@ -933,7 +934,7 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   std::unordered_map<cca::CUDAAllocator*, std::shared_ptr<cca::CUDAAllocator>> pool_allocators_;
 
   std::mutex filters_mu_;
-  std::multimap<std::tuple<int, uint64_t, uint64_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>>
+  std::map<std::tuple<int, uint64_t, uint64_t>, std::unique_ptr<std::function<bool(cudaStream_t)>>>
       filters_;
 };
 
@@ -1005,6 +1006,11 @@ void install(const std::string& pyalloc_library) {
   register_for_device_type(instance);
   check(api->set_free_memory_hook(&free_memory_callbacks, nullptr));  // only once PyTorch's pools are pyalloc's
   check(api->set_route(2));
+#if PYALLOC_TORCH_AT_LEAST(2, 13)
+  // PyTorch marks each capture (markCaptureBegin/End, passed on above): a
+  // pool route alone, as use_mem_pool makes, is then no capture.
+  if (PYALLOC_API_HAS(set_captures_marked)) check(api->set_captures_marked(1));
+#endif
 }
 
 }  // namespace

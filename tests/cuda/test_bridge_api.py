@@ -23,7 +23,7 @@ import pyalloc
 from pyalloc import _C
 
 from bridge_api import INVALID, OK, OUT_OF_MEMORY, Api, BlockInfo, BridgeApi, DeviceStats
-from bridge_api import FILTER_FN, FREE_MEMORY_FN, LiveBlock, OomInfo, SegmentInfo, TraceEntry, checkpoint, restore
+from bridge_api import FILTER_FN, FREE_MEMORY_FN, VALUE_FN, LiveBlock, OomInfo, SegmentInfo, TraceEntry, checkpoint, restore
 from bridge_api import OWNER_NONE, OWNER_OTHER, OWNER_POOLS, VERSION, MemoryUsage
 
 MiB = 1 << 20
@@ -262,29 +262,67 @@ def test_graph_pools_route_by_the_filter(api, fake):
     assert api.pool_use_count(0, 0, 3, ctypes.byref(count)) == OK and count.value == 2
 
 
-def test_a_pool_may_be_routed_to_twice_and_each_end_stops_the_first(api, fake):
-    # use_mem_pool on two threads: two filters for one pool, as PyTorch allows.
-    first = FILTER_FN(lambda _u, s: int((s or 0) == 1))
-    second = FILTER_FN(lambda _u, s: int((s or 0) == 2))
-    assert api.begin_allocate_to_pool(0, 2, 0, first, None) == OK
-    assert api.begin_allocate_to_pool(0, 2, 0, second, None) == OK
-    _, a, _ = api.malloc(MiB, stream=2)
-    assert api.values("pool_live_blocks", 0, 2, 0) == [a]
-    assert api.end_allocate_to_pool(0, 2, 0) == OK  # the first route (stream 1) stops
-    _, b, _ = api.malloc(MiB, stream=2)
-    _, c, _ = api.malloc(MiB, stream=1)
-    assert sorted(api.values("pool_live_blocks", 0, 2, 0)) == sorted([a, b])
-    assert api.end_allocate_to_pool(0, 2, 0) == OK
-    for p in (a, b, c):
+def test_the_newest_route_wins(api, fake):
+    """Regression (issue 53, item 1): PyTorch's allocator searches the routes being
+    recorded newest first, so torch.cuda.use_mem_pool(P) opened inside
+    torch.cuda.graph(g) sends the capture's allocations to P. pyalloc took the
+    oldest route: the capture's pool got them and P stayed empty."""
+    on_7 = FILTER_FN(lambda _u, s: int((s or 0) == 7))  # the capture: its stream only
+    every = FILTER_FN(lambda _u, s: 1)  # use_mem_pool: every stream
+    assert api.begin_allocate_to_pool(0, 1, 0, on_7, None) == OK
+    assert api.begin_allocate_to_pool(0, 0, 5, every, None) == OK
+    _, inner, _ = api.malloc(MiB, stream=7)
+    assert api.values("pool_live_blocks", 0, 0, 5) == [inner]
+    assert api.values("pool_live_blocks", 0, 1, 0) == []
+    assert api.end_allocate_to_pool(0, 0, 5) == OK  # use_mem_pool exits: the capture's route again
+    _, outer, _ = api.malloc(MiB, stream=7)
+    _, general, _ = api.malloc(MiB, stream=8)
+    assert api.values("pool_live_blocks", 0, 1, 0) == [outer]
+    assert api.end_allocate_to_pool(0, 1, 0) == OK
+    for p in (inner, outer, general):
         api.free(p, 0)
+    assert api.release_pool(0, 1, 0) == OK and api.release_pool(0, 0, 5) == OK
+    assert api.empty_cache(0) == OK
+    assert _C.cuda_graph_pools(0) == []
+
+
+def test_a_second_route_into_a_pool_being_recorded_to_is_refused(api, fake):
+    """Regression (issue 53, item 2): PyTorch's beginAllocateToPool refuses a pool
+    already being recorded to ("already recording to mempool_id"). pyalloc took a
+    second route (torch.cuda.graph(g, pool=P.id) on one thread, use_mem_pool(P) on
+    another) and the first end stopped the oldest: the capture's own route."""
+    capture = FILTER_FN(lambda _u, s: int((s or 0) == 1))
+    other = FILTER_FN(lambda _u, s: int((s or 0) == 2))
+    count = ctypes.c_int()
+    assert api.begin_allocate_to_pool(0, 2, 0, capture, None) == OK
+    assert api.begin_allocate_to_pool(0, 2, 0, other, None) == INVALID
+    assert "already recording to mempool_id" in api.error() and "(2, 0)" in api.error()
+    assert api.pool_use_count(0, 2, 0, ctypes.byref(count)) == OK and count.value == 1  # no use taken
+    _, a, _ = api.malloc(MiB, stream=1)
+    _, general, _ = api.malloc(MiB, stream=2)  # the refused route sends nothing to the pool
+    assert api.values("pool_live_blocks", 0, 2, 0) == [a]
+    assert api.end_allocate_to_pool(0, 2, 0) == OK  # the one route there is ends
+    _, b, _ = api.malloc(MiB, stream=1)
+    assert api.values("pool_live_blocks", 0, 2, 0) == [a]
+    # Once it has ended, the pool may be recorded to again.
+    assert api.begin_allocate_to_pool(0, 2, 0, other, None) == OK
+    _, c, _ = api.malloc(MiB, stream=2)
+    assert sorted(api.values("pool_live_blocks", 0, 2, 0)) == sorted([a, c])
+    assert api.end_allocate_to_pool(0, 2, 0) == OK
+    for p in (a, b, c, general):
+        api.free(p, 0)
+    assert api.release_pool(0, 2, 0) == OK and api.release_pool(0, 2, 0) == OK
+    assert api.empty_cache(0) == OK
+    assert _C.cuda_graph_pools(0) == []
 
 
 def test_an_end_never_leaves_a_route_whose_filter_the_bridge_dropped(api, fake):
-    """Regression: the bridge drops the oldest filter of a pool at each
-    end_allocate_to_pool, as PyTorch ends the oldest capture into it. A capture
-    that failed (its route never ended) and healed while a retried capture into
-    the same pool went on stayed routed when the retry's end came, and pyalloc
-    went on calling its filter: after the bridge had freed it."""
+    """Regression: the bridge drops the filters of a pool's earlier routes when a
+    route into it begins or ends. A capture that failed (its route never ended)
+    left a route that, once healed, stayed routed while a retried capture into the
+    same pool went on, and pyalloc went on calling its filter: after the bridge
+    had freed it. A retry while the failed route still counts as a capture is
+    refused, as PyTorch refuses a second route into a pool being recorded to."""
     stream = 0x77
     capture_id = [0]
 
@@ -305,16 +343,19 @@ def test_an_end_never_leaves_a_route_whose_filter_the_bridge_dropped(api, fake):
     capture(45)
     _, g, _ = api.malloc(MiB, stream=stream)  # the failed capture's stream is seen
     capture(0)  # cudaStreamEndCapture fails: this route's end never comes
-    assert api.begin_allocate_to_pool(0, 9, 0, retried, None) == OK  # retried at once
-    capture(46)
-    _, h, _ = api.malloc(MiB, stream=stream)
+    assert api.begin_allocate_to_pool(0, 9, 0, retried, None) == INVALID  # retried at once
+    assert "already recording" in api.error()
+    api.free(api.malloc(512, stream=1)[1], 0)  # the failed capture's stream is seen done
     time.sleep(_C.cuda_route_heal_grace() + 0.1)
     api.free(api.malloc(512, stream=1)[1], 0)  # the failed capture's route heals
+    assert api.begin_allocate_to_pool(0, 9, 0, retried, None) == OK  # the bridge drops `failed`
+    capture(46)
+    _, h, _ = api.malloc(MiB, stream=stream)
     capture(0)
-    assert api.end_allocate_to_pool(0, 9, 0) == OK  # the retry ends: the bridge drops `failed`
+    assert api.end_allocate_to_pool(0, 9, 0) == OK
     calls.clear()
     _, k, _ = api.malloc(MiB, stream=stream)
-    assert 45 not in calls  # no route left calls the dropped filter
+    assert 45 not in calls and 46 not in calls  # no route left calls a dropped filter
     assert api.values("pool_live_blocks", 0, 9, 0) == sorted([g, h])
     for p in (g, h, k):
         api.free(p, 0)
@@ -322,6 +363,101 @@ def test_an_end_never_leaves_a_route_whose_filter_the_bridge_dropped(api, fake):
     assert api.release_pool(0, 9, 0) == OK
     assert api.empty_cache(0) == OK
     assert _C.cuda_graph_pools(0) == []
+
+
+def cached_on_device_1(api) -> None:
+    """8 MiB cached on device 1: empty_cache releases it unless a capture is underway."""
+    _, p, _ = api.malloc(8 * MiB, device=1)
+    assert api.free(p, 0) == OK
+    assert api.stats(1)["reserved_bytes.all.current"] >= 8 * MiB
+
+
+def released_on_device_1(api) -> bool:
+    assert api.empty_cache(-1) == OK
+    return api.stats(1)["reserved_bytes.all.current"] == 0
+
+
+@pytest.mark.parametrize("marked", [0, 1], ids=["routes_count", "captures_marked"])
+def test_a_capture_abandoned_after_its_mark_counts_no_longer(api, fake, marked):
+    """Regression (issue 53, item 11): torch 2.13 marks a capture after
+    cudaStreamBeginCapture and unmarks it in capture_end, before it ends the
+    route. A capture abandoned in between (CUDAGraph::reset() ends its route and
+    releases its pool, with no markCaptureEnd) left the mark open: a capture
+    underway for good, nothing released on any device again."""
+    filt = FILTER_FN(lambda _u, s: int((s or 0) == 0x70))
+    if marked:
+        assert api.set_captures_marked(1) == OK
+    cached_on_device_1(api)
+    assert api.begin_allocate_to_pool(0, 0, 70, filt, None) == OK
+    assert api.mark_capture(0, 1) == OK  # markCaptureBegin: the capture has begun
+    assert not released_on_device_1(api)
+    # reset() of the abandoned graph: its route ends, its pool goes; no mark's end.
+    assert api.end_allocate_to_pool(0, 0, 70) == OK
+    assert api.release_pool(0, 0, 70) == OK
+    assert released_on_device_1(api)
+    assert api.mark_capture(0, 0) == OK  # a late end finds no mark: ignored
+    # A capture that ends as torch 2.13 ends it still counts until its mark ends,
+    # and another capture's mark is not taken for it.
+    cached_on_device_1(api)
+    assert api.begin_allocate_to_pool(0, 0, 71, filt, None) == OK
+    assert api.mark_capture(0, 1) == OK
+    assert api.mark_capture(0, 0) == OK
+    assert api.end_allocate_to_pool(0, 0, 71) == OK
+    assert released_on_device_1(api)
+    cached_on_device_1(api)
+    assert api.begin_allocate_to_pool(0, 0, 72, filt, None) == OK
+    assert api.mark_capture(0, 1) == OK
+    assert api.release_pool(0, 0, 71) == OK  # the first graph goes: not this capture
+    assert not released_on_device_1(api)
+    assert api.mark_capture(0, 0) == OK
+    assert api.end_allocate_to_pool(0, 0, 72) == OK
+    assert released_on_device_1(api)
+    assert api.release_pool(0, 0, 72) == OK
+
+
+def test_on_torch_2_13_a_route_alone_is_no_capture(api, fake):
+    """Regression (issue 53, item 11): from torch 2.13 PyTorch marks each capture
+    (markCaptureBegin/End) apart from routing a pool, which use_mem_pool, NCCL
+    registration and CUDA-graph trees' warm-up do with no capture; its allocator
+    defers event processing for the marks alone. pyalloc counted every open route
+    as a capture on every device: inside use_mem_pool nothing was released and no
+    event asked about, and each free waited."""
+    every = FILTER_FN(lambda _u, s: 1)
+    assert api.set_captures_marked(1) == OK  # the bridge, built against torch 2.13+
+    try:
+        cached_on_device_1(api)
+        assert api.begin_allocate_to_pool(0, 0, 73, every, None) == OK  # use_mem_pool(P)
+        _, p, _ = api.malloc(MiB, stream=3)
+        assert api.values("pool_live_blocks", 0, 0, 73) == [p]
+        assert released_on_device_1(api)  # no capture is underway
+        cached_on_device_1(api)
+        assert api.mark_capture(0, 1) == OK  # a capture begins inside it: that counts
+        assert not released_on_device_1(api)
+        assert api.mark_capture(0, 0) == OK
+        assert released_on_device_1(api)
+        assert api.end_allocate_to_pool(0, 0, 73) == OK
+        api.free(p, 0)
+        assert api.release_pool(0, 0, 73) == OK
+    finally:
+        assert api.set_captures_marked(0) == OK
+
+
+def test_pool_calls_on_a_pool_that_does_not_exist_raise(api, fake):
+    """Regression (issue 53, item 11): PyTorch's checkPoolLiveAllocations raises
+    "Could not find pool of id" and getPoolUseCount asserts for a pool that does
+    not exist; pyalloc answered an empty pool (CUDA-graph trees' check passed) and 0."""
+    count = ctypes.c_int()
+    for device in (0, 1):  # device 1 has no pools at all yet
+        assert api.pool_use_count(device, 0, 99, ctypes.byref(count)) == INVALID
+        assert "Could not find pool of id" in api.error() and "(0, 99)" in api.error()
+        status = api.pool_live_blocks(device, 0, 99, VALUE_FN(lambda _u, v: None), None)
+        assert status == INVALID and "Could not find pool of id" in api.error()
+    assert api.create_or_incref_pool(0, 0, 99) == OK
+    assert api.pool_use_count(0, 0, 99, ctypes.byref(count)) == OK and count.value == 1
+    assert api.values("pool_live_blocks", 0, 0, 99) == []
+    assert api.release_pool(0, 0, 99) == OK
+    assert api.empty_cache(0) == OK  # the pool is gone
+    assert api.pool_use_count(0, 0, 99, ctypes.byref(count)) == INVALID
 
 
 def test_cache_info_fraction_and_resets(api, fake):

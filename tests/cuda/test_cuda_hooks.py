@@ -661,8 +661,8 @@ def test_release_pool_ends_a_route_left_open(fake, lib, capfd):
     can see end; the pool's last release_pool ends it."""
     lib.pyalloc_free(lib.pyalloc_malloc(8 * MiB, 1, None), 0, 1, None)
     hook("begin_allocate_to_pool", (0, 67), [CAPTURE_STREAM])
-    hook("begin_allocate_to_pool", (0, 67), [CAPTURE_STREAM + 1])  # a second graph, same pool
-    hook("end_allocate_to_pool", (0, 67))
+    hook("end_allocate_to_pool", (0, 67))  # a graph captured into the pool
+    hook("begin_allocate_to_pool", (0, 67), [CAPTURE_STREAM + 1])  # a second graph, same pool: fails
     hook("release_pool", (0, 67))  # one graph gone: the other's route may be a live capture
     lib.pyalloc_empty_cache()
     assert reserved(1) >= 8 * MiB
@@ -727,21 +727,24 @@ def test_graph_pool_and_general_frees_from_many_threads(fake, lib):
 
 def test_pool_calls_errors(fake, lib):
     hook("begin_allocate_to_pool", (0, 4), [CAPTURE_STREAM])
-    # A pool routed to twice at once (use_mem_pool on two threads), as PyTorch allows.
-    hook("begin_allocate_to_pool", (0, 4), [CAPTURE_STREAM + 1])
-    assert _C._testing_pool("use_count", 0, (0, 4)) == 2
-    p = lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM + 1)
+    # A second route into a pool being recorded to (use_mem_pool on another
+    # thread) is refused, as PyTorch's beginAllocateToPool refuses it.
+    with pytest.raises(ValueError, match="already recording to mempool_id"):
+        hook("begin_allocate_to_pool", (0, 4), [CAPTURE_STREAM + 1])
+    assert _C._testing_pool("use_count", 0, (0, 4)) == 1
+    p = lib.pyalloc_malloc(MiB, 0, CAPTURE_STREAM)
     assert _C.cuda_pool_live_blocks(0, (0, 4)) == [p]
-    hook("end_allocate_to_pool", (0, 4))
     hook("end_allocate_to_pool", (0, 4))
     hook("end_allocate_to_pool", (0, 4))  # once more: nothing more to do
     hook("end_allocate_to_pool", (9, 9))  # unknown pools are ignored by end and release
     hook("release_pool", (9, 9))
-    hook("release_pool", (0, 4))
     lib.pyalloc_free(p, 0, 0, None)
     hook("release_pool", (0, 4))
     hook("release_pool", (0, 4))
     assert pools() == {}
+    # As PyTorch's checkPoolLiveAllocations: a pool that does not exist is an error.
+    with pytest.raises(ValueError, match="Could not find pool of id"):
+        _C.cuda_pool_live_blocks(0, (0, 4))
 
 
 def test_mempool_uses(fake, lib):

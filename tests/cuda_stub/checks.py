@@ -1174,11 +1174,23 @@ def vmm_check_parked_pages_go_back_when_the_capture_ends():
     OK, api = bridge_api()
     cap, other = 0x5800, 0x5900
     reserved = lambda device: _C.cuda_device_stats(device)["reserved_bytes.all.current"]  # noqa: E731
-    pool = (0, 31)
+    pool, marked_pool = (0, 31), (0, 32)
+
+    def marked(begin):
+        """A capture as torch 2.13 makes it: its route, then its mark; the mark's
+        end (markCaptureEnd), then the route's end and the graph's reset."""
+        if begin:
+            pool_hook("begin_allocate_to_pool", marked_pool, [cap + 1])
+            assert api.mark_capture(0, 1) == OK  # markCaptureBegin
+        else:
+            assert api.mark_capture(0, 0) == OK
+            pool_hook("end_allocate_to_pool", marked_pool)
+            pool_hook("release_pool", marked_pool)
+
     opens = {"route": lambda: pool_hook("begin_allocate_to_pool", pool, [cap]),
-             "mark": lambda: api.mark_capture(0, 1)}  # markCaptureBegin
+             "mark": lambda: marked(True)}
     ends = {"route": lambda: pool_hook("end_allocate_to_pool", pool),
-            "mark": lambda: api.mark_capture(0, 0),
+            "mark": lambda: marked(False),
             "release": lambda: pool_hook("release_pool", pool)}  # a route never ended
     stub.forbidden_during_capture = 0
     # (the first capture, the second, how the second ends, the device whose pages park)
