@@ -322,5 +322,5 @@ if sys.argv[2] == "receive":
 else:
     {"bestfit": bestfit, "vmm": vmm, "vmm-large-pid": vmm_large_pid, "vmm-unshareable": vmm_unshareable,
      "slow-sender": slow_sender, "fd-leaks": fd_leaks}[sys.argv[3]]()
-    assert stub.bad_handle == 0
+    assert stub.bad_handle == 0 and stub.vmm_refused == 0 and stub.capture_invalidated == 0
     print("OK")
