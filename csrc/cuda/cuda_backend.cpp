@@ -203,9 +203,13 @@ size_t probe_vmm(const Driver& d, CudaShared& sh) {
     step = "cuMemCreate";
     calls++;
     r = d.MemCreate(&h, page, &sh.prop, 0);
-    if ((r == CUDA_ERROR_NOT_SUPPORTED || r == CUDA_ERROR_INVALID_VALUE) &&
+    if (r != CUDA_SUCCESS && r != CUDA_ERROR_OUT_OF_MEMORY &&
         sh.prop.requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE) {
-      // Pages the device cannot share still serve this process.
+      // Pages the device cannot share still serve this process. Drivers
+      // refuse the handle type with NOT_SUPPORTED, INVALID_VALUE or
+      // NOT_PERMITTED: as PyTorch's expandable segments do, any answer but
+      // out of memory means "not this handle type". A device that refuses
+      // pages of any kind refuses the plain ones too, and says so.
       sh.share_why = "the device refused pages with a POSIX file descriptor handle: cuMemCreate failed: " +
                      error_name(r);
       sh.prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;

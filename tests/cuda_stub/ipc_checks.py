@@ -5,7 +5,8 @@ stand-in as libcuda.so.1:  ipc_checks.py PATH/TO/libcuda.so.1 send MODE
 MODE: "bestfit" (legacy IPC handles of segments), "vmm" (pages as file
 descriptors over the sender's socket), "vmm-large-pid" (the same from a
 sender whose process id has 7 digits), "vmm-unshareable" (the device refuses
-shareable pages: sharing is refused, the pools still work), "slow-sender" (a
+shareable pages: sharing is refused, the pools still work), "vmm-unshareable-
+not-permitted" (the same, refused with CUDA_ERROR_NOT_PERMITTED), "slow-sender" (a
 sender that never answers stalls no other open or close), "fd-leaks" (no
 descriptor is left open when an export or an import fails). The sender calls
 the bridge's table as the bridge does for PyTorch's shareIpcHandle, and
@@ -304,15 +305,23 @@ def fd_leaks():
     assert open_fds() - fds == collections.Counter(socket=1), (open_fds(), fds)
 
 
-def vmm_unshareable():
+def vmm_unshareable(refusal=0):
+    """The device refuses pages with a POSIX file descriptor handle: with
+    CUDA_ERROR_NOT_SUPPORTED (the stand-in's default), or as real drivers also
+    answer, CUDA_ERROR_NOT_PERMITTED (regression: only NOT_SUPPORTED and
+    INVALID_VALUE fell back to unshareable pages; any other refusal left the
+    device without vmm). PyTorch's expandable segments take any error but out
+    of memory as "this handle type is not supported" and fall back."""
     stub.vmm = 1
     stub.refuse_fd_handles = 1
+    stub.refuse_fd_handles_with = refusal
     _C.cuda_configure("pool_size:0,strategy:vmm")
     p = malloc(3 * MiB)
     assert _C.cuda_config()["strategy"] == "vmm", "pages that cannot be shared still serve the process"
     status, handle, _ = api.ipc_share(p)
     assert status == ERROR and handle == b""
     assert "the device refused pages with a POSIX file descriptor handle" in api.error(), api.error()
+    assert ("CUDA_ERROR_NOT_PERMITTED" if refusal == 800 else "CUDA_ERROR_NOT_SUPPORTED") in api.error()
     assert _C.cuda_ipc_counts()["exports"] == 0
     assert api.free(p, 0) == OK
 
@@ -321,6 +330,7 @@ if sys.argv[2] == "receive":
     print(json.dumps(receive(json.loads(sys.stdin.read()))))
 else:
     {"bestfit": bestfit, "vmm": vmm, "vmm-large-pid": vmm_large_pid, "vmm-unshareable": vmm_unshareable,
+     "vmm-unshareable-not-permitted": lambda: vmm_unshareable(800),
      "slow-sender": slow_sender, "fd-leaks": fd_leaks}[sys.argv[3]]()
     assert stub.bad_handle == 0 and stub.vmm_refused == 0 and stub.capture_invalidated == 0
     print("OK")
