@@ -36,6 +36,8 @@ def receive(request):
     """In the receiving process: open, read, write back, open again, close."""
     handle = bytes.fromhex(request["handle"])
     fds = open_fds()
+    if request.get("open_during_capture"):
+        return open_during_capture(handle, request["device"])
     status, base = api.ipc_open(handle, request["device"])
     if status != OK:
         return {"error": api.error(), "mappings": _C.cuda_ipc_counts()["mappings"],
@@ -49,13 +51,45 @@ def receive(request):
     again = api.ipc_open(handle, request["device"])
     while_open = dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened,
                       ipc_open=stub.ipc_open)
-    assert api.ipc_close(base) == OK and api.ipc_close(again[1]) == OK, api.error()
+    # Kernels queued on the memory (`y = model(t); del t`): its last close
+    # waits for them before it unmaps, the first has nothing to unmap.
+    stub.work_queued = 1
+    assert api.ipc_close(base) == OK, api.error()
+    syncs = stub.ctx_synchronize
+    assert api.ipc_close(again[1]) == OK, api.error()
     return {
         "seen_pattern": seen == bytes([request["pattern"]]) * size,
         "same_mapping": again == (OK, base),
         "while_open": while_open,
+        "syncs": [syncs, stub.ctx_synchronize], "unmapped_under_work": stub.unmapped_under_work,
         "after": dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened),
     }
+
+
+def begin_capture(device):
+    """torch 2.13's markCaptureBegin, and a stream capturing."""
+    assert api.mark_capture(device, 1) == OK, api.error()
+    stub.capture_id, stub.capturing_stream = 93, 0x5300
+    stub.forbidden_during_capture = stub.relaxed_during_capture = 0
+
+
+def open_during_capture(handle, device):
+    """In the receiving process: the memory opened while another thread
+    captures a CUDA graph, as a consumer thread receives tensors then. Importing,
+    reserving and mapping are legal then in relaxed mode only; closing waits for
+    the capture's end."""
+    begin_capture(device)
+    status, base = api.ipc_open(handle, device)
+    during = dict(_C.cuda_ipc_counts(), status=status, error=api.error() if status != OK else "",
+                  forbidden=stub.forbidden_during_capture, relaxed=stub.relaxed_during_capture,
+                  invalidated=stub.capture_invalidated, mode=driver.stub_thread_mode())
+    if status == OK:
+        assert api.ipc_close(base) == OK, api.error()
+    during["deferred_after_close"] = _C.cuda_ipc_counts()["deferred_unmaps"]
+    stub.capturing_stream = 0  # cudaStreamEndCapture
+    assert api.mark_capture(device, 0) == OK, api.error()
+    return {"during": during, "after": dict(_C.cuda_ipc_counts(), imported=stub.imported,
+                                            ipc_opened=stub.ipc_opened)}
 
 
 def close_during_capture(base, device):
@@ -63,9 +97,7 @@ def close_during_capture(base, device):
     (torch 2.13's markCaptureBegin, a stream capturing), as a tensor received
     may be freed then on any thread. Unmapping it then would break the capture
     (CUDA's default global mode): it waits for the capture's end."""
-    assert api.mark_capture(device, 1) == OK, api.error()
-    stub.capture_id, stub.capturing_stream = 93, 0x5300
-    stub.forbidden_during_capture = 0
+    begin_capture(device)
     closed = api.ipc_close(base)
     during = dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened,
                   forbidden=stub.forbidden_during_capture)
@@ -87,6 +119,20 @@ def check_a_close_during_a_capture_waits_for_its_end(p, size):
     assert during["imported"] + during["ipc_opened"] >= 1, got
     assert after["mappings"] == 0 and after["deferred_unmaps"] == 0, got
     assert after["imported"] == 0 and after["ipc_opened"] == 0 and after["forbidden"] == 0, got
+
+
+def check_an_open_during_a_capture_breaks_nothing(p, size):
+    """Regression: a receiver's open imported, reserved and mapped (or opened a
+    legacy handle) in CUDA's global capture mode, which invalidates another
+    thread's capture; they run in relaxed mode now."""
+    handle, offset = share(p)
+    got = ask(handle, offset, size, open_during_capture=True)
+    during, after = got["during"], got["after"]
+    assert during["status"] == OK and during["mappings"] == 1, got
+    assert during["forbidden"] == 0 and during["invalidated"] == 0 and during["relaxed"] > 0, got
+    assert during["mode"] == 0, "the thread's capture mode is restored"
+    assert during["deferred_after_close"] == 1, got  # its close waited for the capture's end
+    assert after["mappings"] == 0 and after["imported"] == 0 and after["ipc_opened"] == 0, got
 
 
 def ask(handle, offset, size, pattern=0, reply=0, device=0, **more):
@@ -122,10 +168,14 @@ def check_a_received_block_is_the_senders_memory(size=3 * MiB):
     assert got["while_open"]["mappings"] == 1, got
     assert got["after"]["mappings"] == 0 and got["after"]["imported"] == 0, got
     assert got["after"]["ipc_opened"] == 0, got
+    # PyTorch synchronizes the device before it unmaps imported pages: the
+    # driver's unmap does not wait for kernels still using them.
+    assert got["syncs"][1] == got["syncs"][0] + 1 and got["unmapped_under_work"] == 0, got
     assert c.string_at(p + size // 2, size - size // 2) == b"\x22" * (size - size // 2)
     assert c.string_at(p, size // 2) == b"\x11" * (size // 2)
     assert share(p) == (handle, offset), "the same allocation gives the same handle"
     check_a_close_during_a_capture_waits_for_its_end(p, size)
+    check_an_open_during_a_capture_breaks_nothing(p, size)
     return p, handle, offset, got
 
 
@@ -207,7 +257,7 @@ def vmm():
     assert not again["seen_pattern"] and "error" not in again  # first half 0x11, second 0x22
     # Freed by its owner: the export ends, and a late receiver is refused.
     served = _C.cuda_ipc_counts()["served"]
-    assert served == 3, served  # one request per receiving process: its second open is cached
+    assert served == 4, served  # one request per receiving process: its second open is cached
     assert api.free(p, 0) == OK
     assert _C.cuda_ipc_counts()["exports"] == 0
     got = ask(handle, offset, 3 * MiB)
