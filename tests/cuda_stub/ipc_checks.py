@@ -45,6 +45,8 @@ def receive(request):
                 "fds_left": dict(open_fds() - fds)}
     if request.get("close_during_capture"):
         return close_during_capture(base, request["device"])
+    if request.get("wait_fails"):
+        return close_when_the_wait_fails(base)
     ptr, size = base + request["offset"], request["size"]
     seen = c.string_at(ptr, size)
     c.memset(ptr + size // 2, request["reply"], size - size // 2)
@@ -64,6 +66,16 @@ def receive(request):
         "syncs": [syncs, stub.ctx_synchronize], "unmapped_under_work": stub.unmapped_under_work,
         "after": dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened),
     }
+
+
+def close_when_the_wait_fails(base):
+    """In the receiving process: the device cannot be waited for (a kernel
+    failed: the error is sticky). Its kernels may still use the memory, so it
+    stays mapped; the close says why."""
+    stub.work_queued, stub.sync_error = 1, 700  # CUDA_ERROR_ILLEGAL_ADDRESS
+    status = api.ipc_close(base)
+    return {"status": status, "error": api.error(), "unmapped_under_work": stub.unmapped_under_work,
+            "after": dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened)}
 
 
 def begin_capture(device):
@@ -121,6 +133,15 @@ def check_a_close_during_a_capture_waits_for_its_end(p, size):
     assert after["imported"] == 0 and after["ipc_opened"] == 0 and after["forbidden"] == 0, got
 
 
+def check_a_close_that_cannot_wait_leaves_the_memory_mapped(p, size):
+    handle, offset = share(p)
+    got = ask(handle, offset, size, wait_fails=True)
+    assert got["status"] == ERROR and "cuCtxSynchronize" in got["error"], got
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in got["error"] and "stays mapped" in got["error"], got
+    assert got["unmapped_under_work"] == 0 and got["after"]["mappings"] == 0, got
+    assert got["after"]["imported"] + got["after"]["ipc_opened"] >= 1, got
+
+
 def check_an_open_during_a_capture_breaks_nothing(p, size):
     """Regression: a receiver's open imported, reserved and mapped (or opened a
     legacy handle) in CUDA's global capture mode, which invalidates another
@@ -176,6 +197,7 @@ def check_a_received_block_is_the_senders_memory(size=3 * MiB):
     assert share(p) == (handle, offset), "the same allocation gives the same handle"
     check_a_close_during_a_capture_waits_for_its_end(p, size)
     check_an_open_during_a_capture_breaks_nothing(p, size)
+    check_a_close_that_cannot_wait_leaves_the_memory_mapped(p, size)
     return p, handle, offset, got
 
 
@@ -257,7 +279,7 @@ def vmm():
     assert not again["seen_pattern"] and "error" not in again  # first half 0x11, second 0x22
     # Freed by its owner: the export ends, and a late receiver is refused.
     served = _C.cuda_ipc_counts()["served"]
-    assert served == 4, served  # one request per receiving process: its second open is cached
+    assert served == 5, served  # one request per receiving process: its second open is cached
     assert api.free(p, 0) == OK
     assert _C.cuda_ipc_counts()["exports"] == 0
     got = ask(handle, offset, 3 * MiB)

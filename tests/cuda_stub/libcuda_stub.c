@@ -88,7 +88,7 @@ struct Stub {
   int vmm;                   /* the device reports virtual memory management */
   int64_t mem_create, mem_release, mem_map, mem_unmap, mapped[DEVICES];
   int event_error;           /* cuEventQuery answers this (after recording) when nonzero */
-  int sync_error;            /* cuEventSynchronize answers this when nonzero */
+  int sync_error;            /* cuEventSynchronize and cuCtxSynchronize answer this when nonzero */
   int peer_access;           /* cuDeviceCanAccessPeer: the devices are peers */
   int refuse_peers;          /* cuMemSetAccess for more than one device fails */
   int vmm_refuse;            /* cuMemCreate answers NOT_PERMITTED, as in a sandbox */
@@ -219,6 +219,7 @@ CUresult cuCtxSynchronize(void) {
   CAPTURE_CHECK(during_capture());
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   stub.ctx_synchronize++;
+  if (stub.sync_error) return stub.sync_error;
   stub.work_queued = 0;
   return SUCCESS;
 }
