@@ -94,8 +94,12 @@ class CaptureTracker {
 /// restores the mode it had, as PyTorch's allocator does around cudaMalloc:
 /// in relaxed mode, allocating and mapping memory is legal while any stream
 /// of the process is being captured (in the default global mode, such a call
-/// from any thread invalidates the capture). Does nothing where the driver
-/// lacks cuThreadExchangeStreamCaptureMode.
+/// from any thread invalidates the capture). pyalloc wraps every driver call
+/// that may meet another thread's capture so, as NCCL wraps its cuMem* calls:
+/// growing a pool, a device's first opening (its context, granularity and
+/// virtual range), giving a range back, and opening another process's
+/// memory. Does nothing where the driver lacks
+/// cuThreadExchangeStreamCaptureMode.
 class RelaxedCaptureMode {
  public:
   explicit RelaxedCaptureMode(const drv::Driver& d);

@@ -203,9 +203,13 @@ size_t probe_vmm(const Driver& d, CudaShared& sh) {
     step = "cuMemCreate";
     calls++;
     r = d.MemCreate(&h, page, &sh.prop, 0);
-    if ((r == CUDA_ERROR_NOT_SUPPORTED || r == CUDA_ERROR_INVALID_VALUE) &&
+    if (r != CUDA_SUCCESS && r != CUDA_ERROR_OUT_OF_MEMORY &&
         sh.prop.requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE) {
-      // Pages the device cannot share still serve this process.
+      // Pages the device cannot share still serve this process. Drivers
+      // refuse the handle type with NOT_SUPPORTED, INVALID_VALUE or
+      // NOT_PERMITTED: as PyTorch's expandable segments do, any answer but
+      // out of memory means "not this handle type". A device that refuses
+      // pages of any kind refuses the plain ones too, and says so.
       sh.share_why = "the device refused pages with a POSIX file descriptor handle: cuMemCreate failed: " +
                      error_name(r);
       sh.prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
@@ -236,6 +240,11 @@ size_t probe_vmm(const Driver& d, CudaShared& sh) {
 }
 
 std::shared_ptr<CudaShared> open_shared(const Driver& d, int index) {
+  // A device's pools may first open while another thread captures: retaining
+  // its context, asking its granularity and reserving the trial range are
+  // legal then only in relaxed mode (in global mode each invalidates the
+  // capture), as NCCL makes every cuMem* call.
+  RelaxedCaptureMode relaxed(d);
   int count = cuda_device_count();
   if (index < 0 || index >= count)
     throw DriverError("invalid CUDA device index " + std::to_string(index) + ": the driver sees " +
@@ -367,6 +376,7 @@ class CudaBackend final : public Backend {
   bool vmm_proven() override { return sh_->vmm_proven; }
 
   uintptr_t vmm_reserve(size_t size) override {
+    RelaxedCaptureMode relaxed(d_);  // a pool may open during a capture
     ContextGuard g(d_, sh_->ctx);
     CUdeviceptr p = 0;
     if (d_.MemAddressReserve(&p, size, sh_->vmm_page, 0, 0) != CUDA_SUCCESS) return 0;
@@ -374,6 +384,9 @@ class CudaBackend final : public Backend {
   }
 
   void vmm_release(uintptr_t base, size_t size) override {
+    // Also when a pool opened during a capture gives its range back, nothing
+    // mapped (vmm.cpp): cuMemAddressFree is legal then in relaxed mode only.
+    RelaxedCaptureMode relaxed(d_);
     try {
       ContextGuard g(d_, sh_->ctx);
       for (auto it = handles_.begin(); it != handles_.end();) {

@@ -55,6 +55,7 @@ Loaded load() {
   fetch(lib, "cuDevicePrimaryCtxRetain", &d.DevicePrimaryCtxRetain, &missing);
   fetch(lib, "cuCtxGetCurrent", &d.CtxGetCurrent, &missing);
   fetch(lib, "cuCtxSetCurrent", &d.CtxSetCurrent, &missing);
+  fetch(lib, "cuCtxSynchronize", &d.CtxSynchronize, &missing);
   fetch(lib, "cuMemAlloc_v2", &d.MemAlloc, &missing);
   fetch(lib, "cuMemFree_v2", &d.MemFree, &missing);
   fetch(lib, "cuMemGetInfo_v2", &d.MemGetInfo, &missing);

@@ -117,6 +117,7 @@ struct Driver {
   CUresult (*DevicePrimaryCtxRetain)(CUcontext* ctx, CUdevice device);   // cuDevicePrimaryCtxRetain
   CUresult (*CtxGetCurrent)(CUcontext* ctx);                             // cuCtxGetCurrent
   CUresult (*CtxSetCurrent)(CUcontext ctx);                              // cuCtxSetCurrent
+  CUresult (*CtxSynchronize)();                                          // cuCtxSynchronize
   CUresult (*MemAlloc)(CUdeviceptr* ptr, size_t bytes);                  // cuMemAlloc_v2
   CUresult (*MemFree)(CUdeviceptr ptr);                                  // cuMemFree_v2
   CUresult (*MemGetInfo)(size_t* free_bytes, size_t* total_bytes);       // cuMemGetInfo_v2

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "capture.h"
 #include "cuda_driver.h"
 #include "registry.h"
 
@@ -507,6 +508,7 @@ void open_legacy(Mapping* m, const std::string& token) {
         "pyalloc: the CUDA driver lacks the legacy IPC entry points (cuIpcOpenMemHandle)");
   CUipcMemHandle h{};
   std::memcpy(h.reserved, token.data(), sizeof(h.reserved));
+  RelaxedCaptureMode relaxed(d);  // as map_pages()
   ContextGuard g(d, context_of(m->device));
   CUdeviceptr p = 0;
   CUresult r = d.IpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
@@ -582,9 +584,13 @@ Served fetch_pages(const PagesHandle& h) {
 }
 
 // Imports the pages served, maps them side by side in a range of their
-// size, and makes it accessible.
+// size, and makes it accessible. In relaxed capture mode: a consumer thread
+// may open tensors while another captures a graph, and retaining a context,
+// importing, reserving and mapping in the default global mode would
+// invalidate that capture (as pyalloc's pools grow during one: capture.h).
 void map_pages(Mapping* m, Served& pages) {
   const Driver& d = driver();
+  RelaxedCaptureMode relaxed(d);
   ContextGuard g(d, context_of(m->device));
   size_t n = pages.fds.size();
   m->bytes = pages.total;
@@ -628,10 +634,22 @@ void map_pages(Mapping* m, Served& pages) {
   }
 }
 
+// Unmaps m once the device is done with it. The receiver's kernels may still
+// use the memory when its last tensor dies (`y = model(t); del t`), and
+// cuMemUnmap and cuMemRelease do not wait for them in all cases: PyTorch
+// synchronizes the device before it unmaps imported pages (ExpandableSegment::
+// unmapHandles, with no stream of its own). cuIpcCloseMemHandle is documented
+// to wait no more, so a legacy handle waits too (PyTorch's closes at once).
+// A failed wait leaves m mapped: the memory may still be in use.
 void unmap(Mapping* m) {
   if (m->fake) return;
   const Driver& d = driver();
   ContextGuard g(d, context_of(m->device));
+  CUresult done = d.CtxSynchronize();
+  if (done != CUDA_SUCCESS)
+    throw std::runtime_error(
+        "pyalloc: waiting for the device before unmapping CUDA memory opened from another process "
+        "failed: cuCtxSynchronize: " + error_name(done) + "; the memory stays mapped");
   if (m->legacy) {
     CUresult r = d.IpcCloseMemHandle(static_cast<CUdeviceptr>(m->base));
     if (r != CUDA_SUCCESS)

@@ -32,8 +32,11 @@
 //
 // Receivers: opening the same handle again gives the same mapping, counted;
 // close() drops one use, and the last unmaps it (cuIpcCloseMemHandle, or
-// cuMemUnmap and cuMemRelease of the imported handles), after the capture if
-// a CUDA graph capture is underway (those calls would break it).
+// cuMemUnmap and cuMemRelease of the imported handles) once the device has
+// finished the work queued on it (cuCtxSynchronize, as PyTorch synchronizes
+// before it unmaps imported pages), after the capture if a CUDA graph
+// capture is underway (those calls would break it). Opening runs in relaxed
+// capture mode, legal while another thread captures.
 //
 // Fake devices (tests): a plain segment gives a 'c' handle whose payload
 // names this process and the address; a receiver in the same process
@@ -70,7 +73,8 @@ std::string share(DevicePools& pools, uintptr_t ptr, uint64_t* offset);
 /// driver or the sender refuses.
 uintptr_t open(int device, const std::string& handle);
 
-/// One use less of the mapping open() returned at ptr; the last unmaps it,
+/// One use less of the mapping open() returned at ptr; the last waits for the
+/// device's queued work and unmaps it,
 /// or, while a CUDA graph capture is underway, leaves it to unmap_deferred()
 /// (unmapping then would break the capture). Throws std::invalid_argument if
 /// ptr is no such mapping.

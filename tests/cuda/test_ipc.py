@@ -113,8 +113,8 @@ def test_a_handle_too_long_for_the_buffer_says_its_length(api, fake):
 # Two processes on the stand-in driver
 
 
-@pytest.mark.parametrize("mode", ["bestfit", "vmm", "vmm-large-pid", "vmm-unshareable", "slow-sender",
-                                  "fd-leaks"])
+@pytest.mark.parametrize("mode", ["bestfit", "vmm", "vmm-large-pid", "vmm-unshareable",
+                                  "vmm-unshareable-not-permitted", "slow-sender", "fd-leaks"])
 def test_ipc_between_two_processes_on_the_stand_in_driver(stub_drivers, mode):
     stub_driver = stub_drivers["relaxed"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]), LD_LIBRARY_PATH=str(stub_driver.parent))

@@ -98,6 +98,57 @@ def check_contexts():
     driver.cuCtxSetCurrent(None)
 
 
+def check_the_stand_in_refuses_what_the_driver_refuses():
+    """The stand-in itself, called directly: what the driver refuses, it refuses
+    (and counts), so that a core that breaks a rule fails here rather than on a
+    GPU. Virtual memory: mapping over a live mapping, at an offset or an
+    unaligned address, unmapping or freeing part of what was mapped or
+    reserved; a handle released while mapped keeps its memory until unmapped.
+    Captures: a forbidden call in global mode fails and invalidates the capture."""
+    u64, size_t = c.c_uint64, c.c_size_t
+    driver.cuMemAddressReserve.argtypes = [c.POINTER(u64), size_t, size_t, u64, u64]
+    driver.cuMemAddressFree.argtypes = [u64, size_t]
+    driver.cuMemCreate.argtypes = [c.POINTER(u64), size_t, c.c_void_p, u64]
+    driver.cuMemRelease.argtypes = [u64]
+    driver.cuMemMap.argtypes = [u64, size_t, size_t, u64, u64]
+    driver.cuMemUnmap.argtypes = [u64, size_t]
+    driver.cuMemGetInfo_v2.argtypes = [c.POINTER(size_t), c.POINTER(size_t)]
+    page, prop = 2 * MiB, (c.c_int * 2)(1, 0)
+    driver.cuCtxSetCurrent(driver.stub_context(0))
+    va, h, g = u64(), u64(), u64()
+    assert driver.cuMemAddressReserve(c.byref(va), 4 * page, page, 0, 0) == 0
+    assert va.value % page == 0, "reserved ranges are aligned to the page"
+    assert driver.cuMemCreate(c.byref(h), page, prop, 0) == 0
+    assert driver.cuMemCreate(c.byref(g), page, prop, 0) == 0
+    assert driver.cuMemMap(va.value, page, 0, h.value, 0) == 0
+    refused = [driver.cuMemMap(va.value, page, 0, g.value, 0),  # over a live mapping
+               driver.cuMemMap(va.value + page, page, page, g.value, 0),  # at an offset
+               driver.cuMemMap(va.value + page + 4096, page, 0, g.value, 0),  # unaligned
+               driver.cuMemMap(va.value + 4 * page, page, 0, g.value, 0),  # outside the range
+               driver.cuMemUnmap(va.value, page // 2),  # part of a mapping
+               driver.cuMemUnmap(va.value, 2 * page),  # more than was mapped
+               driver.cuMemAddressFree(va.value, 2 * page),  # part of the reservation
+               driver.cuMemAddressFree(va.value, 4 * page)]  # a page still mapped there
+    assert all(r != 0 for r in refused) and stub.vmm_refused == len(refused), (refused, stub.vmm_refused)
+    used = stub.used[0]
+    assert driver.cuMemRelease(h.value) == 0 and stub.used[0] == used, "freed while mapped"
+    assert driver.cuMemUnmap(va.value, page) == 0 and stub.used[0] == used - page, "freed once unmapped"
+    assert driver.cuMemRelease(g.value) == 0 and stub.used[0] == used - 2 * page
+    assert driver.cuMemAddressFree(va.value, 4 * page) == 0
+    stub.vmm_refused = 0
+    # A call forbidden during a capture, in global mode: refused, the capture invalidated.
+    free_bytes, total = size_t(), size_t()
+    stub.capture_id, stub.capturing_stream = 61, 0x6100
+    status = c.c_int()
+    assert driver.cuStreamIsCapturing(c.c_void_p(0x6100), c.byref(status)) == 0 and status.value == 1
+    assert driver.cuMemGetInfo_v2(c.byref(free_bytes), c.byref(total)) == 900  # STREAM_CAPTURE_UNSUPPORTED
+    assert driver.cuStreamIsCapturing(c.c_void_p(0x6100), c.byref(status)) == 0 and status.value == 2
+    assert stub.capture_invalidated == 1 and stub.forbidden_during_capture == 1
+    stub.capturing_stream = 0
+    driver.cuCtxSetCurrent(None)
+    stub.capture_invalidated = stub.forbidden_during_capture = 0
+
+
 def check_capture_info_uses_the_versioned_entry_point():
     # CUDA 13's headers map cuStreamGetCaptureInfo to a seven-argument _v3;
     # the plain symbol is another ABI. pyalloc asks for cuStreamGetCaptureInfo_v2.
@@ -674,6 +725,40 @@ def captures_beside_busy_threads(seconds=1.5):
     assert stub.forbidden_during_capture == 0, stub.forbidden_during_capture
     hooks.pyalloc_empty_cache()
     _C.cuda_check_invariants(0)
+
+
+def relaxed_check_a_device_opened_during_a_capture_gives_its_range_back():
+    """Regression: a device's pools first opened while another thread captures
+    retained its context, asked its granularity and reserved its virtual range
+    in CUDA's global capture mode, and where no page could be mapped then, gave
+    the range back (cuMemAddressFree) in it too: each call invalidates the
+    capture (the stand-in refuses them, as the driver does). They run in
+    relaxed mode now, as NCCL makes its cuMem* calls; the pool serves the
+    request from a plain segment."""
+    stub.vmm = 1
+    _C.cuda_configure("strategy:vmm,pool_size:0")
+    cap, s1 = 0x5a00, (1 << 32) | 0x1000
+    free(malloc(MiB))  # device 0's pools, before the capture
+    pool_hook("begin_allocate_to_pool", (0, 19), [cap])
+    stub.capture_id, stub.capturing_stream = 95, cap
+    stub.forbidden_during_capture = stub.relaxed_during_capture = 0
+    reserves, frees, allocs = stub.mem_address_reserve, stub.mem_address_free, stub.mem_alloc
+    stub.fail_create_size = 2 * MiB  # device 1 makes no page during the capture
+    try:
+        p = malloc(3 * MiB, 1, s1)  # device 1's pools open now
+    finally:
+        stub.fail_create_size = 0
+    c.memset(p, 7, 3 * MiB)
+    assert stub.mem_address_reserve > reserves and stub.mem_address_free > frees, (
+        stub.mem_address_reserve - reserves, stub.mem_address_free - frees)
+    assert stub.mem_alloc == allocs + 1, "a plain segment serves it"
+    assert stub.forbidden_during_capture == 0 and stub.capture_invalidated == 0, stub.forbidden_during_capture
+    assert stub.relaxed_during_capture > 0 and driver.stub_thread_mode() == 0
+    stub.capturing_stream = 0
+    pool_hook("end_allocate_to_pool", (0, 19))
+    pool_hook("release_pool", (0, 19))
+    free(p, device=1)
+    _C.cuda_check_invariants(1)
 
 
 def relaxed_check_a_budget_refusal_is_counted_as_no_call():
@@ -1371,4 +1456,7 @@ set_up(next((w for w in words if w in ("vmm", "fallback", "capture", "areas")), 
 for name in checks:
     globals()[name]()
     assert stub.bad_handle == 0, f"{name}: a released handle was mapped or released again"
+    # As the driver would: a range mapped over, unmapped or freed in part.
+    assert stub.vmm_refused == 0, f"{name}: the driver refused {stub.vmm_refused} virtual memory calls"
+    assert stub.capture_invalidated == 0, f"{name}: a driver call invalidated a capture"
 print("OK")

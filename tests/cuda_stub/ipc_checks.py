@@ -5,7 +5,8 @@ stand-in as libcuda.so.1:  ipc_checks.py PATH/TO/libcuda.so.1 send MODE
 MODE: "bestfit" (legacy IPC handles of segments), "vmm" (pages as file
 descriptors over the sender's socket), "vmm-large-pid" (the same from a
 sender whose process id has 7 digits), "vmm-unshareable" (the device refuses
-shareable pages: sharing is refused, the pools still work), "slow-sender" (a
+shareable pages: sharing is refused, the pools still work), "vmm-unshareable-
+not-permitted" (the same, refused with CUDA_ERROR_NOT_PERMITTED), "slow-sender" (a
 sender that never answers stalls no other open or close), "fd-leaks" (no
 descriptor is left open when an export or an import fails). The sender calls
 the bridge's table as the bridge does for PyTorch's shareIpcHandle, and
@@ -35,6 +36,8 @@ def receive(request):
     """In the receiving process: open, read, write back, open again, close."""
     handle = bytes.fromhex(request["handle"])
     fds = open_fds()
+    if request.get("open_during_capture"):
+        return open_during_capture(handle, request["device"])
     status, base = api.ipc_open(handle, request["device"])
     if status != OK:
         return {"error": api.error(), "mappings": _C.cuda_ipc_counts()["mappings"],
@@ -42,19 +45,63 @@ def receive(request):
                 "fds_left": dict(open_fds() - fds)}
     if request.get("close_during_capture"):
         return close_during_capture(base, request["device"])
+    if request.get("wait_fails"):
+        return close_when_the_wait_fails(base)
     ptr, size = base + request["offset"], request["size"]
     seen = c.string_at(ptr, size)
     c.memset(ptr + size // 2, request["reply"], size - size // 2)
     again = api.ipc_open(handle, request["device"])
     while_open = dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened,
                       ipc_open=stub.ipc_open)
-    assert api.ipc_close(base) == OK and api.ipc_close(again[1]) == OK, api.error()
+    # Kernels queued on the memory (`y = model(t); del t`): its last close
+    # waits for them before it unmaps, the first has nothing to unmap.
+    stub.work_queued = 1
+    assert api.ipc_close(base) == OK, api.error()
+    syncs = stub.ctx_synchronize
+    assert api.ipc_close(again[1]) == OK, api.error()
     return {
         "seen_pattern": seen == bytes([request["pattern"]]) * size,
         "same_mapping": again == (OK, base),
         "while_open": while_open,
+        "syncs": [syncs, stub.ctx_synchronize], "unmapped_under_work": stub.unmapped_under_work,
         "after": dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened),
     }
+
+
+def close_when_the_wait_fails(base):
+    """In the receiving process: the device cannot be waited for (a kernel
+    failed: the error is sticky). Its kernels may still use the memory, so it
+    stays mapped; the close says why."""
+    stub.work_queued, stub.sync_error = 1, 700  # CUDA_ERROR_ILLEGAL_ADDRESS
+    status = api.ipc_close(base)
+    return {"status": status, "error": api.error(), "unmapped_under_work": stub.unmapped_under_work,
+            "after": dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened)}
+
+
+def begin_capture(device):
+    """torch 2.13's markCaptureBegin, and a stream capturing."""
+    assert api.mark_capture(device, 1) == OK, api.error()
+    stub.capture_id, stub.capturing_stream = 93, 0x5300
+    stub.forbidden_during_capture = stub.relaxed_during_capture = 0
+
+
+def open_during_capture(handle, device):
+    """In the receiving process: the memory opened while another thread
+    captures a CUDA graph, as a consumer thread receives tensors then. Importing,
+    reserving and mapping are legal then in relaxed mode only; closing waits for
+    the capture's end."""
+    begin_capture(device)
+    status, base = api.ipc_open(handle, device)
+    during = dict(_C.cuda_ipc_counts(), status=status, error=api.error() if status != OK else "",
+                  forbidden=stub.forbidden_during_capture, relaxed=stub.relaxed_during_capture,
+                  invalidated=stub.capture_invalidated, mode=driver.stub_thread_mode())
+    if status == OK:
+        assert api.ipc_close(base) == OK, api.error()
+    during["deferred_after_close"] = _C.cuda_ipc_counts()["deferred_unmaps"]
+    stub.capturing_stream = 0  # cudaStreamEndCapture
+    assert api.mark_capture(device, 0) == OK, api.error()
+    return {"during": during, "after": dict(_C.cuda_ipc_counts(), imported=stub.imported,
+                                            ipc_opened=stub.ipc_opened)}
 
 
 def close_during_capture(base, device):
@@ -62,9 +109,7 @@ def close_during_capture(base, device):
     (torch 2.13's markCaptureBegin, a stream capturing), as a tensor received
     may be freed then on any thread. Unmapping it then would break the capture
     (CUDA's default global mode): it waits for the capture's end."""
-    assert api.mark_capture(device, 1) == OK, api.error()
-    stub.capture_id, stub.capturing_stream = 93, 0x5300
-    stub.forbidden_during_capture = 0
+    begin_capture(device)
     closed = api.ipc_close(base)
     during = dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened,
                   forbidden=stub.forbidden_during_capture)
@@ -86,6 +131,29 @@ def check_a_close_during_a_capture_waits_for_its_end(p, size):
     assert during["imported"] + during["ipc_opened"] >= 1, got
     assert after["mappings"] == 0 and after["deferred_unmaps"] == 0, got
     assert after["imported"] == 0 and after["ipc_opened"] == 0 and after["forbidden"] == 0, got
+
+
+def check_a_close_that_cannot_wait_leaves_the_memory_mapped(p, size):
+    handle, offset = share(p)
+    got = ask(handle, offset, size, wait_fails=True)
+    assert got["status"] == ERROR and "cuCtxSynchronize" in got["error"], got
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in got["error"] and "stays mapped" in got["error"], got
+    assert got["unmapped_under_work"] == 0 and got["after"]["mappings"] == 0, got
+    assert got["after"]["imported"] + got["after"]["ipc_opened"] >= 1, got
+
+
+def check_an_open_during_a_capture_breaks_nothing(p, size):
+    """Regression: a receiver's open imported, reserved and mapped (or opened a
+    legacy handle) in CUDA's global capture mode, which invalidates another
+    thread's capture; they run in relaxed mode now."""
+    handle, offset = share(p)
+    got = ask(handle, offset, size, open_during_capture=True)
+    during, after = got["during"], got["after"]
+    assert during["status"] == OK and during["mappings"] == 1, got
+    assert during["forbidden"] == 0 and during["invalidated"] == 0 and during["relaxed"] > 0, got
+    assert during["mode"] == 0, "the thread's capture mode is restored"
+    assert during["deferred_after_close"] == 1, got  # its close waited for the capture's end
+    assert after["mappings"] == 0 and after["imported"] == 0 and after["ipc_opened"] == 0, got
 
 
 def ask(handle, offset, size, pattern=0, reply=0, device=0, **more):
@@ -121,10 +189,15 @@ def check_a_received_block_is_the_senders_memory(size=3 * MiB):
     assert got["while_open"]["mappings"] == 1, got
     assert got["after"]["mappings"] == 0 and got["after"]["imported"] == 0, got
     assert got["after"]["ipc_opened"] == 0, got
+    # PyTorch synchronizes the device before it unmaps imported pages: the
+    # driver's unmap does not wait for kernels still using them.
+    assert got["syncs"][1] == got["syncs"][0] + 1 and got["unmapped_under_work"] == 0, got
     assert c.string_at(p + size // 2, size - size // 2) == b"\x22" * (size - size // 2)
     assert c.string_at(p, size // 2) == b"\x11" * (size // 2)
     assert share(p) == (handle, offset), "the same allocation gives the same handle"
     check_a_close_during_a_capture_waits_for_its_end(p, size)
+    check_an_open_during_a_capture_breaks_nothing(p, size)
+    check_a_close_that_cannot_wait_leaves_the_memory_mapped(p, size)
     return p, handle, offset, got
 
 
@@ -206,7 +279,7 @@ def vmm():
     assert not again["seen_pattern"] and "error" not in again  # first half 0x11, second 0x22
     # Freed by its owner: the export ends, and a late receiver is refused.
     served = _C.cuda_ipc_counts()["served"]
-    assert served == 3, served  # one request per receiving process: its second open is cached
+    assert served == 5, served  # one request per receiving process: its second open is cached
     assert api.free(p, 0) == OK
     assert _C.cuda_ipc_counts()["exports"] == 0
     got = ask(handle, offset, 3 * MiB)
@@ -304,15 +377,23 @@ def fd_leaks():
     assert open_fds() - fds == collections.Counter(socket=1), (open_fds(), fds)
 
 
-def vmm_unshareable():
+def vmm_unshareable(refusal=0):
+    """The device refuses pages with a POSIX file descriptor handle: with
+    CUDA_ERROR_NOT_SUPPORTED (the stand-in's default), or as real drivers also
+    answer, CUDA_ERROR_NOT_PERMITTED (regression: only NOT_SUPPORTED and
+    INVALID_VALUE fell back to unshareable pages; any other refusal left the
+    device without vmm). PyTorch's expandable segments take any error but out
+    of memory as "this handle type is not supported" and fall back."""
     stub.vmm = 1
     stub.refuse_fd_handles = 1
+    stub.refuse_fd_handles_with = refusal
     _C.cuda_configure("pool_size:0,strategy:vmm")
     p = malloc(3 * MiB)
     assert _C.cuda_config()["strategy"] == "vmm", "pages that cannot be shared still serve the process"
     status, handle, _ = api.ipc_share(p)
     assert status == ERROR and handle == b""
     assert "the device refused pages with a POSIX file descriptor handle" in api.error(), api.error()
+    assert ("CUDA_ERROR_NOT_PERMITTED" if refusal == 800 else "CUDA_ERROR_NOT_SUPPORTED") in api.error()
     assert _C.cuda_ipc_counts()["exports"] == 0
     assert api.free(p, 0) == OK
 
@@ -321,6 +402,7 @@ if sys.argv[2] == "receive":
     print(json.dumps(receive(json.loads(sys.stdin.read()))))
 else:
     {"bestfit": bestfit, "vmm": vmm, "vmm-large-pid": vmm_large_pid, "vmm-unshareable": vmm_unshareable,
+     "vmm-unshareable-not-permitted": lambda: vmm_unshareable(800),
      "slow-sender": slow_sender, "fd-leaks": fd_leaks}[sys.argv[3]]()
-    assert stub.bad_handle == 0
+    assert stub.bad_handle == 0 and stub.vmm_refused == 0 and stub.capture_invalidated == 0
     print("OK")

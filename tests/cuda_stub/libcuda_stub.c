@@ -6,8 +6,13 @@
  * tests can bound what pyalloc asks the driver for.
  * Streams are opaque numbers; the test marks one as capturing and counts every
  * call that CUDA's global capture mode forbids, or that pyalloc promises not to
- * make, while a capture is underway (allocating, freeing, asking for free
- * memory, recording, querying or waiting on events). Events
+ * make, while a capture is underway (allocating, freeing, reserving or
+ * freeing address ranges, retaining a context, asking for free memory or the
+ * mapping granularity, opening or closing shared memory, synchronizing,
+ * recording, querying or waiting on events). As the driver does, such a call
+ * in global mode fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and
+ * invalidates the capture (its stream then reports the capture invalidated
+ * until it ends). Events
  * complete at once unless the test holds them pending or makes them fail.
  *
  * Streams are numbers; a stream's device is its bits 32 and up (0x1_0000_2000
@@ -24,8 +29,23 @@
  * segment and shareable handle holds one descriptor while it lives.
  *
  * Capture modes are per thread, as in CUDA: in relaxed mode
- * (cuThreadExchangeStreamCaptureMode) allocating and mapping are legal during
- * a capture and counted apart; freeing, unmapping and events stay forbidden.
+ * (cuThreadExchangeStreamCaptureMode) allocating, mapping and reserving or
+ * freeing address ranges are legal during a capture and counted apart;
+ * freeing memory, unmapping and events stay counted as forbidden (pyalloc
+ * promises not to make them then), though the driver lets them through in
+ * relaxed mode.
+ *
+ * Virtual memory is checked as the driver checks it: cuMemAddressReserve
+ * gives ranges aligned to the page; cuMemMap maps a whole handle at offset 0
+ * at a page-aligned address inside one reserved range, never over a live
+ * mapping; cuMemUnmap takes only whole mappings, cuMemAddressFree only a
+ * whole reservation with nothing mapped in it; cuMemRelease of a handle still
+ * mapped frees its memory only once it is unmapped. Each refusal is counted
+ * (vmm_refused) besides its error.
+ *
+ * Work queued on a device is the test's to declare (work_queued): until a
+ * cuCtxSynchronize, unmapping or closing memory opened from another process
+ * is counted (unmapped_under_work), as it may pull pages from under kernels.
  * Built with -DSTUB_NO_RELAXED it lacks that entry point, like a driver
  * older than CUDA 10.1.
  *
@@ -68,7 +88,7 @@ struct Stub {
   int vmm;                   /* the device reports virtual memory management */
   int64_t mem_create, mem_release, mem_map, mem_unmap, mapped[DEVICES];
   int event_error;           /* cuEventQuery answers this (after recording) when nonzero */
-  int sync_error;            /* cuEventSynchronize answers this when nonzero */
+  int sync_error;            /* cuEventSynchronize and cuCtxSynchronize answer this when nonzero */
   int peer_access;           /* cuDeviceCanAccessPeer: the devices are peers */
   int refuse_peers;          /* cuMemSetAccess for more than one device fails */
   int vmm_refuse;            /* cuMemCreate answers NOT_PERMITTED, as in a sandbox */
@@ -97,6 +117,13 @@ struct Stub {
   int refuse_fd_handles;     /* cuMemCreate asked for a POSIX fd handle answers NOT_SUPPORTED */
   int64_t fd_handles;        /* handles made with a POSIX fd handle type, live */
   int fail_ctx_set_in;       /* > 0: the cuCtxSetCurrent that brings it to 0 fails with STUB_FAILURE */
+  int refuse_fd_handles_with; /* what cuMemCreate answers under refuse_fd_handles (0: NOT_SUPPORTED) */
+  int64_t capture_invalidated; /* captures a forbidden call invalidated */
+  int64_t vmm_refused;       /* virtual memory calls refused for their ranges (see above) */
+  int64_t ctx_synchronize;   /* cuCtxSynchronize calls */
+  int work_queued;           /* kernels may still use memory: until a cuCtxSynchronize */
+  int64_t unmapped_under_work; /* memory opened from another process unmapped while work_queued */
+  int64_t mem_address_free;  /* cuMemAddressFree calls that freed a range */
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -122,15 +149,43 @@ static void wait_while_paused(void) {
   while (stub.paused) usleep(1000);
 }
 
-static void during_capture(void) {
-  if (stub.capturing_stream != 0) stub.forbidden_during_capture++;
+/* The capture a forbidden call invalidated (its stream and id): its stream
+ * reports it so until it ends. */
+static uint64_t invalidated_stream, invalidated_id;
+static int invalidated(void) {
+  return stub.capturing_stream != 0 && stub.capturing_stream == invalidated_stream &&
+         stub.capture_id == invalidated_id;
+}
+static int invalidate(void) {
+  stub.forbidden_during_capture++;
+  if (!invalidated()) stub.capture_invalidated++;
+  invalidated_stream = stub.capturing_stream;
+  invalidated_id = stub.capture_id;
+  return CAPTURE_UNSUPPORTED;
+}
+/* Freeing, unmapping and events: forbidden during a capture, whatever the
+ * mode (pyalloc's promise); the driver refuses them in global mode only.
+ * SUCCESS when the call may go on. */
+static int during_capture(void) {
+  if (stub.capturing_stream == 0) return SUCCESS;
+  if (mode == MODE_RELAXED) {
+    stub.forbidden_during_capture++;
+    return SUCCESS;
+  }
+  return invalidate();
 }
 /* Allocating and mapping: legal during a capture in relaxed mode only. */
-static void allocating(void) {
-  if (stub.capturing_stream == 0) return;
-  if (mode == MODE_RELAXED) stub.relaxed_during_capture++;
-  else stub.forbidden_during_capture++;
+static int allocating(void) {
+  if (stub.capturing_stream == 0) return SUCCESS;
+  if (mode != MODE_RELAXED) return invalidate();
+  stub.relaxed_during_capture++;
+  return SUCCESS;
 }
+#define CAPTURE_CHECK(call)        \
+  do {                             \
+    int refused_ = (call);         \
+    if (refused_) return refused_; \
+  } while (0)
 
 #ifndef STUB_NO_RELAXED
 CUresult cuThreadExchangeStreamCaptureMode(int* m) {
@@ -153,7 +208,21 @@ CUresult cuDeviceGet(int* d, int ordinal) {
   *d = ordinal;
   return SUCCESS;
 }
-CUresult cuDevicePrimaryCtxRetain(CUcontext* c, int d) { *c = &contexts[d]; return SUCCESS; }
+CUresult cuDevicePrimaryCtxRetain(CUcontext* c, int d) {
+  CAPTURE_CHECK(allocating());
+  if (d < 0 || d >= DEVICES) return INVALID_DEVICE;
+  *c = &contexts[d];
+  return SUCCESS;
+}
+/* Waits for the current context's work: none is left queued. */
+CUresult cuCtxSynchronize(void) {
+  CAPTURE_CHECK(during_capture());
+  if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
+  stub.ctx_synchronize++;
+  if (stub.sync_error) return stub.sync_error;
+  stub.work_queued = 0;
+  return SUCCESS;
+}
 CUresult cuCtxGetCurrent(CUcontext* c) { *c = current; return SUCCESS; }
 CUresult cuCtxSetCurrent(CUcontext c) {
   if (stub.fail_ctx_set_in > 0 && --stub.fail_ctx_set_in == 0) return STUB_FAILURE;
@@ -193,7 +262,7 @@ CUresult cuDeviceGetName(char* name, int len, int device) {
 
 CUresult cuMemAlloc_v2(unsigned long long* p, size_t size) {
   ONE_AT_A_TIME;
-  allocating();
+  CAPTURE_CHECK(allocating());
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   if ((int64_t)size == stub.fail_alloc_size) { stub.mem_failed++; return STUB_FAILURE; }
   int d = current->device;
@@ -223,7 +292,7 @@ CUresult cuMemFree_v2(unsigned long long p) {
     wait_while_paused();
   }
   ONE_AT_A_TIME;
-  during_capture();
+  CAPTURE_CHECK(during_capture());
   for (int i = 0; i < MAX_BLOCKS; ++i) {
     if (blocks[i].ptr != (uintptr_t)p) continue;
     if (current == 0 || current->device != blocks[i].device) stub.wrong_context++;
@@ -243,7 +312,7 @@ CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
     wait_while_paused();
   }
   ONE_AT_A_TIME;
-  during_capture();
+  CAPTURE_CHECK(during_capture());
   stub.mem_get_info++;
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   *total = (size_t)stub.capacity;
@@ -260,7 +329,7 @@ CUresult cuEventCreate(CUevent* e, unsigned int flags) {
   return SUCCESS;
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
-  during_capture();
+  CAPTURE_CHECK(during_capture());
   int d = stream_device(s);
   if (d < 0 || &contexts[d] != e->ctx) { stub.event_record_errors++; return INVALID_HANDLE; }
   e->recorded = 1;
@@ -268,14 +337,14 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
   return SUCCESS;
 }
 CUresult cuEventQuery(CUevent e) {
-  during_capture();
+  CAPTURE_CHECK(during_capture());
   stub.event_query++;
   if (!e->recorded) return INVALID_VALUE;
   if (stub.event_error) return stub.event_error;
   return stub.events_pending ? NOT_READY : SUCCESS;
 }
 CUresult cuEventSynchronize(CUevent e) {
-  during_capture();
+  CAPTURE_CHECK(during_capture());
   stub.event_sync++;
   if (stub.sync_error) return stub.sync_error;
   return e->recorded ? SUCCESS : INVALID_VALUE;
@@ -292,7 +361,7 @@ CUresult cuStreamGetCaptureInfo_v2(CUstream s, int* status, uint64_t* id, void**
     return INVALID_HANDLE;
   }
   int capturing = stub.capturing_stream != 0 && (uint64_t)(uintptr_t)s == stub.capturing_stream;
-  *status = capturing ? 1 : 0;
+  *status = capturing && invalidated() ? 2 : capturing ? 1 : 0;
   if (id != 0) *id = capturing ? stub.capture_id : 0;
   if (graph != 0) *graph = 0;
   if (deps != 0) *deps = 0;
@@ -324,7 +393,7 @@ CUresult cuGetErrorName(CUresult r, const char** name) {
  * mapping makes the range read-write (contents are not kept across remaps). */
 #define PAGE (2u << 20)
 static int64_t handle_device[1 << 16], handle_size[1 << 16];
-/* Where each handle is mapped (0: nowhere), for cuMemSetAccess's check. */
+/* Where each handle is mapped (0: nowhere): the stand-in maps a handle once at a time. */
 static unsigned long long handle_at[1 << 16];
 static char handle_released[1 << 16], handle_was_mapped[1 << 16];
 /* A handle made shareable (or imported): its memfd, else -1 (set at creation). */
@@ -332,6 +401,37 @@ static int handle_fd[1 << 16];
 static char handle_imported[1 << 16];
 static char handle_accessible[1 << 16]; /* cuMemSetAccess covered it since it was mapped */
 static int next_handle = 1;
+/* The ranges cuMemAddressReserve gave (size 0: a free slot). */
+#define MAX_RESERVED 4096
+static struct { unsigned long long ptr; size_t size; } reserved[MAX_RESERVED];
+
+static int vmm_refuse(int r) {
+  stub.vmm_refused++;
+  return r;
+}
+/* The reservation holding [p, p + size) whole, or -1. */
+static int reservation_of(unsigned long long p, size_t size) {
+  for (int i = 0; i < MAX_RESERVED; ++i)
+    if (reserved[i].size != 0 && p >= reserved[i].ptr && p + size <= reserved[i].ptr + reserved[i].size) return i;
+  return -1;
+}
+/* Whether some handle is mapped over any byte of [p, p + size). */
+static int mapped_over(unsigned long long p, size_t size) {
+  for (int h = 1; h < next_handle; ++h)
+    if (handle_at[h] != 0 && handle_at[h] < p + size && handle_at[h] + (unsigned long long)handle_size[h] > p)
+      return 1;
+  return 0;
+}
+/* A handle's memory goes back: at cuMemRelease, or at its unmap if released mapped. */
+static void free_handle(unsigned long long h) {
+  if (handle_fd[h] >= 0) {
+    close(handle_fd[h]);
+    handle_fd[h] = -1;
+    if (!handle_imported[h]) stub.fd_handles--;
+  }
+  if (handle_imported[h]) stub.imported--;
+  else stub.used[handle_device[h]] -= handle_size[h];
+}
 
 CUresult cuDeviceGetAttribute(int* value, int attribute, int device) {
   (void)device;
@@ -340,6 +440,7 @@ CUresult cuDeviceGetAttribute(int* value, int attribute, int device) {
 }
 CUresult cuMemGetAllocationGranularity(size_t* g, const void* prop, int option) {
   (void)prop; (void)option;
+  CAPTURE_CHECK(allocating());
   *g = PAGE;
   return SUCCESS;
 }
@@ -347,15 +448,34 @@ CUresult cuMemAddressReserve(unsigned long long* p, size_t size, size_t align, u
                              unsigned long long flags) {
   ONE_AT_A_TIME;
   (void)align; (void)addr; (void)flags;
+  CAPTURE_CHECK(allocating());
   stub.mem_address_reserve++;
-  void* m = mmap(0, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (size == 0 || size % PAGE != 0) return vmm_refuse(INVALID_VALUE);
+  int slot = -1;
+  for (int i = 0; i < MAX_RESERVED && slot < 0; ++i)
+    if (reserved[i].size == 0) slot = i;
+  if (slot < 0) return OUT_OF_MEMORY;
+  /* Aligned to the page, as the driver's: a page more, trimmed at both ends. */
+  char* m = mmap(0, size + PAGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (m == MAP_FAILED) return OUT_OF_MEMORY;
-  *p = (unsigned long long)(uintptr_t)m;
+  uintptr_t base = ((uintptr_t)m + PAGE - 1) & ~(uintptr_t)(PAGE - 1);
+  if (base > (uintptr_t)m) munmap(m, base - (uintptr_t)m);
+  if ((uintptr_t)m + size + PAGE > base + size) munmap((void*)(base + size), (uintptr_t)m + size + PAGE - base - size);
+  reserved[slot].ptr = base;
+  reserved[slot].size = size;
+  *p = (unsigned long long)base;
   return SUCCESS;
 }
 CUresult cuMemAddressFree(unsigned long long p, size_t size) {
   ONE_AT_A_TIME;
+  CAPTURE_CHECK(allocating());
+  /* Only a whole reservation, with nothing mapped in it. */
+  int i = reservation_of(p, size);
+  if (i < 0 || reserved[i].ptr != p || reserved[i].size != size) return vmm_refuse(INVALID_VALUE);
+  if (mapped_over(p, size)) return vmm_refuse(INVALID_VALUE);
   munmap((void*)(uintptr_t)p, size);
+  reserved[i].size = 0;
+  stub.mem_address_free++;
   return SUCCESS;
 }
 struct AllocationProp { int type; int requested_handle_types; };
@@ -363,14 +483,17 @@ CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsig
   ONE_AT_A_TIME;
   (void)flags;
   int want_fd = (((const struct AllocationProp*)prop)->requested_handle_types & 1) != 0;
-  allocating();
+  CAPTURE_CHECK(allocating());
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   if (stub.vmm_refuse) { stub.mem_failed++; return NOT_PERMITTED; }
   int d = current->device;
   if (size == 0 || size % PAGE != 0) { stub.mem_failed++; return INVALID_VALUE; }
   if ((int64_t)size == stub.fail_create_size) { stub.mem_failed++; return STUB_FAILURE; }
   if (stub.used[d] + (int64_t)size > stub.capacity) { stub.mem_create_refused++; return OUT_OF_MEMORY; }
-  if (want_fd && stub.refuse_fd_handles) { stub.mem_failed++; return NOT_SUPPORTED; }
+  if (want_fd && stub.refuse_fd_handles) {
+    stub.mem_failed++;
+    return stub.refuse_fd_handles_with != 0 ? stub.refuse_fd_handles_with : NOT_SUPPORTED;
+  }
   if (next_handle >= (1 << 16)) return OUT_OF_MEMORY;
   handle_fd[next_handle] = -1;
   if (want_fd) {
@@ -388,29 +511,29 @@ CUresult cuMemCreate(unsigned long long* h, size_t size, const void* prop, unsig
 }
 CUresult cuMemRelease(unsigned long long h) {
   ONE_AT_A_TIME;
-  during_capture();
+  CAPTURE_CHECK(during_capture());
   if (h == 0 || h >= (unsigned long long)next_handle || handle_released[h]) { stub.bad_handle++; return INVALID_VALUE; }
   handle_released[h] = 1;
-  if (handle_fd[h] >= 0) {
-    close(handle_fd[h]);
-    if (!handle_imported[h]) stub.fd_handles--;
-  }
-  if (handle_imported[h]) stub.imported--;
-  else stub.used[handle_device[h]] -= handle_size[h];
+  /* Mapped still: the memory goes back when it is unmapped, as the driver does it. */
+  if (handle_at[h] == 0) free_handle(h);
   stub.mem_release++;
   return SUCCESS;
 }
 CUresult cuMemMap(unsigned long long p, size_t size, size_t offset, unsigned long long h,
                   unsigned long long flags) {
   ONE_AT_A_TIME;
-  (void)offset; (void)flags;
-  allocating();
+  (void)flags;
+  CAPTURE_CHECK(allocating());
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   if (h == 0 || h >= (unsigned long long)next_handle || (int64_t)size != handle_size[h]) {
     stub.mem_failed++;
     return INVALID_VALUE;
   }
   if (handle_released[h]) { stub.bad_handle++; return INVALID_HANDLE; }
+  /* A whole handle, at a page inside one reservation, over nothing mapped. */
+  if (offset != 0 || p % PAGE != 0 || reservation_of(p, size) < 0 || mapped_over(p, size))
+    return vmm_refuse(INVALID_VALUE);
+  if (handle_at[h] != 0) return vmm_refuse(STUB_FAILURE); /* mapped elsewhere: not modelled */
   if (stub.fail_remap && handle_was_mapped[h]) { stub.mem_failed++; return STUB_FAILURE; }
   if (stub.map_oom) { stub.mem_map_refused++; return OUT_OF_MEMORY; }
   /* No access until cuMemSetAccess, as on a device. */
@@ -426,23 +549,35 @@ CUresult cuMemMap(unsigned long long p, size_t size, size_t offset, unsigned lon
 }
 CUresult cuMemUnmap(unsigned long long p, size_t size) {
   ONE_AT_A_TIME;
-  during_capture();
+  CAPTURE_CHECK(during_capture());
   if (current == 0) stub.wrong_context++;
+  /* Whole mappings only, covering the range with no gap. */
+  int64_t covered = 0;
+  for (int h = 1; h < next_handle; ++h) {
+    if (handle_at[h] == 0 || handle_at[h] >= p + size || handle_at[h] + (unsigned long long)handle_size[h] <= p)
+      continue;
+    if (handle_at[h] < p || handle_at[h] + (unsigned long long)handle_size[h] > p + size)
+      return vmm_refuse(INVALID_VALUE);
+    covered += handle_size[h];
+  }
+  if (size == 0 || covered != (int64_t)size) return vmm_refuse(INVALID_VALUE);
   mmap((void*)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
        -1, 0);
-  stub.mapped[current != 0 ? current->device : 0] -= (int64_t)size;
   stub.mem_unmap++;
-  for (int h = 1; h < next_handle; ++h)
-    if (handle_at[h] >= p && handle_at[h] < p + size) {
-      handle_at[h] = 0;
-      handle_accessible[h] = 0;
-    }
+  for (int h = 1; h < next_handle; ++h) {
+    if (handle_at[h] < p || handle_at[h] >= p + size) continue;
+    if (handle_imported[h] && stub.work_queued) stub.unmapped_under_work++;
+    if (!handle_imported[h]) stub.mapped[handle_device[h]] -= handle_size[h];
+    handle_at[h] = 0;
+    handle_accessible[h] = 0;
+    if (handle_released[h]) free_handle(h);
+  }
   return SUCCESS;
 }
 struct AccessDesc { int type; int id; int flags; };
 CUresult cuMemSetAccess(unsigned long long p, size_t size, const void* desc, size_t count) {
   ONE_AT_A_TIME;
-  allocating();
+  CAPTURE_CHECK(allocating());
   stub.mem_set_access++;
   /* The range must be mapped whole, by handles lying inside it. */
   int64_t covered = 0;
@@ -487,6 +622,7 @@ CUresult cuMemExportToShareableHandle(void* out, unsigned long long h, int type,
 }
 CUresult cuMemImportFromShareableHandle(unsigned long long* h, void* shareable, int type) {
   ONE_AT_A_TIME;
+  CAPTURE_CHECK(allocating());
   if (type != 1) return INVALID_VALUE;
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   int given = (int)(intptr_t)shareable;
@@ -531,6 +667,7 @@ CUresult cuIpcGetMemHandle(CUipcMemHandle* out, unsigned long long p) {
 }
 CUresult cuIpcOpenMemHandle_v2(unsigned long long* p, CUipcMemHandle handle, unsigned int flags) {
   ONE_AT_A_TIME;
+  CAPTURE_CHECK(allocating());
   struct IpcHandle h;
   memcpy(&h, &handle, sizeof(h));
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
@@ -560,9 +697,10 @@ CUresult cuIpcOpenMemHandle_v2(unsigned long long* p, CUipcMemHandle handle, uns
 }
 CUresult cuIpcCloseMemHandle(unsigned long long p) {
   ONE_AT_A_TIME;
-  during_capture();
+  CAPTURE_CHECK(during_capture());
   for (int i = 0; i < MAX_OPENED; ++i) {
     if (opened[i].ptr != (uintptr_t)p) continue;
+    if (stub.work_queued) stub.unmapped_under_work++;
     munmap((void*)opened[i].ptr, (size_t)opened[i].size);
     opened[i].ptr = 0;
     stub.ipc_close++;
@@ -579,7 +717,7 @@ int stub_usable(unsigned long long p, size_t size) {
   for (int i = 0; i < MAX_BLOCKS; ++i)
     if (blocks[i].ptr == (uintptr_t)p) return blocks[i].size == (int64_t)size;
   for (int h = 1; h < next_handle; ++h)
-    if (handle_at[h] == p && !handle_released[h]) return handle_size[h] == (int64_t)size && handle_accessible[h];
+    if (handle_at[h] == p) return handle_size[h] == (int64_t)size && handle_accessible[h];
   return 0;
 }
 

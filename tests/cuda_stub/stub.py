@@ -27,4 +27,7 @@ class Stub(c.Structure):
         ("ipc_get", c.c_int64), ("ipc_open", c.c_int64), ("ipc_close", c.c_int64), ("ipc_opened", c.c_int64),
         ("exports", c.c_int64), ("imports", c.c_int64), ("imported", c.c_int64),
         ("refuse_fd_handles", c.c_int), ("fd_handles", c.c_int64), ("fail_ctx_set_in", c.c_int),
+        ("refuse_fd_handles_with", c.c_int), ("capture_invalidated", c.c_int64),
+        ("vmm_refused", c.c_int64), ("ctx_synchronize", c.c_int64), ("work_queued", c.c_int),
+        ("unmapped_under_work", c.c_int64), ("mem_address_free", c.c_int64),
     ]

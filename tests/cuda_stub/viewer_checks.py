@@ -80,4 +80,5 @@ except AssertionError as e:
     print(f"VIEWER: {e}")
     sys.exit(1)
 assert api.watch_segments(SEGMENT_EVENT_FN(), None) == OK
+assert stub.vmm_refused == 0 and stub.capture_invalidated == 0 and stub.bad_handle == 0
 print("OK")

@@ -74,4 +74,5 @@ check_units()
 assert registered == {} and told["mapped"] == told["going"] > 0, told
 assert api.watch_segments(SEGMENT_EVENT_FN(), None) == OK
 _C.cuda_check_invariants(0)
+assert stub.vmm_refused == 0 and stub.capture_invalidated == 0 and stub.bad_handle == 0
 print("OK")
