@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import sys
 from typing import List
+
+from ._program import run_as_main
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,12 +64,5 @@ def main(args: argparse.Namespace) -> int:
     # Processes the program starts (workers, torch.multiprocessing) use the same settings.
     os.environ[cuda.CONF_ENV] = conf
 
-    if is_module:
-        sys.argv = [target] + argv
-        sys.path[0] = os.getcwd()
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = [target] + argv
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-        runpy.run_path(target, run_name="__main__")
+    run_as_main("module" if is_module else "path", target, argv)
     return 0

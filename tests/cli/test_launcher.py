@@ -160,3 +160,63 @@ def test_no_bridge_asks_for_the_hooks_route(launched, tmp_path):
     assert cli.main(["run", str(script)]) == 0
     assert cli.main(["run", "--no-bridge", str(script)]) == 0
     assert launched.bridge == [None, False]
+
+
+# -- the program sees what `python script.py` gives it -----------------------------------
+
+SEES = (
+    "import json, os, sys\n"
+    "print(json.dumps({'file': __file__, 'argv0': sys.argv[0], 'path0': sys.path[0],\n"
+    "                  'listdir': sorted(os.listdir(os.path.dirname(__file__)))}))\n"
+)
+
+
+def what_python_gives(script, cwd):
+    """What `python script.py` shows the script (a child, run in ``cwd``)."""
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, cwd=cwd,
+                         check=True, timeout=60)
+    return json.loads(out.stdout)
+
+
+def _linked_script(tmp_path):
+    """A relative path through a symbolic link, to a script in another folder."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "sees.py").write_text(SEES)
+    (tmp_path / "link.py").symlink_to(tmp_path / "real" / "sees.py")
+    return "link.py"
+
+
+def test_regression_the_script_sees_what_python_gives_it(launched, tmp_path, capsys, monkeypatch):
+    # Regression: __file__ was the path as typed (relative: os.listdir(os.path.dirname(__file__))
+    # failed), where python makes it absolute.
+    script = _linked_script(tmp_path)
+    want = what_python_gives(script, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    path_length = len(sys.path)
+    assert cli.main(["run", script]) == 0
+    assert json.loads(capsys.readouterr().out) == want
+    assert want["file"] == str(tmp_path / "link.py") and want["argv0"] == "link.py"
+    assert want["path0"] == str(tmp_path / "real")
+    assert len(sys.path) == path_length  # replaced the command's own first entry, as python has none
+
+
+def test_record_and_run_give_the_program_the_same_view(launched, tmp_path, capsys, monkeypatch):
+    # Regression: record inserted the script's folder before the command's own first
+    # entry (pyalloc's bin folder, or the working folder of python -m pyalloc), run replaced it.
+    from pyalloc.record import run_program
+
+    script = _linked_script(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = list(sys.path)
+    sys.path[0] = "/the/pyalloc/commands/own/entry"
+    assert run_program(["python", script]) == 0
+    recorded = capsys.readouterr().out
+    assert sys.path[0] == "/the/pyalloc/commands/own/entry"  # record gives the process back as it was
+    probe = ("import json, sys\nprint(json.dumps(sys.path))\n")
+    (tmp_path / "real" / "probe.py").write_text(probe)
+    assert run_program(["python", "real/probe.py"]) == 0
+    seen_by_record = json.loads(capsys.readouterr().out)
+    assert cli.main(["run", "real/probe.py"]) == 0
+    seen_by_run = json.loads(capsys.readouterr().out)
+    assert seen_by_record == seen_by_run == [str(tmp_path / "real")] + before[1:]
+    assert json.loads(recorded) == what_python_gives(script, tmp_path)
