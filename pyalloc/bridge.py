@@ -274,6 +274,17 @@ def _finished_elsewhere(torch: Any, own: str) -> List[str]:
                   key=os.path.getmtime, reverse=True)
 
 
+def _finished(torch: Any, build_dir: str, elsewhere: bool) -> Optional[str]:
+    """The finished bridge in ``build_dir``, else (``elsewhere``) another compiler's."""
+    try:
+        library = _finished_library(build_dir, _fingerprint(source_dir()))
+    except BridgeUnavailable:
+        return None
+    if library is None and elsewhere:
+        library = next(iter(_finished_elsewhere(torch, build_dir)), None)
+    return library
+
+
 def _import_library(library: str) -> Any:
     """Loads a built bridge as torch.utils.cpp_extension would, without its build lock."""
     name = os.path.basename(library).split(".")[0]
@@ -452,13 +463,7 @@ def _load_finished(torch: Any, build_dir: str, elsewhere: bool = True) -> Option
     else, where this machine cannot build one (``elsewhere``), a finished one another
     compiler built. None when there is none to load, or it does not load (a build then
     says why)."""
-    try:
-        fingerprint = _fingerprint(source_dir())
-    except BridgeUnavailable:
-        return None
-    library = _finished_library(build_dir, fingerprint)
-    if library is None and elsewhere and missing_prerequisite(torch) is not None:
-        library = next(iter(_finished_elsewhere(torch, build_dir)), None)
+    library = _finished(torch, build_dir, elsewhere and missing_prerequisite(torch) is not None)
     if library is None:
         return None
     _refuse_a_private_runtime(library)
@@ -615,7 +620,14 @@ def status(torch: Any = None) -> dict:
     out["library"] = built_library(torch)
     out["built"] = out["library"] is not None
     out["why_not"] = missing_prerequisite(torch)
+    if out["why_not"] is not None and version and _finished_at_hand(torch):
+        out["why_not"] = None  # loaded as it is: nothing a build needs is needed
     return out
+
+
+def _finished_at_hand(torch: Any) -> bool:
+    """Whether build() would load a finished bridge rather than build one."""
+    return _finished(torch, os.path.join(cache_dir(torch), "cuda"), elsewhere=True) is not None
 
 
 # -- command line -------------------------------------------------------------------------

@@ -149,3 +149,33 @@ def test_regression_the_sdist_holds_everything_setup_py_builds_from(tmp_path):
     assert "csrc/python/exports.map" in needed and "csrc/torch_bridge/bridge.cpp" in needed
     assert not needed - held, f"missing from the sdist: {sorted(needed - held)}"
     assert not {n for n in held if n.endswith((".so", ".o", ".pyc"))}, "build outputs in the sdist"
+
+
+# -- what a plain install gives ---------------------------------------------------------
+
+
+def _specs(name):
+    found = re.search(rf"^{name} = \[(.*?)\]", _read("pyproject.toml"), re.M | re.S)
+    return re.findall(r'"([^"]+)"', found.group(1))
+
+
+def test_regression_a_plain_install_brings_what_the_bridge_is_built_with():
+    # Regression: ninja was in the test extra only, so `pip install pyalloc torch` fell back
+    # to the hooks route with a warning; and the torch extra admitted torch 2.3, which the
+    # bridge refuses (2.9 at least).
+    from pyalloc import bridge
+
+    assert "ninja" in _requirements("dependencies")
+    (torch,) = [s for s in _specs("torch") if s.startswith("torch")]
+    assert torch == "torch>={}.{}".format(*bridge.OLDEST_TORCH), torch
+
+
+def test_the_readmes_install_line_gives_the_default_route():
+    readme = _read("README.md")
+    section = readme[readme.index("## Install"):]
+    line = re.search(r"```bash\n(.*?)\n```", section, re.S).group(1).strip()
+    extras = re.fullmatch(r'pip install "?\.\[([a-z,]+)\]"?(\s+#.*)?', line)
+    assert extras, line
+    named = set(extras.group(1).split(","))
+    assert "torch" in named, "the bridge is built against torch: the install line brings it"
+    assert "ninja" in _requirements("dependencies") | set().union(*(_requirements(e) for e in named))

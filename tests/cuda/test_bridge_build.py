@@ -598,3 +598,24 @@ def test_regression_a_bridge_a_build_image_left_loads_where_no_compiler_is(tiny_
     out = tiny_build("load", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, err = out.communicate(timeout=60)
     assert out.returncode != 0 and "no C++ compiler here" in err, err
+
+
+def test_regression_status_counts_a_finished_bridge_from_another_compiler_as_usable(tmp_path, monkeypatch):
+    # Regression: pyalloc doctor and `bridge status` said a runtime image without a compiler
+    # could not take the bridge its build image had built, and install() fell back to the hooks.
+    import types
+
+    monkeypatch.setenv("PYALLOC_BRIDGE_CACHE", str(tmp_path))
+    torch = types.SimpleNamespace(__version__="2.11.0+cu130", version=types.SimpleNamespace(cuda="13.0"))
+    monkeypatch.setattr(bridge, "missing_prerequisite", lambda torch, check=False: "no C++ compiler here")
+    prefix = bridge.cache_dir(torch).rsplit("-cxx-", 1)[0]
+    image = os.path.join(prefix + "-cxx-_opt_build-image_g__", "cuda")
+    os.makedirs(image)
+    library = os.path.join(image, "pyalloc_bridge.so")
+    open(library, "w").close()
+    assert bridge.status(torch)["why_not"] == "no C++ compiler here"  # not finished: no stamp
+    bridge._write_stamp(image, library, bridge._fingerprint(bridge.source_dir()))
+    st = bridge.status(torch)
+    assert (st["why_not"], st["built"], st["library"]) == (None, True, library)
+    torch.version.cuda = None  # a CPU build of torch cannot load it, finished or not
+    assert bridge.status(torch)["why_not"] == "no C++ compiler here"
