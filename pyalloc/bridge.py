@@ -450,11 +450,12 @@ def build(check: bool = False, verbose: bool = False) -> BuildResult:
             if found is not None:
                 return found
         _remove_stamp(build_dir)
+        fingerprint = _fingerprint(source_dir())  # of the sources as the build reads them
         if not check:
             print(f"pyalloc: building the bridge against torch {torch.__version__} (once; cached in "
                   f"{build_dir})", file=sys.stderr, flush=True)
         result = _compile(torch, build_dir, check, verbose)
-        _write_stamp(build_dir, result.library, _fingerprint(source_dir()))
+        _write_stamp(build_dir, result.library, fingerprint)
     return result
 
 
