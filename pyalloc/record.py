@@ -180,7 +180,7 @@ def record_cuda(run: Callable[[], Any], output: str, max_entries: int = HISTORY_
     dump_snapshot(output)  # a plain pickle, gzip-compressed only for a .gz name
     for device, pool in full_histories(max_entries):
         print(f"pyalloc record: the history of cuda:{device}'s {pool} pool reached its limit of "
-              f"{max_entries} entries: older events were dropped (a larger --history keeps more)",
+              f"{max_entries} entries: any older events were dropped (a larger --history keeps more)",
               file=sys.stderr)
     return value
 

@@ -193,7 +193,7 @@ def test_record_keeps_as_many_history_entries_as_asked_and_says_when_it_wrapped(
     events = load_snapshot(out)["device_traces"][0]
     assert (len(events) == history) if wrapped else (40 < len(events) < history), (len(events), err)
     said = (f"pyalloc record: the history of cuda:0's general pool reached its limit of {history} "
-            "entries: older events were dropped (a larger --history keeps more)")
+            "entries: any older events were dropped (a larger --history keeps more)")
     assert (said in err) == wrapped, err
     pyalloc.record_history(False)
 
