@@ -56,7 +56,8 @@ def _files(pattern):
 
 
 sources = _files("*.cpp")
-EXPORTS = os.path.join(here, "csrc", "python", "exports.map")
+# Relative, as every path setuptools is given: an absolute one is left out of the sdist.
+EXPORTS = os.path.join("csrc", "python", "exports.map")
 headers = _files("*.h")
 
 ext = Pybind11Extension(

@@ -16,19 +16,35 @@ exceptions into torch's frames, which must share torch's C++ runtime); the
 library built is read before it is used, and one with a private runtime is
 deleted and refused (PYALLOC_ALLOW_PRIVATE_RUNTIME=1 allows both).
 
+A bridge already built (a stamp beside it names the sources it was built from)
+is loaded directly, before anything is checked or locked: a runtime image
+without a compiler uses the bridge its build image left in the cache, even one
+built by a compiler it lacks. A build runs under pyalloc's own lock on the
+cache folder (flock: the kernel drops it when its holder dies, however it
+dies); a process waiting for it says so, and for how long, every
+``WAIT_REPORT_S`` seconds; and ``torch.utils.cpp_extension``'s own lock file,
+which a build killed mid-way leaves behind and which made every later build
+wait for ever, is removed, since no other build can hold it then.
+
 The command line: ``pyalloc bridge build [--check]`` and ``pyalloc bridge status``.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
+import hashlib
+import importlib.util
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 from . import _C, _toolchain
 
@@ -164,7 +180,7 @@ def cache_dir(torch=None) -> str:
 class BuildResult:
     library: str  # the built shared object
     module: Any  # the loaded module, or None for a check build
-    cuda: CudaHeaders
+    cuda: Optional[CudaHeaders]  # None for a bridge found built, where none need be at hand
     torch_version: str
     message: str
 
@@ -176,8 +192,155 @@ def _built_library(build_dir: str) -> Optional[str]:
 
 def built_library(torch=None) -> Optional[str]:
     """The bridge built for this torch, CUDA, Python, pyalloc and compiler (in
-    cache_dir()), or None when none is built yet. Builds nothing."""
-    return _built_library(os.path.join(cache_dir(torch), "cuda"))
+    cache_dir()), else one finished for them by another compiler (a build image's),
+    or None when none is built yet. Builds nothing."""
+    torch = torch or _import_torch()
+    own = os.path.join(cache_dir(torch), "cuda")
+    return _built_library(own) or next(iter(_finished_elsewhere(torch, own)), None)
+
+
+# -- a finished build: its stamp, the lock around a build --------------------------------
+
+#: Written beside a bridge once its build finished: the fingerprint of the sources.
+STAMP = "pyalloc-finished.json"
+#: pyalloc's lock on a build folder (flock), holding the builder's pid.
+LOCK = "pyalloc-build.lock"
+#: torch.utils.cpp_extension's lock file, removed in a `finally` a killed build never runs.
+TORCH_LOCK = "lock"
+#: How often a process waiting for another's build says it still waits (seconds).
+WAIT_REPORT_S = 30.0
+
+
+def _sources(src: str) -> List[str]:
+    """bridge.cpp and every file of csrc/ it includes, directly or not."""
+    todo, seen = [os.path.join("torch_bridge", "bridge.cpp")], []
+    while todo:
+        rel = todo.pop()
+        if rel in seen or not os.path.isfile(os.path.join(src, rel)):
+            continue
+        seen.append(rel)
+        with open(os.path.join(src, rel)) as f:
+            todo += re.findall(r'^\s*#\s*include\s+"([^"]+)"', f.read(), re.M)
+    return sorted(seen)
+
+
+def _fingerprint(src: str) -> str:
+    """What a finished build must have been built from: the sources' names and bytes.
+    torch, CUDA, Python, pyalloc and the compiler are in the folder's name already."""
+    digest = hashlib.sha256()
+    for rel in _sources(src):
+        with open(os.path.join(src, rel), "rb") as f:
+            digest.update(rel.encode() + b"\0" + f.read() + b"\0")
+    return digest.hexdigest()
+
+
+def _finished_library(build_dir: str, fingerprint: str) -> Optional[str]:
+    """The library in ``build_dir`` whose build finished from these very sources, or None
+    (none built, one half built, one from other sources)."""
+    try:
+        with open(os.path.join(build_dir, STAMP)) as f:
+            stamp = json.load(f)
+    except (OSError, ValueError):
+        return None
+    library = os.path.join(build_dir, str(stamp.get("library", "")))
+    if stamp.get("sources") != fingerprint or not os.path.isfile(library):
+        return None
+    return library
+
+
+def _write_stamp(build_dir: str, library: str, fingerprint: str) -> None:
+    path = os.path.join(build_dir, STAMP)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"sources": fingerprint, "library": os.path.basename(library)}, f)
+    os.replace(path + ".tmp", path)  # never half written
+
+
+def _remove_stamp(build_dir: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(build_dir, STAMP))
+
+
+def _finished_elsewhere(torch: Any, own: str) -> List[str]:
+    """Finished bridges for this torch, CUDA, Python and pyalloc built by other compilers
+    (the cache a build image left to a runtime image without one), newest first."""
+    try:
+        fingerprint = _fingerprint(source_dir())
+    except BridgeUnavailable:
+        return []
+    prefix = cache_dir(torch).rsplit("-cxx-", 1)[0]
+    found = (_finished_library(os.path.join(d, "cuda"), fingerprint)
+             for d in glob.glob(glob.escape(prefix) + "-cxx-*"))
+    return sorted((lib for lib in found if lib and os.path.dirname(lib) != own),
+                  key=os.path.getmtime, reverse=True)
+
+
+def _finished(torch: Any, build_dir: str, elsewhere: bool) -> Optional[str]:
+    """The finished bridge in ``build_dir``, else (``elsewhere``) another compiler's."""
+    try:
+        library = _finished_library(build_dir, _fingerprint(source_dir()))
+    except BridgeUnavailable:
+        return None
+    if library is None and elsewhere:
+        library = next(iter(_finished_elsewhere(torch, build_dir)), None)
+    return library
+
+
+def _import_library(library: str) -> Any:
+    """Loads a built bridge as torch.utils.cpp_extension would, without its build lock."""
+    name = os.path.basename(library).split(".")[0]
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _holder(lock_path: str) -> str:
+    try:
+        with open(lock_path) as f:
+            pid = f.read().strip()
+    except OSError:
+        pid = ""
+    return f"process {pid}" if pid.isdigit() else "another process"
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: str) -> Iterator[None]:
+    """Holds pyalloc's lock on ``build_dir``, waiting (and saying so) while another
+    process builds there. The kernel drops a flock when its holder dies, so a killed
+    build never leaves it held; torch's own lock file, which it does leave, is stale
+    once this lock is held, as every build in the folder runs under it."""
+    path = os.path.join(build_dir, LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        start, said = time.monotonic(), None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if said is None or waited - said >= WAIT_REPORT_S:
+                    print(f"pyalloc: waiting for {_holder(path)} to finish building the bridge in "
+                          f"{build_dir} (waited {waited:.0f} s)", file=sys.stderr, flush=True)
+                    said = waited
+                time.sleep(0.2)
+        if said is not None:
+            print(f"pyalloc: the other build ended after {time.monotonic() - start:.0f} s",
+                  file=sys.stderr, flush=True)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _remove_stale_torch_lock(build_dir)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _remove_stale_torch_lock(build_dir: str) -> None:
+    stale = os.path.join(build_dir, TORCH_LOCK)
+    if os.path.exists(stale):
+        os.remove(stale)
+        print(f"pyalloc: removed {stale}, left by a bridge build that was stopped before it ended",
+              file=sys.stderr, flush=True)
 
 
 def _dynamic_symbols(path: str, undefined: bool) -> List[str]:
@@ -261,6 +424,10 @@ def build(check: bool = False, verbose: bool = False) -> BuildResult:
     """Compiles and links the bridge against the installed torch (cached: a second
     call only loads it) and loads it.
 
+    A bridge whose build finished is loaded as it is, before the prerequisites are
+    checked: where it was built for this torch, CUDA, Python and pyalloc by another
+    compiler (a build image's) and none can build it here, that one.
+
     check=True compiles and links without PyTorch's CUDA libraries, for a torch the
     bridge cannot be loaded into here (a CPU build has none): it proves the bridge
     builds against this torch's headers, and that every symbol it needs besides
@@ -268,17 +435,57 @@ def build(check: bool = False, verbose: bool = False) -> BuildResult:
     Raises BridgeUnavailable saying why it cannot.
     """
     torch = _import_torch()
-    from torch.utils import cpp_extension
-
+    build_dir = os.path.join(cache_dir(torch), "check" if check else "cuda")
+    if not check:
+        found = _load_finished(torch, build_dir)
+        if found is not None:
+            return found
     why = missing_prerequisite(torch, check=check)
     if why is not None:
         raise BridgeUnavailable(why)
+    os.makedirs(build_dir, exist_ok=True)
+    with _build_lock(build_dir):
+        if not check:  # another process may have built it while this one waited
+            found = _load_finished(torch, build_dir, elsewhere=False)
+            if found is not None:
+                return found
+        _remove_stamp(build_dir)
+        fingerprint = _fingerprint(source_dir())  # of the sources as the build reads them
+        if not check:
+            print(f"pyalloc: building the bridge against torch {torch.__version__} (once; cached in "
+                  f"{build_dir})", file=sys.stderr, flush=True)
+        result = _compile(torch, build_dir, check, verbose)
+        _write_stamp(build_dir, result.library, fingerprint)
+    return result
+
+
+def _load_finished(torch: Any, build_dir: str, elsewhere: bool = True) -> Optional[BuildResult]:
+    """The bridge in ``build_dir`` whose build finished from the sources at hand, loaded;
+    else, where this machine cannot build one (``elsewhere``), a finished one another
+    compiler built. None when there is none to load, or it does not load (a build then
+    says why)."""
+    library = _finished(torch, build_dir, elsewhere and missing_prerequisite(torch) is not None)
+    if library is None:
+        return None
+    _refuse_a_private_runtime(library)
+    try:
+        module = _import_library(library)
+    except ImportError as e:
+        if os.path.dirname(library) == build_dir and missing_prerequisite(torch) is None:
+            return None  # rebuilt under the lock, which says what is wrong
+        raise BridgeUnavailable(f"the bridge built in {library} cannot be loaded: {e}") from e
+    return BuildResult(library, module, None, torch.__version__,
+                       f"the bridge is built for torch {torch.__version__}: {library}")
+
+
+def _compile(torch: Any, build_dir: str, check: bool, verbose: bool) -> BuildResult:
+    """torch.utils.cpp_extension's build of the bridge in ``build_dir`` (its caller holds
+    the folder's lock), then loaded, and audited."""
+    from torch.utils import cpp_extension
+
     cuda = find_cuda_headers()
     assert cuda is not None  # missing_prerequisite() looked
-
     src = source_dir()
-    build_dir = os.path.join(cache_dir(torch), "check" if check else "cuda")
-    os.makedirs(build_dir, exist_ok=True)
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     ldflags = [f"-L{torch_lib}"]
     if not check:
@@ -385,10 +592,6 @@ def load() -> Any:
     torch = _import_torch()
     if torch.version.cuda is None:
         raise BridgeUnavailable(f"torch {torch.__version__} is a CPU-only build")
-    directory = os.path.join(cache_dir(torch), "cuda")
-    if _built_library(directory) is None:
-        print(f"pyalloc: building the bridge against torch {torch.__version__} (once; cached in "
-              f"{directory})", file=sys.stderr, flush=True)
     _loaded = build().module
     return _loaded
 
@@ -418,7 +621,14 @@ def status(torch: Any = None) -> dict:
     out["library"] = built_library(torch)
     out["built"] = out["library"] is not None
     out["why_not"] = missing_prerequisite(torch)
+    if out["why_not"] is not None and version and _finished_at_hand(torch):
+        out["why_not"] = None  # loaded as it is: nothing a build needs is needed
     return out
+
+
+def _finished_at_hand(torch: Any) -> bool:
+    """Whether build() would load a finished bridge rather than build one."""
+    return _finished(torch, os.path.join(cache_dir(torch), "cuda"), elsewhere=True) is not None
 
 
 # -- command line -------------------------------------------------------------------------

@@ -72,6 +72,7 @@ class _State:
     allocator: Any = None  # torch's CUDAPluggableAllocator, or the bridge module, kept alive
     hooks: Tuple[str, ...] = ()
     route: Optional[str] = None  # "bridge" or "hooks"
+    no_bridge: Optional[str] = None  # why the default fell back to the hooks
 
 
 _state = _State()
@@ -133,12 +134,14 @@ def install(conf: Optional[str] = None, *, bridge: Optional[bool] = None,
     Settings merge key by key, later winning: ``PYALLOC_CONF`` from the
     environment, then ``conf``, then the keywords.
 
-    Calling it again with the same settings does nothing; with other settings
-    it raises RuntimeError, as does a CPU-only PyTorch, a machine without a GPU,
+    Calling it again with the same settings does nothing; with other settings,
+    or with ``bridge`` naming the route not taken, it raises RuntimeError, as does a CPU-only PyTorch, a machine without a GPU,
     or a process that already initialized CUDA. ValueError for bad settings.
     """
     text = settings_text(conf, config)
     wanted = parse_config(text)
+    if bridge is None:
+        bridge = _bridge_from_env()
     if _state.config is not None:
         if wanted != _state.config:
             raise RuntimeError(
@@ -146,12 +149,11 @@ def install(conf: Optional[str] = None, *, bridge: Optional[bool] = None,
                 f"reinstalled with '{text}': the allocator can be chosen only once per process. "
                 f"Give install() the same settings everywhere, or set them once in {CONF_ENV}."
             )
+        _check_same_route(bridge)
         if patch_torch and _state.route == "hooks" and not _state.patched:
             _patch_torch()
         return
 
-    if bridge is None:
-        bridge = _bridge_from_env()
     torch = _import_torch()
     _check_torch_can_swap(torch)
     _C.cuda_check_driver()
@@ -164,6 +166,23 @@ def install(conf: Optional[str] = None, *, bridge: Optional[bool] = None,
     _state.conf, _state.config, _state.route = text, wanted, route
     if patch_torch and route == "hooks":
         _patch_torch()
+
+
+def _check_same_route(bridge: Optional[bool]) -> None:
+    """A second install() that names the route other than the one taken raises: saying
+    nothing would leave the caller on a route it asked not to be on."""
+    if bridge is None or bridge == (_state.route == "bridge"):
+        return
+    if _state.route == "hooks":
+        why = f" (the bridge was not available: {_state.no_bridge})" if _state.no_bridge else ""
+        taken = f"the C hooks{why}"
+    else:
+        taken = "the bridge"
+    raise RuntimeError(
+        f"pyalloc.install(bridge={bridge}): pyalloc is already installed through {taken}, and "
+        "the route can be chosen only once per process. Ask for the route in the first "
+        f"install() (or {BRIDGE_ENV}=1 / 0), before any CUDA work."
+    )
 
 
 def _bridge_from_env() -> Optional[bool]:
@@ -194,6 +213,7 @@ def _install_bridge(required: bool) -> bool:
     except bridge.BridgeUnavailable as e:
         if required:
             raise RuntimeError(f"pyalloc.install(bridge=True): {e}") from e
+        _state.no_bridge = str(e)
         lost = "".join(f"\n  - {item}" for item in bridge.LOST_WITHOUT_BRIDGE)
         warnings.warn(
             f"pyalloc: the bridge to PyTorch's allocator interface is not available ({e}); "

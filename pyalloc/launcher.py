@@ -7,15 +7,19 @@
 pyalloc is installed (settings from PYALLOC_CONF, then --conf) before the
 program's first line runs; the program then runs as ``__main__`` with its own
 ``sys.argv``, as under ``python script.py`` or ``python -m module``. The
-effective settings are exported in PYALLOC_CONF for the processes it starts.
+effective settings are exported in PYALLOC_CONF for the processes it starts;
+those multiprocessing starts with spawn or forkserver install pyalloc before
+they run anything of the program, and forked ones inherit it (_children.py).
 """
 from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import sys
 from typing import List
+
+from . import _children
+from ._program import run_as_main
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,15 +64,11 @@ def main(args: argparse.Namespace) -> int:
                      patch_torch=not args.no_patch_torch)
     except (RuntimeError, ValueError, TypeError) as e:
         return _fail(str(e))
-    # Processes the program starts (workers, torch.multiprocessing) use the same settings.
+    # Processes the program starts use the same settings: forked ones inherit pyalloc,
+    # spawn and forkserver ones install it on arrival, on the route this one took.
     os.environ[cuda.CONF_ENV] = conf
+    taken = {"bridge": True, "hooks": False}.get(cuda._state.route or "")
+    _children.reach_children(conf, False if args.no_bridge else taken, not args.no_patch_torch)
 
-    if is_module:
-        sys.argv = [target] + argv
-        sys.path[0] = os.getcwd()
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = [target] + argv
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-        runpy.run_path(target, run_name="__main__")
+    run_as_main("module" if is_module else "path", target, argv)
     return 0

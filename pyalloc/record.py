@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import sys
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ._program import run_as_main
 from .snapshot_io import write_snapshot
 
 __all__ = ["RecordError", "add_arguments", "main", "profiler_snapshot", "record_program", "run_program"]
@@ -76,14 +76,7 @@ def run_program(argv: List[str]) -> int:
         raise RecordError(f"{target}: no such script")
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     try:
-        if kind == "path":
-            sys.argv = [target] + args
-            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-            runpy.run_path(target, run_name="__main__")
-        else:
-            sys.argv = [target] + args
-            sys.path.insert(0, os.getcwd())
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        run_as_main(kind, target, args)
     except SystemExit as e:
         code = e.code
         if code is None:
@@ -161,9 +154,14 @@ def record_cpu(run: Callable[[], Any], source: Optional[Dict[str, Any]] = None) 
 # GPU: pyalloc's own history
 
 
-def record_cuda(run: Callable[[], Any], output: str) -> Any:
-    """Runs ``run()`` with pyalloc as torch's CUDA allocator, recording its
-    history, and dumps the snapshot to ``output``; run()'s return value."""
+#: How many alloc / free / segment events each pool keeps by default (``--history``).
+HISTORY_ENTRIES = 100_000
+
+
+def record_cuda(run: Callable[[], Any], output: str, max_entries: int = HISTORY_ENTRIES) -> Any:
+    """Runs ``run()`` with pyalloc as torch's CUDA allocator, recording the last
+    ``max_entries`` events of each pool, and dumps the snapshot to ``output``;
+    run()'s return value. A pool whose history filled up is named on stderr."""
     import pyalloc
 
     hooks = [getattr(pyalloc, n, None) for n in ("install", "record_history", "dump_snapshot")]
@@ -173,11 +171,27 @@ def record_cuda(run: Callable[[], Any], output: str) -> Any:
             "pyalloc.dump_snapshot, which this build lacks; record on the CPU with --device cpu"
         )
     install, record_history, dump_snapshot = hooks
-    install()
-    record_history(True)
+    try:
+        install()
+    except (RuntimeError, ValueError) as e:  # no GPU, a CPU-only torch, bad PYALLOC_CONF
+        raise RecordError(f"{e}; record on the CPU with --device cpu") from None
+    record_history(True, max_entries)
     value = run()
     dump_snapshot(output)  # a plain pickle, gzip-compressed only for a .gz name
+    for device, pool in full_histories(max_entries):
+        print(f"pyalloc record: the history of cuda:{device}'s {pool} pool reached its limit of "
+              f"{max_entries} entries: any older events were dropped (a larger --history keeps more)",
+              file=sys.stderr)
     return value
+
+
+def full_histories(max_entries: int) -> List[Tuple[int, str]]:
+    """(device, pool) of each pool whose history holds ``max_entries`` events: it kept
+    the newest and dropped any older ones (each pool's history is a ring of that size)."""
+    from . import _C
+
+    return [(d, pool) for d in _C.cuda_devices() for pool in ("general", "buffers", "graph")
+            if len(_C.cuda_history(d, pool)) >= max_entries]
 
 
 def _cuda_available() -> bool:
@@ -186,18 +200,19 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def record_program(argv: List[str], output: str, device: str = "auto") -> int:
+def record_program(argv: List[str], output: str, device: str = "auto",
+                   history: int = HISTORY_ENTRIES) -> int:
     """Records ``python script.py args`` into ``output``; the program's exit status.
 
-    device: "cuda" (pyalloc's history), "cpu" (the profiler), or "auto" (cuda
-    when torch sees a GPU).
+    device: "cuda" (pyalloc's history, the last ``history`` events of each pool),
+    "cpu" (the profiler, every event), or "auto" (cuda when torch sees a GPU).
     """
     argv = list(argv[1:] if argv[:1] == ["--"] else argv)
     parse_command(argv)  # a bad command line fails before anything runs
     if device == "auto":
         device = "cuda" if _cuda_available() else "cpu"
     if device == "cuda":
-        return record_cuda(lambda: run_program(argv), output)
+        return record_cuda(lambda: run_program(argv), output, history)
     status, snapshot = record_cpu(lambda: run_program(argv), {"command": list(argv)})
     write_snapshot(snapshot, output)
     return status
@@ -213,13 +228,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="cuda: pyalloc's own history on the GPU; cpu: torch.profiler's memory "
                              "events; auto (default): cuda when torch sees a GPU")
+    parser.add_argument("--history", type=_entries, default=HISTORY_ENTRIES, metavar="N",
+                        help=f"cuda: keep the last N events of each pool (default {HISTORY_ENTRIES:,}); "
+                             "a pool that reached N is named, its older events dropped")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- python script.py [args]",
                         help="the program to record, run inside this process")
 
 
+def _entries(text: str) -> int:
+    try:
+        n = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of entries, not {text}")
+    return n
+
+
 def main(args: argparse.Namespace) -> int:
     try:
-        status = record_program(args.command, args.output, args.device)
+        status = record_program(args.command, args.output, args.device, args.history)
     except ImportError as e:
         if (e.name or "").split(".")[0] != "torch":
             raise

@@ -113,3 +113,69 @@ def test_ci_runs_the_readme_test_command_in_a_virtualenv_made_anew():
 def test_the_readme_says_what_ci_runs():
     readme = " ".join(_read("README.md").split())
     assert "`.ci/run` runs exactly this command, in a virtualenv it makes anew each run" in readme
+
+
+def test_ci_builds_the_sdist_and_smoke_tests_a_wheel_built_from_it():
+    lines = [ln.strip() for ln in _read(".ci", "run").splitlines()]
+    smoke = lines.index("bash .ci/sdist_smoke build/sdist-smoke")
+    tests = lines.index(_readme_test_command())
+    assert smoke > tests, "after the tests, in the same virtualenv"
+    # Only the last command of an && list stops a set -e script: CI must not go on, and
+    # pass, after a failing pytest.
+    assert lines[tests + 2] == 'status=$?; [ "$status" -eq 0 ] || exit "$status"'
+    script = _read(".ci", "sdist_smoke")
+    for step in ("setup.py -q sdist", 'python3 -m venv "$work/venv"', "-m pip wheel --no-deps",
+                 "pyalloc replay", "benchmarks/traces/"):
+        assert step in script, step
+    ignored = subprocess.run(["git", "check-ignore", "-q", "build/sdist-smoke"], cwd=ROOT)
+    assert ignored.returncode == 0
+
+
+def test_regression_the_sdist_holds_everything_setup_py_builds_from(tmp_path):
+    # Regression: no MANIFEST.in, and setup.py named exports.map by an absolute path: the
+    # sdist lacked it and the bridge's sources, and `pip wheel` on it failed.
+    import tarfile
+
+    out = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (sdist,) = tmp_path.glob("pyalloc-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        held = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    csrc = {os.path.relpath(os.path.join(parent, f), ROOT)
+            for parent, _, files in os.walk(os.path.join(ROOT, "csrc"))
+            for f in files if f.endswith((".cpp", ".h", ".map"))}
+    needed = csrc | {"setup.py", "pyproject.toml", "README.md", "pyalloc/_toolchain.py", "pyalloc/bridge.py"}
+    assert "csrc/python/exports.map" in needed and "csrc/torch_bridge/bridge.cpp" in needed
+    assert not needed - held, f"missing from the sdist: {sorted(needed - held)}"
+    assert not {n for n in held if n.endswith((".so", ".o", ".pyc"))}, "build outputs in the sdist"
+
+
+# -- what a plain install gives ---------------------------------------------------------
+
+
+def _specs(name):
+    found = re.search(rf"^{name} = \[(.*?)\]", _read("pyproject.toml"), re.M | re.S)
+    return re.findall(r'"([^"]+)"', found.group(1))
+
+
+def test_regression_a_plain_install_brings_what_the_bridge_is_built_with():
+    # Regression: ninja was in the test extra only, so `pip install pyalloc torch` fell back
+    # to the hooks route with a warning; and the torch extra admitted torch 2.3, which the
+    # bridge refuses (2.9 at least).
+    from pyalloc import bridge
+
+    assert "ninja" in _requirements("dependencies")
+    (torch,) = [s for s in _specs("torch") if s.startswith("torch")]
+    assert torch == "torch>={}.{}".format(*bridge.OLDEST_TORCH), torch
+
+
+def test_the_readmes_install_line_gives_the_default_route():
+    readme = _read("README.md")
+    section = readme[readme.index("## Install"):]
+    line = re.search(r"```bash\n(.*?)\n```", section, re.S).group(1).strip()
+    extras = re.fullmatch(r'pip install "?\.\[([a-z,]+)\]"?(\s+#.*)?', line)
+    assert extras, line
+    named = set(extras.group(1).split(","))
+    assert "torch" in named, "the bridge is built against torch: the install line brings it"
+    assert "ninja" in _requirements("dependencies") | set().union(*(_requirements(e) for e in named))

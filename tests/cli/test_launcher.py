@@ -1,6 +1,7 @@
 """``pyalloc run``: argument handling, errors, and running the program as __main__."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -95,6 +96,11 @@ def launched(monkeypatch):
         calls.bridge.append(bridge)
 
     monkeypatch.setattr(api, "install", install)
+    # The launcher makes this process's spawn children install pyalloc: undone after.
+    import multiprocessing.spawn
+
+    monkeypatch.setattr(multiprocessing.spawn, "get_preparation_data",
+                        multiprocessing.spawn.get_preparation_data)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delenv("PYALLOC_CONF", raising=False)
@@ -160,3 +166,177 @@ def test_no_bridge_asks_for_the_hooks_route(launched, tmp_path):
     assert cli.main(["run", str(script)]) == 0
     assert cli.main(["run", "--no-bridge", str(script)]) == 0
     assert launched.bridge == [None, False]
+
+
+# -- the program sees what `python script.py` gives it -----------------------------------
+
+SEES = (
+    "import json, os, sys\n"
+    "print(json.dumps({'file': __file__, 'argv0': sys.argv[0], 'path0': sys.path[0],\n"
+    "                  'listdir': sorted(os.listdir(os.path.dirname(__file__)))}))\n"
+)
+
+
+def what_python_gives(script, cwd):
+    """What `python script.py` shows the script (a child, run in ``cwd``)."""
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, cwd=cwd,
+                         check=True, timeout=60)
+    return json.loads(out.stdout)
+
+
+def _linked_script(tmp_path):
+    """A relative path through a symbolic link, to a script in another folder."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "sees.py").write_text(SEES)
+    (tmp_path / "link.py").symlink_to(tmp_path / "real" / "sees.py")
+    return "link.py"
+
+
+def test_regression_the_script_sees_what_python_gives_it(launched, tmp_path, capsys, monkeypatch):
+    # Regression: __file__ was the path as typed (relative: os.listdir(os.path.dirname(__file__))
+    # failed), where python makes it absolute.
+    script = _linked_script(tmp_path)
+    want = what_python_gives(script, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    path_length = len(sys.path)
+    assert cli.main(["run", script]) == 0
+    assert json.loads(capsys.readouterr().out) == want
+    assert want["file"] == str(tmp_path / "link.py") and want["argv0"] == "link.py"
+    assert want["path0"] == str(tmp_path / "real")
+    assert len(sys.path) == path_length  # replaced the command's own first entry, as python has none
+
+
+def test_record_and_run_give_the_program_the_same_view(launched, tmp_path, capsys, monkeypatch):
+    # Regression: record inserted the script's folder before the command's own first
+    # entry (pyalloc's bin folder, or the working folder of python -m pyalloc), run replaced it.
+    from pyalloc.record import run_program
+
+    script = _linked_script(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = list(sys.path)
+    sys.path[0] = "/the/pyalloc/commands/own/entry"
+    assert run_program(["python", script]) == 0
+    recorded = capsys.readouterr().out
+    assert sys.path[0] == "/the/pyalloc/commands/own/entry"  # record gives the process back as it was
+    probe = ("import json, sys\nprint(json.dumps(sys.path))\n")
+    (tmp_path / "real" / "probe.py").write_text(probe)
+    assert run_program(["python", "real/probe.py"]) == 0
+    seen_by_record = json.loads(capsys.readouterr().out)
+    assert cli.main(["run", "real/probe.py"]) == 0
+    seen_by_run = json.loads(capsys.readouterr().out)
+    assert seen_by_record == seen_by_run == [str(tmp_path / "real")] + before[1:]
+    assert json.loads(recorded) == what_python_gives(script, tmp_path)
+
+
+# -- the processes the program starts ------------------------------------------------------
+# install() needs a GPU: every interpreter of these runs stands it in, from a
+# sitecustomize on PYTHONPATH that only the test adds, logging which process called it.
+
+STUB_INSTALL = """
+import json, os
+try:
+    from pyalloc import cuda
+except ImportError:
+    cuda = None
+if cuda is not None:
+    def install(conf=None, *, bridge=None, patch_torch=True, **config):
+        if os.environ.get("REFUSE_IN_CHILDREN") and os.path.exists(os.environ["INSTALL_LOG"]):
+            raise RuntimeError("no GPU in this child")  # the launcher, first, logged its call
+        with open(os.environ["INSTALL_LOG"], "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "conf": conf, "bridge": bridge,
+                                "patch_torch": patch_torch}) + "\\n")
+        cuda._state.route = "hooks"
+    cuda.install = install
+"""
+
+CHILDREN = """
+import json, multiprocessing as mp, os, sys
+from pyalloc import cuda
+
+AT_IMPORT = cuda._state.route  # a spawn child imports this file again: installed by then?
+
+def report(q):
+    q.put({"pid": os.getpid(), "at_import": AT_IMPORT, "route": cuda._state.route,
+           "conf": os.environ.get("PYALLOC_CONF")})
+
+def torch_worker(rank, q):
+    report(q)
+
+def grandchild(q):
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=report, args=(q,))
+    p.start()
+    p.join()
+
+if __name__ == "__main__":
+    out = {"parent": os.getpid()}
+    for method in ("spawn", "forkserver", "fork"):
+        ctx = mp.get_context(method)
+        q = ctx.Queue()
+        p = ctx.Process(target=report, args=(q,))
+        p.start()
+        out[method] = q.get(timeout=120)
+        p.join()
+    if "torch" in sys.argv:
+        import torch.multiprocessing
+        q = mp.get_context("spawn").SimpleQueue()
+        torch.multiprocessing.spawn(torch_worker, args=(q,), nprocs=1)
+        out["torch.multiprocessing.spawn"] = q.get()
+    q = mp.get_context("spawn").Queue()
+    p = mp.get_context("spawn").Process(target=grandchild, args=(q,))
+    p.start()
+    out["spawn's spawn"] = q.get(timeout=120)
+    p.join()
+    print(json.dumps(out))
+"""
+
+
+def _run_children(tmp_path, *args, refuse_in_children=False):
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "sitecustomize.py").write_text(STUB_INSTALL)
+    (tmp_path / "children.py").write_text(CHILDREN)
+    log = tmp_path / "install.log"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stub), REPO]), INSTALL_LOG=str(log),
+               PYALLOC_CONF="pool_size:1GiB")
+    if refuse_in_children:
+        env["REFUSE_IN_CHILDREN"] = "1"
+    launcher = subprocess.Popen([sys.executable, "-m", "pyalloc", "run", "--conf", "segment_size:4MiB",
+                                 "children.py", *args], cwd=tmp_path, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, err
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    return json.loads(out.splitlines()[-1]), calls, err
+
+
+@pytest.mark.slow
+def test_regression_spawn_and_forkserver_children_install_pyalloc_and_fork_children_inherit_it(tmp_path):
+    # Regression: only PYALLOC_CONF reached a spawn child, which ran PyTorch's own allocator.
+    torch_args = ("torch",) if importlib.util.find_spec("torch") else ()
+    out, calls, err = _run_children(tmp_path, *torch_args)
+    settings = "pool_size:1GiB,segment_size:4MiB"
+    by_pid = {c["pid"]: c for c in calls}
+    assert by_pid[out["parent"]] == {"pid": out["parent"], "conf": "segment_size:4MiB", "bridge": None,
+                                     "patch_torch": True}
+    started = ["spawn", "forkserver", "spawn's spawn"] + ["torch.multiprocessing.spawn"] * bool(torch_args)
+    for method in started:
+        child = out[method]
+        # Installed with the parent's settings and route, before the program's main file was imported again.
+        assert by_pid.get(child["pid"]) == {"pid": child["pid"], "conf": settings, "bridge": False,
+                                            "patch_torch": True}, (method, calls)
+        assert child["at_import"] == child["route"] == "hooks", (method, child)
+    fork = out["fork"]
+    assert fork["pid"] not in by_pid and fork["route"] == "hooks", "a fork child inherits, and installs nothing"
+    assert len(calls) == 1 + len(started) + 1  # the grandchild's parent, a spawn child too
+    assert all(out[m]["conf"] == settings for m in started + ["fork"])
+
+
+@pytest.mark.slow
+def test_a_child_where_install_fails_says_so(tmp_path):
+    out, calls, err = _run_children(tmp_path, refuse_in_children=True)
+    for method in ("spawn", "forkserver"):
+        pid = out[method]["pid"]
+        assert (f"pyalloc: WARNING: process {pid}, started by multiprocessing, runs PyTorch's own CUDA "
+                "allocator, not pyalloc: no GPU in this child") in err, err
+        assert out[method]["route"] is None

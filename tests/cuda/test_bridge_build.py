@@ -7,11 +7,16 @@ is loaded and exercised by tests/gpu/ (test_gpu.py).
 """
 from __future__ import annotations
 
+import fcntl
+import glob
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -430,3 +435,187 @@ def test_built_library_is_the_newest_bridge_in_this_torchs_cache_folder(tmp_path
     assert bridge.built_library() == new
     open(os.path.join(str(tmp_path), f"{bridge.MODULE_NAME}.so"), "w").close()  # another torch's folder
     assert bridge.built_library() == new
+
+
+# -- a killed build, a build in progress, a bridge already built --------------------------
+# The bridge's steps around torch.utils.cpp_extension run for real, on a stand-in for
+# bridge.cpp (a plain Python module: compiling the real one takes minutes here); each
+# child process has a timeout, so that a build waiting for ever fails the test.
+
+TINY_BRIDGE = r"""
+#include <Python.h>
+static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(42); }
+static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, nullptr}, {nullptr, nullptr, 0, nullptr}};
+static PyModuleDef module = {PyModuleDef_HEAD_INIT, "pyalloc_bridge", nullptr, -1, methods};
+PyMODINIT_FUNC PyInit_pyalloc_bridge(void) { return PyModule_Create(&module); }
+"""
+
+BUILD_CHILD = r"""
+import json, os, sys, time
+import torch
+from torch.utils import cpp_extension
+from pyalloc import bridge
+
+mode, src = sys.argv[1], os.environ["TINY_SRC"]
+bridge.source_dir = lambda: src
+bridge.find_cuda_headers = lambda: bridge.CudaHeaders(src, None, "toolkit")
+bridge.WAIT_REPORT_S = 1.0
+torch.version.cuda = "13.0"  # a CUDA build of torch (whose CUDA libraries the stand-in needs not)
+if mode == "hang":  # a build that never ends, killed by the test
+    def hang(**kwargs):
+        open(os.environ["BUILD_STARTED"], "w").close()
+        time.sleep(600)
+    cpp_extension._write_ninja_file_and_build_library = hang
+if mode == "load":  # a machine that cannot build: no compiler (say), and a CUDA torch
+    bridge.missing_prerequisite = lambda torch, check=False: "no C++ compiler here"
+    module = bridge.load()
+else:
+    bridge.missing_prerequisite = lambda torch, check=False: None
+    module = bridge.build(check=True).module
+print(json.dumps({"answer": module.answer(), "file": module.__file__}))
+"""
+
+
+@pytest.fixture
+def tiny_build(tmp_path):
+    """Runs BUILD_CHILD: (mode, Popen keywords) -> Popen; and the check folder's path."""
+    pytest.importorskip("torch")
+    if shutil.which("g++") is None:
+        pytest.skip("needs a C++ compiler")
+    src = tmp_path / "csrc"
+    (src / "torch_bridge").mkdir(parents=True)
+    (src / "torch_bridge" / "bridge.cpp").write_text(TINY_BRIDGE)
+    child = tmp_path / "child.py"
+    child.write_text(BUILD_CHILD)
+    env = dict(os.environ, PYTHONPATH=REPO, TINY_SRC=str(src), PYALLOC_BRIDGE_CACHE=str(tmp_path / "cache"),
+               BUILD_STARTED=str(tmp_path / "started"))
+
+    def start(mode, **kwargs):
+        return subprocess.Popen([sys.executable, str(child), mode], env=env, text=True, **kwargs)
+
+    start.started = tmp_path / "started"
+    return start
+
+
+def _start_a_build_that_hangs(tiny_build):
+    hung = tiny_build("hang", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not tiny_build.started.exists():
+        assert hung.poll() is None and time.monotonic() < deadline, "the hanging build did not start"
+        time.sleep(0.1)
+    return hung
+
+
+def _cache_folder(tmp_path, kind):
+    (folder,) = glob.glob(os.path.join(str(tmp_path / "cache"), "*", kind))
+    return folder
+
+
+def _finish(process, timeout):
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        raise AssertionError(f"still waiting after {timeout} s; it said: {err}")
+    assert process.returncode == 0, err
+    return json.loads(out.splitlines()[-1]), err
+
+
+def test_regression_a_build_killed_midway_does_not_hang_the_next_one(tiny_build, tmp_path):
+    # Regression: cpp_extension's lock file, removed in a `finally` SIGKILL never runs,
+    # made every later build wait on it for ever, silently.
+    hung = _start_a_build_that_hangs(tiny_build)
+    folder = _cache_folder(tmp_path, "check")
+    assert os.path.exists(os.path.join(folder, "lock"))
+    hung.send_signal(signal.SIGKILL)
+    hung.wait(timeout=30)
+    assert os.path.exists(os.path.join(folder, "lock")), "the killed build left torch's lock behind"
+    report, err = _finish(tiny_build("build", stdout=subprocess.PIPE, stderr=subprocess.PIPE), timeout=120)
+    assert report["answer"] == 42
+    assert f"pyalloc: removed {os.path.join(folder, 'lock')}, left by a bridge build that was stopped" in err, err
+    assert "waiting" not in err, err
+
+
+def test_a_process_waiting_for_a_live_build_says_so_and_for_how_long(tiny_build, tmp_path):
+    hung = _start_a_build_that_hangs(tiny_build)
+    waiting = tiny_build("build", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        said = ""
+        deadline = time.monotonic() + 90
+        while "(waited 1 s)" not in said and "(waited 2 s)" not in said:
+            assert waiting.poll() is None and time.monotonic() < deadline, said
+            said += os.read(waiting.stderr.fileno(), 4096).decode()
+        folder = _cache_folder(tmp_path, "check")
+        assert f"pyalloc: waiting for process {hung.pid} to finish building the bridge in {folder} (waited 0 s)" \
+            in said, said
+    finally:
+        hung.send_signal(signal.SIGKILL)
+        hung.wait(timeout=30)
+    report, err = _finish(waiting, timeout=120)
+    assert report["answer"] == 42
+    assert "pyalloc: the other build ended after " in said + err
+
+
+def _hold_the_build_lock(folder):
+    """The lock held, as by a build in progress, and torch's lock file there too."""
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, "lock"), "w").close()
+    fd = os.open(os.path.join(folder, bridge.LOCK), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def test_regression_a_built_bridge_loads_without_the_build_lock_or_a_compiler(tiny_build, tmp_path):
+    # Regression: loading went through the build's lock (and waited while it was held),
+    # and the prerequisite check (a compiler, ninja, CUDA headers) refused a bridge built already.
+    _finish(tiny_build("build", stdout=subprocess.PIPE, stderr=subprocess.PIPE), timeout=300)
+    check = _cache_folder(tmp_path, "check")
+    cuda = os.path.join(os.path.dirname(check), "cuda")
+    shutil.copytree(check, cuda)  # a finished build, with its stamp, where load() looks
+    fd = _hold_the_build_lock(cuda)
+    try:
+        report, err = _finish(tiny_build("load", stdout=subprocess.PIPE, stderr=subprocess.PIPE), timeout=60)
+    finally:
+        os.close(fd)
+    assert report == {"answer": 42, "file": os.path.join(cuda, "pyalloc_bridge.so")}
+    assert "waiting" not in err and "building" not in err, err
+
+
+def test_regression_a_bridge_a_build_image_left_loads_where_no_compiler_is(tiny_build, tmp_path):
+    # A runtime image without a compiler finds the bridge the build image's compiler built
+    # (its own cache folder, named after no compiler, is empty).
+    _finish(tiny_build("build", stdout=subprocess.PIPE, stderr=subprocess.PIPE), timeout=300)
+    check = _cache_folder(tmp_path, "check")
+    prefix = os.path.dirname(check).rsplit("-cxx-", 1)[0]
+    image = os.path.join(prefix + "-cxx-_opt_build-image_g__", "cuda")
+    shutil.copytree(check, image)
+    report, err = _finish(tiny_build("load", stdout=subprocess.PIPE, stderr=subprocess.PIPE), timeout=60)
+    assert report == {"answer": 42, "file": os.path.join(image, "pyalloc_bridge.so")}
+    # Sources that changed since: that build is not the bridge at hand, and is not loaded.
+    with open(tmp_path / "csrc" / "torch_bridge" / "bridge.cpp", "a") as f:
+        f.write("// changed\n")
+    out = tiny_build("load", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, err = out.communicate(timeout=60)
+    assert out.returncode != 0 and "no C++ compiler here" in err, err
+
+
+def test_regression_status_counts_a_finished_bridge_from_another_compiler_as_usable(tmp_path, monkeypatch):
+    # Regression: pyalloc doctor and `bridge status` said a runtime image without a compiler
+    # could not take the bridge its build image had built, and install() fell back to the hooks.
+    import types
+
+    monkeypatch.setenv("PYALLOC_BRIDGE_CACHE", str(tmp_path))
+    torch = types.SimpleNamespace(__version__="2.11.0+cu130", version=types.SimpleNamespace(cuda="13.0"))
+    monkeypatch.setattr(bridge, "missing_prerequisite", lambda torch, check=False: "no C++ compiler here")
+    prefix = bridge.cache_dir(torch).rsplit("-cxx-", 1)[0]
+    image = os.path.join(prefix + "-cxx-_opt_build-image_g__", "cuda")
+    os.makedirs(image)
+    library = os.path.join(image, "pyalloc_bridge.so")
+    open(library, "w").close()
+    assert bridge.status(torch)["why_not"] == "no C++ compiler here"  # not finished: no stamp
+    bridge._write_stamp(image, library, bridge._fingerprint(bridge.source_dir()))
+    st = bridge.status(torch)
+    assert (st["why_not"], st["built"], st["library"]) == (None, True, library)
+    torch.version.cuda = None  # a CPU build of torch cannot load it, finished or not
+    assert bridge.status(torch)["why_not"] == "no C++ compiler here"

@@ -192,6 +192,12 @@ def test_launcher_takes_pyalloc_conf():
     assert "OK" in out
 
 
+def test_launcher_reaches_spawn_and_forkserver_children():
+    out = run([sys.executable, "-m", "pyalloc", "run", "--conf", "pool_size:48MiB",
+               os.path.join(GPU_DIR, "spawned.py"), str(48 << 20)], timeout=600)
+    assert "OK" in out, out  # a child without pyalloc fails its assert, and says why on stderr
+
+
 @pytest.mark.skipif(shutil.which("pyalloc") is None, reason="the pyalloc console script is not on PATH")
 def test_console_script():
     out = run(["pyalloc", "run", os.path.join(GPU_DIR, "launched.py"), "0"])

@@ -142,7 +142,7 @@ def stand_in(monkeypatch):
         library_path=_C.library_path,
     )
     monkeypatch.setattr(api, "_C", fake_c)
-    for name in ("conf", "config", "allocator", "hooks", "route"):
+    for name in ("conf", "config", "allocator", "hooks", "route", "no_bridge"):
         monkeypatch.setattr(api._state, name, None)
     # The bridge cannot be built here unless a test says otherwise.
     monkeypatch.setattr(bridge, "load", no_bridge)
@@ -306,3 +306,35 @@ def test_pyalloc_bridge_env_1_fails_without_a_bridge(stand_in, monkeypatch):
     monkeypatch.setenv("PYALLOC_BRIDGE", "yes")
     with pytest.raises(ValueError, match="PYALLOC_BRIDGE='yes'"):
         pyalloc.install()
+
+
+def test_regression_a_second_install_asking_another_route_says_why_it_cannot(stand_in, monkeypatch):
+    # Regression: install(bridge=True) after the default fell back to the hooks returned
+    # in silence, on the hooks route the caller had just asked not to be on.
+    torch = fake_torch()
+    calls = stand_in(torch)
+    with pytest.warns(RuntimeWarning):
+        pyalloc.install(pool_size="1GiB")
+    assert calls["installed"] == ["hooks"]
+    with pytest.raises(RuntimeError, match=r"install\(bridge=True\): pyalloc is already installed through "
+                                           r"the C hooks \(the bridge was not available: no compiler here\), "
+                                           r"and the route can be chosen only once per process"):
+        pyalloc.install(pool_size="1GiB", bridge=True)
+    monkeypatch.setenv("PYALLOC_BRIDGE", "1")
+    with pytest.raises(RuntimeError, match="already installed through the C hooks"):
+        pyalloc.install(pool_size="1GiB")
+    monkeypatch.delenv("PYALLOC_BRIDGE")
+    pyalloc.install(pool_size="1GiB")  # the default again, or the hooks named: nothing to say
+    pyalloc.install(pool_size="1GiB", bridge=False)
+    assert len(torch.swaps) == 1
+
+
+def test_a_second_install_asking_the_hooks_on_the_bridge_route_says_why_it_cannot(stand_in, monkeypatch):
+    calls = stand_in(fake_torch())
+    monkeypatch.setattr(bridge, "load", lambda: FakeBridge())
+    pyalloc.install()
+    with pytest.raises(RuntimeError, match=r"install\(bridge=False\): pyalloc is already installed through "
+                                           r"the bridge, and the route can be chosen only once per process"):
+        pyalloc.install(bridge=False)
+    pyalloc.install(bridge=True)
+    assert calls["installed"] == ["bridge"]

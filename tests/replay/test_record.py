@@ -94,7 +94,7 @@ def test_cpu_recording_sees_each_request_with_its_size(tmp_path):
 def test_gpu_recording_uses_pyalloc_history(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(pyalloc, "install", lambda: calls.append("install"), raising=False)
-    monkeypatch.setattr(pyalloc, "record_history", lambda on: calls.append(("history", on)), raising=False)
+    monkeypatch.setattr(pyalloc, "record_history", lambda on, n: calls.append(("history", on, n)), raising=False)
 
     def dump(path):
         calls.append("dump")
@@ -106,7 +106,7 @@ def test_gpu_recording_uses_pyalloc_history(tmp_path, monkeypatch):
         out = str(tmp_path / name)
         assert record_program(["python", prog], out, device="cuda") == 0
         assert load_snapshot(out) == {"segments": [], "device_traces": [[]]}
-    assert calls[:3] == ["install", ("history", True), "dump"]
+    assert calls[:3] == ["install", ("history", True, 100_000), "dump"]
 
 
 def test_gpu_recording_without_the_hooks_says_so(tmp_path, monkeypatch):
@@ -150,3 +150,57 @@ def test_cli_refuses_a_program_it_cannot_run(tmp_path):
     assert p.stderr.strip().startswith("pyalloc record: error: only Python programs")
     assert "Traceback" not in p.stderr
     assert not (tmp_path / "x.pickle").exists()
+
+
+def test_regression_record_on_cuda_where_install_refuses_is_an_error_line(tmp_path, monkeypatch, capsys):
+    # Regression: install()'s RuntimeError (no GPU, a CPU-only torch) ended in a traceback.
+    from pyalloc.__main__ import main
+
+    def refuse():
+        raise RuntimeError("pyalloc.install() found no usable CUDA GPU")
+
+    monkeypatch.setattr(pyalloc, "install", refuse)
+    prog = script(tmp_path, "raise AssertionError('must not run')\n")
+    assert main(["record", "-o", str(tmp_path / "x.pickle"), "--device", "cuda", "--", "python", prog]) == 2
+    assert capsys.readouterr().err == ("pyalloc record: error: pyalloc.install() found no usable CUDA GPU; "
+                                       "record on the CPU with --device cpu\n")
+
+
+HOOK_WORK = """
+import ctypes, sys
+from pyalloc import _C
+lib = ctypes.CDLL(_C.library_path())
+lib.pyalloc_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+for _ in range(int(sys.argv[1])):
+    lib.pyalloc_free(_C._testing_hook_malloc(4096, 0, 0), 0, 0, None)
+"""
+
+
+@pytest.mark.parametrize("history, wrapped", [(8, True), (1000, False)])
+def test_record_keeps_as_many_history_entries_as_asked_and_says_when_it_wrapped(
+        fake, tmp_path, monkeypatch, capsys, history, wrapped):
+    # Regression: at most 100,000 entries, no option to keep more, and a longer program
+    # lost its first events without a word. The pools are fake devices here; install()
+    # is stood in for (it needs a GPU), the history and the snapshot are pyalloc's own.
+    from pyalloc.__main__ import main
+
+    monkeypatch.setattr(pyalloc, "install", lambda: None)
+    prog = script(tmp_path, HOOK_WORK)
+    out = tmp_path / "h.pickle"
+    assert main(["record", "-o", str(out), "--device", "cuda", "--history", str(history),
+                 "--", "python", prog, "20"]) == 0
+    err = capsys.readouterr().err
+    events = load_snapshot(out)["device_traces"][0]
+    assert (len(events) == history) if wrapped else (40 < len(events) < history), (len(events), err)
+    said = (f"pyalloc record: the history of cuda:0's general pool reached its limit of {history} "
+            "entries: any older events were dropped (a larger --history keeps more)")
+    assert (said in err) == wrapped, err
+    pyalloc.record_history(False)
+
+
+def test_record_history_must_be_positive(capsys):
+    from pyalloc.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["record", "-o", "x.pickle", "--history", "0", "--", "python", "x.py"])
+    assert "argument --history: must be a positive number of entries, not 0" in capsys.readouterr().err
