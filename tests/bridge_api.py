@@ -157,6 +157,7 @@ class Api(c.Structure):
         ("create_or_incref_pool_with", c.CFUNCTYPE(i32, i32, u64, u64, SOURCE_ALLOC_FN, SOURCE_FREE_FN,
                                                    c.c_void_p)),
         ("set_free_memory_hook", c.CFUNCTYPE(i32, FREE_MEMORY_FN, c.c_void_p)),
+        ("record_stream_on", c.CFUNCTYPE(i32, c.c_void_p, c.c_void_p, i32, i32)),
     ]
 
 

@@ -12,13 +12,43 @@
 #include <vector>
 
 #include "cuda_driver.h"
+#include "streams.h"
 
 namespace pyalloc {
 namespace {
 
 using namespace drv;
 
-CUstream as_stream(Stream s) { return reinterpret_cast<CUstream>(static_cast<uintptr_t>(s)); }
+// The handle the driver takes for one of the pools' streams (streams.h).
+CUstream as_stream(Stream s) { return reinterpret_cast<CUstream>(streams::handle(s)); }
+
+// The handle an event for the work queued so far on `s` is recorded on.
+// Another thread's cudaStreamPerThread cannot be named from this one: the
+// legacy default stream stands for it, as an event on that stream completes
+// only after the work queued before it on every blocking stream of the
+// context, every thread's cudaStreamPerThread included.
+CUstream event_stream(Stream s) {
+  if (streams::is_per_thread(s) && !streams::is_this_threads(s))
+    return reinterpret_cast<CUstream>(streams::kLegacyHandle);
+  return as_stream(s);
+}
+
+// The primary context of device `index`, retained once for the process (as
+// each device's pools retain theirs): for events on a stream of another
+// device than the pool's. Throws DriverError.
+CUcontext primary_context(const Driver& d, int index) {
+  static std::mutex mu;
+  static std::map<int, CUcontext> contexts;
+  std::lock_guard<std::mutex> g(mu);
+  auto it = contexts.find(index);
+  if (it != contexts.end()) return it->second;
+  CUdevice dev = 0;
+  check(d.DeviceGet(&dev, index), "cuDeviceGet");
+  CUcontext ctx = nullptr;
+  check(d.DevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  contexts.emplace(index, ctx);
+  return ctx;
+}
 
 void device_mem_info(const Driver& d, CUcontext ctx, size_t* free_bytes, size_t* total_bytes) {
   *free_bytes = *total_bytes = 0;
@@ -586,10 +616,21 @@ class CudaBackend final : public Backend {
   // Records the slot's event on its stream, unless a capture is underway:
   // like PyTorch's own allocator, no event is recorded during any capture.
   // A stream of another device (record_stream) has another context, where
-  // the event is made: an event and its stream must share a context.
+  // the event is made: an event and its stream must share a context. That
+  // device is known when the stream is tagged with it (streams.h), as
+  // PyTorch's insert_events records under a guard for the stream's device;
+  // otherwise the driver says (cuStreamGetCtx) once the record in this
+  // device's context fails.
   bool try_record(Slot& slot) {
     if (sh_->captures.blocks(slot.stream)) return false;
-    if (slot.ctx == nullptr) slot.ctx = sh_->ctx;
+    if (slot.ctx == nullptr) {
+      int device = streams::device_of(slot.stream);
+      try {
+        slot.ctx = device < 0 ? sh_->ctx : primary_context(d_, device);
+      } catch (const DriverError& e) {
+        return fail(slot, e.what());
+      }
+    }
     const char* what = "cuEventRecord";
     CUresult r;
     try {
@@ -628,7 +669,7 @@ class CudaBackend final : public Backend {
         return r;
       }
     }
-    return d_.EventRecord(slot.event, as_stream(slot.stream));
+    return d_.EventRecord(slot.event, event_stream(slot.stream));
   }
 
   const Driver& d_;

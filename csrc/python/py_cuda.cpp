@@ -19,6 +19,7 @@
 #include "py_bindings.h"
 #include "py_convert.h"
 #include "backends/sim_streams.h"
+#include "cuda/streams.h"
 
 namespace py = pybind11;
 
@@ -485,9 +486,14 @@ void bind_cuda(py::module_& m) {
       "export on (0: its own).");
   m.def(
       "_testing_hook_malloc",
-      [](size_t size, int device, Stream stream) { return hooks::malloc(size, device, stream); },
+      [](size_t size, int device, Stream stream) {
+        return hooks::malloc(size, device, streams::from_handle(static_cast<uintptr_t>(stream)));
+      },
       py::arg("size"), py::arg("device"), py::arg("stream"), nogil,
       "Tests: what pyalloc_malloc does, with its exceptions raised in Python.");
+  m.def(
+      "_testing_per_thread_stream", [] { return streams::from_handle(streams::kPerThreadHandle); },
+      "Tests: the stream the pools take the calling thread's cudaStreamPerThread (0x2) for.");
 }
 
 }  // namespace pyalloc

@@ -18,6 +18,7 @@ its pages then) for capture_check_*. "norelax": the stand-in was built
 without cuThreadExchangeStreamCaptureMode, so captures cannot grow the pool.
 """
 import ctypes
+import os
 import sys
 
 from pyalloc import _C
@@ -171,6 +172,24 @@ def check_record_stream_on_another_device():
         assert pending() == 0
     assert stub.stream_get_ctx >= 1
     assert stub.event_record_errors <= 1, stub.event_record_errors  # then the event stays there
+    _C.cuda_check_invariants(0)
+
+
+def check_record_stream_with_the_streams_device_records_there_at_once():
+    # With the stream's device (the bridge's record_stream_on), the event is
+    # made in that device's context at once, another device's default stream
+    # (handle 0) included: no record in the block's own context first.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bridge_api import OWNER_POOLS, BridgeApi
+
+    api = BridgeApi()
+    for stream in ((1 << 32) | 0x2000, 0):
+        p = malloc(MiB, 0, 0x1000)
+        assert api.record_stream_on(p, stream, 1, OWNER_POOLS) == 0, api.error()
+        free(p)
+        free(malloc(512, 0, 0x1000))
+        assert pending() == 0
+    assert stub.event_record_errors == 0 and stub.wrong_context == 0
     _C.cuda_check_invariants(0)
 
 
