@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -117,6 +118,11 @@ struct CudaShared {
   std::string error;
   bool error_told = false;
   std::atomic<bool> has_error{false};  // error is not empty: read without the lock
+  // cuCtxSynchronize calls begun in ctx so far, and the number of the latest
+  // begun that has returned: an event on a stream that was destroyed is done
+  // once one begun after it was found gone has returned.
+  std::atomic<uint64_t> ctx_syncs_begun{0};
+  std::atomic<uint64_t> ctx_synced{0};
 
   size_t access_count() const { return peers_refused.load(std::memory_order_acquire) ? 1 : access.size(); }
 
@@ -322,9 +328,13 @@ class CudaBackend final : public Backend {
   }
 
   // Events. Only CUDA_SUCCESS means the work is done. CUDA_ERROR_NOT_READY
-  // and the capture errors mean not yet. Any other answer fails the event:
-  // it never completes, so its block is never reused, and the error is
-  // reported (CudaShared::report_error).
+  // and the capture errors mean not yet. A stream that no longer exists
+  // (CUDA_ERROR_INVALID_HANDLE from cuEventRecord) is no failure: its last
+  // work may still run, so its event is done once the context has been
+  // synchronized (event_wait(), on the out-of-memory path and empty_cache;
+  // a poll never blocks). Any other answer fails the event: it never
+  // completes, so its block is never reused, and the error is reported
+  // (CudaShared::report_error).
   EventId record_event(Stream s) override {
     EventId id;
     if (!spare_.empty()) {
@@ -338,6 +348,7 @@ class CudaBackend final : public Backend {
     slot.stream = s;
     slot.done = false;
     slot.failed = false;
+    slot.gone = false;
     slot.unrecorded = true;
     try_record(slot);
     return id;
@@ -347,6 +358,7 @@ class CudaBackend final : public Backend {
     Slot& slot = slots_[id];
     if (slot.done) return true;
     if (slot.failed) return false;
+    if (slot.gone) return slot.done = synced_since_gone(slot);
     // No queries while a capture is on: they may break it (global mode).
     if (sh_->captures.underway()) return false;
     if (slot.unrecorded && !try_record(slot)) return false;
@@ -369,7 +381,8 @@ class CudaBackend final : public Backend {
     // An event that cannot be recorded yet (its stream is capturing) cannot
     // be waited for: the core keeps treating it as not done.
     if (sh_->captures.underway()) return false;
-    if (slot.unrecorded && !try_record(slot)) return false;
+    if (slot.unrecorded && !try_record(slot) && !slot.gone) return false;
+    if (slot.gone) return synchronize_for(slot);
     CUresult r;
     try {
       ContextGuard g(d_, slot.ctx);
@@ -596,7 +609,39 @@ class CudaBackend final : public Backend {
     bool unrecorded = false;  // recording waits for the stream's capture to end
     bool done = false;
     bool failed = false;      // never done: its block stays out of use
+    bool gone = false;        // its stream was destroyed: done after a cuCtxSynchronize
+    uint64_t gone_at = 0;     // ctx_syncs when it was found gone
   };
+
+  // A gone stream's event: done if its context (the device's own) was
+  // synchronized since.
+  bool synced_since_gone(const Slot& slot) const {
+    return slot.ctx == sh_->ctx && sh_->ctx_synced.load(std::memory_order_acquire) > slot.gone_at;
+  }
+
+  // Waits for every stream of the gone stream's context, so its last work too.
+  bool synchronize_for(Slot& slot) {
+    if (synced_since_gone(slot)) return slot.done = true;
+    if (d_.CtxSynchronize == nullptr) return false;  // never done, as a failed event
+    uint64_t number = sh_->ctx_syncs_begun.fetch_add(1, std::memory_order_acq_rel) + 1;
+    CUresult r;
+    try {
+      ContextGuard g(d_, slot.ctx);
+      r = d_.CtxSynchronize();
+    } catch (const DriverError& e) {
+      return fail(slot, e.what());
+    }
+    if (r == CUDA_SUCCESS) {
+      if (slot.ctx == sh_->ctx) {
+        uint64_t seen = sh_->ctx_synced.load(std::memory_order_acquire);
+        while (seen < number && !sh_->ctx_synced.compare_exchange_weak(seen, number, std::memory_order_acq_rel)) {
+        }
+      }
+      return slot.done = true;
+    }
+    if (is_capture_error(r)) return false;
+    return fail(slot, "cuCtxSynchronize", r);
+  }
 
   bool fail(Slot& slot, const std::string& what, CUresult r = CUDA_SUCCESS) {
     slot.failed = true;
@@ -654,6 +699,13 @@ class CudaBackend final : public Backend {
     if (r == CUDA_SUCCESS) {
       slot.unrecorded = false;
       return true;
+    }
+    if (r == CUDA_ERROR_INVALID_HANDLE && std::strcmp(what, "cuEventRecord") == 0) {
+      // The stream is gone (destroyed by its library): no error of the device's.
+      slot.unrecorded = false;
+      slot.gone = true;
+      slot.gone_at = sh_->ctx_syncs_begun.load(std::memory_order_acquire);
+      return false;
     }
     if (!is_capture_error(r)) fail(slot, what, r);
     return false;

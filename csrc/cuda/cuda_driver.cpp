@@ -67,6 +67,7 @@ Loaded load() {
   fetch(lib, "cuGetErrorName", &d.GetErrorName, &missing);
   fetch(lib, "cuStreamGetCaptureInfo_v2", &d.StreamGetCaptureInfo, nullptr);
   fetch(lib, "cuStreamGetCtx", &d.StreamGetCtx, nullptr);
+  fetch(lib, "cuCtxSynchronize", &d.CtxSynchronize, nullptr);
   fetch(lib, "cuDeviceCanAccessPeer", &d.DeviceCanAccessPeer, nullptr);
   fetch(lib, "cuDeviceTotalMem_v2", &d.DeviceTotalMem, nullptr);
   fetch(lib, "cuDeviceGetName", &d.DeviceGetName, nullptr);

@@ -134,6 +134,9 @@ struct Driver {
                                    size_t* num_deps);                     // cuStreamGetCaptureInfo_v2
   /// Optional (null if absent): the context a stream belongs to.
   CUresult (*StreamGetCtx)(CUstream stream, CUcontext* ctx);              // cuStreamGetCtx
+  /// Optional (null if absent): waits for all work of the current context,
+  /// that of streams since destroyed included.
+  CUresult (*CtxSynchronize)();                                            // cuCtxSynchronize
   /// Optional (null if absent): whether `device` can access `peer`'s memory.
   CUresult (*DeviceCanAccessPeer)(int* can, CUdevice device, CUdevice peer);  // cuDeviceCanAccessPeer
   /// Optional (null if absent): for `pyalloc doctor`, which needs no context.

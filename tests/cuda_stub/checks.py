@@ -833,6 +833,33 @@ def check_gone_streams_are_not_probed_again():
     _C.cuda_release_graph_memory(0)
 
 
+def check_a_destroyed_streams_blocks_come_back_after_a_sync_and_raise_nothing():
+    # Regression (issue 53, item 4): a stream its library destroyed
+    # (torch.cuda.ExternalStream) makes cuEventRecord fail. That failed the
+    # event as a failed kernel would: the next allocation raised, blaming
+    # one, and the blocks freed on the stream were never reused. Its last
+    # work may still run: the blocks wait for the context's synchronization
+    # (empty_cache, the out-of-memory path), then serve any stream.
+    gone = 0x7100
+    keep = malloc(2 * MiB, 0, gone)  # its segment stays
+    p = malloc(4 * MiB, 0, gone)
+    free(p)  # work queued on `gone` may still use p
+    stub.destroyed_stream = gone
+    try:
+        q = malloc(4 * MiB, 0, 0x1000)  # the event on `gone` cannot be recorded
+        assert q != p  # nothing proves yet that `gone`'s last work is over
+        free(malloc(512, 0, 0x1000))  # nothing to raise
+        free(q)
+        hooks.pyalloc_empty_cache()  # waits for the device's work, `gone`'s with it
+        r = malloc(4 * MiB, 0, 0x1000)
+        assert r == p
+        free(r)
+        free(keep)
+    finally:
+        stub.destroyed_stream = 0
+    _C.cuda_check_invariants(0)
+
+
 def check_base_alloc():
     p = malloc(3 * MiB)
     size = c.c_size_t(0)
@@ -857,6 +884,23 @@ def vmm_check_pages_are_mapped_on_demand():
     assert stub.mapped[0] == 0 and stub.mem_release == stub.mem_create
     assert stats()["reserved_bytes.all.current"] == 0
     assert stub.wrong_context == 0
+    _C.cuda_check_invariants(0)
+
+
+def vmm_check_a_destroyed_streams_pages_are_unmapped_after_a_sync():
+    # Regression (issue 53, item 4): under vmm, the pages of blocks freed on
+    # a stream its library destroyed were never unmapped (their event failed).
+    gone = 0x7100
+    p = malloc(5 * MiB, 0, gone)
+    free(p)
+    stub.destroyed_stream = gone
+    try:
+        free(malloc(5 * MiB, 0, 0x1000))  # the event on `gone` cannot be recorded
+        hooks.pyalloc_empty_cache()  # waits for the device's work, `gone`'s with it
+        assert stub.mapped[0] == 0 and stats()["reserved_bytes.all.current"] == 0
+        free(malloc(512, 0, 0x1000))  # nothing to raise
+    finally:
+        stub.destroyed_stream = 0
     _C.cuda_check_invariants(0)
 
 

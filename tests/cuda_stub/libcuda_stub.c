@@ -15,7 +15,8 @@
  * driver, an event may be recorded only on a stream of its own context. The
  * test can also let the devices be peers (or have the driver refuse peer
  * mappings), make virtual memory calls fail as in a sandbox, and mark a
- * stream destroyed (capture queries on it fail).
+ * stream destroyed (capture queries and event records on it fail; until the
+ * context is synchronized, its last work may still run).
  *
  * Memory is shared memory (memfd), so that other processes can map it: legacy
  * IPC handles name a segment by this process's id and the segment's file
@@ -74,7 +75,7 @@ struct Stub {
   int vmm_refuse;            /* cuMemCreate answers NOT_PERMITTED, as in a sandbox */
   int64_t ctx_set, event_record_errors, stream_get_ctx, capture_info_v1;
   int64_t access_count, access_mask; /* the last cuMemSetAccess: devices, bit per device */
-  uint64_t destroyed_stream; /* capture queries on it answer INVALID_HANDLE */
+  uint64_t destroyed_stream; /* capture queries and event records on it answer INVALID_HANDLE */
   int64_t destroyed_queries;
   int64_t mode_exchanges, relaxed_during_capture;
   int64_t mem_get_info;                        /* cuMemGetInfo calls */
@@ -160,6 +161,12 @@ CUresult cuCtxSetCurrent(CUcontext c) {
   current = c;
   stub.ctx_set++;
   return SUCCESS;
+}
+
+/* Every stream's work, a destroyed stream's included, is done at once. */
+CUresult cuCtxSynchronize(void) {
+  during_capture();
+  return current != 0 ? SUCCESS : INVALID_CONTEXT;
 }
 
 static int stream_device(CUstream s) {
@@ -261,6 +268,10 @@ CUresult cuEventCreate(CUevent* e, unsigned int flags) {
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
   during_capture();
+  if (stub.destroyed_stream != 0 && (uint64_t)(uintptr_t)s == stub.destroyed_stream) {
+    stub.event_record_errors++;
+    return INVALID_HANDLE;
+  }
   int d = stream_device(s);
   if (d < 0 || &contexts[d] != e->ctx) { stub.event_record_errors++; return INVALID_HANDLE; }
   e->recorded = 1;
