@@ -610,8 +610,34 @@ class CudaBackend final : public Backend {
     bool done = false;
     bool failed = false;      // never done: its block stays out of use
     bool gone = false;        // its stream was destroyed: done after a cuCtxSynchronize
-    uint64_t gone_at = 0;     // ctx_syncs when it was found gone
+    uint64_t gone_at = 0;     // ctx_syncs_begun when it was found gone
+    Stream ctx_for = 0;       // the stream ctx was chosen for
   };
+
+  // Chooses the context the slot's event is made in for its stream: the
+  // primary context of the device the stream is tagged with (streams.h),
+  // else the one the driver named for that same stream before (try_record's
+  // cuStreamGetCtx), else this device's. A recycled slot's event made in
+  // another context is destroyed: a default stream's handle recorded there
+  // would name that context's default stream. False if the slot failed.
+  bool choose_context(Slot& slot) {
+    int device = streams::device_of(slot.stream);
+    CUcontext want = sh_->ctx;
+    try {
+      if (device >= 0) want = primary_context(d_, device);
+      else if (slot.ctx != nullptr && slot.ctx_for == slot.stream) want = slot.ctx;
+      if (slot.ctx != want && slot.event != nullptr) {
+        ContextGuard g(d_, slot.ctx);
+        d_.EventDestroy(slot.event);
+        slot.event = nullptr;
+      }
+    } catch (const DriverError& e) {
+      return fail(slot, e.what());
+    }
+    slot.ctx = want;
+    slot.ctx_for = slot.stream;
+    return true;
+  }
 
   // A gone stream's event: done if its context (the device's own) was
   // synchronized since.
@@ -668,14 +694,7 @@ class CudaBackend final : public Backend {
   // device's context fails.
   bool try_record(Slot& slot) {
     if (sh_->captures.blocks(slot.stream)) return false;
-    if (slot.ctx == nullptr) {
-      int device = streams::device_of(slot.stream);
-      try {
-        slot.ctx = device < 0 ? sh_->ctx : primary_context(d_, device);
-      } catch (const DriverError& e) {
-        return fail(slot, e.what());
-      }
-    }
+    if (!choose_context(slot)) return false;
     const char* what = "cuEventRecord";
     CUresult r;
     try {

@@ -34,6 +34,8 @@ driver.stub_context.restype = c.c_void_p
 driver.stub_context.argtypes = [c.c_int]
 driver.stub_current.restype = c.c_void_p
 driver.cuCtxSetCurrent.argtypes = [c.c_void_p]
+driver.stub_event_records_on.restype = c.c_int64
+driver.stub_event_records_on.argtypes = [c.c_int]
 RELAXED = "norelax" not in sys.argv[2:]
 
 hooks = c.CDLL(_C.library_path())
@@ -183,6 +185,7 @@ def check_record_stream_with_the_streams_device_records_there_at_once():
     from bridge_api import OWNER_POOLS, BridgeApi
 
     api = BridgeApi()
+    on_device_0 = driver.stub_event_records_on(0)
     for stream in ((1 << 32) | 0x2000, 0):
         p = malloc(MiB, 0, 0x1000)
         assert api.record_stream_on(p, stream, 1, OWNER_POOLS) == 0, api.error()
@@ -190,6 +193,15 @@ def check_record_stream_with_the_streams_device_records_there_at_once():
         free(malloc(512, 0, 0x1000))
         assert pending() == 0
     assert stub.event_record_errors == 0 and stub.wrong_context == 0
+    assert driver.stub_event_records_on(1) == 2 and driver.stub_event_records_on(0) == on_device_0
+    # Its event recycled for device 0's own default stream goes to device 0:
+    # the default stream's handle in device 1's context would be device 1's.
+    p = malloc(MiB, 0, 0x1000)
+    hooks.pyalloc_record_stream(p, None)
+    free(p)
+    assert driver.stub_event_records_on(1) == 2 and driver.stub_event_records_on(0) == on_device_0 + 1
+    free(malloc(512, 0, 0x1000))
+    assert pending() == 0
     _C.cuda_check_invariants(0)
 
 

@@ -107,6 +107,7 @@ static struct { uintptr_t ptr; int64_t size; int device; int fd; uint64_t serial
 static uint64_t next_serial = 1;
 
 static __thread int mode = MODE_GLOBAL;
+static int64_t records_on[DEVICES];
 
 /* Calls that take or give back memory come from several threads (the stress
  * checks): one at a time, as the driver keeps its own books consistent. */
@@ -276,8 +277,11 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
   if (d < 0 || &contexts[d] != e->ctx) { stub.event_record_errors++; return INVALID_HANDLE; }
   e->recorded = 1;
   stub.event_record++;
+  records_on[d]++;
   return SUCCESS;
 }
+/* Events recorded on device's streams, for the checks of the device an event goes to. */
+int64_t stub_event_records_on(int device) { return records_on[device]; }
 CUresult cuEventQuery(CUevent e) {
   during_capture();
   stub.event_query++;
