@@ -96,6 +96,13 @@ void capsule_destructor(PyObject* capsule) {
   }
 }
 
+// Snapshot or history entries with the handles PyTorch passed for their
+// streams (a thread's cudaStreamPerThread is 0x2 again: streams.h).
+py::list with_handles(py::list entries) {
+  for (py::handle e : entries) e["stream"] = streams::handle(e["stream"].cast<Stream>());
+  return entries;
+}
+
 py::object buffer_capsule(int device, size_t nbytes, Stream stream) {
   if (nbytes == 0) throw std::invalid_argument("reserve_buffer needs at least one byte");
   DevicePools* pools;
@@ -294,10 +301,10 @@ void bind_cuda(py::module_& m) {
               out.append(seg);
             }
           }
-          return out;
+          return with_handles(out);
         }
         Allocator* a = pool_of(device, pool);
-        return a != nullptr ? snapshot_list(a->snapshot(), device) : py::list();
+        return a != nullptr ? with_handles(snapshot_list(a->snapshot(), device)) : py::list();
       },
       py::arg("device"), py::arg("pool") = "general",
       "One pool's segments in the layout of torch.cuda.memory._snapshot()['segments']; "
@@ -314,10 +321,10 @@ void bind_cuda(py::module_& m) {
               std::vector<TraceEntry> h = a.history();
               events.insert(events.end(), h.begin(), h.end());
             });
-          return history_list(events);
+          return with_handles(history_list(events));
         }
         Allocator* a = pool_of(device, pool);
-        return a != nullptr ? history_list(a->history()) : py::list();
+        return a != nullptr ? with_handles(history_list(a->history())) : py::list();
       },
       py::arg("device"), py::arg("pool") = "general",
       "One pool's recorded events, oldest first, as a snapshot's device_traces entries "

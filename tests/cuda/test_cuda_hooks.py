@@ -278,6 +278,8 @@ def test_each_thread_has_its_own_per_thread_default_stream(fake, lib):
     q = lib.pyalloc_malloc(MiB, 0, PER_THREAD)
     assert q != seen["p"], "a thread got a block another thread's queued work may still use"
     assert seen["stream"] != _C._testing_per_thread_stream()
+    # Snapshots give the handle PyTorch passed, as its own allocator's do.
+    assert {seg["stream"] for seg in _C.cuda_snapshot_segments(0)} == {PER_THREAD}
     _C._testing_stream(0, seen["stream"], False)
     lib.pyalloc_free(q, MiB, 0, PER_THREAD)
     check()
