@@ -989,3 +989,28 @@ def test_record_stream_with_another_devices_default_stream_waits_for_that_device
         _C._testing_stream(0, 0, False)
     assert api.free(q, 0) == OK
     _C.cuda_check_invariants(0)
+
+
+def test_cuda_stream_per_thread_is_each_threads_own_through_the_table(api, fake):
+    """Regression (issue 53, item 4): as through the hooks, cudaStreamPerThread
+    (0x2) is the calling thread's own stream; a block freed with work queued on
+    one thread's goes to no other thread's until that work is done."""
+    seen = {}
+
+    def worker():
+        _, p, _ = api.malloc(MiB, device=0, stream=0x2)
+        seen.update(p=p, stream=_C._testing_per_thread_stream())
+        _C._testing_stream(0, seen["stream"], True)
+        assert api.free(p, 0) == OK
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    try:
+        _, q, _ = api.malloc(MiB, device=0, stream=0x2)
+        assert q != seen["p"], "a thread got a block another thread's queued work may still use"
+        assert {seg["stream"] for seg in api.snapshot(0)} == {0x2}
+    finally:
+        _C._testing_stream(0, seen["stream"], False)
+    assert api.free(q, 0) == OK
+    _C.cuda_check_invariants(0)
