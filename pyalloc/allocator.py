@@ -159,6 +159,12 @@ class Allocator:
         """Simulates queued work on ``stream``: events recorded on it stay pending."""
         self._core.stream_set_busy(_as_stream(stream))
 
+    def stream_fail(self, stream: Any) -> None:
+        """Simulates the work queued on ``stream`` failing (as a CUDA event whose
+        query failed): its events stay pending and waiting for them fails, until
+        :meth:`stream_complete`."""
+        self._core.stream_fail(_as_stream(stream))
+
     def stream_complete(self, stream: Any) -> None:
         """Simulates the work queued on ``stream`` finishing."""
         self._core.stream_complete(_as_stream(stream))

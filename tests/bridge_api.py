@@ -158,6 +158,7 @@ class Api(c.Structure):
                                                    c.c_void_p)),
         ("set_free_memory_hook", c.CFUNCTYPE(i32, FREE_MEMORY_FN, c.c_void_p)),
         ("set_captures_marked", c.CFUNCTYPE(i32, i32)),
+        ("record_stream_on", c.CFUNCTYPE(i32, c.c_void_p, c.c_void_p, i32, i32)),
     ]
 
 

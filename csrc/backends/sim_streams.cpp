@@ -27,11 +27,14 @@ bool SimStreams::done(EventId e) {
   return clocks_[ev.stream].completed >= ev.seq;
 }
 
-void SimStreams::wait(EventId e) {
+bool SimStreams::wait(EventId e) {
   std::lock_guard<std::mutex> g(mu_);
   const Event& ev = events_.at(e);
   StreamClock& c = clocks_[ev.stream];
-  if (c.completed < ev.seq) c.completed = ev.seq;
+  if (c.completed >= ev.seq) return true;
+  if (c.failed) return false;
+  c.completed = ev.seq;
+  return true;
 }
 
 void SimStreams::release(EventId e) {
@@ -48,11 +51,19 @@ void SimStreams::set_busy(Stream s) {
   clocks_[s].busy = true;
 }
 
+void SimStreams::fail(Stream s) {
+  std::lock_guard<std::mutex> g(mu_);
+  StreamClock& c = clocks_[s];
+  c.busy = true;
+  c.failed = true;
+}
+
 void SimStreams::complete(Stream s) {
   std::lock_guard<std::mutex> g(mu_);
   StreamClock& c = clocks_[s];
   c.completed = c.recorded;
   c.busy = false;
+  c.failed = false;
 }
 
 size_t SimStreams::live_events() {

@@ -5,7 +5,10 @@
 // While a stream is idle its work is done at once, so an event recorded on it
 // completes at once. set_busy(s) says work is queued on s: events recorded from
 // then on stay pending until complete(s) finishes that work (and makes s idle).
-// event_wait() stands for the host waiting on the stream, so it completes it.
+// event_wait() stands for the host waiting on the stream, so it completes it,
+// unless fail(s) said the stream's work failed: its pending events then never
+// complete and cannot be waited for (as a CUDA event whose query failed), until
+// complete(s).
 #pragma once
 
 #include <mutex>
@@ -20,11 +23,15 @@ class SimStreams {
  public:
   EventId record(Stream s);
   bool done(EventId e);
-  void wait(EventId e);
+  /// False (nothing done) if the event's stream failed (fail()).
+  bool wait(EventId e);
   void release(EventId e);
 
   /// Work is queued on `s`: events recorded from now on stay pending.
   void set_busy(Stream s);
+  /// The work queued on `s` failed: events recorded from now on stay
+  /// pending, and waiting for them fails, until complete(s).
+  void fail(Stream s);
   /// The work queued on `s` finished: every event recorded so far is done.
   void complete(Stream s);
   /// Events recorded and not yet released (tests check they are recycled).
@@ -35,6 +42,7 @@ class SimStreams {
     uint64_t recorded = 0;
     uint64_t completed = 0;
     bool busy = false;
+    bool failed = false;
   };
   struct Event {
     Stream stream = 0;

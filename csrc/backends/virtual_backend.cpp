@@ -45,10 +45,7 @@ class VirtualBackend final : public Backend {
 
   EventId record_event(Stream s) override { return streams_.record(s); }
   bool event_done(EventId e) override { return streams_.done(e); }
-  bool event_wait(EventId e) override {
-    streams_.wait(e);
-    return true;
-  }
+  bool event_wait(EventId e) override { return streams_.wait(e); }
   void event_free(EventId e) override { streams_.release(e); }
   SimStreams* sim_streams() override { return &streams_; }
 

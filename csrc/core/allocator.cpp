@@ -975,19 +975,17 @@ size_t Allocator::reclaim_free_chunks() {
 }
 
 void Allocator::merge_ready_neighbours() {
-  // Called once every stream has been waited for: every free block is safe
-  // for every stream, so each run of adjacent free blocks becomes one block.
+  // Called once every stream has been waited for, so nearly every free block
+  // is safe for every stream. Not a block whose wait failed (a failed event;
+  // a capture declared since the check): it merges only as merge_neighbour()
+  // lets it, so that its memory never reaches another stream before its own
+  // is done with it.
   auto merge_runs = [&](Segment* seg) {
     for (Block* b = seg->first; b != nullptr; b = b->next) {
       if (!b->free_mapped() || b->next == nullptr || !b->next->free_mapped()) continue;
       state(b->stream).free[seg->pool].remove(b);
       track_inactive_split(b, -1);
-      while (b->next != nullptr && b->next->free_mapped()) {
-        Block* n = b->next;
-        state(n->stream).free[seg->pool].remove(n);
-        track_inactive_split(n, -1);
-        b->size += n->size;
-        take_place_of(b, n);
+      while (merge_neighbour(b, b->next)) {
       }
       state(b->stream).free[seg->pool].insert(b);
       track_inactive_split(b, +1);
@@ -1002,7 +1000,8 @@ size_t Allocator::release_cached(size_t keep) {
   // Nothing may be waited for or returned while a graph is being captured.
   if (backend_->capture_underway()) return 0;
   size_t released = unpark();
-  // Wait for every stream so that every free block is safe anywhere.
+  // Wait for every stream so that every free block is safe anywhere (but
+  // those whose wait failed: merge_ready_neighbours()).
   process_pending(true);
   for (auto& [stream, st] : streams_) poll_syncs(*st, true);
   stats_.num_sync_all_streams++;

@@ -15,6 +15,7 @@
 #include "registry.h"
 #include "ipc.h"
 #include "segment_watch.h"
+#include "streams.h"
 
 #define PYALLOC_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -23,8 +24,10 @@ namespace {
 
 thread_local std::string last_error_message;
 
-Stream stream_of(void* s) { return static_cast<Stream>(reinterpret_cast<uintptr_t>(s)); }
-void* stream_ptr(Stream s) { return reinterpret_cast<void*>(static_cast<uintptr_t>(s)); }
+// A handle as the pools know it, and back (streams.h): cudaStreamPerThread
+// is the calling thread's own.
+Stream stream_of(void* s) { return streams::from_handle(reinterpret_cast<uintptr_t>(s)); }
+void* stream_ptr(Stream s) { return reinterpret_cast<void*>(streams::handle(s)); }
 uintptr_t addr(const void* p) { return reinterpret_cast<uintptr_t>(p); }
 PoolRegistry& registry() { return PoolRegistry::instance(); }
 
@@ -129,12 +132,12 @@ int api_record_stream(void* ptr, void* stream) {
   return guarded([&] { hooks::record_stream(addr(ptr), stream_of(stream)); });
 }
 
-int api_record_stream_owned(void* ptr, void* stream, int owner) {
+int api_record_stream_on(void* ptr, void* stream, int device, int owner) {
   return guarded([&] {
     if (ptr == nullptr || owner == PYALLOC_OWNER_NONE) return;
     if (owner == PYALLOC_OWNER_POOLS) {
       for (DevicePools* p : registry().all())
-        if (p->record_stream(addr(ptr), stream_of(stream))) return;
+        if (p->record_stream(addr(ptr), stream_of(stream), device)) return;
       throw std::invalid_argument("record_stream(" + format_ptr(addr(ptr)) +
                                   "): no live allocation of pyalloc's is there, though the storage "
                                   "has pyalloc's deleter");
@@ -150,11 +153,14 @@ int api_record_stream_owned(void* ptr, void* stream, int owner) {
       if (!buffers.segment_of(addr(ptr), &base, &size)) continue;
       size_t requested;
       Stream s;
-      if (buffers.live_block(addr(ptr), &requested, &s)) buffers.record_stream(addr(ptr), stream_of(stream));
+      if (buffers.live_block(addr(ptr), &requested, &s))
+        buffers.record_stream(addr(ptr), streams::on_device(stream_of(stream), device, p->index()));
       return;
     }
   });
 }
+
+int api_record_stream_owned(void* ptr, void* stream, int owner) { return api_record_stream_on(ptr, stream, -1, owner); }
 
 int api_block_context(void* ptr, uint64_t* context) {
   return guarded([&] {
@@ -654,6 +660,7 @@ const pyalloc_bridge_api kApi = {
     &api_create_or_incref_pool_with,
     &api_set_free_memory_hook,
     &api_set_captures_marked,
+    &api_record_stream_on,
 };
 
 // Version 1: the members before record_stream_owned, and a malloc that fills
@@ -675,6 +682,7 @@ pyalloc_bridge_api make_v1() {
   t.create_or_incref_pool_with = nullptr;
   t.set_free_memory_hook = nullptr;
   t.set_captures_marked = nullptr;
+  t.record_stream_on = nullptr;
   return t;
 }
 

@@ -313,6 +313,14 @@ typedef struct pyalloc_bridge_api {
    * processing for marked captures alone. 0: every route counts as one (the
    * default). Appended: check size before calling. */
   int (*set_captures_marked)(int marked);
+  /* record_stream_owned with the stream's device (PyTorch's c10::Stream
+   * carries it; -1: the allocation's own): the event is recorded on that
+   * device's stream, as PyTorch's insert_events records under a device
+   * guard for the stream's device. A default stream's handle (NULL) names
+   * every device's own; without the device, another device's default
+   * stream would be taken for the allocation's. Appended: check size
+   * before calling. */
+  int (*record_stream_on)(void* ptr, void* stream, int device, int owner);
 } pyalloc_bridge_api;
 
 /* The table of `version`, or NULL if this pyalloc does not offer it. */

@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -12,13 +13,43 @@
 #include <vector>
 
 #include "cuda_driver.h"
+#include "streams.h"
 
 namespace pyalloc {
 namespace {
 
 using namespace drv;
 
-CUstream as_stream(Stream s) { return reinterpret_cast<CUstream>(static_cast<uintptr_t>(s)); }
+// The handle the driver takes for one of the pools' streams (streams.h).
+CUstream as_stream(Stream s) { return reinterpret_cast<CUstream>(streams::handle(s)); }
+
+// The handle an event for the work queued so far on `s` is recorded on.
+// Another thread's cudaStreamPerThread cannot be named from this one: the
+// legacy default stream stands for it, as an event on that stream completes
+// only after the work queued before it on every blocking stream of the
+// context, every thread's cudaStreamPerThread included.
+CUstream event_stream(Stream s) {
+  if (streams::is_per_thread(s) && !streams::is_this_threads(s))
+    return reinterpret_cast<CUstream>(streams::kLegacyHandle);
+  return as_stream(s);
+}
+
+// The primary context of device `index`, retained once for the process (as
+// each device's pools retain theirs): for events on a stream of another
+// device than the pool's. Throws DriverError.
+CUcontext primary_context(const Driver& d, int index) {
+  static std::mutex mu;
+  static std::map<int, CUcontext> contexts;
+  std::lock_guard<std::mutex> g(mu);
+  auto it = contexts.find(index);
+  if (it != contexts.end()) return it->second;
+  CUdevice dev = 0;
+  check(d.DeviceGet(&dev, index), "cuDeviceGet");
+  CUcontext ctx = nullptr;
+  check(d.DevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  contexts.emplace(index, ctx);
+  return ctx;
+}
 
 void device_mem_info(const Driver& d, CUcontext ctx, size_t* free_bytes, size_t* total_bytes) {
   *free_bytes = *total_bytes = 0;
@@ -87,6 +118,11 @@ struct CudaShared {
   std::string error;
   bool error_told = false;
   std::atomic<bool> has_error{false};  // error is not empty: read without the lock
+  // cuCtxSynchronize calls begun in ctx so far, and the number of the latest
+  // begun that has returned: an event on a stream that was destroyed is done
+  // once one begun after it was found gone has returned.
+  std::atomic<uint64_t> ctx_syncs_begun{0};
+  std::atomic<uint64_t> ctx_synced{0};
 
   size_t access_count() const { return peers_refused.load(std::memory_order_acquire) ? 1 : access.size(); }
 
@@ -301,9 +337,13 @@ class CudaBackend final : public Backend {
   }
 
   // Events. Only CUDA_SUCCESS means the work is done. CUDA_ERROR_NOT_READY
-  // and the capture errors mean not yet. Any other answer fails the event:
-  // it never completes, so its block is never reused, and the error is
-  // reported (CudaShared::report_error).
+  // and the capture errors mean not yet. A stream that no longer exists
+  // (CUDA_ERROR_INVALID_HANDLE from cuEventRecord) is no failure: its last
+  // work may still run, so its event is done once the context has been
+  // synchronized (event_wait(), on the out-of-memory path and empty_cache;
+  // a poll never blocks). Any other answer fails the event: it never
+  // completes, so its block is never reused, and the error is reported
+  // (CudaShared::report_error).
   EventId record_event(Stream s) override {
     EventId id;
     if (!spare_.empty()) {
@@ -317,6 +357,7 @@ class CudaBackend final : public Backend {
     slot.stream = s;
     slot.done = false;
     slot.failed = false;
+    slot.gone = false;
     slot.unrecorded = true;
     try_record(slot);
     return id;
@@ -326,6 +367,7 @@ class CudaBackend final : public Backend {
     Slot& slot = slots_[id];
     if (slot.done) return true;
     if (slot.failed) return false;
+    if (slot.gone) return slot.done = synced_since_gone(slot);
     // No queries while a capture is on: they may break it (global mode).
     if (sh_->captures.underway()) return false;
     if (slot.unrecorded && !try_record(slot)) return false;
@@ -348,7 +390,8 @@ class CudaBackend final : public Backend {
     // An event that cannot be recorded yet (its stream is capturing) cannot
     // be waited for: the core keeps treating it as not done.
     if (sh_->captures.underway()) return false;
-    if (slot.unrecorded && !try_record(slot)) return false;
+    if (slot.unrecorded && !try_record(slot) && !slot.gone) return false;
+    if (slot.gone) return synchronize_for(slot);
     CUresult r;
     try {
       ContextGuard g(d_, slot.ctx);
@@ -579,7 +622,64 @@ class CudaBackend final : public Backend {
     bool unrecorded = false;  // recording waits for the stream's capture to end
     bool done = false;
     bool failed = false;      // never done: its block stays out of use
+    bool gone = false;        // its stream was destroyed: done after a cuCtxSynchronize
+    uint64_t gone_at = 0;     // ctx_syncs_begun when it was found gone
+    Stream ctx_for = 0;       // the stream ctx was chosen for
   };
+
+  // Chooses the context the slot's event is made in for its stream: the
+  // primary context of the device the stream is tagged with (streams.h),
+  // else the one the driver named for that same stream before (try_record's
+  // cuStreamGetCtx), else this device's. A recycled slot's event made in
+  // another context is destroyed: a default stream's handle recorded there
+  // would name that context's default stream. False if the slot failed.
+  bool choose_context(Slot& slot) {
+    int device = streams::device_of(slot.stream);
+    CUcontext want = sh_->ctx;
+    try {
+      if (device >= 0) want = primary_context(d_, device);
+      else if (slot.ctx != nullptr && slot.ctx_for == slot.stream) want = slot.ctx;
+      if (slot.ctx != want && slot.event != nullptr) {
+        ContextGuard g(d_, slot.ctx);
+        d_.EventDestroy(slot.event);
+        slot.event = nullptr;
+      }
+    } catch (const DriverError& e) {
+      return fail(slot, e.what());
+    }
+    slot.ctx = want;
+    slot.ctx_for = slot.stream;
+    return true;
+  }
+
+  // A gone stream's event: done if its context (the device's own) was
+  // synchronized since.
+  bool synced_since_gone(const Slot& slot) const {
+    return slot.ctx == sh_->ctx && sh_->ctx_synced.load(std::memory_order_acquire) > slot.gone_at;
+  }
+
+  // Waits for every stream of the gone stream's context, so its last work too.
+  bool synchronize_for(Slot& slot) {
+    if (synced_since_gone(slot)) return slot.done = true;
+    uint64_t number = sh_->ctx_syncs_begun.fetch_add(1, std::memory_order_acq_rel) + 1;
+    CUresult r;
+    try {
+      ContextGuard g(d_, slot.ctx);
+      r = d_.CtxSynchronize();
+    } catch (const DriverError& e) {
+      return fail(slot, e.what());
+    }
+    if (r == CUDA_SUCCESS) {
+      if (slot.ctx == sh_->ctx) {
+        uint64_t seen = sh_->ctx_synced.load(std::memory_order_acquire);
+        while (seen < number && !sh_->ctx_synced.compare_exchange_weak(seen, number, std::memory_order_acq_rel)) {
+        }
+      }
+      return slot.done = true;
+    }
+    if (is_capture_error(r)) return false;
+    return fail(slot, "cuCtxSynchronize", r);
+  }
 
   bool fail(Slot& slot, const std::string& what, CUresult r = CUDA_SUCCESS) {
     slot.failed = true;
@@ -599,10 +699,14 @@ class CudaBackend final : public Backend {
   // Records the slot's event on its stream, unless a capture is underway:
   // like PyTorch's own allocator, no event is recorded during any capture.
   // A stream of another device (record_stream) has another context, where
-  // the event is made: an event and its stream must share a context.
+  // the event is made: an event and its stream must share a context. That
+  // device is known when the stream is tagged with it (streams.h), as
+  // PyTorch's insert_events records under a guard for the stream's device;
+  // otherwise the driver says (cuStreamGetCtx) once the record in this
+  // device's context fails.
   bool try_record(Slot& slot) {
     if (sh_->captures.blocks(slot.stream)) return false;
-    if (slot.ctx == nullptr) slot.ctx = sh_->ctx;
+    if (!choose_context(slot)) return false;
     const char* what = "cuEventRecord";
     CUresult r;
     try {
@@ -627,6 +731,13 @@ class CudaBackend final : public Backend {
       slot.unrecorded = false;
       return true;
     }
+    if (r == CUDA_ERROR_INVALID_HANDLE && std::strcmp(what, "cuEventRecord") == 0) {
+      // The stream is gone (destroyed by its library): no error of the device's.
+      slot.unrecorded = false;
+      slot.gone = true;
+      slot.gone_at = sh_->ctx_syncs_begun.load(std::memory_order_acquire);
+      return false;
+    }
     if (!is_capture_error(r)) fail(slot, what, r);
     return false;
   }
@@ -641,7 +752,7 @@ class CudaBackend final : public Backend {
         return r;
       }
     }
-    return d_.EventRecord(slot.event, as_stream(slot.stream));
+    return d_.EventRecord(slot.event, event_stream(slot.stream));
   }
 
   const Driver& d_;

@@ -18,7 +18,9 @@
 // - Events are created once (CU_EVENT_DISABLE_TIMING) and recycled: a freed
 //   EventId's CUevent serves the next record_event(). An event recorded on a
 //   stream of another device (record_stream) is made in that stream's
-//   context. Only CUDA_SUCCESS from cuEventQuery means done; NOT_READY and
+//   context: the primary context of the device a stream is tagged with
+//   (streams.h). Another thread's cudaStreamPerThread, which no handle names
+//   from this thread, is stood for by the legacy default stream. Only CUDA_SUCCESS from cuEventQuery means done; NOT_READY and
 //   the capture errors mean not yet; any other answer fails the event for
 //   good (its block is never reused, as the device may still use it), is
 //   said once on stderr, and is raised by the device's next allocation

@@ -117,6 +117,8 @@ struct Driver {
   CUresult (*DevicePrimaryCtxRetain)(CUcontext* ctx, CUdevice device);   // cuDevicePrimaryCtxRetain
   CUresult (*CtxGetCurrent)(CUcontext* ctx);                             // cuCtxGetCurrent
   CUresult (*CtxSetCurrent)(CUcontext ctx);                              // cuCtxSetCurrent
+  /// Waits for all work of the current context, that of streams since
+  /// destroyed included.
   CUresult (*CtxSynchronize)();                                          // cuCtxSynchronize
   CUresult (*MemAlloc)(CUdeviceptr* ptr, size_t bytes);                  // cuMemAlloc_v2
   CUresult (*MemFree)(CUdeviceptr ptr);                                  // cuMemFree_v2

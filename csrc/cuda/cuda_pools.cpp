@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "ipc.h"
+#include "streams.h"
 
 namespace pyalloc {
 
@@ -110,7 +111,9 @@ bool DevicePools::free(uintptr_t ptr, std::string* why, uint64_t context) {
   }
 }
 
-bool DevicePools::record_stream(uintptr_t ptr, Stream stream) {
+bool DevicePools::record_stream(uintptr_t ptr, Stream stream, int device) {
+  // Another device's stream is tagged with it: its events go to that device.
+  stream = streams::on_device(stream, device, index());
   if (graphs_.record_stream(ptr, stream)) return true;
   uintptr_t base;
   size_t size;

@@ -98,7 +98,9 @@ class DevicePools {
   /// graph pools; *why then says what it is.
   bool free(uintptr_t ptr, std::string* why, uint64_t context = 0);
   /// False if ptr is no live allocation of any pool of this device.
-  bool record_stream(uintptr_t ptr, Stream stream);
+  /// `device`: the stream's (streams.h), when it may be another than this
+  /// one (-1: this one): a default stream's handle names each device's own.
+  bool record_stream(uintptr_t ptr, Stream stream, int device = -1);
   /// The segment of any pool of this device holding ptr.
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
   /// Allocator::share() of the pool whose live allocation is at ptr: false,

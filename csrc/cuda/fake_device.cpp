@@ -4,13 +4,17 @@
 // backend answers for captures exactly as the CUDA backend does over a
 // driver that has relaxed capture mode. As a GPU's streams, its simulated
 // streams are the device's: every pool of the device records its events on
-// them, so a stream a test holds busy is busy for the graph pools too.
+// them, so a stream a test holds busy is busy for the graph pools too. A
+// stream tagged with another device (streams.h: record_stream) is that
+// device's: its events go to that device's simulated streams, as the CUDA
+// backend records them in that device's context.
 #include <map>
 #include <memory>
 #include <mutex>
 
 #include "cuda_backend.h"
 #include "ipc.h"
+#include "streams.h"
 
 namespace pyalloc {
 namespace {
@@ -38,6 +42,24 @@ CaptureTracker& fake_tracker() {
   return *tracker;
 }
 
+// Each fake device's simulated streams, by index, for the events of streams
+// tagged with another device; the latest device made with that index.
+std::map<int, std::weak_ptr<Backend>>& fake_streams() {
+  static auto* m = new std::map<int, std::weak_ptr<Backend>>();
+  return *m;
+}
+
+std::shared_ptr<Backend> streams_of(int device) {
+  std::lock_guard<std::mutex> g(fake_mu);
+  auto it = fake_streams().find(device);
+  return it != fake_streams().end() ? it->second.lock() : nullptr;
+}
+
+// An event recorded on another device's streams: that device + 1 in the
+// EventId's top byte (an own device's EventIds are small indices).
+constexpr int kEventDeviceShift = 56;
+constexpr EventId kEventMask = (EventId{1} << kEventDeviceShift) - 1;
+
 class FakeBackend final : public Backend {
  public:
   // streams: the device's backend whose simulated streams every pool's events go to.
@@ -53,10 +75,27 @@ class FakeBackend final : public Backend {
   void mem_info(size_t* free_bytes, size_t* total_bytes) override {
     host_->mem_info(free_bytes, total_bytes);
   }
-  EventId record_event(Stream s) override { return streams_->record_event(s); }
-  bool event_done(EventId e) override { return !captures_.underway() && streams_->event_done(e); }
-  bool event_wait(EventId e) override { return !captures_.underway() && streams_->event_wait(e); }
-  void event_free(EventId e) override { streams_->event_free(e); }
+  EventId record_event(Stream s) override {
+    int device = streams::device_of(s);
+    std::shared_ptr<Backend> other = device >= 0 ? streams_of(device) : nullptr;
+    // A device no pool was made on has no work a test queued: any event is done.
+    if (other == nullptr) return streams_->record_event(s);
+    EventId e = other->record_event(streams::without_device(s));
+    return e | (static_cast<EventId>(device + 1) << kEventDeviceShift);
+  }
+  bool event_done(EventId e) override {
+    if (captures_.underway()) return false;
+    std::shared_ptr<Backend> b = streams_for(e);
+    return b == nullptr || b->event_done(e & kEventMask);
+  }
+  bool event_wait(EventId e) override {
+    if (captures_.underway()) return false;
+    std::shared_ptr<Backend> b = streams_for(e);
+    return b == nullptr || b->event_wait(e & kEventMask);
+  }
+  void event_free(EventId e) override {
+    if (std::shared_ptr<Backend> b = streams_for(e)) b->event_free(e & kEventMask);
+  }
   bool is_capturing(Stream s) override { return captures_.blocks(s); }
   bool capture_underway() override { return captures_.underway(); }
   SimStreams* sim_streams() override { return streams_->sim_streams(); }
@@ -69,6 +108,13 @@ class FakeBackend final : public Backend {
   bool vmm_access(uintptr_t addr, size_t size) override { return host_->vmm_access(addr, size); }
 
  private:
+  // The streams event e was recorded on: this device's, or another's (its
+  // tag); null if that device is gone, and its work with it.
+  std::shared_ptr<Backend> streams_for(EventId e) const {
+    int device = static_cast<int>(e >> kEventDeviceShift) - 1;
+    return device < 0 ? streams_ : streams_of(device);
+  }
+
   std::unique_ptr<Backend> host_;
   std::shared_ptr<Backend> streams_;
   CaptureTracker& captures_;
@@ -77,7 +123,10 @@ class FakeBackend final : public Backend {
 class FakeDevice final : public Device {
  public:
   FakeDevice(int index, size_t capacity)
-      : index_(index), capacity_(capacity), captures_(fake_tracker()) {}
+      : index_(index), capacity_(capacity), captures_(fake_tracker()) {
+    std::lock_guard<std::mutex> g(fake_mu);
+    fake_streams()[index] = streams_;
+  }
 
   int index() const override { return index_; }
   std::unique_ptr<Backend> make_backend() override {

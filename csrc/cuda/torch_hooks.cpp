@@ -14,6 +14,8 @@
 //   set_record_stream_fn void (void* ptr, cudaStream_t stream)
 // cudaStream_t is an opaque pointer, the same handle as the driver's
 // CUstream; it is declared here as void* so that no CUDA header is needed.
+// cudaStreamPerThread (0x2) is the calling thread's own stream (streams.h).
+// record_stream is given no device: a default stream is the block's device's.
 //
 // The graph-pool hooks take C++ types by value, so they are C++ functions
 // with C linkage (found by name), whose signatures must be exactly those of
@@ -37,6 +39,7 @@
 #include <utility>
 
 #include "registry.h"
+#include "streams.h"
 
 #define PYALLOC_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -49,7 +52,8 @@ using MempoolId = std::pair<unsigned long long, unsigned long long>;
 
 namespace {
 
-Stream stream_of(void* s) { return static_cast<Stream>(reinterpret_cast<uintptr_t>(s)); }
+// cudaStreamPerThread is the calling thread's own (streams.h).
+Stream stream_of(void* s) { return pyalloc::streams::from_handle(reinterpret_cast<uintptr_t>(s)); }
 uintptr_t addr(void* p) { return reinterpret_cast<uintptr_t>(p); }
 
 }  // namespace
@@ -85,7 +89,7 @@ PYALLOC_EXPORT void pyalloc_begin_allocate_to_pool(int device, MempoolId pool,
   pyalloc::DevicePools::StreamFilter accepts;
   if (filter)
     accepts = [filter = std::move(filter)](Stream s) {
-      return filter(reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(s)));
+      return filter(reinterpret_cast<cudaStream_t>(pyalloc::streams::handle(s)));
     };
   pyalloc::hooks::begin_allocate_to_pool(device, {pool.first, pool.second}, std::move(accepts));
 }

@@ -191,6 +191,9 @@ void bind_core(py::module_& m) {
            py::arg("ptr"))
       .def("stream_set_busy", [](A& a, Stream s) { sim_streams(a).set_busy(s); }, py::arg("stream"),
            "Simulated backends: work is queued on stream; its events stay pending.")
+      .def("stream_fail", [](A& a, Stream s) { sim_streams(a).fail(s); }, py::arg("stream"),
+           "Simulated backends: the work queued on stream failed: its events stay pending and "
+           "cannot be waited for, until stream_complete.")
       .def("stream_complete", [](A& a, Stream s) { sim_streams(a).complete(s); }, py::arg("stream"),
            "Simulated backends: the work queued on stream has finished.")
       .def("live_events", [](A& a) { return sim_streams(a).live_events(); });

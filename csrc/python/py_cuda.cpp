@@ -19,6 +19,7 @@
 #include "py_bindings.h"
 #include "py_convert.h"
 #include "backends/sim_streams.h"
+#include "cuda/streams.h"
 
 namespace py = pybind11;
 
@@ -93,6 +94,13 @@ void capsule_destructor(PyObject* capsule) {
     auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
     m->deleter(m);
   }
+}
+
+// Snapshot or history entries with the handles PyTorch passed for their
+// streams (a thread's cudaStreamPerThread is 0x2 again: streams.h).
+py::list with_handles(py::list entries) {
+  for (py::handle e : entries) e["stream"] = streams::handle(e["stream"].cast<Stream>());
+  return entries;
 }
 
 py::object buffer_capsule(int device, size_t nbytes, Stream stream) {
@@ -293,10 +301,10 @@ void bind_cuda(py::module_& m) {
               out.append(seg);
             }
           }
-          return out;
+          return with_handles(out);
         }
         Allocator* a = pool_of(device, pool);
-        return a != nullptr ? snapshot_list(a->snapshot(), device) : py::list();
+        return a != nullptr ? with_handles(snapshot_list(a->snapshot(), device)) : py::list();
       },
       py::arg("device"), py::arg("pool") = "general",
       "One pool's segments in the layout of torch.cuda.memory._snapshot()['segments']; "
@@ -313,10 +321,10 @@ void bind_cuda(py::module_& m) {
               std::vector<TraceEntry> h = a.history();
               events.insert(events.end(), h.begin(), h.end());
             });
-          return history_list(events);
+          return with_handles(history_list(events));
         }
         Allocator* a = pool_of(device, pool);
-        return a != nullptr ? history_list(a->history()) : py::list();
+        return a != nullptr ? with_handles(history_list(a->history())) : py::list();
       },
       py::arg("device"), py::arg("pool") = "general",
       "One pool's recorded events, oldest first, as a snapshot's device_traces entries "
@@ -490,9 +498,14 @@ void bind_cuda(py::module_& m) {
       "export on (0: its own).");
   m.def(
       "_testing_hook_malloc",
-      [](size_t size, int device, Stream stream) { return hooks::malloc(size, device, stream); },
+      [](size_t size, int device, Stream stream) {
+        return hooks::malloc(size, device, streams::from_handle(static_cast<uintptr_t>(stream)));
+      },
       py::arg("size"), py::arg("device"), py::arg("stream"), nogil,
       "Tests: what pyalloc_malloc does, with its exceptions raised in Python.");
+  m.def(
+      "_testing_per_thread_stream", [] { return streams::from_handle(streams::kPerThreadHandle); },
+      "Tests: the stream the pools take the calling thread's cudaStreamPerThread (0x2) for.");
 }
 
 }  // namespace pyalloc

@@ -327,7 +327,9 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
                 : deleter == nullptr || deleter == &c10::detail::deleteNothing ? PYALLOC_OWNER_NONE
                                                                                : PYALLOC_OWNER_OTHER;
     if (owner == PYALLOC_OWNER_NONE) return;
-    check(api->record_stream_owned(ptr.get(), stream.stream(), owner));
+    // With the stream's device: a default stream's handle (NULL) names each
+    // device's own, and PyTorch records a use's event on the stream's device.
+    check(api->record_stream_on(ptr.get(), stream.stream(), stream.device_index(), owner));
   }
 
   void* getBaseAllocation(void* ptr, size_t* size) override {

@@ -149,3 +149,27 @@ def test_streams_accept_objects_with_a_cuda_stream_handle(make):
     a.free(p)
     with pytest.raises(TypeError):
         a.malloc(10, "stream")
+
+
+def test_a_block_whose_stream_was_never_waited_on_merges_with_no_other_stream(make):
+    # Regression (issue 53, item 4): empty_cache() waits for every stream and
+    # then merged each run of free blocks into one, labelled with the first
+    # block's stream, though a wait that failed (a failed event; a capture
+    # declared meanwhile) leaves its stream's blocks unsafe for any other
+    # stream. T's block then reached U through its idle neighbour of S.
+    a = make(segment_size=16 * MiB)
+    keep = a.malloc(2 * MiB, S)  # the segment stays: only free blocks may merge
+    p = a.malloc(4 * MiB, S)
+    q = a.malloc(4 * MiB, T)  # beside p, in the same segment
+    assert q == p + 4 * MiB
+    a.stream_fail(T)  # T's work failed: no event of T's completes, none can be waited for
+    a.free(q)
+    a.free(p)
+    a.empty_cache()
+    a.check_invariants()
+    r = a.malloc(8 * MiB, U)
+    assert not (r < q + 4 * MiB and q < r + 8 * MiB), "U got memory T's failed work may still use"
+    a.stream_complete(T)
+    for x in (keep, r):
+        a.free(x)
+    a.check_invariants()

@@ -1092,3 +1092,61 @@ def test_reserved_bytes_count_graph_pools_as_pytorch_and_torch_2_14_define_them(
     assert api.stats(0)["reserved_bytes.all.current"] <= before
     assert api.pool_reserved(0)["reserved_bytes_by_private_pools.0_21.all.current"] == 0
     assert api.free(p, 0) == OK
+
+
+def test_record_stream_with_another_devices_default_stream_waits_for_that_device(api, fake):
+    """Regression (issue 53, item 7): record_stream with device 1's default
+    stream on a block of device 0. Both default streams have the handle 0; the
+    device was dropped on the way, and the event went to device 0's default
+    stream: the block was reused while device 1 could still read it, and
+    waited on device 0's work instead. As PyTorch's insert_events, the event
+    now goes to the stream's own device."""
+    assert api.malloc(MiB, device=1)[0] == OK  # device 1's pools, and streams, exist
+    _, p, _ = api.malloc(3 * MiB, device=0)
+    _C._testing_stream(1, 0, True)  # device 1's default stream has work queued
+    try:
+        assert api.record_stream_on(p, None, 1, OWNER_POOLS) == OK, api.error()
+        assert api.free(p, 0) == OK
+        _, q, _ = api.malloc(3 * MiB, device=0)
+        assert q != p, "device 0 reused a block device 1's queued work may still read"
+        assert api.stats(0)["active_bytes.all.current"] == 6 * MiB
+    finally:
+        _C._testing_stream(1, 0, False)
+    _, r, _ = api.malloc(3 * MiB, device=0)
+    assert r == p  # device 1 is done with it
+    # Device 0's own default stream is no part of it.
+    _C._testing_stream(0, 0, True)
+    try:
+        assert api.record_stream_on(r, None, 1, OWNER_POOLS) == OK, api.error()
+        assert api.free(r, 0) == OK
+        api.free(api.malloc(512, device=0, stream=0x1000)[1], 0)  # pending frees are looked at
+        assert api.stats(0)["active_bytes.all.current"] == 3 * MiB
+    finally:
+        _C._testing_stream(0, 0, False)
+    assert api.free(q, 0) == OK
+    _C.cuda_check_invariants(0)
+
+
+def test_cuda_stream_per_thread_is_each_threads_own_through_the_table(api, fake):
+    """Regression (issue 53, item 4): as through the hooks, cudaStreamPerThread
+    (0x2) is the calling thread's own stream; a block freed with work queued on
+    one thread's goes to no other thread's until that work is done."""
+    seen = {}
+
+    def worker():
+        _, p, _ = api.malloc(MiB, device=0, stream=0x2)
+        seen.update(p=p, stream=_C._testing_per_thread_stream())
+        _C._testing_stream(0, seen["stream"], True)
+        assert api.free(p, 0) == OK
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    try:
+        _, q, _ = api.malloc(MiB, device=0, stream=0x2)
+        assert q != seen["p"], "a thread got a block another thread's queued work may still use"
+        assert {seg["stream"] for seg in api.snapshot(0)} == {0x2}
+    finally:
+        _C._testing_stream(0, seen["stream"], False)
+    assert api.free(q, 0) == OK
+    _C.cuda_check_invariants(0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import threading
 
 import pytest
 
@@ -249,6 +250,38 @@ def test_record_stream_holds_a_block_until_the_other_stream_is_done(fake, lib):
     r = lib.pyalloc_malloc(MiB, 0, s1)  # the pending free completes on the way
     assert _C.cuda_stats(0)["active_bytes.all.current"] == 512 + MiB
     lib.pyalloc_free(r, MiB, 0, s1)
+    check()
+
+
+PER_THREAD = 0x2  # cudaStreamPerThread
+
+
+def test_each_thread_has_its_own_per_thread_default_stream(fake, lib):
+    """Regression (issue 53, item 4): cudaStreamPerThread (0x2) names the
+    calling thread's own default stream, and two threads' do not order each
+    other. The hooks took 0x2 for one stream: a block a thread freed with work
+    still queued on its stream went at once to another thread."""
+    seen = {}
+
+    def worker():
+        p = lib.pyalloc_malloc(MiB, 0, PER_THREAD)
+        _C._testing_stream(0, _C._testing_per_thread_stream(), True)  # this thread's work still reads p
+        lib.pyalloc_free(p, MiB, 0, PER_THREAD)
+        again = lib.pyalloc_malloc(MiB, 0, PER_THREAD)  # its own stream reuses it at once
+        lib.pyalloc_free(again, MiB, 0, PER_THREAD)
+        seen.update(p=p, again=again, stream=_C._testing_per_thread_stream())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen["again"] == seen["p"]
+    q = lib.pyalloc_malloc(MiB, 0, PER_THREAD)
+    assert q != seen["p"], "a thread got a block another thread's queued work may still use"
+    assert seen["stream"] != _C._testing_per_thread_stream()
+    # Snapshots give the handle PyTorch passed, as its own allocator's do.
+    assert {seg["stream"] for seg in _C.cuda_snapshot_segments(0)} == {PER_THREAD}
+    _C._testing_stream(0, seen["stream"], False)
+    lib.pyalloc_free(q, MiB, 0, PER_THREAD)
     check()
 
 

@@ -18,6 +18,7 @@ its pages then) for capture_check_*. "norelax": the stand-in was built
 without cuThreadExchangeStreamCaptureMode, so captures cannot grow the pool.
 """
 import ctypes
+import os
 import sys
 
 from pyalloc import _C
@@ -33,6 +34,8 @@ driver.stub_context.restype = c.c_void_p
 driver.stub_context.argtypes = [c.c_int]
 driver.stub_current.restype = c.c_void_p
 driver.cuCtxSetCurrent.argtypes = [c.c_void_p]
+driver.stub_event_records_on.restype = c.c_int64
+driver.stub_event_records_on.argtypes = [c.c_int]
 RELAXED = "norelax" not in sys.argv[2:]
 
 hooks = c.CDLL(_C.library_path())
@@ -222,6 +225,34 @@ def check_record_stream_on_another_device():
         assert pending() == 0
     assert stub.stream_get_ctx >= 1
     assert stub.event_record_errors <= 1, stub.event_record_errors  # then the event stays there
+    _C.cuda_check_invariants(0)
+
+
+def check_record_stream_with_the_streams_device_records_there_at_once():
+    # With the stream's device (the bridge's record_stream_on), the event is
+    # made in that device's context at once, another device's default stream
+    # (handle 0) included: no record in the block's own context first.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bridge_api import OWNER_POOLS, BridgeApi
+
+    api = BridgeApi()
+    on_device_0 = driver.stub_event_records_on(0)
+    for stream in ((1 << 32) | 0x2000, 0):
+        p = malloc(MiB, 0, 0x1000)
+        assert api.record_stream_on(p, stream, 1, OWNER_POOLS) == 0, api.error()
+        free(p)
+        free(malloc(512, 0, 0x1000))
+        assert pending() == 0
+    assert stub.event_record_errors == 0 and stub.wrong_context == 0
+    assert driver.stub_event_records_on(1) == 2 and driver.stub_event_records_on(0) == on_device_0
+    # Its event recycled for device 0's own default stream goes to device 0:
+    # the default stream's handle in device 1's context would be device 1's.
+    p = malloc(MiB, 0, 0x1000)
+    hooks.pyalloc_record_stream(p, None)
+    free(p)
+    assert driver.stub_event_records_on(1) == 2 and driver.stub_event_records_on(0) == on_device_0 + 1
+    free(malloc(512, 0, 0x1000))
+    assert pending() == 0
     _C.cuda_check_invariants(0)
 
 
@@ -899,6 +930,33 @@ def check_gone_streams_are_not_probed_again():
     _C.cuda_release_graph_memory(0)
 
 
+def check_a_destroyed_streams_blocks_come_back_after_a_sync_and_raise_nothing():
+    # Regression (issue 53, item 4): a stream its library destroyed
+    # (torch.cuda.ExternalStream) makes cuEventRecord fail. That failed the
+    # event as a failed kernel would: the next allocation raised, blaming
+    # one, and the blocks freed on the stream were never reused. Its last
+    # work may still run: the blocks wait for the context's synchronization
+    # (empty_cache, the out-of-memory path), then serve any stream.
+    gone = 0x7100
+    keep = malloc(2 * MiB, 0, gone)  # its segment stays
+    p = malloc(4 * MiB, 0, gone)
+    free(p)  # work queued on `gone` may still use p
+    stub.destroyed_stream = gone
+    try:
+        q = malloc(4 * MiB, 0, 0x1000)  # the event on `gone` cannot be recorded
+        assert q != p  # nothing proves yet that `gone`'s last work is over
+        free(malloc(512, 0, 0x1000))  # nothing to raise
+        free(q)
+        hooks.pyalloc_empty_cache()  # waits for the device's work, `gone`'s with it
+        r = malloc(4 * MiB, 0, 0x1000)
+        assert r == p
+        free(r)
+        free(keep)
+    finally:
+        stub.destroyed_stream = 0
+    _C.cuda_check_invariants(0)
+
+
 def check_base_alloc():
     p = malloc(3 * MiB)
     size = c.c_size_t(0)
@@ -923,6 +981,23 @@ def vmm_check_pages_are_mapped_on_demand():
     assert stub.mapped[0] == 0 and stub.mem_release == stub.mem_create
     assert stats()["reserved_bytes.all.current"] == 0
     assert stub.wrong_context == 0
+    _C.cuda_check_invariants(0)
+
+
+def vmm_check_a_destroyed_streams_pages_are_unmapped_after_a_sync():
+    # Regression (issue 53, item 4): under vmm, the pages of blocks freed on
+    # a stream its library destroyed were never unmapped (their event failed).
+    gone = 0x7100
+    p = malloc(5 * MiB, 0, gone)
+    free(p)
+    stub.destroyed_stream = gone
+    try:
+        free(malloc(5 * MiB, 0, 0x1000))  # the event on `gone` cannot be recorded
+        hooks.pyalloc_empty_cache()  # waits for the device's work, `gone`'s with it
+        assert stub.mapped[0] == 0 and stats()["reserved_bytes.all.current"] == 0
+        free(malloc(512, 0, 0x1000))  # nothing to raise
+    finally:
+        stub.destroyed_stream = 0
     _C.cuda_check_invariants(0)
 
 

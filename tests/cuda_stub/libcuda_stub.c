@@ -20,7 +20,8 @@
  * driver, an event may be recorded only on a stream of its own context. The
  * test can also let the devices be peers (or have the driver refuse peer
  * mappings), make virtual memory calls fail as in a sandbox, and mark a
- * stream destroyed (capture queries on it fail).
+ * stream destroyed (capture queries and event records on it fail; until the
+ * context is synchronized, its last work may still run).
  *
  * Memory is shared memory (memfd), so that other processes can map it: legacy
  * IPC handles name a segment by this process's id and the segment's file
@@ -94,7 +95,7 @@ struct Stub {
   int vmm_refuse;            /* cuMemCreate answers NOT_PERMITTED, as in a sandbox */
   int64_t ctx_set, event_record_errors, stream_get_ctx, capture_info_v1;
   int64_t access_count, access_mask; /* the last cuMemSetAccess: devices, bit per device */
-  uint64_t destroyed_stream; /* capture queries on it answer INVALID_HANDLE */
+  uint64_t destroyed_stream; /* capture queries and event records on it answer INVALID_HANDLE */
   int64_t destroyed_queries;
   int64_t mode_exchanges, relaxed_during_capture;
   int64_t mem_get_info;                        /* cuMemGetInfo calls */
@@ -133,6 +134,7 @@ static struct { uintptr_t ptr; int64_t size; int device; int fd; uint64_t serial
 static uint64_t next_serial = 1;
 
 static __thread int mode = MODE_GLOBAL;
+static int64_t records_on[DEVICES];
 
 /* Calls that take or give back memory come from several threads (the stress
  * checks): one at a time, as the driver keeps its own books consistent. */
@@ -330,12 +332,19 @@ CUresult cuEventCreate(CUevent* e, unsigned int flags) {
 }
 CUresult cuEventRecord(CUevent e, CUstream s) {
   CAPTURE_CHECK(during_capture());
+  if (stub.destroyed_stream != 0 && (uint64_t)(uintptr_t)s == stub.destroyed_stream) {
+    stub.event_record_errors++;
+    return INVALID_HANDLE;
+  }
   int d = stream_device(s);
   if (d < 0 || &contexts[d] != e->ctx) { stub.event_record_errors++; return INVALID_HANDLE; }
   e->recorded = 1;
   stub.event_record++;
+  records_on[d]++;
   return SUCCESS;
 }
+/* Events recorded on device's streams, for the checks of the device an event goes to. */
+int64_t stub_event_records_on(int device) { return records_on[device]; }
 CUresult cuEventQuery(CUevent e) {
   CAPTURE_CHECK(during_capture());
   stub.event_query++;
