@@ -481,8 +481,12 @@ class Allocator {
   void track_inactive_split(const Block* b, int sign) {
     if (b->is_split()) change_inactive_split(b->segment->pool, sign, sign * static_cast<int64_t>(b->size));
   }
-  // Applied once per operation with the net change, as PyTorch does.
+  // Applied once per operation with the net change, as PyTorch does. Under
+  // vmm, never: inactive_split is memory empty_cache cannot give back, and
+  // PyTorch leaves its expandable segments out of it (their free pages go
+  // back), so its memory_summary() calls none of that cache non-releasable.
   void change_inactive_split(Pool pool, int64_t blocks, int64_t bytes) {
+    if (vmm_) return;
     if (blocks != 0) stats_.inactive_split.add(pool, blocks);
     if (bytes != 0) stats_.inactive_split_bytes.add(pool, bytes);
   }

@@ -155,11 +155,9 @@ std::vector<SnapshotSegment> Allocator::snapshot() const {
                                                             : "active_allocated";
     s.blocks.push_back(SnapshotBlock{b->addr, b->size, b->requested, st, b->context});
     if (!held) return;
-    if (b->state == BlockState::kAllocated) {
-      s.allocated_size += b->size;
-      s.requested_size += b->requested;
-    }
+    if (b->state == BlockState::kAllocated) s.allocated_size += b->size;
     s.active_size += b->size;
+    s.requested_size += b->requested;  // a pending free's too, as PyTorch's snapshot counts it
   };
   for (const auto& [base, seg] : segments_) {
     // One segment per run of large-pool memory: unmapped pages and chunks
@@ -286,7 +284,7 @@ void Allocator::check_invariants() const {
           if (b->bin != FreeIndex::bin_of(b->size)) fail(at + " is in the wrong bin");
           t.free_blocks.insert(b);
           if (pool == kSmallPool && !b->is_split()) t.free_chunks++;
-          if (b->is_split()) {
+          if (b->is_split() && !vmm_) {  // change_inactive_split()
             t.inactive_split[pool]++;
             t.inactive_split_bytes[pool] += static_cast<int64_t>(b->size);
           }
@@ -320,6 +318,7 @@ void Allocator::check_invariants() const {
           if (live_.find(b->addr) != nullptr) fail(at + " is pending free but still in the map");
           t.active[pool]++;
           t.active_bytes[pool] += static_cast<int64_t>(b->size);
+          t.requested_bytes[pool] += static_cast<int64_t>(b->requested);
           t.pending++;
           break;
       }
