@@ -230,6 +230,12 @@ class Allocator {
                   uint64_t* context = nullptr) const;
   /// The backend segment holding ptr: false if none does.
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
+  /// PyTorch's getBaseAllocation: the backend's allocations the block holding
+  /// ptr lies in. Bestfit: its segment (cudaMalloc's). Vmm: the handles of
+  /// pages under the block, which stay mapped while it is not free; not the
+  /// virtual range, mostly unmapped. False if ptr is in no segment, or in
+  /// unmapped pages.
+  bool base_allocation(uintptr_t ptr, uintptr_t* base, size_t* size) const;
   /// The memory under the live allocation at ptr made shareable with
   /// another process, asked of the backend under the lock (the allocation
   /// keeps it where it is meanwhile): the backend segment holding it

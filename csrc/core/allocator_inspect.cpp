@@ -86,6 +86,22 @@ bool Allocator::segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const {
   return true;
 }
 
+bool Allocator::base_allocation(uintptr_t ptr, uintptr_t* base, size_t* size) const {
+  if (!vmm_) return segment_of(ptr, base, size);
+  std::lock_guard<Lock> guard(mu_);
+  const Block* b = block_at(ptr);  // a walk of the range's blocks: a rare call (IPC)
+  if (b == nullptr) return false;
+  if (b->segment->parent != nullptr) b = b->segment->parent;  // a chunk: the pages under it
+  if (!b->mapped) return false;
+  // Mapped pages are tiled by handles (vmm.cpp): from the one holding b's start.
+  auto it = std::prev(handles_.upper_bound(b->addr));
+  *base = it->first;
+  uintptr_t end = *base;
+  for (; it != handles_.end() && it->first < b->end(); ++it) end = it->first + it->second;
+  *size = end - *base;
+  return true;
+}
+
 bool Allocator::share(uintptr_t ptr, std::vector<SharedMemory>* out, std::string* why) {
   std::lock_guard<Lock> guard(mu_);
   const Block* b = live_.find(ptr);

@@ -181,7 +181,11 @@ typedef struct pyalloc_bridge_api {
                 pyalloc_oom_info* oom);
   int (*free)(void* ptr, uint64_t context);
   int (*record_stream)(void* ptr, void* stream);
-  /* The segment holding ptr, or ptr itself if pyalloc has none. */
+  /* PyTorch's getBaseAllocation: the driver's allocations the block holding
+   * ptr lies in (strategy bestfit: its segment; vmm: the handles of pages
+   * under the block, mapped while it is not free, where PyTorch refuses the
+   * call for its expandable segments), or ptr itself and *size 0 if pyalloc
+   * has none there (unmapped pages of a virtual range included). */
   void* (*base_alloc)(void* ptr, uint64_t* size);
 
   /* Cache and limits. device -1: every device whose pools exist. */

@@ -133,6 +133,11 @@ bool DevicePools::segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const
          graphs_.segment_of(ptr, base, size);
 }
 
+bool DevicePools::base_allocation(uintptr_t ptr, uintptr_t* base, size_t* size) const {
+  return general_->base_allocation(ptr, base, size) || buffers_->base_allocation(ptr, base, size) ||
+         graphs_.base_allocation(ptr, base, size);
+}
+
 uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) { return buffers_->malloc(size, stream); }
 
 void DevicePools::free_buffer(uintptr_t ptr) {

@@ -98,6 +98,8 @@ class DevicePools {
   bool record_stream(uintptr_t ptr, Stream stream);
   /// The segment of any pool of this device holding ptr.
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
+  /// Allocator::base_allocation() of the pool of this device holding ptr.
+  bool base_allocation(uintptr_t ptr, uintptr_t* base, size_t* size) const;
   /// Allocator::share() of the pool whose live allocation is at ptr: false,
   /// with *why, if none has one there (out stays empty) or its backend
   /// refuses (CUDA IPC, ipc.h).
