@@ -105,6 +105,11 @@ typedef struct pyalloc_segment_info {
   int is_large;      /* 0: a chunk of the small pool */
   int is_expandable; /* a mapped run of a virtual range */
   uint64_t pool_id[2];
+  /* Appended (read it only where segment_info_size covers it): PyTorch's
+   * registration_counter, the order in which the process mapped the memory
+   * the segment starts in (a segment; vmm: a handle of pages), which
+   * ProcessGroupNCCL's registerMemPool sorts by; -1 if unknown. */
+  int64_t registration_counter;
 } pyalloc_segment_info;
 
 enum pyalloc_trace_action {
@@ -304,6 +309,9 @@ typedef struct pyalloc_bridge_api {
    * back through free) the malloc tries once more. Never from inside fn on
    * the same thread. NULL: none. Appended: check size before calling. */
   int (*set_free_memory_hook)(pyalloc_free_memory_fn fn, void* user);
+  /* sizeof(pyalloc_segment_info) as this pyalloc fills it: the members it
+   * appended since are there only where this covers them. Appended. */
+  uint64_t segment_info_size;
 } pyalloc_bridge_api;
 
 /* The table of `version`, or NULL if this pyalloc does not offer it. */

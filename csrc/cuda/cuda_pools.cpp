@@ -219,10 +219,9 @@ void DevicePools::for_each_pool(const std::function<void(PoolId, Allocator&)>& f
   graphs_.for_each(fn);
 }
 
-void DevicePools::for_each_pool_units(
-    const std::function<void(PoolId, Allocator&, const std::vector<std::pair<uintptr_t, size_t>>&)>& fn) {
+void DevicePools::for_each_pool_units(const std::function<void(PoolId, Allocator&, const MappedUnits&)>& fn) {
   for_each_pool([&](PoolId id, Allocator& a) {
-    fn(id, a, static_cast<const PoolBackend&>(a.backend()).units().list());  // every pool's backend is one
+    fn(id, a, static_cast<const PoolBackend&>(a.backend()).units());  // every pool's backend is one
   });
 }
 

@@ -169,10 +169,9 @@ class DevicePools {
   /// (kBufferPoolId) and every graph pool (its id), graph pools' lock held:
   /// fn may use the pool but must not call back into DevicePools.
   void for_each_pool(const std::function<void(PoolId, Allocator&)>& fn);
-  /// for_each_pool(), with the units each pool's backend has mapped and told
-  /// the segment watchers of (segment_watch.h), by address.
-  void for_each_pool_units(
-      const std::function<void(PoolId, Allocator&, const std::vector<std::pair<uintptr_t, size_t>>&)>& fn);
+  /// for_each_pool(), with the units each pool's backend has mapped
+  /// (segment_watch.h).
+  void for_each_pool_units(const std::function<void(PoolId, Allocator&, const MappedUnits&)>& fn);
   /// A CUDA graph capture is underway, as far as the device knows: a route
   /// or mark PyTorch declared, or a stream seen capturing (capture.h). CUDA
   /// devices share the process's tracker: then anywhere in the process.
