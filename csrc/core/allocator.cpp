@@ -822,12 +822,10 @@ void Allocator::record_stream(uintptr_t ptr, Stream s) {
 }
 
 void Allocator::finish_free(Block* b) {
-  // The request is counted until the block is reusable, as active is: PyTorch's
-  // free_block() lowers the three together (a pending free still holds both).
   Pool pool = b->segment->pool;
   stats_.active.add(pool, -1);
   stats_.active_bytes.add(pool, -static_cast<int64_t>(b->size));
-  stats_.requested_bytes.add(pool, -static_cast<int64_t>(b->requested));
+  stats_.requested_bytes.add(pool, -static_cast<int64_t>(b->requested));  // with active, as PyTorch does
   if (history_on_) {
     ContextScope scope(&trace_context_, b->context);
     trace(TraceEntry::kFreeCompleted, b->addr, b->requested, b->stream);
