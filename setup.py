@@ -75,7 +75,8 @@ ext = Pybind11Extension(
 
 # The bridge is compiled later, against the torch the user has (pyalloc/bridge.py):
 # its sources travel inside the package, where an installed pyalloc finds them.
-BRIDGE_SOURCES = ("torch_bridge/bridge.cpp", "torch_bridge/allocate.h", "cuda/bridge_api.h")
+BRIDGE_SOURCES = ("torch_bridge/bridge.cpp", "torch_bridge/allocate.h", "torch_bridge/segment_fields.h",
+                  "cuda/bridge_api.h")
 
 
 class BuildPyWithBridgeSources(build_py):

@@ -79,6 +79,7 @@ class SegmentInfo(c.Structure):
         ("allocated_size", c.c_uint64), ("active_size", c.c_uint64),
         ("requested_size", c.c_uint64), ("stream", c.c_void_p), ("is_large", c.c_int),
         ("is_expandable", c.c_int), ("pool_id", c.c_uint64 * 2),
+        ("registration_counter", c.c_int64),  # appended: read where segment_info_size covers it
     ]
 
 
@@ -159,6 +160,7 @@ class Api(c.Structure):
         ("set_free_memory_hook", c.CFUNCTYPE(i32, FREE_MEMORY_FN, c.c_void_p)),
         ("set_captures_marked", c.CFUNCTYPE(i32, i32)),
         ("record_stream_on", c.CFUNCTYPE(i32, c.c_void_p, c.c_void_p, i32, i32)),
+        ("segment_info_size", c.c_uint64),
     ]
 
 
@@ -232,9 +234,21 @@ class BridgeApi:
         assert self.table.pool_reserved(device, POOL_STAT_FN(on_pool), None) == OK, self.error()
         return out
 
+    def fills(self, member: str) -> bool:
+        """Whether pyalloc fills `member` of pyalloc_segment_info, as the bridge asks
+        (PYALLOC_SEGMENT_INFO_HAS): the table must have segment_info_size, and it must
+        cover the member."""
+        field = getattr(Api, "segment_info_size")
+        if self.table.size < field.offset + field.size:
+            return False
+        end = getattr(SegmentInfo, member).offset + getattr(SegmentInfo, member).size
+        return self.table.segment_info_size >= end
+
     def snapshot(self, device: int = -1, pool_id=None, units: bool = False) -> list:
-        """snapshot's segments, or (units) snapshot_units'."""
+        """snapshot's segments, or (units) snapshot_units'. registration_counter is
+        None where pyalloc does not fill it."""
         segments = []
+        counted = self.fills("registration_counter")
 
         def on_segment(_user, seg, blocks, n):
             s = seg.contents
@@ -244,6 +258,7 @@ class BridgeApi:
                 "requested_size": s.requested_size, "stream": s.stream or 0,
                 "is_large": bool(s.is_large), "is_expandable": bool(s.is_expandable),
                 "pool_id": (s.pool_id[0], s.pool_id[1]),
+                "registration_counter": s.registration_counter if counted else None,
                 "blocks": [
                     {"size": blocks[i].size, "requested_size": blocks[i].requested_size,
                      "allocated": bool(blocks[i].allocated), "active": bool(blocks[i].active),

@@ -765,7 +765,6 @@ void Allocator::free(uintptr_t ptr, uint64_t context) {
   Pool pool = b->segment->pool;
   stats_.allocation.add(pool, -1);
   stats_.allocated_bytes.add(pool, -static_cast<int64_t>(b->size));
-  stats_.requested_bytes.add(pool, -static_cast<int64_t>(b->requested));
   if (cfg_.max_split_size != 0 && b->size >= cfg_.max_split_size) stats_.oversize_allocations.add(-1);
   if (history_on_) {
     ContextScope scope(&trace_context_, context != 0 ? context : b->context);
@@ -826,6 +825,7 @@ void Allocator::finish_free(Block* b) {
   Pool pool = b->segment->pool;
   stats_.active.add(pool, -1);
   stats_.active_bytes.add(pool, -static_cast<int64_t>(b->size));
+  stats_.requested_bytes.add(pool, -static_cast<int64_t>(b->requested));  // with active, as PyTorch does
   if (history_on_) {
     ContextScope scope(&trace_context_, b->context);
     trace(TraceEntry::kFreeCompleted, b->addr, b->requested, b->stream);

@@ -230,6 +230,12 @@ class Allocator {
                   uint64_t* context = nullptr) const;
   /// The backend segment holding ptr: false if none does.
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
+  /// PyTorch's getBaseAllocation: the backend's allocations the block holding
+  /// ptr lies in. Bestfit: its segment (cudaMalloc's). Vmm: the handles of
+  /// pages under the block, which stay mapped while it is not free; not the
+  /// virtual range, mostly unmapped. False if ptr is in no segment, or in
+  /// unmapped pages.
+  bool base_allocation(uintptr_t ptr, uintptr_t* base, size_t* size) const;
   /// The memory under the live allocation at ptr made shareable with
   /// another process, asked of the backend under the lock (the allocation
   /// keeps it where it is meanwhile): the backend segment holding it
@@ -481,8 +487,12 @@ class Allocator {
   void track_inactive_split(const Block* b, int sign) {
     if (b->is_split()) change_inactive_split(b->segment->pool, sign, sign * static_cast<int64_t>(b->size));
   }
-  // Applied once per operation with the net change, as PyTorch does.
+  // Applied once per operation with the net change, as PyTorch does. Under
+  // vmm, never: inactive_split is memory empty_cache cannot give back, and
+  // PyTorch leaves its expandable segments out of it (their free pages go
+  // back), so its memory_summary() calls none of that cache non-releasable.
   void change_inactive_split(Pool pool, int64_t blocks, int64_t bytes) {
+    if (vmm_) return;
     if (blocks != 0) stats_.inactive_split.add(pool, blocks);
     if (bytes != 0) stats_.inactive_split_bytes.add(pool, bytes);
   }

@@ -86,6 +86,22 @@ bool Allocator::segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const {
   return true;
 }
 
+bool Allocator::base_allocation(uintptr_t ptr, uintptr_t* base, size_t* size) const {
+  if (!vmm_) return segment_of(ptr, base, size);
+  std::lock_guard<Lock> guard(mu_);
+  const Block* b = block_at(ptr);  // a walk of the range's blocks: a rare call (IPC)
+  if (b == nullptr) return false;
+  if (b->segment->parent != nullptr) b = b->segment->parent;  // a chunk: the pages under it
+  if (!b->mapped) return false;
+  // Mapped pages are tiled by handles (vmm.cpp): from the one holding b's start.
+  auto it = std::prev(handles_.upper_bound(b->addr));
+  *base = it->first;
+  uintptr_t end = *base;
+  for (; it != handles_.end() && it->first < b->end(); ++it) end = it->first + it->second;
+  *size = end - *base;
+  return true;
+}
+
 bool Allocator::share(uintptr_t ptr, std::vector<SharedMemory>* out, std::string* why) {
   std::lock_guard<Lock> guard(mu_);
   const Block* b = live_.find(ptr);
@@ -155,11 +171,9 @@ std::vector<SnapshotSegment> Allocator::snapshot() const {
                                                             : "active_allocated";
     s.blocks.push_back(SnapshotBlock{b->addr, b->size, b->requested, st, b->context});
     if (!held) return;
-    if (b->state == BlockState::kAllocated) {
-      s.allocated_size += b->size;
-      s.requested_size += b->requested;
-    }
+    if (b->state == BlockState::kAllocated) s.allocated_size += b->size;
     s.active_size += b->size;
+    s.requested_size += b->requested;  // a pending free's too, as PyTorch's snapshot counts it
   };
   for (const auto& [base, seg] : segments_) {
     // One segment per run of large-pool memory: unmapped pages and chunks
@@ -286,7 +300,7 @@ void Allocator::check_invariants() const {
           if (b->bin != FreeIndex::bin_of(b->size)) fail(at + " is in the wrong bin");
           t.free_blocks.insert(b);
           if (pool == kSmallPool && !b->is_split()) t.free_chunks++;
-          if (b->is_split()) {
+          if (b->is_split() && !vmm_) {  // change_inactive_split()
             t.inactive_split[pool]++;
             t.inactive_split_bytes[pool] += static_cast<int64_t>(b->size);
           }
@@ -320,6 +334,7 @@ void Allocator::check_invariants() const {
           if (live_.find(b->addr) != nullptr) fail(at + " is pending free but still in the map");
           t.active[pool]++;
           t.active_bytes[pool] += static_cast<int64_t>(b->size);
+          t.requested_bytes[pool] += static_cast<int64_t>(b->requested);
           t.pending++;
           break;
       }

@@ -29,7 +29,11 @@
 //   num_oom_rejections             OOMs refused at once, before anything was tried (the cap, the
 //                                  device's known free memory, a size no device holds)
 //   inactive_split(_bytes)         free blocks in segments that are split
-//   requested_bytes                sizes as requested, before rounding
+//                                  (none under vmm: PyTorch leaves out its
+//                                  expandable segments, whose free pages
+//                                  empty_cache gives back)
+//   requested_bytes                sizes as requested, before rounding, of
+//                                  the active blocks (pending frees too)
 //   oversize_*                     blocks / segments of max_split_size or more
 #pragma once
 

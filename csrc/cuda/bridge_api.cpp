@@ -276,18 +276,26 @@ int api_snapshot(int device, const uint64_t* pool_id, pyalloc_segment_fn fn, voi
   return guarded([&] {
     for (DevicePools* p : devices_of(device)) {
       // Gathered first, so that fn runs with no lock of pyalloc's held.
-      std::vector<std::pair<DevicePools::PoolId, std::vector<SnapshotSegment>>> all;
-      p->for_each_pool([&](DevicePools::PoolId id, Allocator& a) {
-        if (pool_id == nullptr || (pool_id[0] == id.first && pool_id[1] == id.second))
-          all.emplace_back(id, a.snapshot());
+      struct Pool {
+        DevicePools::PoolId id;
+        std::vector<SnapshotSegment> segments;
+        std::vector<int64_t> counters;  // each segment's registration_counter
+      };
+      std::vector<Pool> all;
+      p->for_each_pool_units([&](DevicePools::PoolId id, Allocator& a, const MappedUnits& units) {
+        if (pool_id != nullptr && (pool_id[0] != id.first || pool_id[1] != id.second)) return;
+        Pool pool{id, a.snapshot(), {}};
+        for (const SnapshotSegment& s : pool.segments) pool.counters.push_back(units.counter_at(s.address));
+        all.push_back(std::move(pool));
       });
       std::vector<pyalloc_block_info> blocks;
-      for (const auto& [id, segments] : all) {
-        for (const SnapshotSegment& s : segments) {
+      for (const auto& [id, segments, counters] : all) {
+        for (size_t i = 0; i < segments.size(); ++i) {
+          const SnapshotSegment& s = segments[i];
           pyalloc_segment_info info{p->index(),    s.address,         s.total_size,
                                     s.allocated_size, s.active_size,   s.requested_size,
                                     stream_ptr(s.stream), s.pool == kLargePool, s.expandable,
-                                    {id.first, id.second}};
+                                    {id.first, id.second}, counters[i]};
           blocks.clear();
           for (const SnapshotBlock& b : s.blocks) {
             bool allocated = std::strcmp(b.state, "active_allocated") == 0;
@@ -528,14 +536,13 @@ int api_snapshot_units(int device, const uint64_t* pool_id, pyalloc_segment_fn f
       struct Pool {
         DevicePools::PoolId id;
         std::vector<SnapshotSegment> segments;
-        std::vector<std::pair<uintptr_t, size_t>> units;
+        std::vector<MappedUnit> units;
       };
       std::vector<Pool> all;
-      p->for_each_pool_units(
-          [&](DevicePools::PoolId id, Allocator& a, const std::vector<std::pair<uintptr_t, size_t>>& units) {
-            if (pool_id == nullptr || (pool_id[0] == id.first && pool_id[1] == id.second))
-              all.push_back(Pool{id, a.snapshot(), units});
-          });
+      p->for_each_pool_units([&](DevicePools::PoolId id, Allocator& a, const MappedUnits& units) {
+        if (pool_id == nullptr || (pool_id[0] == id.first && pool_id[1] == id.second))
+          all.push_back(Pool{id, a.snapshot(), units.list()});
+      });
       for (const Pool& pool : all) {
         std::vector<PlacedBlock> placed;
         for (const SnapshotSegment& s : pool.segments) {
@@ -552,10 +559,10 @@ int api_snapshot_units(int device, const uint64_t* pool_id, pyalloc_segment_fn f
         std::vector<uint64_t> requested_left(placed.size());
         for (size_t i = 0; i < placed.size(); ++i) requested_left[i] = placed[i].info.requested_size;
         std::vector<pyalloc_block_info> blocks;
-        for (const auto& [lo, size] : pool.units) {
-          uintptr_t hi = lo + size;
-          pyalloc_segment_info info{p->index(), lo, size, 0, 0, 0, nullptr, 1, 0,
-                                    {pool.id.first, pool.id.second}};
+        for (const MappedUnit& unit : pool.units) {
+          uintptr_t lo = unit.addr, hi = unit.addr + unit.size;
+          pyalloc_segment_info info{p->index(), lo, unit.size, 0, 0, 0, nullptr, 1, 0,
+                                    {pool.id.first, pool.id.second}, unit.counter};
           blocks.clear();
           uintptr_t at = lo;
           auto first = std::upper_bound(placed.begin(), placed.end(), lo,
@@ -661,6 +668,7 @@ const pyalloc_bridge_api kApi = {
     &api_set_free_memory_hook,
     &api_set_captures_marked,
     &api_record_stream_on,
+    sizeof(pyalloc_segment_info),
 };
 
 // Version 1: the members before record_stream_owned, and a malloc that fills
@@ -683,6 +691,7 @@ pyalloc_bridge_api make_v1() {
   t.set_free_memory_hook = nullptr;
   t.set_captures_marked = nullptr;
   t.record_stream_on = nullptr;
+  t.segment_info_size = 0;
   return t;
 }
 

@@ -105,6 +105,11 @@ typedef struct pyalloc_segment_info {
   int is_large;      /* 0: a chunk of the small pool */
   int is_expandable; /* a mapped run of a virtual range */
   uint64_t pool_id[2];
+  /* Appended (read it only where segment_info_size covers it): PyTorch's
+   * registration_counter, the order in which the process mapped the memory
+   * the segment starts in (a segment; vmm: a handle of pages), which
+   * ProcessGroupNCCL's registerMemPool sorts by; -1 if unknown. */
+  int64_t registration_counter;
 } pyalloc_segment_info;
 
 enum pyalloc_trace_action {
@@ -181,7 +186,11 @@ typedef struct pyalloc_bridge_api {
                 pyalloc_oom_info* oom);
   int (*free)(void* ptr, uint64_t context);
   int (*record_stream)(void* ptr, void* stream);
-  /* The segment holding ptr, or ptr itself if pyalloc has none. */
+  /* PyTorch's getBaseAllocation: the driver's allocations the block holding
+   * ptr lies in (strategy bestfit: its segment; vmm: the handles of pages
+   * under the block, mapped while it is not free, where PyTorch refuses the
+   * call for its expandable segments), or ptr itself and *size 0 if pyalloc
+   * has none there (unmapped pages of a virtual range included). */
   void* (*base_alloc)(void* ptr, uint64_t* size);
 
   /* Cache and limits. device -1: every device whose pools exist. */
@@ -321,6 +330,9 @@ typedef struct pyalloc_bridge_api {
    * stream would be taken for the allocation's. Appended: check size
    * before calling. */
   int (*record_stream_on)(void* ptr, void* stream, int device, int owner);
+  /* sizeof(pyalloc_segment_info) as this pyalloc fills it: the members it
+   * appended since are there only where this covers them. Appended. */
+  uint64_t segment_info_size;
 } pyalloc_bridge_api;
 
 /* The table of `version`, or NULL if this pyalloc does not offer it. */

@@ -136,6 +136,11 @@ bool DevicePools::segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const
          graphs_.segment_of(ptr, base, size);
 }
 
+bool DevicePools::base_allocation(uintptr_t ptr, uintptr_t* base, size_t* size) const {
+  return general_->base_allocation(ptr, base, size) || buffers_->base_allocation(ptr, base, size) ||
+         graphs_.base_allocation(ptr, base, size);
+}
+
 uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) { return buffers_->malloc(size, stream); }
 
 void DevicePools::free_buffer(uintptr_t ptr) {
@@ -217,10 +222,9 @@ void DevicePools::for_each_pool(const std::function<void(PoolId, Allocator&)>& f
   graphs_.for_each(fn);
 }
 
-void DevicePools::for_each_pool_units(
-    const std::function<void(PoolId, Allocator&, const std::vector<std::pair<uintptr_t, size_t>>&)>& fn) {
+void DevicePools::for_each_pool_units(const std::function<void(PoolId, Allocator&, const MappedUnits&)>& fn) {
   for_each_pool([&](PoolId id, Allocator& a) {
-    fn(id, a, static_cast<const PoolBackend&>(a.backend()).units().list());  // every pool's backend is one
+    fn(id, a, static_cast<const PoolBackend&>(a.backend()).units());  // every pool's backend is one
   });
 }
 

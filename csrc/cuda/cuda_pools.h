@@ -103,6 +103,8 @@ class DevicePools {
   bool record_stream(uintptr_t ptr, Stream stream, int device = -1);
   /// The segment of any pool of this device holding ptr.
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
+  /// Allocator::base_allocation() of the pool of this device holding ptr.
+  bool base_allocation(uintptr_t ptr, uintptr_t* base, size_t* size) const;
   /// Allocator::share() of the pool whose live allocation is at ptr: false,
   /// with *why, if none has one there (out stays empty) or its backend
   /// refuses (CUDA IPC, ipc.h).
@@ -172,10 +174,9 @@ class DevicePools {
   /// (kBufferPoolId) and every graph pool (its id), graph pools' lock held:
   /// fn may use the pool but must not call back into DevicePools.
   void for_each_pool(const std::function<void(PoolId, Allocator&)>& fn);
-  /// for_each_pool(), with the units each pool's backend has mapped and told
-  /// the segment watchers of (segment_watch.h), by address.
-  void for_each_pool_units(
-      const std::function<void(PoolId, Allocator&, const std::vector<std::pair<uintptr_t, size_t>>&)>& fn);
+  /// for_each_pool(), with the units each pool's backend has mapped
+  /// (segment_watch.h).
+  void for_each_pool_units(const std::function<void(PoolId, Allocator&, const MappedUnits&)>& fn);
   /// A CUDA graph capture is underway, as far as the device knows: a route
   /// or mark PyTorch declared, or a stream seen capturing (capture.h). CUDA
   /// devices share the process's tracker: then anywhere in the process.

@@ -384,6 +384,14 @@ bool GraphPools::segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const 
   return false;
 }
 
+bool GraphPools::base_allocation(uintptr_t ptr, uintptr_t* base, size_t* size) const {
+  if (!exist_.load(std::memory_order_acquire)) return false;
+  std::shared_lock<std::shared_mutex> g(mu_);
+  for (const auto& [id, pool] : pools_)
+    if (pool->alloc->base_allocation(ptr, base, size)) return true;
+  return false;
+}
+
 bool GraphPools::share(uintptr_t ptr, std::vector<SharedMemory>* out, std::string* why) {
   if (!exist_.load(std::memory_order_acquire)) return false;
   std::shared_lock<std::shared_mutex> g(mu_);

@@ -143,6 +143,8 @@ class GraphPools {
   bool free(uintptr_t ptr, uint64_t context);
   bool record_stream(uintptr_t ptr, Stream stream);
   bool segment_of(uintptr_t ptr, uintptr_t* base, size_t* size) const;
+  /// Allocator::base_allocation() of the graph pool holding ptr.
+  bool base_allocation(uintptr_t ptr, uintptr_t* base, size_t* size) const;
   /// Allocator::share() of the graph pool holding a live allocation at ptr:
   /// false with *out empty if none does.
   bool share(uintptr_t ptr, std::vector<SharedMemory>* out, std::string* why);

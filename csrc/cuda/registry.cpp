@@ -194,7 +194,7 @@ uintptr_t base_alloc(uintptr_t ptr, size_t* size) noexcept {
   uintptr_t base;
   size_t bytes;
   for (DevicePools* p : PoolRegistry::instance().all()) {
-    if (p->segment_of(ptr, &base, &bytes)) {
+    if (p->base_allocation(ptr, &base, &bytes)) {
       if (size != nullptr) *size = bytes;
       return base;
     }

@@ -109,6 +109,8 @@ bool free_checked(uintptr_t ptr, int device, uint64_t context, std::string* why)
 /// free_checked, with any error said on stderr (PyTorch's deleters must not throw).
 void free(uintptr_t ptr, int device) noexcept;
 void record_stream(uintptr_t ptr, Stream stream);
+/// PyTorch's getBaseAllocation: Allocator::base_allocation() of the pool
+/// holding ptr; else ptr, *size untouched (PyTorch's answer with no hook set).
 uintptr_t base_alloc(uintptr_t ptr, size_t* size) noexcept;
 void empty_cache();
 void set_memory_fraction(double fraction, int device);

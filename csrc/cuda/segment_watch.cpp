@@ -1,6 +1,7 @@
 // Telling watchers of the units pyalloc's pools map: see segment_watch.h.
 #include "segment_watch.h"
 
+#include <atomic>
 #include <shared_mutex>
 
 namespace pyalloc {
@@ -10,6 +11,10 @@ namespace {
 std::shared_mutex watcher_mu;
 SegmentWatcher watcher = nullptr;
 void* watcher_user = nullptr;
+
+// The next unit's number: one count for every pool of every device.
+std::atomic<int64_t> next_counter{0};
+int64_t new_counter() { return next_counter.fetch_add(1, std::memory_order_relaxed); }
 
 }  // namespace
 
@@ -27,14 +32,14 @@ void MappedUnits::tell(uintptr_t addr, size_t size, bool mapped) const {
 void MappedUnits::segment_mapped(uintptr_t addr, size_t size) {
   {
     std::lock_guard<std::mutex> g(mu_);
-    told_[addr] = size;
+    told_[addr] = Unit{size, new_counter()};
   }
   tell(addr, size, true);
 }
 
 void MappedUnits::handle_mapped(uintptr_t addr, size_t size) {
   std::lock_guard<std::mutex> g(mu_);
-  waiting_[addr] = size;
+  waiting_[addr] = Unit{size, new_counter()};
 }
 
 void MappedUnits::access(uintptr_t addr, size_t size) {
@@ -42,7 +47,7 @@ void MappedUnits::access(uintptr_t addr, size_t size) {
   {
     std::lock_guard<std::mutex> g(mu_);
     for (auto it = waiting_.lower_bound(addr); it != waiting_.end() && it->first < addr + size;) {
-      now.push_back(*it);
+      now.emplace_back(it->first, it->second.size);
       told_.insert(*it);
       it = waiting_.erase(it);
     }
@@ -57,7 +62,7 @@ void MappedUnits::unmapping(uintptr_t addr) {
     waiting_.erase(addr);
     auto it = told_.find(addr);
     if (it == told_.end()) return;
-    size = it->second;
+    size = it->second.size;
     told_.erase(it);
   }
   tell(addr, size, false);
@@ -70,16 +75,30 @@ void MappedUnits::unmapping_range(uintptr_t base, size_t size) {
     for (auto it = waiting_.lower_bound(base); it != waiting_.end() && it->first < base + size;)
       it = waiting_.erase(it);
     for (auto it = told_.lower_bound(base); it != told_.end() && it->first < base + size;) {
-      gone.push_back(*it);
+      gone.emplace_back(it->first, it->second.size);
       it = told_.erase(it);
     }
   }
   for (const auto& [a, s] : gone) tell(a, s, false);
 }
 
-std::vector<std::pair<uintptr_t, size_t>> MappedUnits::list() const {
+std::vector<MappedUnit> MappedUnits::list() const {
   std::lock_guard<std::mutex> g(mu_);
-  return {told_.begin(), told_.end()};
+  std::vector<MappedUnit> out;
+  out.reserve(told_.size());
+  for (const auto& [addr, u] : told_) out.push_back(MappedUnit{addr, u.size, u.counter});
+  return out;
+}
+
+int64_t MappedUnits::counter_at(uintptr_t addr) const {
+  std::lock_guard<std::mutex> g(mu_);
+  for (const auto* units : {&told_, &waiting_}) {
+    auto it = units->upper_bound(addr);
+    if (it == units->begin()) continue;
+    --it;
+    if (addr < it->first + it->second.size) return it->second.counter;
+  }
+  return -1;
 }
 
 }  // namespace pyalloc

@@ -16,6 +16,13 @@
 //
 // Watchers run on the thread that maps or unmaps, with that pool's lock
 // held: they must not allocate from pyalloc or call into its pools.
+//
+// Each unit also gets a number when it is mapped, from one count of the
+// process: PyTorch's registration_counter (SegmentInfo), which it assigns
+// when it obtains new memory from the driver (cudaMalloc, a new expandable
+// segment) and by which ProcessGroupNCCL's registerMemPool orders the
+// segments it registers, so that every rank registers them in the order they
+// were made, whatever their addresses.
 #pragma once
 
 #include <cstddef>
@@ -40,6 +47,13 @@ using SegmentWatcher = void (*)(void* user, const SegmentEvent& event);
 /// the previous one is under way.
 void watch_segments(SegmentWatcher fn, void* user);
 
+/// A unit mapped, and its number (the order of the mappings in the process).
+struct MappedUnit {
+  uintptr_t addr;
+  size_t size;
+  int64_t counter;
+};
+
 /// The units of one pool's backend that are mapped and told (PoolBackend's).
 /// Its own lock: listed from outside the pool's lock (snapshots).
 class MappedUnits {
@@ -58,16 +72,22 @@ class MappedUnits {
   /// Every unit in [base, base + size) is about to go (a virtual range released).
   void unmapping_range(uintptr_t base, size_t size);
   /// The told units, by address.
-  std::vector<std::pair<uintptr_t, size_t>> list() const;
+  std::vector<MappedUnit> list() const;
+  /// The number of the mapped unit (told or not) holding addr; -1 if none does.
+  int64_t counter_at(uintptr_t addr) const;
 
  private:
+  struct Unit {
+    size_t size;
+    int64_t counter;
+  };
   void tell(uintptr_t addr, size_t size, bool mapped) const;
 
   int device_;
   std::pair<uint64_t, uint64_t> pool_;
   mutable std::mutex mu_;
-  std::map<uintptr_t, size_t> told_;     // mapped and told
-  std::map<uintptr_t, size_t> waiting_;  // mapped, waiting for access
+  std::map<uintptr_t, Unit> told_;     // mapped and told
+  std::map<uintptr_t, Unit> waiting_;  // mapped, waiting for access
 };
 
 }  // namespace pyalloc

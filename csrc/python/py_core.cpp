@@ -189,6 +189,16 @@ void bind_core(py::module_& m) {
              return py::make_tuple(base, size);
            },
            py::arg("ptr"))
+      .def("base_allocation",
+           [](const A& a, uintptr_t ptr) -> py::object {
+             uintptr_t base;
+             size_t size;
+             if (!a.base_allocation(ptr, &base, &size)) return py::none();
+             return py::make_tuple(base, size);
+           },
+           py::arg("ptr"),
+           "PyTorch's getBaseAllocation: (base, size) of the backend's allocations the block "
+           "holding ptr lies in (vmm: the handles under it), or None.")
       .def("stream_set_busy", [](A& a, Stream s) { sim_streams(a).set_busy(s); }, py::arg("stream"),
            "Simulated backends: work is queued on stream; its events stay pending.")
       .def("stream_fail", [](A& a, Stream s) { sim_streams(a).fail(s); }, py::arg("stream"),

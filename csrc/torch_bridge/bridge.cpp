@@ -57,6 +57,7 @@
 
 #include "cuda/bridge_api.h"
 #include "torch_bridge/allocate.h"
+#include "torch_bridge/segment_fields.h"
 
 #define PYALLOC_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||          \
@@ -102,6 +103,11 @@ void check(int status) {
 // Whether this pyalloc._C's table has `member` (members appended to version 2).
 #define PYALLOC_API_HAS(member) \
   (api->size >= offsetof(pyalloc_bridge_api, member) + sizeof(api->member) && api->member != nullptr)
+
+// Whether this pyalloc._C fills `member` of pyalloc_segment_info (members appended to it).
+#define PYALLOC_SEGMENT_INFO_HAS(member)                                                              \
+  (api->size >= offsetof(pyalloc_bridge_api, segment_info_size) + sizeof(api->segment_info_size) && \
+   api->segment_info_size >= offsetof(pyalloc_segment_info, member) + sizeof(pyalloc_segment_info::member))
 
 // PyTorch's profiler (torch.profiler.profile(profile_memory=True), its memory
 // timeline) hears of every allocation and free from PyTorch's own allocator:
@@ -843,6 +849,9 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
           seg.is_large = s->is_large != 0;
           seg.is_expandable = s->is_expandable != 0;
           seg.owner_private_pool_id = {s->pool_id[0], s->pool_id[1]};
+          // Left at -1, registerMemPool (ProcessGroupNCCL.register_mem_pool) refuses the pool.
+          if (PYALLOC_SEGMENT_INFO_HAS(registration_counter))
+            set_registration_counter(seg, s->registration_counter);
           for (size_t i = 0; i < n; ++i) {
             cca::BlockInfo b;
             b.size = blocks[i].size;

@@ -187,5 +187,41 @@ def test_max_split_size_keeps_oversize_blocks_whole(make):
     a.check_invariants()
 
 
+def test_max_split_size_boundaries_as_pytorch_draws_them():
+    # PyTorch's get_free_block(): a request below max_split_size takes no block of
+    # max_split_size or more; a request of max_split_size or more takes one smaller
+    # than itself plus 20 MiB. Its should_split(): only a request below
+    # max_split_size splits (large pool). Each boundary exactly, both sides.
+    def pool():
+        a = pyalloc.Allocator("virtual", strategy="bestfit", max_split_size=4 * MiB,
+                              segment_size=2 * MiB, capacity=1 << 30)
+        return a
+
+    def cached(a, size):
+        p = a.malloc(size)
+        a.free(p)
+        return p
+
+    a = pool()  # a request of exactly max_split_size takes a cached 10 MiB block whole
+    big = cached(a, 10 * MiB)
+    assert a.malloc(4 * MiB) == big
+    assert a.stats()["allocated_bytes.all.current"] == 10 * MiB
+    a.check_invariants()
+
+    a = pool()  # ... and one 20 MiB larger than itself is refused; one smaller, taken whole
+    far = cached(a, 24 * MiB)
+    assert a.malloc(4 * MiB) != far
+    a = pool()
+    near = cached(a, 22 * MiB)
+    assert a.malloc(4 * MiB) == near
+    assert a.stats()["allocated_bytes.all.current"] == 22 * MiB
+
+    a = pool()  # a request just below max_split_size takes no block of exactly max_split_size
+    edge = cached(a, 4 * MiB)
+    assert a.malloc(4 * MiB - 512) != edge
+    assert a.stats()["segment.all.current"] == 2  # a segment of its own
+    a.check_invariants()
+
+
 def test_max_split_size_defaults_to_unlimited_like_torch(make):
     assert make().stats()["max_split_size"] == -1

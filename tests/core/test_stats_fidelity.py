@@ -267,3 +267,90 @@ def test_graph_pools_count_in_the_device_and_by_pool_id(fake):
     assert not any(k.startswith("reserved_bytes_by_private_pools.") for k in pyalloc.memory_stats(0))
     hook_free(p)
     pyalloc.record_history(False)
+
+
+# -- each figure's meaning, by value (PyTorch's c10/cuda/CUDACachingAllocator.cpp) -------
+
+
+def test_requested_bytes_drop_when_the_free_completes_as_active_does(make):
+    # PyTorch's free() lowers allocation and allocated_bytes; its free_block(), once
+    # the streams record_stream() named are done, lowers active, active_bytes and
+    # requested_bytes together. A snapshot's segment counts the requests of its
+    # active blocks, pending frees included.
+    a = make()
+    p = a.malloc(1000, stream=11)
+    a.record_stream(p, 22)
+    a.stream_set_busy(22)
+    a.free(p)
+    s = a.stats()
+    assert (s["allocation.all.current"], s["allocated_bytes.all.current"]) == (0, 0)
+    assert (s["active.all.current"], s["active_bytes.all.current"]) == (1, 1024)
+    assert (s["requested_bytes.all.current"], s["requested_bytes.all.freed"]) == (1000, 0)
+    segs = [seg for seg in a.snapshot()["segments"]
+            if any(b["state"] == "active_pending_free" for b in seg["blocks"])]
+    assert [seg["requested_size"] for seg in segs] == [1000]
+    a.check_invariants()
+    a.stream_complete(22)
+    a.empty_cache()  # waits for every stream: the free completes
+    s = a.stats()
+    assert (s["active.all.current"], s["active_bytes.all.current"]) == (0, 0)
+    assert (s["requested_bytes.all.current"], s["requested_bytes.all.freed"]) == (0, 1000)
+    a.check_invariants()
+
+
+def test_vmm_counts_nothing_as_inactive_split_as_pytorch_leaves_out_expandable_segments():
+    # inactive_split is memory empty_cache cannot give back. PyTorch leaves its
+    # expandable segments out of it (their free pages always go back), and so does
+    # vmm: a cached run beside unmapped pages is released whole by empty_cache.
+    def inactive(a):
+        s = a.stats()
+        return s["inactive_split.all.current"], s["inactive_split_bytes.all.current"]
+
+    vmm = pyalloc.Allocator("virtual", strategy="vmm", capacity=1 << 30)
+    vmm.free(vmm.malloc(40 * MiB))
+    assert vmm.stats()["reserved_bytes.all.current"] >= 40 * MiB
+    assert inactive(vmm) == (0, 0)
+    keep = vmm.malloc(4 * MiB)
+    small = [vmm.malloc(1000) for _ in range(2)]
+    vmm.free(small[0])  # a free block in a split small-pool chunk
+    assert inactive(vmm) == (0, 0)
+    vmm.check_invariants()
+    vmm.free(keep)
+    vmm.free(small[1])
+    vmm.empty_cache()
+    assert vmm.stats()["reserved_bytes.all.current"] == 0
+    # bestfit as PyTorch without expandable segments: a whole free segment is
+    # releasable, a free part of a split one is not.
+    best = pyalloc.Allocator("virtual", strategy="bestfit", segment_size=20 * MiB)
+    best.free(best.malloc(40 * MiB))
+    assert inactive(best) == (0, 0)
+    p, q = best.malloc(4 * MiB), best.malloc(4 * MiB)
+    best.free(p)
+    assert inactive(best) == (2, 36 * MiB)  # p's 4 MiB and the 32 MiB after q
+    best.check_invariants()
+
+
+def test_reset_accumulated_memory_stats_zeroes_every_counter(fake):
+    # Every counter made nonzero first, through the device's route: an
+    # out-of-memory error found only by retrying, an empty_cache (a sync of all
+    # streams), and the driver calls behind them.
+    _C = pyalloc._C
+    ps = [_C._testing_hook_malloc(6 * MiB, 0, 0) for _ in range(8)]
+    for p in ps[::2]:
+        hook_free(p)
+    with pytest.raises(pyalloc.OutOfMemoryError):
+        _C._testing_hook_malloc(30 * MiB, 0, 0)
+    for p in ps[1:-1:2]:
+        hook_free(p)
+    pyalloc.empty_cache(0)  # gives back the segments now wholly free
+    counters = ("num_ooms", "num_alloc_retries", "num_sync_all_streams", "num_driver_calls",
+                "num_device_alloc", "num_device_free")
+    s = pyalloc.memory_stats(0)
+    assert all(s[k] > 0 for k in counters), {k: s[k] for k in counters}
+    live = s["allocated_bytes.all.current"]
+    pyalloc.reset_accumulated_memory_stats(0)
+    s = pyalloc.memory_stats(0)
+    assert {k: s[k] for k in counters} == dict.fromkeys(counters, 0)
+    assert s["num_oom_rejections"] == 0
+    assert s["allocated_bytes.all.current"] == live == 6 * MiB  # counts stay; sums and counters restart
+    hook_free(ps[-1])

@@ -156,6 +156,48 @@ def test_snapshot_lists_mapped_blocks_of_an_expandable_segment(backend):
     assert [b["address"] for b in small["blocks"] if b["state"] == "active_allocated"] == [q]
 
 
+def test_base_allocation_is_the_handles_under_the_block_not_the_range(backend):
+    # PyTorch's getBaseAllocation (the hooks' set_base_alloc_fn, the bridge's
+    # getBaseAllocation): the memory an allocation lies in. Under vmm, the
+    # driver's allocations (handles of pages) under its block, which stay
+    # mapped while it lives; not the reserved range, four times the device and
+    # mostly unmapped. PyTorch refuses the call for expandable segments.
+    a = vmm(backend)
+    p = a.malloc(5 * MiB)
+    q = a.malloc(30 * MiB)
+    r = a.malloc(1000)  # a small-pool chunk's block, in the small area
+    answers = {}
+    for ptr, n in ((p, 5 * MiB), (q, 30 * MiB), (r, 1000)):
+        base, size = answers[ptr] = a._core.base_allocation(ptr + n - 1)
+        assert base <= ptr and ptr + n <= base + size, (hex(ptr), hex(base), size)
+        assert size % PAGE == 0 and size <= a.stats()["reserved_bytes.all.current"]
+        if backend == "host":
+            ctypes.memset(base, 0, size)  # every byte of it is mapped
+    # Its neighbours' pages come and go; its own stay, and so does the answer.
+    a.free(p)
+    a.empty_cache()
+    assert a._core.base_allocation(q) == answers[q]
+    assert a._core.base_allocation(r) == answers[r]
+    a.free(q)
+    a.empty_cache()
+    # Unmapped address space holds no allocation.
+    assert a._core.base_allocation(q) is None and a._core.base_allocation(p) is None
+    assert a._core.base_allocation(r) == answers[r]
+    a.free(r)
+    a.check_invariants()
+
+
+def test_base_allocation_is_the_segment_under_bestfit(backend):
+    a = pyalloc.Allocator(backend, strategy="bestfit", segment_size=20 * MiB)
+    p = a.malloc(3 * MiB)
+    q = a.malloc(1000)  # in a small-pool chunk cut from the same segment
+    assert a.stats()["reserved_bytes.all.current"] == 20 * MiB
+    base, size = a._core.base_allocation(p + 5)
+    assert size == 20 * MiB and base <= p < base + size
+    assert a._core.base_allocation(q) == (base, size)
+    assert a._core.base_allocation(base + size) is None
+
+
 def test_history_has_map_and_unmap_events(backend):
     a = vmm(backend)
     a.record_history(True)

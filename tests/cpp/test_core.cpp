@@ -221,7 +221,8 @@ void check_stat_identities(const Stats& s) {
   CHECK(s.allocated_bytes.all.current <= s.reserved_bytes.all.current);
   CHECK(s.allocated_bytes.all.current <= s.active_bytes.all.current);
   CHECK(s.allocation.all.current <= s.active.all.current);
-  CHECK(s.requested_bytes.all.current <= s.allocated_bytes.all.current);
+  // Requests count while their blocks are active (a pending free's too), as in PyTorch.
+  CHECK(s.requested_bytes.all.current <= s.active_bytes.all.current);
 }
 
 // The pools of fake devices (host memory, simulated streams) as PyTorch

@@ -1150,3 +1150,86 @@ def test_cuda_stream_per_thread_is_each_threads_own_through_the_table(api, fake)
         _C._testing_stream(0, seen["stream"], False)
     assert api.free(q, 0) == OK
     _C.cuda_check_invariants(0)
+
+
+# -- registration_counter, by which ProcessGroupNCCL.register_mem_pool orders segments ----
+
+
+def containing(segments, ptr):
+    seg, = [s for s in segments if s["address"] <= ptr < s["address"] + s["total_size"]]
+    return seg
+
+
+def test_snapshot_segments_carry_the_order_their_memory_was_made_in(api, fake):
+    # torch 2.13's SegmentInfo has registration_counter; registerMemPool (2.14.1)
+    # sorts a pool's segments by it and refuses one below 0, which the bridge
+    # left at -1. PyTorch numbers memory as it obtains it (cudaMalloc, a new
+    # expandable segment); pyalloc numbers each unit as it maps it, process-wide.
+    assert api.fills("registration_counter")
+    _, a, _ = api.malloc(3 * MiB)
+    _, b, _ = api.malloc(40 * MiB)  # a segment of its own, made after a's
+    for units in (False, True):
+        segs = api.snapshot(0, units=units)
+        assert all(s["registration_counter"] >= 0 for s in segs), segs
+        assert containing(segs, a)["registration_counter"] < containing(segs, b)["registration_counter"]
+    units = api.snapshot(0, units=True)
+    assert len({s["registration_counter"] for s in units}) == len(units)  # one number a unit
+    made = max(s["registration_counter"] for s in units)
+    # A MemPool's segments, as register_mem_pool reads them (snapshot of its id):
+    # numbered after everything before them, whatever their addresses.
+    filt = FILTER_FN(lambda _u, s: int((s or 0) == 5))
+    assert api.begin_allocate_to_pool(0, 0, 23, filt, None) == OK
+    _, q, _ = api.malloc(5 * MiB, stream=5)
+    assert api.end_allocate_to_pool(0, 0, 23) == OK
+    for units in (False, True):
+        pool_segs = api.snapshot(0, pool_id=(0, 23), units=units)
+        assert pool_segs and all(s["registration_counter"] > made for s in pool_segs), pool_segs
+    assert api.free(q, 0) == OK and api.release_pool(0, 0, 23) == OK
+    # Memory given back and mapped again is new memory: a new number.
+    assert api.free(b, 0) == OK and api.empty_cache(-1) == OK
+    _, c, _ = api.malloc(40 * MiB)
+    assert containing(api.snapshot(0), c)["registration_counter"] > made
+    assert api.free(a, 0) == OK and api.free(c, 0) == OK
+
+
+def test_a_version_1_bridge_is_told_no_segment_info_member_is_appended():
+    assert BridgeApi(1).table.size <= Api.segment_info_size.offset
+
+
+SEGMENT_FIELDS_HARNESS = r'''
+#include <cstdint>
+#include "torch_bridge/segment_fields.h"
+
+// SegmentInfo's layouts: before registration_counter (torch 2.9) and with it (2.13).
+struct Before { int device = 0; std::size_t address = 0; };
+struct With { int device = 0; int32_t registration_counter = -1; std::size_t address = 0; };
+
+extern "C" int harness_before(int64_t counter) {
+  Before seg;
+  pyalloc_bridge::set_registration_counter(seg, counter);
+  return seg.device;
+}
+extern "C" int32_t harness_with(int64_t counter) {
+  With seg;
+  pyalloc_bridge::set_registration_counter(seg, counter);
+  return seg.registration_counter;
+}
+'''
+
+
+def test_the_bridge_sets_registration_counter_where_segment_info_has_it(tmp_path):
+    # The bridge compiles against torch 2.9 and newer: the member is set where the
+    # torch it is built against has it, and its absence is no compile error.
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    (tmp_path / "harness.cpp").write_text(SEGMENT_FIELDS_HARNESS)
+    lib = tmp_path / "harness.so"
+    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-Wall", "-Werror", "-I", HEADER_DIR,
+                    str(tmp_path / "harness.cpp"), "-o", str(lib)], check=True, capture_output=True, text=True)
+    harness = ctypes.CDLL(str(lib))
+    harness.harness_before.argtypes = harness.harness_with.argtypes = [ctypes.c_int64]
+    harness.harness_with.restype = ctypes.c_int32
+    assert harness.harness_before(12) == 0
+    assert harness.harness_with(12) == 12
+    assert harness.harness_with(1 << 40) == (1 << 31) - 1  # never negative, which registerMemPool refuses

@@ -1001,6 +1001,27 @@ def vmm_check_a_destroyed_streams_pages_are_unmapped_after_a_sync():
     _C.cuda_check_invariants(0)
 
 
+def vmm_check_base_alloc_names_the_handles_under_the_block():
+    """Regression: getBaseAllocation (set_base_alloc_fn) answered the whole virtual
+    range under vmm, four times the device and mostly unmapped. Now the handles
+    under the block holding the pointer: mapped, and as long as the block lives."""
+    p = malloc(5 * MiB)
+    q = malloc(30 * MiB)
+    size = c.c_size_t(0)
+    for ptr, n in ((p, 5 * MiB), (q, 30 * MiB)):
+        base = hooks.pyalloc_base_alloc(ptr + 100, c.byref(size))
+        assert base <= ptr and ptr + n <= base + size.value, (hex(ptr), hex(base), size.value)
+        assert size.value <= stub.mapped[0] == stats()["reserved_bytes.all.current"]
+        c.memset(base, 3, size.value)  # the stand-in's mapped pages: every byte usable
+    far = q + stub.capacity + 64 * MiB  # inside the reserved range, never mapped
+    size.value = 7
+    assert hooks.pyalloc_base_alloc(far, c.byref(size)) == far and size.value == 7
+    free(p)
+    free(q)
+    hooks.pyalloc_empty_cache()
+    _C.cuda_check_invariants(0)
+
+
 def vmm_check_peers_may_access_the_pages():
     p = malloc(6 * MiB)  # device 0's pages: device 1 may access them too
     assert stub.access_count == 2 and stub.access_mask == 0b11, (stub.access_count, stub.access_mask)
