@@ -158,6 +158,8 @@ class Api(c.Structure):
                                                    c.c_void_p)),
         ("set_free_memory_hook", c.CFUNCTYPE(i32, FREE_MEMORY_FN, c.c_void_p)),
         ("set_captures_marked", c.CFUNCTYPE(i32, i32)),
+        ("set_pool_use_on_oom", c.CFUNCTYPE(i32, i32, u64, u64, i32)),
+        ("set_pool_no_split", c.CFUNCTYPE(i32, i32, u64, u64)),
     ]
 
 

@@ -376,6 +376,17 @@ int api_pool_use_count(int device, uint64_t id0, uint64_t id1, int* out) {
   return guarded([&] { *out = graph_pools_holding(device, {id0, id1}).use_count({id0, id1}); });
 }
 
+int api_set_pool_use_on_oom(int device, uint64_t id0, uint64_t id1, int use_on_oom) {
+  return guarded([&] {
+    if (use_on_oom != 0) graph_pools_holding(device, {id0, id1}).set_use_on_oom({id0, id1}, true);
+    else if (DevicePools* p = pools_of(device, false)) p->graphs().set_use_on_oom({id0, id1}, false);
+  });
+}
+
+int api_set_pool_no_split(int device, uint64_t id0, uint64_t id1) {
+  return guarded([&] { graph_pools_holding(device, {id0, id1}).set_no_split({id0, id1}); });
+}
+
 int api_pool_live_blocks(int device, uint64_t id0, uint64_t id1, pyalloc_value_fn fn, void* user) {
   return guarded([&] {
     for (uintptr_t b : graph_pools_holding(device, {id0, id1}).live_blocks({id0, id1})) fn(user, b);
@@ -654,6 +665,8 @@ const pyalloc_bridge_api kApi = {
     &api_create_or_incref_pool_with,
     &api_set_free_memory_hook,
     &api_set_captures_marked,
+    &api_set_pool_use_on_oom,
+    &api_set_pool_no_split,
 };
 
 // Version 1: the members before record_stream_owned, and a malloc that fills
@@ -675,6 +688,8 @@ pyalloc_bridge_api make_v1() {
   t.create_or_incref_pool_with = nullptr;
   t.set_free_memory_hook = nullptr;
   t.set_captures_marked = nullptr;
+  t.set_pool_use_on_oom = nullptr;
+  t.set_pool_no_split = nullptr;
   return t;
 }
 
