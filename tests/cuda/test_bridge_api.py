@@ -1222,3 +1222,32 @@ def test_without_use_on_oom_a_pools_cache_serves_no_one_else(api, fake):
     for x in general:
         assert api.free(x, 0) == OK
     assert api.release_pool(0, 0, 7) == OK
+
+
+def test_a_use_on_oom_pool_is_the_last_resort(api, fake):
+    """Only what nothing else can serve: a request the general pool serves once it
+    has given back its own cache stays out of the MemPool, as in PyTorch's malloc
+    when use_on_oom came (pytorch 151487: "try to use existing mempools as a last
+    resort"). PyTorch's current source tries the MemPools before it frees its
+    cache (try_mempool_fallback); pyalloc keeps them for last (README)."""
+    _C.cuda_configure("segment_size:2MiB")  # segments of exactly what a request needs
+    assert has_pool_options(api), "the table has no set_pool_use_on_oom"
+    assert api.create_or_incref_pool(0, 0, 7) == OK
+    cached, = fill_pool(api, (0, 7), [10 * MiB])
+    assert api.free(cached, 0) == OK
+    assert api.set_pool_use_on_oom(0, 0, 7, 1) == OK
+    held = api.malloc(10 * MiB)[1]
+    spare = api.malloc(8 * MiB)[1]
+    assert api.free(spare, 0) == OK  # the general pool caches 8 MiB
+    assert api.set_memory_fraction(0, 0.5) == OK  # 32 MiB for the device, 28 reserved
+    retries = api.stats(0)["num_alloc_retries"]
+    status, p, _ = api.malloc(9 * MiB)  # fits once the general pool's 8 MiB went back
+    assert status == OK, api.error()
+    assert api.values("pool_live_blocks", 0, 0, 7) == [] and api.stats(0)["num_alloc_retries"] == retries + 1
+    status, q, _ = api.malloc(9 * MiB)  # nothing left to give back: the MemPool's block
+    assert status == OK, api.error()
+    assert api.values("pool_live_blocks", 0, 0, 7) == [q] and cached <= q < cached + 10 * MiB
+    _C.cuda_check_invariants(0)
+    for x in (held, p, q):
+        assert api.free(x, 0) == OK
+    assert api.release_pool(0, 0, 7) == OK
