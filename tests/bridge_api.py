@@ -161,6 +161,8 @@ class Api(c.Structure):
         ("set_captures_marked", c.CFUNCTYPE(i32, i32)),
         ("record_stream_on", c.CFUNCTYPE(i32, c.c_void_p, c.c_void_p, i32, i32)),
         ("segment_info_size", c.c_uint64),
+        ("set_pool_use_on_oom", c.CFUNCTYPE(i32, i32, u64, u64, i32)),
+        ("set_pool_no_split", c.CFUNCTYPE(i32, i32, u64, u64)),
     ]
 
 

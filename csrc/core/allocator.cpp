@@ -151,6 +151,8 @@ uintptr_t Allocator::malloc_refused(size_t size, Stream s, uint64_t context, Oom
       failure = again.failure;
     }
   }
+  if (oom_policy_ != nullptr)
+    if (uintptr_t p = oom_policy_->serve_elsewhere(*this, failure, context)) return p;
   throw_oom(failure, context);
 }
 
@@ -653,10 +655,10 @@ Block* Allocator::take(Block* b, size_t size, Stream s) {
   size_t rest = b->size - size;
   // A large remainder too small for any large request is kept whole, as in
   // PyTorch, except under vmm: there it keeps whole pages from being mapped.
-  bool split = pool == kSmallPool
-                   ? rest >= kGranularity
-                   : rest > (vmm_ ? kGranularity - 1 : cfg_.small_size) &&
-                         (cfg_.max_split_size == 0 || vmm_ || size < cfg_.max_split_size);
+  bool split = !cfg_.no_split &&
+               (pool == kSmallPool ? rest >= kGranularity
+                                   : rest > (vmm_ ? kGranularity - 1 : cfg_.small_size) &&
+                                         (cfg_.max_split_size == 0 || vmm_ || size < cfg_.max_split_size));
   if (!split) {
     track_inactive_split(b, -1);
     index.remove(b);
@@ -698,7 +700,8 @@ Block* Allocator::grow(size_t size, Stream s, std::string* why, size_t room) {
     return nullptr;
   }
   size_t exact = round_up(size, kSegmentAlign);
-  size_t want = std::max(round_up(cfg_.segment_size, kSegmentAlign), exact);
+  // A pool that never splits would hand the whole segment to this request.
+  size_t want = cfg_.no_split ? exact : std::max(round_up(cfg_.segment_size, kSegmentAlign), exact);
   size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   size_t cap = cfg_.max_pool_size;
   if (cap != 0) {
@@ -1120,11 +1123,6 @@ size_t Allocator::reserve(size_t nbytes) {
 void Allocator::set_max_pool_size(size_t bytes) {
   std::lock_guard<Lock> guard(mu_);
   cfg_.max_pool_size = bytes;
-}
-
-Config Allocator::config() const {
-  std::lock_guard<Lock> guard(mu_);
-  return cfg_;
 }
 
 // ---------------------------------------------------------------------------

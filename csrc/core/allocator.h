@@ -146,6 +146,11 @@ class Allocator {
   /// allocation (PyTorch's recorded stack traces, kept by the caller); 0 for
   /// none.
   uintptr_t malloc(size_t size, Stream stream, uint64_t context = 0);
+  /// malloc() from the pool's free blocks alone: 0, with nothing changed,
+  /// if none fits, where malloc() would grow the pool or give back its
+  /// cache. Never an out-of-memory error (another pool's out-of-memory path
+  /// asks it: torch.cuda.MemPool(use_on_oom=True)).
+  uintptr_t malloc_cached(size_t size, Stream stream, uint64_t context = 0);
   /// Allocates exactly [addr, addr + size rounded) for `stream`, which must
   /// be free memory of this pool, in one free block or in neighbouring ones
   /// of any streams (restoring a checkpoint of a pool, as PyTorch's
@@ -195,6 +200,13 @@ class Allocator {
   size_t release_parked();
   /// Changes max_pool_size (0: no cap); does not release anything.
   void set_max_pool_size(size_t bytes);
+  /// Config::no_split from now on: blocks split before stay as they are.
+  /// std::invalid_argument under strategy vmm (its pages are the unit).
+  void set_no_split() {
+    std::lock_guard<Lock> guard(mu_);
+    if (vmm_) throw std::invalid_argument("a pool of strategy vmm cannot be made never to split its blocks");
+    cfg_.no_split = true;
+  }
 
   Stats stats() const;
   void reset_peak_stats();

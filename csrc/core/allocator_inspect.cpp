@@ -26,6 +26,11 @@ void Allocator::reset_accumulated_stats() {
 
 void Allocator::quiesce() const { std::lock_guard<Lock> guard(mu_); }
 
+Config Allocator::config() const {
+  std::lock_guard<Lock> guard(mu_);
+  return cfg_;
+}
+
 size_t Allocator::largest_free_block() const {
   std::lock_guard<Lock> guard(mu_);
   return std::max(largest_free_locked(kSmallPool), largest_free_locked(kLargePool));

@@ -36,6 +36,11 @@ struct Config {
   /// Blocks of this size or more are never split (0: no limit), as PyTorch's
   /// max_split_size_mb.
   size_t max_split_size = 0;
+  /// Never split a block: each allocation holds a free block whole, and the
+  /// pool grows by exactly what a request needs (in segment units), as
+  /// torch.cuda.MemPool(no_split=True). Strategy bestfit only; no key of
+  /// its own: a pool's owner sets it (Allocator::set_no_split).
+  bool no_split = false;
 
   /// Raises std::invalid_argument naming the bad setting.
   void validate() const;

@@ -1,6 +1,7 @@
 // The end of the allocator's out-of-memory path (oom.h): a refusal, and the
 // error raised once no retry is left, counted, traced and worded here. The
-// retries are in malloc() (allocator.cpp).
+// retries are in malloc() (allocator.cpp). Also malloc_cached(), what another
+// pool's out-of-memory path may ask of this one (its OomPolicy's last resort).
 #include <algorithm>
 #include <sstream>
 #include <utility>
@@ -8,6 +9,26 @@
 #include "allocator.h"
 
 namespace pyalloc {
+
+uintptr_t Allocator::malloc_cached(size_t size, Stream s, uint64_t context) {
+  if (size == 0 || size > kMaxRequest) return 0;
+  std::lock_guard<Lock> guard(mu_);
+  OpEnd end{this};
+  size_t rounded = round_up(size, kGranularity);
+  if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
+  Block* b;
+  if (rounded <= cfg_.small_size) {
+    b = find_free(kSmallPool, rounded, s);
+  } else {
+    if (bool small = rounded <= kSmallArea; small != small_area_) set_area(small);
+    Block* frontier = nullptr;
+    b = find_large(rounded, s, &frontier);
+    if (b == nullptr) b = frontier;
+  }
+  if (b == nullptr) return 0;
+  ContextScope scope(&trace_context_, context);
+  return hand_out(take(b, rounded, s), size, s, context);
+}
 
 void Allocator::refuse(size_t request, size_t size, Stream s, std::string why, bool rejected) {
   throw Refused{OomFailure{request, size, s, std::move(why), rejected}};

@@ -3,7 +3,9 @@
 // The path runs in one place, Allocator::malloc(): a request the pool cannot
 // serve makes it give back its own cached memory and try again once; if the
 // owner set an OomPolicy and it gives back memory held elsewhere (the other
-// pools of a device), once more; and only then is it an out-of-memory error,
+// pools of a device), once more; then the policy may serve the request from
+// memory of its own (a MemPool's cache, PyTorch's use_on_oom); and only then
+// is it an out-of-memory error,
 // counted (num_ooms, num_oom_rejections), traced (the history's `oom` event)
 // and worded there, once. A failure a retry mends is no error at all. The
 // policy only adds the memory and the words the allocator cannot know of.
@@ -35,6 +37,14 @@ class OomPolicy {
   /// number when they are not known (0: no more retry).
   /// Called with none of the pool's locks held.
   virtual size_t release_elsewhere(Allocator& pool) = 0;
+  /// After every retry failed, the last resort: `failure.request` bytes for
+  /// failure.stream from memory held outside the pool (handed out and freed
+  /// there, not in the pool); 0 if there is none, and the error follows.
+  /// Called with none of the pool's locks held.
+  virtual uintptr_t serve_elsewhere(Allocator& pool, const OomFailure& failure, uint64_t context) {
+    (void)pool, (void)failure, (void)context;
+    return 0;
+  }
   /// The message of the error raised for `failure`, once it is final and
   /// counted. Called with none of the pool's locks held: it may read the
   /// pool (stats(), fragmentation(), config()).

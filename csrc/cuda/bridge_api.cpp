@@ -390,6 +390,17 @@ int api_pool_use_count(int device, uint64_t id0, uint64_t id1, int* out) {
   return guarded([&] { *out = graph_pools_holding(device, {id0, id1}).use_count({id0, id1}); });
 }
 
+int api_set_pool_use_on_oom(int device, uint64_t id0, uint64_t id1, int use_on_oom) {
+  return guarded([&] {
+    if (use_on_oom != 0) graph_pools_holding(device, {id0, id1}).set_use_on_oom({id0, id1}, true);
+    else if (DevicePools* p = pools_of(device, false)) p->graphs().set_use_on_oom({id0, id1}, false);
+  });
+}
+
+int api_set_pool_no_split(int device, uint64_t id0, uint64_t id1) {
+  return guarded([&] { graph_pools_holding(device, {id0, id1}).set_no_split({id0, id1}); });
+}
+
 int api_pool_live_blocks(int device, uint64_t id0, uint64_t id1, pyalloc_value_fn fn, void* user) {
   return guarded([&] {
     for (uintptr_t b : graph_pools_holding(device, {id0, id1}).live_blocks({id0, id1})) fn(user, b);
@@ -669,6 +680,8 @@ const pyalloc_bridge_api kApi = {
     &api_set_captures_marked,
     &api_record_stream_on,
     sizeof(pyalloc_segment_info),
+    &api_set_pool_use_on_oom,
+    &api_set_pool_no_split,
 };
 
 // Version 1: the members before record_stream_owned, and a malloc that fills
@@ -692,6 +705,8 @@ pyalloc_bridge_api make_v1() {
   t.set_captures_marked = nullptr;
   t.record_stream_on = nullptr;
   t.segment_info_size = 0;
+  t.set_pool_use_on_oom = nullptr;
+  t.set_pool_no_split = nullptr;
   return t;
 }
 

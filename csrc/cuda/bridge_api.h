@@ -333,6 +333,16 @@ typedef struct pyalloc_bridge_api {
   /* sizeof(pyalloc_segment_info) as this pyalloc fills it: the members it
    * appended since are there only where this covers them. Appended. */
   uint64_t segment_info_size;
+  /* torch.cuda.MemPool's options for pool (id0, id1), as PyTorch's
+   * setUseOnOOM and setNoSplit: with use_on_oom 1, the pool's free blocks
+   * serve the device's allocations routed to no pool that would otherwise
+   * run out of memory (handed out from the pool, freed back into it); 0
+   * turns that off (MemPool's destructor: never an error). no_split: the
+   * pool never splits a block from now on. A pool that does not exist is
+   * PYALLOC_INVALID ("Could not find pool of id"). Appended: check size
+   * before calling. */
+  int (*set_pool_use_on_oom)(int device, uint64_t id0, uint64_t id1, int use_on_oom);
+  int (*set_pool_no_split)(int device, uint64_t id0, uint64_t id1);
 } pyalloc_bridge_api;
 
 /* The table of `version`, or NULL if this pyalloc does not offer it. */

@@ -431,6 +431,15 @@ size_t DevicePools::PoolOom::release_elsewhere(Allocator& pool) {
   return released > 0 ? released : freed ? 1 : 0;  // nonzero: worth another try
 }
 
+// PyTorch's last resort before an out-of-memory error (DeviceCachingAllocator::
+// malloc, use_on_oom_pools): an allocation routed to no pool takes a free
+// block of a use_on_oom MemPool. Not for one routed to a pool ("if already
+// trying to use a mempool, then just oom"), nor for the buffer pool's.
+uintptr_t DevicePools::PoolOom::serve_elsewhere(Allocator& pool, const OomFailure& failure, uint64_t context) {
+  if (&pool != pools_.general_.get()) return 0;
+  return pools_.graphs_.malloc_on_oom(failure.request, failure.stream, context);
+}
+
 namespace {
 
 std::mutex free_memory_mu;

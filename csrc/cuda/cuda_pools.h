@@ -9,7 +9,8 @@
 // They are made together, on the device's first use, and draw on one budget
 // (pool_backend.h), count as one device (stats()), and share one
 // out-of-memory path (core/oom.h): a pool that runs out has the others'
-// cached memory given back before its error is raised.
+// cached memory given back before its error is raised, and the general pool
+// then takes a free block of a MemPool made with use_on_oom=True.
 #pragma once
 
 #include <atomic>
@@ -216,6 +217,7 @@ class DevicePools {
     PoolOom(DevicePools& pools, const char* which, bool relieved)
         : pools_(pools), which_(which), relieved_(relieved) {}
     size_t release_elsewhere(Allocator& pool) override;
+    uintptr_t serve_elsewhere(Allocator& pool, const OomFailure& failure, uint64_t context) override;
     std::string describe(Allocator& pool, const OomFailure& failure) override;
 
    private:

@@ -42,6 +42,7 @@ struct GraphPools::Pool {
   std::unique_ptr<Allocator> alloc;
   PoolBackend* backend = nullptr;  // owned by alloc
   int uses = 0;                    // changed under mu_ held exclusively
+  bool use_on_oom = false;         // changed under mu_ held exclusively
   std::mutex mu;                   // guards blocks
   std::unordered_set<uintptr_t> blocks;  // its live allocations
 };
@@ -101,6 +102,7 @@ bool GraphPools::reclaim_locked(Pool& pool) {
   pool.backend->set_held(false);
   pool.alloc->empty_cache();  // waits for the streams that used its blocks
   if (pool.alloc->stats().reserved_bytes.all.current != 0) return false;
+  if (pool.use_on_oom) use_on_oom_.fetch_sub(1, std::memory_order_acq_rel);
   pool.alloc->set_stats_sink(nullptr);  // all it added is given back by now
   Stats final = pool.alloc->stats();
   sink_.retire(final);  // its sums stay the device's
@@ -150,6 +152,25 @@ bool GraphPools::release(PoolId id) {
   routing_.store(!routes_.empty(), std::memory_order_release);
   reclaim_locked(pool);
   return true;
+}
+
+void GraphPools::set_no_split(PoolId id) {
+  std::unique_lock<std::shared_mutex> g(mu_);
+  auto it = pools_.find(id);
+  if (it == pools_.end()) throw no_such_pool(id);
+  it->second->alloc->set_no_split();
+}
+
+void GraphPools::set_use_on_oom(PoolId id, bool use_on_oom) {
+  std::unique_lock<std::shared_mutex> g(mu_);
+  auto it = pools_.find(id);
+  if (it == pools_.end()) {
+    if (use_on_oom) throw no_such_pool(id);
+    return;  // reclaimed already: nothing left to serve from
+  }
+  Pool& pool = *it->second;
+  if (pool.use_on_oom != use_on_oom) use_on_oom_.fetch_add(use_on_oom ? 1 : -1, std::memory_order_acq_rel);
+  pool.use_on_oom = use_on_oom;
 }
 
 void GraphPools::quiesce() const {
@@ -343,6 +364,22 @@ uintptr_t GraphPools::malloc(size_t size, Stream stream, uint64_t context, bool*
   std::lock_guard<std::mutex> b(pool->mu);
   pool->blocks.insert(ptr);
   return ptr;
+}
+
+uintptr_t GraphPools::malloc_on_oom(size_t size, Stream stream, uint64_t context) {
+  if (use_on_oom_.load(std::memory_order_acquire) == 0) return 0;
+  std::shared_lock<std::shared_mutex> g(mu_);
+  for (const auto& [id, pool] : pools_) {
+    if (!pool->use_on_oom) continue;
+    // Its cache only, by the pool's own rules (no_split included): the pool
+    // grows for its own allocations alone.
+    uintptr_t ptr = pool->alloc->malloc_cached(size, stream, context);
+    if (ptr == 0) continue;
+    std::lock_guard<std::mutex> b(pool->mu);
+    pool->blocks.insert(ptr);  // its free comes back to this pool
+    return ptr;
+  }
+  return 0;
 }
 
 bool GraphPools::free(uintptr_t ptr, uint64_t context) {

@@ -40,6 +40,14 @@
 // or mark is open, for every pool of every device to finish the operation it
 // was in (quiesce()).
 //
+// torch.cuda.MemPool's options, as PyTorch's allocator keeps them per pool:
+// no_split (set_no_split()) makes the pool's allocator never split a block
+// (Config::no_split); use_on_oom (set_use_on_oom()) lets the pool's free
+// blocks serve, as a last resort, allocations of the device routed to no
+// pool that would otherwise run out of memory (malloc_on_oom(), on the
+// general pool's out-of-memory path): such a block is handed out from the
+// pool and its free returns it there.
+//
 // Locks: mu_ is taken shared to allocate from, free into or read the pools,
 // and exclusively to add, release, reclaim or restore one; then a pool's own
 // locks. So a free of a graph-pool block waits for no allocation or free
@@ -113,6 +121,13 @@ class GraphPools {
   /// nothing in it is live either, its memory returns to the device. True
   /// if that was the last use (a capture it declared may have ended).
   bool release(PoolId id);
+  /// MemPool(no_split=True), PyTorch's setNoSplit: from now on pool `id`
+  /// never splits a block. Throws no_such_pool() if there is none.
+  void set_no_split(PoolId id);
+  /// MemPool(use_on_oom=True), PyTorch's setUseOnOOM: whether the free blocks
+  /// of pool `id` serve malloc_on_oom(). Throws no_such_pool() if there is
+  /// none, unless turning it off (MemPool's destructor).
+  void set_use_on_oom(PoolId id, bool use_on_oom);
   /// torch 2.13's markCaptureBegin (begin) / markCaptureEnd: a capture on
   /// the device counts as underway in between, or until no route is left
   /// open on the device. An end without a begin is ignored. True if a mark
@@ -139,6 +154,10 @@ class GraphPools {
   /// none is. Throws OutOfMemoryError (the pool gives nothing back to make
   /// room: its route counts as a capture underway).
   uintptr_t malloc(size_t size, Stream stream, uint64_t context, bool* routed);
+  /// A block for an allocation routed to no pool that would otherwise run
+  /// out of memory: from the free blocks of the first use_on_oom pool (by
+  /// id) that has one that fits, which never grows for it; 0 if none has.
+  uintptr_t malloc_on_oom(size_t size, Stream stream, uint64_t context);
   /// False if ptr is no live allocation of a graph pool.
   bool free(uintptr_t ptr, uint64_t context);
   bool record_stream(uintptr_t ptr, Stream stream);
@@ -241,6 +260,7 @@ class GraphPools {
   std::atomic<bool> routing_{false};      // routes_ is not empty
   std::atomic<bool> exist_{false};        // pools_ is not empty
   std::atomic<bool> told_of_captures_{false};
+  std::atomic<int> use_on_oom_{0};        // pools whose use_on_oom is set
   std::map<PoolId, StatArray> released_reserved_;  // pools reclaimed since the last reset
   bool history_ = false;                           // what record_history() set
   size_t history_max_ = 0;

@@ -661,27 +661,35 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
     });
   }
 
+  // torch.cuda.MemPool(use_on_oom=True, no_split=True): MemPool's constructor
+  // sets them once its pool exists; its destructor turns use_on_oom off
+  // (never throws then) before it releases the pool.
 #if PYALLOC_TORCH_AT_LEAST(2, 11)
-  // MemPool's destructor calls it with false: nothing to undo.
-  void setUseOnOOM(DeviceIndex, MempoolId, bool use_on_oom) override {
-    if (use_on_oom) unsupported_use_on_oom();
+  void setUseOnOOM(DeviceIndex device, MempoolId id, bool use_on_oom) override {
+    set_use_on_oom(device, id, use_on_oom);
   }
 #else
-  void setUseOnOOM(DeviceIndex, MempoolId) override { unsupported_use_on_oom(); }
+  void setUseOnOOM(DeviceIndex device, MempoolId id) override { set_use_on_oom(device, id, true); }
 #endif
 
 #if PYALLOC_TORCH_AT_LEAST(2, 10)
-  void setNoSplit(DeviceIndex, MempoolId) override {
-    unsupported("a torch.cuda.MemPool whose blocks are never split (no_split=True)",
-                "Create the MemPool without no_split.");
+  void setNoSplit(DeviceIndex device, MempoolId id) override {
+    if (!PYALLOC_API_HAS(set_pool_no_split))
+      unsupported("a torch.cuda.MemPool whose blocks are never split (no_split=True) with this pyalloc._C",
+                  "Rebuild pyalloc and its bridge from the same version (pyalloc bridge build).");
+    check(api->set_pool_no_split(device, id.first, id.second));
   }
 #endif
 
-  [[noreturn]] void unsupported_use_on_oom() {
-    unsupported("a torch.cuda.MemPool used when the rest of the device is out of memory "
-                "(use_on_oom=True)",
-                "Create the MemPool without use_on_oom; pyalloc's vmm strategy already moves "
-                "free pages to where a request needs them.");
+  void set_use_on_oom(DeviceIndex device, MempoolId id, bool use_on_oom) {
+    if (!PYALLOC_API_HAS(set_pool_use_on_oom)) {
+      if (!use_on_oom) return;  // nothing was set
+      unsupported("a torch.cuda.MemPool used when the rest of the device is out of memory "
+                  "(use_on_oom=True) with this pyalloc._C",
+                  "Rebuild pyalloc and its bridge from the same version (pyalloc bridge build).");
+    }
+    if (use_on_oom) check(api->set_pool_use_on_oom(device, id.first, id.second, 1));
+    else report(api->set_pool_use_on_oom(device, id.first, id.second, 0), "turning a MemPool's use_on_oom off");
   }
 
   int getPoolUseCount(DeviceIndex device, MempoolId id) override {

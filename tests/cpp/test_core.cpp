@@ -90,6 +90,29 @@ void test_oom(const char* backend) {
   a->check_invariants();
 }
 
+// torch.cuda.MemPool's options in the core: a pool that never splits
+// (no_split), and malloc_cached(), which another pool's out-of-memory path
+// asks of a use_on_oom pool: free blocks only, never growth.
+void test_no_split_and_cached(const char* backend) {
+  auto a = make(backend, "strategy:bestfit,small_size:0");
+  a->set_no_split();
+  uintptr_t p = a->malloc(1000, 0), q = a->malloc(3 * MiB, 0);
+  CHECK(a->stats().reserved_bytes.all.current == 6 * MiB);  // 2 + 4 MiB: exactly what each needs
+  CHECK(a->stats().allocated_bytes.all.current == 6 * MiB);  // each holds its segment whole
+  a->free(q);
+  CHECK(a->malloc_cached(5 * MiB, 0) == 0);  // no free block fits: nothing grows
+  CHECK(a->stats().reserved_bytes.all.current == 6 * MiB);
+  uintptr_t r = a->malloc_cached(1000, 0);
+  CHECK(r == q && a->stats().allocated_bytes.all.current == 6 * MiB);  // the 4 MiB block, whole
+  CHECK(a->stats().inactive_split.all.current == 0);
+  a->check_invariants();
+  a->free(p);
+  a->free(r);
+  a->check_invariants();
+  auto v = make(backend, "strategy:vmm");  // bestfit where the backend has no virtual memory
+  CHECK(throws<std::invalid_argument>([&] { v->set_no_split(); }) == (v->config().strategy == Strategy::kVmm));
+}
+
 void test_streams(const char* backend) {
   auto a = make(backend, "segment_size:2MiB");
   SimStreams* ss = a->backend().sim_streams();
@@ -545,6 +568,7 @@ int main(int argc, char** argv) {
       test_basics(backend);
       test_oom(backend);
       test_streams(backend);
+      test_no_split_and_cached(backend);
       test_random(backend, "", 1, 3000);
       test_random(backend, "max_split_size:4MiB,segment_size:2MiB", 2, 3000);
       test_random(backend, "pool_size:32MiB,small_size:64KiB,small_chunk_size:512KiB", 3, 3000);

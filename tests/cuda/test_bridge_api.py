@@ -1233,3 +1233,162 @@ def test_the_bridge_sets_registration_counter_where_segment_info_has_it(tmp_path
     assert harness.harness_before(12) == 0
     assert harness.harness_with(12) == 12
     assert harness.harness_with(1 << 40) == (1 << 31) - 1  # never negative, which registerMemPool refuses
+
+
+# ---------------------------------------------------------------------------
+# torch.cuda.MemPool's options (issue 47, item 1): PyTorch's setUseOnOOM and
+# setNoSplit, which the bridge refused as unsupported.
+
+EVERY_STREAM = FILTER_FN(lambda _u, _s: 1)  # use_mem_pool's route: the thread's every stream
+
+
+def has_pool_options(api):
+    return api.size >= Api.set_pool_no_split.offset + ctypes.sizeof(ctypes.c_void_p)
+
+
+def fill_pool(api, pool_id, sizes):
+    """Allocations routed to the pool (use_mem_pool), as PyTorch routes them."""
+    assert api.begin_allocate_to_pool(0, *pool_id, EVERY_STREAM, None) == OK
+    try:
+        return [api.malloc(size)[1] for size in sizes]
+    finally:
+        assert api.end_allocate_to_pool(0, *pool_id) == OK
+
+
+def pool_blocks(api, pool_id):
+    """[(segment bytes, [(block bytes, allocated)])] of the pool, smallest first."""
+    segments = sorted(api.snapshot(0, pool_id=pool_id), key=lambda s: (s["total_size"], s["address"]))
+    return [(s["total_size"], [(b["size"], b["allocated"]) for b in s["blocks"]]) for s in segments]
+
+
+def test_a_no_split_pool_never_splits_a_block(api, fake):
+    """MemPool(no_split=True): PyTorch's should_split answers false for every
+    block of the pool (CUDACachingAllocator.cpp, should_split over
+    no_split_pools), so each allocation holds a block of its own and a cached
+    block larger than a request serves it whole. pyalloc refused the option."""
+    assert has_pool_options(api), "the table has no set_pool_no_split"
+    assert api.create_or_incref_pool(0, 0, 9) == OK
+    assert api.set_pool_no_split(0, 0, 9) == OK
+    a, b = fill_pool(api, (0, 9), [MiB, 3 * MiB])
+    # Each allocation a segment of its own, of exactly what it needs (2 MiB
+    # units), held whole: no free remainder is left to serve anyone else.
+    assert pool_blocks(api, (0, 9)) == [(2 * MiB, [(2 * MiB, True)]), (4 * MiB, [(4 * MiB, True)])]
+    assert api.free(b, 0) == OK
+    c, = fill_pool(api, (0, 9), [MiB])
+    assert c == b  # the cached 4 MiB block, best fit, taken whole
+    assert pool_blocks(api, (0, 9)) == [(2 * MiB, [(2 * MiB, True)]), (4 * MiB, [(4 * MiB, True)])]
+    assert api.stats(0)["allocated_bytes.all.current"] == 6 * MiB  # PyTorch counts the whole blocks too
+    _C.cuda_check_invariants(0)
+    # The same requests in an ordinary pool split the cached block.
+    assert api.create_or_incref_pool(0, 0, 10) == OK
+    d, = fill_pool(api, (0, 10), [3 * MiB])
+    assert api.free(d, 0) == OK
+    e, = fill_pool(api, (0, 10), [MiB])
+    assert [blocks for _, blocks in pool_blocks(api, (0, 10))] == [[(MiB, True), (19 * MiB, False)]]
+    for p in (a, c, e):
+        assert api.free(p, 0) == OK
+    for pool in ((0, 9), (0, 10)):
+        assert api.release_pool(0, *pool) == OK
+    # A pool that does not exist, as PyTorch's pool calls raise.
+    assert api.set_pool_no_split(0, 0, 77) == INVALID
+    assert "Could not find pool of id (0, 77)" in api.error()
+
+
+def use_on_oom_setup(api):
+    """A MemPool (0, 7) whose cache holds a free 40 MiB block, and a general
+    pool holding 18 MiB of a 20 MiB segment, on a device capped at 60 MiB
+    (the memory fraction caps every pool of the device together, as
+    PyTorch's does): all of it reserved."""
+    assert has_pool_options(api), "the table has no set_pool_use_on_oom"
+    assert api.create_or_incref_pool(0, 0, 7) == OK
+    cached, = fill_pool(api, (0, 7), [40 * MiB])
+    assert api.free(cached, 0) == OK
+    general = [api.malloc(16 * MiB)[1], api.malloc(2 * MiB)[1]]
+    assert all(general) and api.values("pool_live_blocks", 0, 0, 7) == []
+    assert api.set_memory_fraction(0, 60 / 64) == OK
+    assert api.stats(0)["reserved_bytes.all.current"] == 60 * MiB
+    return cached, general
+
+
+def test_a_use_on_oom_pool_serves_the_device_when_it_would_run_out(api, fake):
+    """MemPool(use_on_oom=True): once an allocation routed to no pool would
+    run out of memory, PyTorch's malloc takes a free block of the pools in
+    use_on_oom_pools (get_free_block on the pool, same rules) and hands it
+    out from that pool, where its free returns it (CUDACachingAllocator.cpp,
+    DeviceCachingAllocator::malloc). pyalloc refused the option."""
+    cached, general = use_on_oom_setup(api)
+    assert api.set_pool_use_on_oom(0, 0, 7, 1) == OK
+    # Not before: what the general pool can serve itself stays out of the pool.
+    small = api.malloc(2 * MiB)[1]
+    assert small and api.values("pool_live_blocks", 0, 0, 7) == []
+    before = api.stats(0)
+    status, p, _ = api.malloc(30 * MiB)
+    assert status == OK, api.error()
+    assert cached <= p < cached + 40 * MiB  # in the MemPool's cached block
+    assert api.values("pool_live_blocks", 0, 0, 7) == [p]
+    after = api.stats(0)
+    assert after["num_ooms"] == before["num_ooms"]  # no error, none counted
+    assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
+    ctypes.memset(p, 0x33, 30 * MiB)
+    _C.cuda_check_invariants(0)
+    # Its free gives the block back to the MemPool's cache, not to the general pool.
+    assert api.free(p, 0) == OK
+    assert api.values("pool_live_blocks", 0, 0, 7) == []
+    assert [blocks for _, blocks in pool_blocks(api, (0, 7))] == [[(40 * MiB, False)]]
+    # An allocation routed to another pool is no fallback's: it runs out.
+    assert api.create_or_incref_pool(0, 0, 8) == OK
+    assert api.begin_allocate_to_pool(0, 0, 8, EVERY_STREAM, None) == OK
+    status, q, _ = api.malloc(30 * MiB)
+    assert api.end_allocate_to_pool(0, 0, 8) == OK
+    assert (status, q) == (OUT_OF_MEMORY, 0)
+    # MemPool's destructor turns the option off, then releases the pool.
+    assert api.set_pool_use_on_oom(0, 0, 7, 0) == OK
+    status, q, _ = api.malloc(30 * MiB)
+    assert (status, q) == (OUT_OF_MEMORY, 0)
+    for x in general + [small]:
+        assert api.free(x, 0) == OK
+    for pool in ((0, 7), (0, 8)):
+        assert api.release_pool(0, *pool) == OK
+    assert api.set_pool_use_on_oom(0, 0, 7, 0) == OK  # gone: nothing to turn off
+    assert api.set_pool_use_on_oom(0, 0, 77, 1) == INVALID
+    assert "Could not find pool of id (0, 77)" in api.error()
+
+
+def test_without_use_on_oom_a_pools_cache_serves_no_one_else(api, fake):
+    cached, general = use_on_oom_setup(api)
+    status, p, _ = api.malloc(30 * MiB)
+    assert (status, p) == (OUT_OF_MEMORY, 0)
+    assert api.error().startswith("CUDA out of memory.")
+    assert [blocks for _, blocks in pool_blocks(api, (0, 7))] == [[(40 * MiB, False)]]
+    for x in general:
+        assert api.free(x, 0) == OK
+    assert api.release_pool(0, 0, 7) == OK
+
+
+def test_a_use_on_oom_pool_is_the_last_resort(api, fake):
+    """Only what nothing else can serve: a request the general pool serves once it
+    has given back its own cache stays out of the MemPool, as in PyTorch's malloc
+    when use_on_oom came (pytorch 151487: "try to use existing mempools as a last
+    resort"). PyTorch's current source tries the MemPools before it frees its
+    cache (try_mempool_fallback); pyalloc keeps them for last (README)."""
+    _C.cuda_configure("segment_size:2MiB")  # segments of exactly what a request needs
+    assert has_pool_options(api), "the table has no set_pool_use_on_oom"
+    assert api.create_or_incref_pool(0, 0, 7) == OK
+    cached, = fill_pool(api, (0, 7), [10 * MiB])
+    assert api.free(cached, 0) == OK
+    assert api.set_pool_use_on_oom(0, 0, 7, 1) == OK
+    held = api.malloc(10 * MiB)[1]
+    spare = api.malloc(8 * MiB)[1]
+    assert api.free(spare, 0) == OK  # the general pool caches 8 MiB
+    assert api.set_memory_fraction(0, 0.5) == OK  # 32 MiB for the device, 28 reserved
+    retries = api.stats(0)["num_alloc_retries"]
+    status, p, _ = api.malloc(9 * MiB)  # fits once the general pool's 8 MiB went back
+    assert status == OK, api.error()
+    assert api.values("pool_live_blocks", 0, 0, 7) == [] and api.stats(0)["num_alloc_retries"] == retries + 1
+    status, q, _ = api.malloc(9 * MiB)  # nothing left to give back: the MemPool's block
+    assert status == OK, api.error()
+    assert api.values("pool_live_blocks", 0, 0, 7) == [q] and cached <= q < cached + 10 * MiB
+    _C.cuda_check_invariants(0)
+    for x in (held, p, q):
+        assert api.free(x, 0) == OK
+    assert api.release_pool(0, 0, 7) == OK

@@ -253,6 +253,12 @@ def test_mempool_keeps_its_allocations_and_returns_its_memory():
 
 
 @bridge_only
+@whole_device
+def test_mempool_no_split_and_use_on_oom():
+    check("mempool_options.py")
+
+
+@bridge_only
 def test_torch_compile_reduce_overhead_matches_eager():
     check("compile_reduce_overhead.py", timeout=900)
 
