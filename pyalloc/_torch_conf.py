@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, TextIO, Tuple
 
-#: PyTorch's variables, the one it reads first first.
+#: PyTorch's variables, in the order it reads them.
 ENV_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 APPLIED = "applied"
