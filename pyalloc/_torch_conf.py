@@ -2,7 +2,11 @@
 
 People who swap allocators arrive with ``PYTORCH_ALLOC_CONF`` (or the older
 ``PYTORCH_CUDA_ALLOC_CONF``, read only where the new one is unset, as PyTorch's
-c10/core/AllocatorConfig.cpp does) set. Each of its keys is taken one of three
+c10/core/AllocatorConfig.h says of its device-generic keys) set. Where both are
+set and differ, the older one is named as not read: PyTorch itself then reads
+its CUDA keys (backend, per_process_memory_fraction...) from the older one
+(c10/cuda/CUDAAllocatorConfig.h) and the rest from the newer, a split that one
+string for pyalloc cannot follow. Each of its keys is taken one of three
 ways, and none is dropped in silence:
 
 - ``applied``: it becomes a pyalloc setting with the same meaning
@@ -59,6 +63,13 @@ def torch_conf(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[st
         if text is not None:
             return (name, text) if text.strip() else None
     return None
+
+
+def shadowed(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The older variable where both are set, differently: pyalloc does not read it."""
+    env = os.environ if environ is None else environ
+    new, old = (env.get(n, "").strip() for n in ENV_NAMES)
+    return ENV_NAMES[1] if new and old and new != old else None
 
 
 def _items(name: str, text: str) -> List[Tuple[str, str]]:
@@ -217,6 +228,10 @@ def announce(name: str, taken: List[Taken], out: Optional[TextIO] = None) -> Non
         return
     _announced = True
     out = sys.stderr if out is None else out
+    unread = shadowed()
+    if unread:
+        print(f"pyalloc: {unread} is not read: {name} is set too, and pyalloc reads that one alone",
+              file=out)
     for t in taken:
         if t.how == NOT_APPLIED:
             print(f"pyalloc: {name}: {t.key}:{t.value} is not applied: {t.why}", file=out)

@@ -385,6 +385,7 @@ def check_runtime(r: Report, libraries: Optional[List[Any]] = None, readelf: str
 def check_torch_conf(r: Report) -> bool:
     """PyTorch's own allocator settings, and how install() takes each key; False
     where they are invalid."""
+    from . import _torch_conf
     from .cuda import torch_settings
 
     try:
@@ -399,6 +400,9 @@ def check_torch_conf(r: Report) -> bool:
     r.line(f"{name}: {os.environ[name]!r}")
     for t in taken:
         r.line(f"          {t.describe()}")
+    unread = _torch_conf.shadowed()
+    if unread:
+        r.line(f"          {unread} is set too and not read: {name} wins")
     return True
 
 

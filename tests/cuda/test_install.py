@@ -355,6 +355,15 @@ def test_roundup_power2_divisions_as_a_number_and_the_old_variable(stand_in, mon
     assert "no_such_key:1 is not applied: not a key PyTorch's allocator knows" in err, err
 
 
+def test_the_older_variable_beside_the_new_one_is_named_as_not_read(stand_in, monkeypatch, capfd):
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "per_process_memory_fraction:0.5")
+    stand_in(fake_torch())
+    pyalloc.install(bridge=False)
+    err = capfd.readouterr().err
+    assert "pyalloc: PYTORCH_CUDA_ALLOC_CONF is not read: PYTORCH_ALLOC_CONF is set too" in err, err
+
+
 def test_the_new_variable_wins_and_pyalloc_conf_wins_over_both(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     assert pyalloc.parse_config(api.settings_text())["strategy"] == "bestfit"
