@@ -28,7 +28,7 @@ import os
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _C
+from . import _C, _torch_conf
 from ._config import Size, as_size, conf_string, parse_config
 from ._summary import format_summary
 
@@ -87,21 +87,33 @@ class NotOnCudaError(RuntimeError):
 # -- installing ---------------------------------------------------------------------------
 
 
+def torch_settings() -> Tuple[Optional[str], List[_torch_conf.Taken]]:
+    """The PyTorch variable in force (PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF)
+    and how each of its keys is taken; (None, []) where neither is set."""
+    found = _torch_conf.torch_conf()
+    if found is None:
+        return None, []
+    return found[0], _torch_conf.translate(*found)
+
+
 def settings_text(conf: Optional[str] = None, config: Optional[Dict[str, Size]] = None) -> str:
-    """The settings install() would use: PYALLOC_CONF, then ``conf``, then keywords.
+    """The settings install() would use: the keys of PyTorch's own variable that
+    pyalloc applies (``pyalloc._torch_conf``), then PYALLOC_CONF, then ``conf``,
+    then keywords.
 
     Later sources override earlier ones key by key. ValueError names the bad
     source, key or value.
     """
     if conf is not None and not isinstance(conf, str):
         raise TypeError(f"conf must be a 'key:value,...' string, got {type(conf).__name__}")
+    torch_base = _torch_conf.settings(torch_settings()[1])
     env = os.environ.get(CONF_ENV, "")
     if env:
         try:
             parse_config(env)
         except ValueError as e:
             raise ValueError(f"{CONF_ENV}={env!r}: {e}") from None
-    base = ",".join(p for p in (env, conf or "") if p)
+    base = ",".join(p for p in (torch_base, env, conf or "") if p)
     return conf_string(base, config)
 
 
@@ -131,8 +143,10 @@ def install(conf: Optional[str] = None, *, bridge: Optional[bool] = None,
         **config: the same settings as keywords (``pool_size="40GiB"``,
             ``max_pool_size=2**34``); see ``pyalloc.CONFIG_KEYS``.
 
-    Settings merge key by key, later winning: ``PYALLOC_CONF`` from the
-    environment, then ``conf``, then the keywords.
+    Settings merge key by key, later winning: the keys of ``PYTORCH_ALLOC_CONF``
+    (or ``PYTORCH_CUDA_ALLOC_CONF``) that pyalloc applies, ``PYALLOC_CONF`` from
+    the environment, then ``conf``, then the keywords. Each key of PyTorch's
+    variable that is not applied is named once on stderr, with why.
 
     Calling it again with the same settings does nothing; with other settings,
     or with ``bridge`` naming the route not taken, it raises RuntimeError, as does a CPU-only PyTorch, a machine without a GPU,
@@ -154,6 +168,9 @@ def install(conf: Optional[str] = None, *, bridge: Optional[bool] = None,
             _patch_torch()
         return
 
+    name, taken = torch_settings()
+    if name is not None:
+        _torch_conf.announce(name, taken)
     torch = _import_torch()
     _check_torch_can_swap(torch)
     _C.cuda_check_driver()

@@ -12,8 +12,9 @@ and peers; the installed PyTorch (a CUDA build or not, the hooks its pluggable
 allocator offers, whether CUDA is already initialised in this process); the
 bridge (pyalloc.bridge): whether this torch can take it, where the CUDA headers
 are, whether it is built, which route install() would take and which is in use,
-and where it cannot be had, what is lost and how to get it; the effective
-PYALLOC_CONF. Where a GPU and a CUDA build of torch exist, it runs a live check of
+and where it cannot be had, what is lost and how to get it; PyTorch's own
+PYTORCH_ALLOC_CONF (or PYTORCH_CUDA_ALLOC_CONF) and how install() takes each of its
+keys; the effective PYALLOC_CONF. Where a GPU and a CUDA build of torch exist, it runs a live check of
 a few seconds per device, each in a child process (install pyalloc by the default
 route and say which it got, allocate and free on two streams, record_stream, a
 tiny CUDA graph, empty_cache). It ends with one line: ready, or not ready and
@@ -381,9 +382,35 @@ def check_runtime(r: Report, libraries: Optional[List[Any]] = None, readelf: str
                "another runtime and crash")
 
 
+def check_torch_conf(r: Report) -> bool:
+    """PyTorch's own allocator settings, and how install() takes each key; False
+    where they are invalid."""
+    from . import _torch_conf
+    from .cuda import torch_settings
+
+    try:
+        name, taken = torch_settings()
+    except ValueError as e:
+        r.line(f"PYTORCH_ALLOC_CONF: invalid: {e}")
+        r.problem(f"PyTorch's allocator settings are invalid: {e}")
+        return False
+    if name is None:
+        r.line("PYTORCH_ALLOC_CONF: not set (nor PYTORCH_CUDA_ALLOC_CONF)")
+        return True
+    r.line(f"{name}: {os.environ[name]!r}")
+    for t in taken:
+        r.line(f"          {t.describe()}")
+    unread = _torch_conf.shadowed()
+    if unread:
+        r.line(f"          {unread} is set too and not read: {name} wins")
+    return True
+
+
 def check_conf(r: Report, devices: List[Dict[str, Any]]) -> None:
     from .cuda import CONF_ENV, settings_text
 
+    if not check_torch_conf(r):
+        return
     raw = os.environ.get(CONF_ENV)
     r.line(f"{CONF_ENV}: " + (repr(raw) if raw is not None else "not set"))
     try:

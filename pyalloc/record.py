@@ -266,9 +266,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _count_events(path: str) -> str:
-    from .snapshot_io import TraceError, load_snapshot
+    from .snapshot_io import TraceError, device_traces, load_snapshot
 
     try:
-        return str(sum(len(t) for t in load_snapshot(path)["device_traces"]))
+        return str(sum(len(t) for t in device_traces(load_snapshot(path))))
     except TraceError:
         return "?"

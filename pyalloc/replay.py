@@ -30,7 +30,12 @@ have held this run, and in how much memory?" for PyTorch memory snapshots:
    served it.
 
 Each device of a snapshot is its own trace and its own result
-(``replay_devices``; ``replay`` takes one).
+(``replay_devices``; ``replay`` takes one). A device with no event (a snapshot
+taken with ``include_traces=False``, or its trace emptied) holds no history:
+only its final blocks, which say nothing of the run, so it is not replayed
+(NoHistoryError where nothing else is, a note beside the devices that are) and
+no verdict is given on it. Pinned host memory (``host_segments``,
+``host_traces``) is left aside with a note: the replay is of device memory.
 
 Beside these stands the trace's own: the peak of live (requested) bytes, the
 least any allocator must hold, and, when the snapshot has segments, the
@@ -67,13 +72,23 @@ from .snapshot_io import (
     Trace,
     TraceError,
     check_snapshot,
+    device_traces,
     devices_of,
     load_snapshot,
     read_trace,
 )
 
-__all__ = ["ReplayPlan", "ReplayResult", "TraceError", "add_arguments", "main", "plan_trace", "replay",
-           "replay_devices"]
+__all__ = ["NoHistoryError", "ReplayPlan", "ReplayResult", "TraceError", "add_arguments", "main", "plan_trace",
+           "replay", "replay_devices"]
+
+#: How to record what a snapshot without history lacks, as PyTorch's docs say it.
+HOW_TO_RECORD = ("To record one, call torch.cuda.memory._record_memory_history(max_entries=100000) "
+                 "before the run and torch.cuda.memory._dump_snapshot(path) after it, or run it under "
+                 "`pyalloc record -o OUT.pickle -- python script.py`.")
+
+
+class NoHistoryError(TraceError):
+    """The snapshot (or the device asked for) recorded no event: there is nothing to replay."""
 
 _KIND_ALLOC, _KIND_FREE, _KIND_NONE = 1, 2, 0
 
@@ -355,6 +370,8 @@ def _replay_source(source: Any, config: Optional[str], budget: Union[int, str, N
     try:
         if isinstance(source, Trace):
             bars.close()
+            if not source.has_history:
+                raise NoHistoryError(_no_history(source))
             return [_replay_trace(source, conf, budget_bytes, search, timeline_points, bars)]
         if isinstance(source, dict):
             snapshot, label = source, name
@@ -363,14 +380,20 @@ def _replay_source(source: Any, config: Optional[str], budget: Union[int, str, N
             label = os.fspath(source)
             snapshot = load_snapshot(label, progress=bars.bytes(_file_size(label)))
             label = name or label
-        results = []
+        results, notes = [], []
         for device in devices_of(snapshot) if devices is None else devices:
             events = bars.events(_event_count(snapshot, device))
             trace = read_trace(snapshot, device, name=label, progress=events)
             bars.close()
+            if not trace.has_history:
+                notes.append(_no_history(trace))
+                continue
             results.append(_replay_trace(trace, conf, budget_bytes, search, timeline_points, bars))
+        if not results:
+            raise NoHistoryError(" ".join(notes))
         for r in results:
             r.devices = len(results)
+            r.notes = notes + r.notes
         return results
     finally:
         bars.close()
@@ -383,8 +406,24 @@ def _file_size(path: str) -> int:
         return 0  # load_snapshot says what is wrong with it
 
 
+def _no_history(trace: Trace) -> str:
+    """The sentence for a device with no event, and how to record one."""
+    why = ("its snapshot was taken with include_traces=False" if not trace.traces_recorded
+           else "its trace is empty")
+    return (f"{trace.name}: device {trace.device} holds no history ({why}): only the "
+            f"{len(trace.live_blocks)} blocks live in its final segments, which say nothing of how "
+            f"the run got there, so there is nothing to replay and no verdict to give. {HOW_TO_RECORD}")
+
+
+def _host_note(trace: Trace) -> List[str]:
+    if not (trace.host_segments or trace.host_events):
+        return []
+    return [f"{trace.name}: its pinned host memory ({trace.host_segments} host segment(s), "
+            f"{trace.host_events} host events) is left aside: the replay is of device memory."]
+
+
 def _event_count(snapshot: Dict[str, Any], device: Optional[int]) -> int:
-    traces = snapshot["device_traces"]
+    traces = device_traces(snapshot)
     if device is None:
         return max((len(t) for t in traces), default=0)
     return len(traces[device]) if 0 <= device < len(traces) else 0
@@ -452,6 +491,7 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
         skipped_oom_problems=list(trace.oom_problems),
         timeline=_timeline(main, plan),
         native_timeline=_native_timeline(plan, len(trace)),
+        notes=_host_note(trace),
     )
     result.search_replays += _replay_models(result, calls, plan, search, bars)
     checked = validate(trace, plan, calls)
@@ -654,11 +694,17 @@ def main(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             rows = replay_devices(path, args.config, budget, device=args.device, search=not args.no_search)
+        except NoHistoryError as e:
+            print(f"pyalloc replay: {e}", file=sys.stderr)
+            failed += 1
+            continue
         except TraceError as e:
             print(f"pyalloc replay: error: {e}", file=sys.stderr)
             failed += 1
             continue
         results.extend(rows)
+        for note in rows[0].notes if rows else ():
+            print(f"pyalloc replay: note: {note}", file=sys.stderr)
         for r in rows:
             if r.skipped_ooms:
                 # Each problem names the file, the device and the event.

@@ -86,6 +86,8 @@ class ReplayResult:
     #: recorded_ooms; what was wrong with the first few.
     skipped_ooms: int = 0
     skipped_oom_problems: List[str] = field(default_factory=list)
+    #: What the replay left aside, a sentence each (host memory, devices without history).
+    notes: List[str] = field(default_factory=list)
     timeline: Dict[str, List[int]] = field(default_factory=dict, repr=False)
     native_timeline: Dict[str, List[int]] = field(default_factory=dict, repr=False)
 

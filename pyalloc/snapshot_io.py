@@ -13,6 +13,14 @@ objects would take more memory than is available is refused before they are
 built, and every field the replay uses is checked, so a bad file ends in one
 ``TraceError`` naming the file and the problem.
 
+Current PyTorch also writes snapshots with no ``device_traces`` (taken with
+``include_traces=False``: final segments only), pinned host memory in
+``host_segments`` and ``host_traces`` (``record_pinned_host_memory=True``), and a
+compile context on each entry. All are read: the host data is counted and left
+aside (a replay is of device memory), extra keys of an entry are ignored, and a
+device with no event at all is a trace without history (``Trace.has_history``),
+which a replay refuses rather than judge a run by its final blocks.
+
 ``read_trace`` reduces a snapshot to what a replay needs: the events of one
 device as flat integer arrays, the blocks that are live in its final
 segments, and the out-of-memory errors the device recorded (PyTorch's ``oom``
@@ -42,6 +50,7 @@ __all__ = [
     "Trace",
     "TraceError",
     "check_snapshot",
+    "device_traces",
     "devices_of",
     "load_snapshot",
     "memory_fraction",
@@ -269,22 +278,38 @@ def _pickle_problem(e: pickle.UnpicklingError, head: bytes, compressed: bool) ->
 
 
 def check_snapshot(data: Any, name: str) -> None:
-    """The top-level layout of a memory snapshot, or TraceError."""
+    """The top-level layout of a memory snapshot, or TraceError. A snapshot taken
+    without traces (no ``device_traces``) is one; a dict with neither
+    ``segments`` nor ``device_traces`` is not."""
     if not isinstance(data, dict):
         raise TraceError(
             f"{name}: not a memory snapshot: the pickle holds a {type(data).__name__}, "
             "not a dict with 'segments' and 'device_traces'"
         )
-    if "device_traces" not in data:
+    if "device_traces" not in data and "segments" not in data:
         raise TraceError(
-            f"{name}: not a memory snapshot: no 'device_traces' (was the history recorded? "
-            "torch.cuda.memory._record_memory_history() must run before the workload)"
+            f"{name}: not a memory snapshot: neither 'segments' nor 'device_traces' (was it "
+            "written by torch.cuda.memory._dump_snapshot()?)"
         )
-    traces = data["device_traces"]
+    traces = data.get("device_traces", [])
     if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
         raise TraceError(f"{name}: 'device_traces' must be a list of lists of events")
-    if not isinstance(data.get("segments", []), list):
-        raise TraceError(f"{name}: 'segments' must be a list")
+    for key in ("segments", "host_segments", "host_traces"):
+        if not isinstance(data.get(key, []), list):
+            raise TraceError(f"{name}: '{key}' must be a list")
+
+
+def device_traces(snapshot: Dict[str, Any]) -> List[List[Any]]:
+    """A checked snapshot's event lists, one a device ([] where it was taken without them)."""
+    return snapshot.get("device_traces", [])
+
+
+def _host_counts(snapshot: Dict[str, Any]) -> Tuple[int, int]:
+    """(host segments, host events) of a checked snapshot; host_traces is one list of
+    events, or a list of them."""
+    traces = snapshot.get("host_traces", [])
+    events = sum(len(t) if isinstance(t, list) else 1 for t in traces)
+    return len(snapshot.get("host_segments", [])), events
 
 
 def write_snapshot(snapshot: Dict[str, Any], path: PathLike) -> None:
@@ -335,9 +360,19 @@ class Trace:
     ooms: List[Tuple[int, int, int, int]] = field(default_factory=list)
     skipped_ooms: int = 0
     oom_problems: List[str] = field(default_factory=list)
+    #: Whether the snapshot had device_traces at all (False: taken with include_traces=False).
+    traces_recorded: bool = True
+    #: The snapshot's pinned host memory, counted and left aside.
+    host_segments: int = 0
+    host_events: int = 0
 
     def __len__(self) -> int:
         return len(self.actions)
+
+    @property
+    def has_history(self) -> bool:
+        """Whether any event was recorded: without one, only the final segments are known."""
+        return len(self.actions) > 0
 
 
 def read_trace(
@@ -359,7 +394,7 @@ def read_trace(
     else:
         label = name or os.fspath(source)
         snapshot = load_snapshot(source)
-    traces = snapshot["device_traces"]
+    traces = device_traces(snapshot)
     if device is None:
         device = max(range(len(traces)), key=lambda d: len(traces[d]), default=0)
     elif not (0 <= device < max(len(traces), 1) or device in _segment_devices(snapshot)):
@@ -369,8 +404,11 @@ def read_trace(
     trace = Trace(label, device, array("B"), array("Q"), array("Q"), array("Q"))
     _read_events(trace, entries, progress)
     _read_segments(trace, snapshot.get("segments", []), device)
+    trace.traces_recorded = "device_traces" in snapshot
+    trace.host_segments, trace.host_events = _host_counts(snapshot)
     trace.metadata = {
-        k: v for k, v in snapshot.items() if k not in ("segments", "device_traces")
+        k: v for k, v in snapshot.items()
+        if k not in ("segments", "device_traces", "host_segments", "host_traces")
     }
     return trace
 
@@ -438,7 +476,7 @@ def devices_of(snapshot: Dict[str, Any]) -> List[int]:
     """The devices of a (checked) snapshot that recorded anything: events in
     ``device_traces`` or segments in ``segments``. [0] when none did, so that an
     empty snapshot still reads as one empty device."""
-    traces = snapshot["device_traces"]
+    traces = device_traces(snapshot)
     # Devices past the end of device_traces count too: a snapshot may list
     # segments of a device that has no trace list.
     found = {d for d in range(len(traces)) if traces[d]} | _segment_devices(snapshot)

@@ -179,3 +179,22 @@ def test_the_readmes_install_line_gives_the_default_route():
     named = set(extras.group(1).split(","))
     assert "torch" in named, "the bridge is built against torch: the install line brings it"
     assert "ninja" in _requirements("dependencies") | set().union(*(_requirements(e) for e in named))
+
+
+def test_ci_checks_the_bridge_against_the_newest_torch():
+    run = [ln.strip() for ln in _read(".ci", "run").splitlines()]
+    # On its own line, after the suite, so that a failure there fails CI too (set -e).
+    assert "set -euo pipefail" in run
+    assert run.index("bash .ci/newest_torch") > run.index(_readme_test_command())
+    script = _read(".ci", "newest_torch")
+    assert "set -euo pipefail" in script
+    assert "-m pyalloc bridge build --check" in script
+    # The machine's cap on torch is lifted for the script's own pip calls, never removed.
+    assert "export PIP_CONSTRAINT=" in script and "/etc/xdg/pip" not in script.replace("# ", "")
+    # Everything it downloads stays in pip's cache, and is installed from there.
+    assert "wheels=$(python3 -m pip cache dir)/newest-torch" in script
+    assert script.count('--no-index --find-links "$wheels"') == 2
+    readme = " ".join(_read("README.md").split())
+    assert "`.ci/run` runs `.ci/newest_torch`" in readme
+    for release in ("2.11", "2.12", "2.13", "2.14", "2.15"):
+        assert f"| {release} |" in readme, f"the README's table says nothing of torch {release}"

@@ -37,7 +37,8 @@ def _real_driver_present() -> bool:
 
 def doctor(*args, ld_path="", env=None, path=()):
     full = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, *path]), LD_LIBRARY_PATH=ld_path)
-    full.pop("PYALLOC_CONF", None)
+    for name in ("PYALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        full.pop(name, None)
     full.update(env or {})
     out = subprocess.run([sys.executable, "-m", "pyalloc", "doctor", *args], capture_output=True,
                          text=True, env=full, timeout=120, cwd=REPO)
@@ -416,3 +417,17 @@ def test_doctor_without_readelf_says_so(runtimes):
     assert lines[1] == ("runtime:  pyalloc-no-such-readelf is not found (binutils): which C++ runtime "
                         "each library uses cannot be told"), lines
     assert not r.problems
+
+
+def test_pytorch_alloc_conf_keys_are_shown_with_how_each_is_taken(stub_driver):
+    conf = "expandable_segments:True,max_split_size_mb:64,garbage_collection_threshold:0.6"
+    rc, lines = doctor("--no-live", ld_path=str(stub_driver.parent), env={"PYTORCH_CUDA_ALLOC_CONF": conf})
+    at = lines.index(f"PYTORCH_CUDA_ALLOC_CONF: {conf!r}")
+    shown = lines[at + 1:at + 4]
+    assert shown[0].startswith("          expandable_segments:True -> strategy:vmm (applied: "), shown
+    assert shown[1].startswith("          max_split_size_mb:64 -> max_split_size:67108864 (applied: "), shown
+    assert shown[2].startswith("          garbage_collection_threshold:0.6 (not applied: "), shown
+    assert any(line.startswith("          effective: ") and "max_split_size=67108864" in line for line in lines)
+
+    rc, lines = doctor("--no-live", ld_path=str(stub_driver.parent), env={"PYTORCH_ALLOC_CONF": "backend:turbo"})
+    assert rc == 1 and "PyTorch's allocator settings are invalid" in lines[-1], lines

@@ -34,7 +34,12 @@ cpu_torch = pytest.mark.skipif(not _cpu_torch(), reason="needs the CPU build of 
 
 @pytest.fixture(autouse=True)
 def no_env_conf(monkeypatch):
-    monkeypatch.delenv("PYALLOC_CONF", raising=False)
+    for name in ("PYALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    try:  # each test is a fresh process as far as naming the keys once goes
+        monkeypatch.setattr("pyalloc._torch_conf._announced", False)
+    except ImportError:
+        pass
 
 
 def test_import_pyalloc_does_not_import_torch():
@@ -338,3 +343,80 @@ def test_a_second_install_asking_the_hooks_on_the_bridge_route_says_why_it_canno
         pyalloc.install(bridge=False)
     pyalloc.install(bridge=True)
     assert calls["installed"] == ["bridge"]
+
+
+# -- PyTorch's own settings: PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF ------------------
+
+#: Every key issue 47 names, in the forms users set them.
+USERS_TORCH_CONF = ("expandable_segments:False, max_split_size_mb:64,garbage_collection_threshold:0.6,"
+                    "roundup_power2_divisions:[256:1,512:2,>:4],per_process_memory_fraction:0.8,"
+                    "backend:cudaMallocAsync,large_segment_size_mb:32,throw_on_cudamalloc_oom:True,"
+                    "expandable_segments_reserve:0.5,pinned_use_background_threads:True")
+NOT_APPLIED_KEYS = ("garbage_collection_threshold:0.6", "roundup_power2_divisions:[256:1,512:2,>:4]",
+                    "per_process_memory_fraction:0.8", "backend:cudaMallocAsync",
+                    "expandable_segments_reserve:0.5")
+
+
+def test_pytorch_alloc_conf_keys_take_effect_or_are_named_once(stand_in, monkeypatch, capfd):
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", USERS_TORCH_CONF)
+    calls = stand_in(fake_torch())
+    pyalloc.install(bridge=False)
+    config = pyalloc.parse_config(calls["configured"][0])
+    assert config["strategy"] == "bestfit"  # expandable_segments:False
+    assert config["max_split_size"] == 64 << 20
+    assert config["segment_size"] == 32 << 20  # large_segment_size_mb
+    named = [line for line in capfd.readouterr().err.splitlines() if line.startswith("pyalloc: PYTORCH_ALLOC_CONF")]
+    for item in NOT_APPLIED_KEYS:
+        assert sum(f" {item} is not applied: " in line for line in named) == 1, (item, named)
+    # Applied keys, and those PyTorch's own host allocator still applies, are not named.
+    assert len(named) == len(NOT_APPLIED_KEYS), named
+    assert "torch.cuda.set_per_process_memory_fraction(0.8)" in "\n".join(named)
+    pyalloc.install()  # the same settings again: nothing new is said
+    assert "PYTORCH_ALLOC_CONF" not in capfd.readouterr().err
+
+
+def test_roundup_power2_divisions_as_a_number_and_the_old_variable(stand_in, monkeypatch, capfd):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF",
+                       "roundup_power2_divisions:4,expandable_segments:True,max_split_size_mb:128,no_such_key:1")
+    calls = stand_in(fake_torch())
+    pyalloc.install(bridge=False)
+    config = pyalloc.parse_config(calls["configured"][0])
+    assert config["strategy"] == "vmm" and config["max_split_size"] == 128 << 20
+    err = capfd.readouterr().err
+    assert "pyalloc: PYTORCH_CUDA_ALLOC_CONF: roundup_power2_divisions:4 is not applied: " in err, err
+    assert "no_such_key:1 is not applied: not a key PyTorch's allocator knows" in err, err
+
+
+def test_the_older_variable_beside_the_new_one_is_named_as_not_read(stand_in, monkeypatch, capfd):
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "per_process_memory_fraction:0.5")
+    stand_in(fake_torch())
+    pyalloc.install(bridge=False)
+    err = capfd.readouterr().err
+    assert "pyalloc: PYTORCH_CUDA_ALLOC_CONF is not read: PYTORCH_ALLOC_CONF is set too" in err, err
+
+
+def test_the_new_variable_wins_and_pyalloc_conf_wins_over_both(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert pyalloc.parse_config(api.settings_text())["strategy"] == "bestfit"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")  # PyTorch reads it first, alone
+    config = pyalloc.parse_config(api.settings_text())
+    assert config["strategy"] == "vmm" and config["max_split_size"] == 64 << 20
+    monkeypatch.setenv("PYALLOC_CONF", "max_split_size:32MiB")
+    assert pyalloc.parse_config(api.settings_text())["max_split_size"] == 32 << 20
+
+
+@pytest.mark.parametrize("conf, words", [
+    ("max_split_size_mb:10", "max_split_size_mb expects a whole number of MiB of at least 20"),
+    ("expandable_segments:yes", "expandable_segments expects True or False"),
+    ("backend:turbo", "backend expects native or cudaMallocAsync"),
+    ("per_process_memory_fraction:1.5", "expects a fraction in [0, 1]"),
+    ("roundup_power2_divisions:[256:1", "is never closed"),
+    ("expandable_segments", "is not of the form key:value"),
+])
+def test_bad_pytorch_alloc_conf_is_refused_naming_it(stand_in, monkeypatch, conf, words):
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", conf)
+    stand_in(fake_torch())
+    with pytest.raises(ValueError, match="PYTORCH_ALLOC_CONF") as e:
+        pyalloc.install(bridge=False)
+    assert words in str(e.value)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pyalloc._C import format_bytes
-from pyalloc.replay import replay, replay_devices
+from pyalloc.replay import NoHistoryError, replay, replay_devices
 from pyalloc.replay_allocators import ALLOCATORS, AllocatorRun, run_allocator
 from pyalloc.replay_oom import MAX_OOM_REPLAYS
 from pyalloc.replay_report import oom_sentence
@@ -546,26 +546,30 @@ def two_devices():
 
 
 def test_every_device_that_recorded_anything_is_a_row():
+    # Device 3, with a segment and no event, holds no history: named, not a row.
     rows = replay_devices(two_devices(), search=False)
-    assert [(r.device, r.peak_live_bytes, r.devices) for r in rows] == [(0, 300, 3), (2, 7000, 3), (3, 1000, 3)]
+    assert [(r.device, r.peak_live_bytes, r.devices) for r in rows] == [(0, 300, 2), (2, 7000, 2)]
+    assert [n.split(": ", 1)[1][:26] for n in rows[0].notes] == ["device 3 holds no history "]
     [one] = replay_devices(two_devices(), device=2, search=False)
     assert (one.device, one.peak_live_bytes, one.devices) == (2, 7000, 1)
     # replay() still answers for one device: the one with most events.
     assert replay(two_devices(), search=False).device == 0
-    # An empty snapshot is one empty device.
-    [empty] = replay_devices({"segments": [], "device_traces": []}, search=False)
-    assert (empty.device, empty.events) == (0, 0)
+    # An empty snapshot holds no history: nothing to replay (test_snapshot_history.py).
+    with pytest.raises(NoHistoryError, match="device 0 holds no history"):
+        replay_devices({"segments": [], "device_traces": []}, search=False)
 
 
-def test_a_device_with_segments_and_no_trace_list_is_a_row():
+def test_a_device_with_segments_and_no_trace_list_is_named():
     """Regression: device 3's segment was not looked at when device_traces had
-    fewer lists than that (it ended at device 2), and its row was lost."""
+    fewer lists than that (it ended at device 2), and it was lost in silence. It
+    holds no history (segments, no event), so it is not a row: a note names it."""
     snapshot = two_devices()
     snapshot["device_traces"] = snapshot["device_traces"][:3]
     rows = replay_devices(snapshot, search=False)
-    assert [(r.device, r.peak_live_bytes) for r in rows] == [(0, 300), (2, 7000), (3, 1000)]
-    [one] = replay_devices(snapshot, device=3, search=False)
-    assert (one.device, one.peak_live_bytes, one.events) == (3, 1000, 0)
+    assert [(r.device, r.peak_live_bytes) for r in rows] == [(0, 300), (2, 7000)]
+    assert any("device 3 holds no history" in note for note in rows[0].notes), rows[0].notes
+    with pytest.raises(NoHistoryError, match="device 3 holds no history"):
+        replay_devices(snapshot, device=3, search=False)
 
 
 @needs_gpu_traces

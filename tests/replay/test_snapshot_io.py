@@ -364,7 +364,7 @@ def test_memo_indices_a_little_out_of_order_still_load(tmp_path):
     "obj, match",
     [
         ([1, 2, 3], "not a memory snapshot"),
-        ({"segments": []}, "no 'device_traces'"),
+        ({"allocator_settings": {}}, "neither 'segments' nor 'device_traces'"),
         ({"device_traces": "abc"}, "'device_traces' must be a list"),
         ({"device_traces": [{"a": 1}]}, "'device_traces' must be a list"),
         ({"device_traces": [[]], "segments": 5}, "'segments' must be a list"),
@@ -486,5 +486,5 @@ def test_memory_fraction_from_the_recorded_allocator_settings():
 
 
 def test_a_loaded_dict_is_checked_too():
-    with pytest.raises(TraceError, match="<snapshot>: not a memory snapshot: no 'device_traces'"):
-        read_trace({"segments": []})
+    with pytest.raises(TraceError, match="<snapshot>: not a memory snapshot: neither 'segments' nor 'device_traces'"):
+        read_trace({"allocator_settings": {}})
