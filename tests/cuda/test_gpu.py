@@ -68,8 +68,9 @@ def run(args, env=None, timeout=600) -> str:
     # A check killed by a signal runs once more under cuda-gdb: its native backtrace
     # goes into the message (crash_rerun.py).
     out, native = run_check(args, full_env, REPO, timeout)
+    ended = f"ran past its {timeout} s and was killed" if out.timed_out else f"exited with {out.returncode}"
     assert out.returncode == 0, (
-        f"{' '.join(args)} exited with {out.returncode}\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
+        f"{' '.join(args)} {ended} (log: {out.log}.out/.err)\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
         + (f"\n--- {native}" if native else "")
     )
     return out.stdout
@@ -293,7 +294,8 @@ def test_the_profiler_sees_pyallocs_allocations_frees_and_ooms():
 
 @bridge_only
 def test_cuda_tensors_cross_processes_and_stay_allocated_while_received():
-    check("ipc.py", timeout=900)  # two processes on one GPU, under the session's strategy
+    # two processes on one GPU, under the session's strategy; the check bounds its own waits
+    check("ipc.py", timeout=300)
 
 
 @bridge_only
@@ -303,7 +305,7 @@ def test_nccl_registers_what_pyalloc_maps_and_a_mempool_over_ncclmemalloc_works(
     if BASE_CONF:
         env["PYALLOC_CONF"] = BASE_CONF
     out, native = run_check(args, env, REPO, 600)
-    assert out.returncode == 0, f"{out.stdout}\n--- stderr\n{out.stderr}" + (f"\n--- {native}" if native else "")
+    assert out.returncode == 0, f"exit {'timeout' if out.timed_out else out.returncode}\n{out.stdout}\n--- stderr\n{out.stderr}" + (f"\n--- {native}" if native else "")
     # A registration NCCL refused (a range registered twice, or deregistered
     # unregistered) is said by pyalloc on stderr: the tracker threw.
     assert "an allocator trace tracker failed" not in out.stderr, out.stderr
