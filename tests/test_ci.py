@@ -179,3 +179,12 @@ def test_the_readmes_install_line_gives_the_default_route():
     named = set(extras.group(1).split(","))
     assert "torch" in named, "the bridge is built against torch: the install line brings it"
     assert "ninja" in _requirements("dependencies") | set().union(*(_requirements(e) for e in named))
+
+
+def test_ci_fuzzes_the_pickle_pre_scan_after_the_tests():
+    lines = [ln.strip() for ln in _read(".ci", "run").splitlines()]
+    tests = lines.index(_readme_test_command())
+    assert lines.index("bash tests/fuzz/run.sh") > tests + 2, "on a line of its own, after the tests' status"
+    script = _read("tests", "fuzz", "run.sh")
+    assert "-fsanitize=fuzzer,address,undefined" in script and "-max_total_time=" in script
+    assert "FUZZ_SECONDS=" in _read("README.md"), "the README says how to fuzz for longer"
