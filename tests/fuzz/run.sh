@@ -14,15 +14,22 @@ seed_bytes=${FUZZ_SEED_BYTES:-4096}
 out=build/fuzz
 mkdir -p "$out/corpus" "$out/seeds"
 
-if ! command -v clang++ >/dev/null || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1; then
+# Whether clang can link a fuzz target here (clang, and libclang_rt.fuzzer beside it).
+fuzzer_builds() {
+  command -v clang++ >/dev/null &&
+    printf '%s\n' 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }' |
+    clang++ -x c++ -fsanitize=fuzzer,address,undefined - -o "$out/probe" >/dev/null 2>&1
+}
+if ! fuzzer_builds; then
   echo "run.sh: installing clang and its fuzzer runtime" >&2
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
   $sudo apt-get update -qq
-  # Debian's clang package brings libclang-rt-NN-dev, where libclang_rt.fuzzer lives.
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq clang
-  rt=$(apt-cache depends clang-"$(clang++ --version | sed -n 's/.*version \([0-9]*\).*/\1/p' | head -1)" 2>/dev/null \
-       | sed -n 's/.*Depends: \(libclang-rt-[0-9]*-dev\)$/\1/p' | head -1)
-  [ -z "$rt" ] || DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "$rt"
+  # libclang_rt.fuzzer: libclang-rt-NN-dev, where the distribution splits it out
+  # (only recommended by clang-NN on Debian 12, so absent under --no-install-recommends).
+  version=$(clang++ --version | sed -n 's/.*clang version \([0-9]*\).*/\1/p' | head -1)
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "libclang-rt-$version-dev" || true
+  fuzzer_builds || { echo "run.sh: clang cannot link a libFuzzer target (-fsanitize=fuzzer)" >&2; exit 1; }
 fi
 
 clang++ -std=c++17 -g -O1 -fno-omit-frame-pointer \
