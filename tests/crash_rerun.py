@@ -61,6 +61,8 @@ def rerun_under_debugger(args: List[str], env: Dict[str, str], cwd: str, timeout
 #: PYALLOC_CHECK_LOGS names another folder: a stage killed at its limit, or pytest -n
 #: holding every failure's text to its end, still leaves what each check printed.
 LOG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "gpu-checks")
+#: The longest the rerun under the debugger may take: the check's stage goes on after it.
+RERUN_TIMEOUT_S = 120
 #: Seconds a killed check's process group gets to go before its output is read.
 KILL_WAIT_S = 10
 
@@ -119,7 +121,7 @@ def run_check(args: List[str], env: Dict[str, str], cwd: str,
     out.timed_out, out.log = timed_out, stem  # type: ignore[attr-defined]
     if timed_out or out.returncode >= 0:
         return out, None
-    return out, rerun_under_debugger(args, env, cwd, timeout)
+    return out, rerun_under_debugger(args, env, cwd, min(timeout, RERUN_TIMEOUT_S))
 
 
 # pytest hooks, imported by tests/cuda/conftest.py: a GPU check's failure is printed as

@@ -147,3 +147,17 @@ def test_a_gpu_check_failure_prints_when_it_fails_not_at_the_end(tmp_path):
     at_once = text.index("=== FAILED test_gpu.py::test_fails (call), at once:")
     assert "the receiver never answered" in text[at_once:text.index("test_gpu.py::test_after")], text
     assert at_once < text.index("test_gpu.py::test_after") < text.index("= FAILURES =")
+
+
+def test_every_gpu_check_stops_well_within_the_gpu_sessions_tests_stage():
+    import re
+
+    import test_gpu
+    from benchmarks.gpu.session import STAGES
+
+    stage = next(s for s in STAGES if s.name == "tests")
+    # A check that hangs is killed at its own limit, and the stage goes on to the others.
+    assert test_gpu.CHECK_TIMEOUT_S <= test_gpu.LONG_CHECK_TIMEOUT_S <= stage.limit_s * 2 // 3
+    with open(test_gpu.__file__) as f:
+        source = f.read()
+    assert re.findall(r"timeout=\d|REPO, \d", source) == [], "every limit is one of the two constants"

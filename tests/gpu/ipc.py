@@ -28,8 +28,10 @@ import pyalloc
 from gpu_common import bridge_only
 
 MiB = 1 << 20
-#: The longest either side waits for the other (seconds): far more than a step takes.
-WAIT_S = 120
+#: The longest either side waits for the other (seconds): far more than a step takes
+#: (the receiver's start, torch's import and CUDA's included), and well within the
+#: check's own limit (tests/cuda/test_gpu.py, CHECK_TIMEOUT_S).
+WAIT_S = 60
 
 
 def answer(outbox, proc, timeout=WAIT_S):
