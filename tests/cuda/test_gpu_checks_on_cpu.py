@@ -183,17 +183,19 @@ def test_the_nccl_check_compares_the_units_with_the_driver_not_with_themselves()
     units = {(0x10000, 0x2000), (0x20000, 0x1000)}
     blocks = {(0x10000, 0x800), (0x10800, 0x1800), (0x20400, 0x100)}
     nccl.check_units_against_driver(units, blocks, FakeDriver(sorted(units)))
-    # cudaMalloc'd segments: only the allocation's range is known (no mapping attributes).
+    # cudaMalloc'd segments: only the allocation's range is known (no mapping attributes);
+    # vmm's handles: only the mapping is the unit (the allocation's range is the reservation).
     nccl.check_units_against_driver(units, blocks, FakeDriver(sorted(units), attributes=(11, 12)))
+    nccl.check_units_against_driver(units, blocks, FakeDriver(sorted(units), attributes=(18, 19)))
     # ncclMemAlloc rounds up: the mapping may be longer than the segment, never shorter.
     nccl.check_units_against_driver(units, blocks, FakeDriver([(0x10000, 0x4000), (0x20000, 0x1000)]))
     # A unit the driver has not mapped from its address on, or one spanning two mappings.
-    with pytest.raises(AssertionError, match="the driver's mapping there"):
+    with pytest.raises(AssertionError, match="the driver's allocation and mapping there"):
         nccl.check_units_against_driver(units, blocks, FakeDriver([(0xF000, 0x3000), (0x20000, 0x1000)]))
-    with pytest.raises(AssertionError, match="the driver's mapping there"):  # two mappings
+    with pytest.raises(AssertionError, match="the driver's allocation and mapping there"):  # two mappings
         nccl.check_units_against_driver(
             units, blocks, FakeDriver([(0x10000, 0x1000), (0x11000, 0x1000), (0x20000, 0x1000)]))
-    with pytest.raises(AssertionError, match="the driver's mapping there"):
+    with pytest.raises(AssertionError, match="the driver's allocation and mapping there"):
         nccl.check_units_against_driver(units, blocks, FakeDriver([(0x10000, 0x2000)]))  # not mapped at all
     # Units that overlap, and a block that pyalloc holds outside every unit.
     with pytest.raises(AssertionError, match="units overlap"):

@@ -98,13 +98,12 @@ def driver_attribute(driver, attribute, ptr):
     return value.value if status == 0 else None
 
 
-def driver_extent(driver, ptr):
-    """The driver's own (start, size) of what ptr lies in: its mapping (cuMemMap, vmm's
-    handles and ncclMemAlloc), else its allocation (cudaMalloc)."""
-    base, size = driver_attribute(driver, MAPPING_BASE_ADDR, ptr), driver_attribute(driver, MAPPING_SIZE, ptr)
-    if base and size:
-        return base, size
-    return driver_attribute(driver, RANGE_START_ADDR, ptr), driver_attribute(driver, RANGE_SIZE, ptr)
+def driver_extents(driver, ptr):
+    """The driver's own (start, size) of what ptr lies in, as it answers them: its
+    allocation (cuMemAlloc: cudaMalloc'd segments) and its mapping (cuMemMap: vmm's
+    handles, ncclMemAlloc). (None, None) for an answer it does not give."""
+    return [(driver_attribute(driver, RANGE_START_ADDR, ptr), driver_attribute(driver, RANGE_SIZE, ptr)),
+            (driver_attribute(driver, MAPPING_BASE_ADDR, ptr), driver_attribute(driver, MAPPING_SIZE, ptr))]
 
 
 def check_units_against_driver(units, blocks, driver=None):
@@ -118,9 +117,11 @@ def check_units_against_driver(units, blocks, driver=None):
     for addr, size in sorted(units):
         assert addr >= end, f"units overlap at {addr:#x} (the one before ends at {end:#x})"
         end = addr + size
-        start, length = driver_extent(driver, addr)
-        assert start == addr and size <= (length or 0), (
-            f"unit {addr:#x}+{size:#x}: the driver's mapping there is {start or 0:#x}+{length or 0:#x}")
+        extents = driver_extents(driver, addr)
+        # One allocation or mapping of the driver's starts at the unit and holds all of it.
+        assert any(start == addr and size <= (length or 0) for start, length in extents), (
+            f"unit {addr:#x}+{size:#x}: the driver's allocation and mapping there are "
+            + ", ".join(f"{start or 0:#x}+{length or 0:#x}" for start, length in extents))
     missing = [(a, s) for a, s in sorted(blocks) if holders(units, a, a + s) is None]
     assert not missing, f"blocks outside every unit listed: {[(hex(a), s) for a, s in missing[:4]]}"
 
