@@ -442,6 +442,8 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
         main.run(plan.peak_live_op + 1)
         frag = _fragmentation(allocator, plan, main)
     main.run()
+    if main.ooms:
+        raise TraceError(_refused_uncapped(trace, plan, main, conf))
     stats = allocator.stats()
     peak_reserved = stats["reserved_bytes.all.peak"]
     half_allocs, half_frees = main.device_calls_at_half
@@ -506,6 +508,20 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
         result.budget_ooms = result.budget_runs["pyalloc"]["ooms"]
         result.budget_peak_reserved_bytes = result.budget_runs["pyalloc"]["peak_reserved_bytes"]
     return result
+
+
+def _refused_uncapped(trace: Trace, plan: ReplayPlan, run: Any, conf: str) -> str:
+    """Why a trace has no figures: pyalloc refused requests on a device of unbounded
+    size (a request past the virtual range a pool can map, or a cap the
+    configuration sets). Its peak reserved would count only what it served, and
+    read as a win."""
+    op = run.first_oom_op
+    event = plan.events[op]
+    where = "a block live before the trace" if event < 0 else f"event {event}"
+    return (f"{trace.name}: device {trace.device}: pyalloc refused {run.ooms} allocation(s) even on a "
+            f"device of unbounded size, the first {where} of {plan.sizes[op]} bytes "
+            f"(configuration '{conf or 'default'}': a request past the virtual range a pool can map, "
+            "or a cap such as max_pool_size), so the replay has no true figure to report")
 
 
 def _fragmentation(allocator: Any, plan: ReplayPlan, run: Any) -> Dict[str, Any]:

@@ -198,3 +198,12 @@ def test_ci_checks_the_bridge_against_the_newest_torch():
     assert "`.ci/run` runs `.ci/newest_torch`" in readme
     for release in ("2.11", "2.12", "2.13", "2.14", "2.15"):
         assert f"| {release} |" in readme, f"the README's table says nothing of torch {release}"
+
+
+def test_ci_fuzzes_the_pickle_pre_scan_after_the_tests():
+    lines = [ln.strip() for ln in _read(".ci", "run").splitlines()]
+    tests = lines.index(_readme_test_command())
+    assert lines.index("bash tests/fuzz/run.sh") > tests + 2, "on a line of its own, after the tests' status"
+    script = _read("tests", "fuzz", "run.sh")
+    assert "-fsanitize=fuzzer,address,undefined" in script and "-max_total_time=" in script
+    assert "FUZZ_SECONDS=" in _read("README.md"), "the README says how to fuzz for longer"

@@ -58,7 +58,16 @@ bridge_only = pytest.mark.skipif(
                         "PyTorch answers this with 'not supported'")
 
 
-def run(args, env=None, timeout=600) -> str:
+# Each check's own limit, well under the 360 s of the GPU session's tests stage
+# (benchmarks/gpu/session.py), which stops every check with it: a check that hangs is
+# killed with its children at its own limit (crash_rerun.run_check), and says so, while
+# the stage goes on. A configuration's checks took about 2 minutes all together on an
+# H200; torch.compile's and CUDA graph trees' checks compile first.
+CHECK_TIMEOUT_S = 150
+LONG_CHECK_TIMEOUT_S = 240
+
+
+def run(args, env=None, timeout=CHECK_TIMEOUT_S) -> str:
     full_env = dict(os.environ, PYTHONPATH=REPO, CUBLAS_WORKSPACE_CONFIG=":4096:8")
     full_env.pop("PYALLOC_CONF", None)
     full_env.update(env or {})
@@ -68,8 +77,9 @@ def run(args, env=None, timeout=600) -> str:
     # A check killed by a signal runs once more under cuda-gdb: its native backtrace
     # goes into the message (crash_rerun.py).
     out, native = run_check(args, full_env, REPO, timeout)
+    ended = f"ran past its {timeout} s and was killed" if out.timed_out else f"exited with {out.returncode}"
     assert out.returncode == 0, (
-        f"{' '.join(args)} exited with {out.returncode}\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
+        f"{' '.join(args)} {ended} (log: {out.log}.out/.err)\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
         + (f"\n--- {native}" if native else "")
     )
     return out.stdout
@@ -95,7 +105,7 @@ def check(name: str, *args: str, **kwargs) -> str:
 
 @pytest.mark.skipif(HOOKS_ROUTE, reason="PYALLOC_BRIDGE=0: the bridge is not used")
 def test_the_bridge_builds_against_the_installed_torch():
-    out = run([sys.executable, "-m", "pyalloc", "bridge", "build"], timeout=900)
+    out = run([sys.executable, "-m", "pyalloc", "bridge", "build"], timeout=LONG_CHECK_TIMEOUT_S)
     assert "the bridge is built for torch" in out, out
     status = run([sys.executable, "-m", "pyalloc", "bridge", "status"])
     assert "built: True" in status, status
@@ -194,7 +204,7 @@ def test_launcher_takes_pyalloc_conf():
 
 def test_launcher_reaches_spawn_and_forkserver_children():
     out = run([sys.executable, "-m", "pyalloc", "run", "--conf", "pool_size:48MiB",
-               os.path.join(GPU_DIR, "spawned.py"), str(48 << 20)], timeout=600)
+               os.path.join(GPU_DIR, "spawned.py"), str(48 << 20)])
     assert "OK" in out, out  # a child without pyalloc fails its assert, and says why on stderr
 
 
@@ -210,7 +220,7 @@ def test_install_reads_pyalloc_conf():
 
 def torchrun(*args: str, env=None) -> str:
     return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node=2", *args], env=env, timeout=600)
+                "--nproc-per-node=2", *args], env=env, timeout=LONG_CHECK_TIMEOUT_S)
 
 
 def test_ddp_under_torchrun_with_the_launcher():
@@ -260,12 +270,12 @@ def test_mempool_no_split_and_use_on_oom():
 
 @bridge_only
 def test_torch_compile_reduce_overhead_matches_eager():
-    check("compile_reduce_overhead.py", timeout=900)
+    check("compile_reduce_overhead.py", timeout=LONG_CHECK_TIMEOUT_S)
 
 
 @bridge_only
 def test_graph_trees_keep_outputs_across_restores_and_take_record_stream():
-    check("graph_trees_restore.py", timeout=900)
+    check("graph_trees_restore.py", timeout=LONG_CHECK_TIMEOUT_S)
 
 
 @bridge_only
@@ -275,7 +285,7 @@ def test_torch_accelerator_memory_functions_reach_pyalloc():
 
 @bridge_only
 def test_requests_no_device_holds_and_oom_rejections_are_torchs_oom():
-    check("oom_rejection.py", timeout=900)
+    check("oom_rejection.py", timeout=LONG_CHECK_TIMEOUT_S)
 
 
 @bridge_only
@@ -293,7 +303,7 @@ def test_the_profiler_sees_pyallocs_allocations_frees_and_ooms():
 
 @bridge_only
 def test_cuda_tensors_cross_processes_and_stay_allocated_while_received():
-    check("ipc.py", timeout=900)  # two processes on one GPU, under the session's strategy
+    check("ipc.py")  # two processes on one GPU, under the session's strategy
 
 
 @bridge_only
@@ -302,8 +312,8 @@ def test_nccl_registers_what_pyalloc_maps_and_a_mempool_over_ncclmemalloc_works(
     env = dict(os.environ, PYTHONPATH=REPO, TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK="1")
     if BASE_CONF:
         env["PYALLOC_CONF"] = BASE_CONF
-    out, native = run_check(args, env, REPO, 600)
-    assert out.returncode == 0, f"{out.stdout}\n--- stderr\n{out.stderr}" + (f"\n--- {native}" if native else "")
+    out, native = run_check(args, env, REPO, CHECK_TIMEOUT_S)
+    assert out.returncode == 0, f"exit {'timeout' if out.timed_out else out.returncode}\n{out.stdout}\n--- stderr\n{out.stderr}" + (f"\n--- {native}" if native else "")
     # A registration NCCL refused (a range registered twice, or deregistered
     # unregistered) is said by pyalloc on stderr: the tracker threw.
     assert "an allocator trace tracker failed" not in out.stderr, out.stderr

@@ -161,3 +161,93 @@ def test_the_nccl_check_finds_the_registered_ranges_a_buffer_lies_in():
     assert nccl.holders(registered, 0x8000, 0x9001) is None
     assert nccl.holders(registered, 0x800, 0x1100) is None
     assert nccl.holders(set(), 0x1000, 0x1001) is None
+
+
+class FakeDriver:
+    """cuPointerGetAttribute over a list of (base, size) mappings: the driver's view
+    that nccl_register.py compares the snapshot's units with."""
+
+    def __init__(self, mappings, attributes=(11, 12, 18, 19)):
+        self.mappings, self.attributes = mappings, attributes
+
+    def cuPointerGetAttribute(self, ref, attribute, ptr):
+        for base, size in self.mappings:
+            if base <= ptr.value < base + size and attribute.value in self.attributes:
+                ref._obj.value = {11: base, 19: base, 12: size, 18: size}[attribute.value]
+                return 0
+        return 1  # CUDA_ERROR_INVALID_VALUE
+
+
+def test_the_nccl_check_compares_the_units_with_the_driver_not_with_themselves():
+    nccl = gpu_check("nccl_register")
+    units = {(0x10000, 0x2000), (0x20000, 0x1000)}
+    blocks = {(0x10000, 0x800), (0x10800, 0x1800), (0x20400, 0x100)}
+    nccl.check_units_against_driver(units, blocks, FakeDriver(sorted(units)))
+    # cudaMalloc'd segments: only the allocation's range is known (no mapping attributes);
+    # vmm's handles: only the mapping is the unit (the allocation's range is the reservation).
+    nccl.check_units_against_driver(units, blocks, FakeDriver(sorted(units), attributes=(11, 12)))
+    nccl.check_units_against_driver(units, blocks, FakeDriver(sorted(units), attributes=(18, 19)))
+    # ncclMemAlloc rounds up: the mapping may be longer than the segment, never shorter.
+    nccl.check_units_against_driver(units, blocks, FakeDriver([(0x10000, 0x4000), (0x20000, 0x1000)]))
+    # A unit the driver has not mapped from its address on, or one spanning two mappings.
+    with pytest.raises(AssertionError, match="the driver's allocation and mapping there"):
+        nccl.check_units_against_driver(units, blocks, FakeDriver([(0xF000, 0x3000), (0x20000, 0x1000)]))
+    with pytest.raises(AssertionError, match="the driver's allocation and mapping there"):  # two mappings
+        nccl.check_units_against_driver(
+            units, blocks, FakeDriver([(0x10000, 0x1000), (0x11000, 0x1000), (0x20000, 0x1000)]))
+    with pytest.raises(AssertionError, match="the driver's allocation and mapping there"):
+        nccl.check_units_against_driver(units, blocks, FakeDriver([(0x10000, 0x2000)]))  # not mapped at all
+    # Units that overlap, and a block that pyalloc holds outside every unit.
+    with pytest.raises(AssertionError, match="units overlap"):
+        nccl.check_units_against_driver({(0x10000, 0x2000), (0x11000, 0x2000)}, set(),
+                                        FakeDriver([(0x10000, 0x2000), (0x11000, 0x2000)]))
+    with pytest.raises(AssertionError, match="blocks outside every unit"):
+        nccl.check_units_against_driver(units, blocks | {(0x30000, 0x100)}, FakeDriver(sorted(units)))
+
+
+def test_the_nccl_check_frees_the_pool_while_registered_and_the_group_lives():
+    # NCCL's hook deregisters every freed segment, and refuses one not registered
+    # (ProcessGroupNCCL.cpp cacheAllocatorDeregisterHook, NCCLComm::deregisterSegment):
+    # the pool goes before the process group, and is never deregistered before it goes.
+    with open(os.path.join(GPU_DIR, "nccl_register.py")) as f:
+        source = f.read()
+    main = source[source.index("def main("):]
+    assert "deregister_mem_pool" not in main, "freeing a deregistered pool fails under the hook"
+    assert main.index("del pool") < main.index("torch.cuda.empty_cache()") < main.index(
+        "dist.destroy_process_group()\n    pyalloc")
+
+
+def test_the_ipc_check_fails_fast_when_its_receiver_dies_or_hangs():
+    import multiprocessing
+    import time
+
+    ipc = gpu_check("ipc")
+    ctx = multiprocessing.get_context("spawn")
+    outbox = ctx.Queue()
+    # A receiver that dies before answering (an exception, an out-of-memory): the sender
+    # says so at once, instead of waiting out its timeout.
+    with ipc.receiving(ctx, os._exit, (3,)) as proc:
+        assert proc.daemon, "Python's exit would wait on a non-daemon receiver"
+        start = time.monotonic()
+        with pytest.raises(AssertionError, match="the receiver exited with 3 without answering"):
+            ipc.answer(outbox, proc, timeout=60)
+        assert time.monotonic() - start < 30
+    # A receiver that hangs: the wait ends at its timeout.
+    start = time.monotonic()
+    with ipc.receiving(ctx, time.sleep, (600,)) as proc:
+        with pytest.raises(AssertionError, match="the receiver did not answer in 2 s"):
+            ipc.answer(outbox, proc, timeout=2)
+    # A sender that fails: the receiver, waiting on its queue, is killed on the way out.
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with ipc.receiving(ctx, time.sleep, (600,)) as proc:
+            raise RuntimeError("CUDA out of memory")
+    assert not proc.is_alive() and proc.exitcode is not None
+    assert time.monotonic() - start < 60
+    # An answer that comes is returned.
+    with ipc.receiving(ctx, time.sleep, (0,)) as proc:
+        outbox.put({"big": True})
+        assert ipc.answer(outbox, proc, timeout=30) == {"big": True}
+    # Every wait of the receiver on its queue is bounded.
+    with open(os.path.join(GPU_DIR, "ipc.py")) as f:
+        source = f.read()
+    assert "inbox.get()" not in source and source.count("inbox.get(timeout=WAIT_S)") == 3

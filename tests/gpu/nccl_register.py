@@ -12,15 +12,22 @@ stderr ("an allocator trace tracker failed"), which test_gpu.py reads.
 
 What is checked here, from outside NCCL: that the segments a snapshot lists
 (what ProcessGroupNCCL registers when a communicator is made, and what
-register_mem_pool registers) are exactly the units the bridge tells its
-trackers (pyalloc's C table, snapshot_units), so that every range registered
-is later deregistered by its address; that every tensor used in a collective
-lies in those ranges; and that a MemPool's tensor lies in one of them. What is
-not checked, because only NCCL's internals know it: that NCCL holds these
-registrations (ProcessGroupNCCL keeps them in NCCLComm, not visible from
-Python), and whether NCCL treats a buffer that spans several registered
-ranges (vmm pages of one tensor) as registered; the check prints how many
-such buffers it saw.
+register_mem_pool registers) are each one mapping of the driver, starting at
+the segment's address (asked of the driver itself, cuPointerGetAttribute:
+NCCL registers by address, and a range must lie in one allocation), none
+overlapping another, and that they cover every block pyalloc's own segment
+list holds (its pools' bookkeeping, not the units); that every tensor used in
+a collective lies in those ranges; and that a MemPool's tensor lies in one of
+them. The pool is freed while it is registered and while the process group
+lives: with TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 NCCL's hook
+deregisters every segment freed (ProcessGroupNCCL.cpp,
+cacheAllocatorDeregisterHook) and NCCLComm::deregisterSegment refuses one not
+registered, so deregister_mem_pool then freeing the pool would fail under
+PyTorch's own allocator too. What is not checked, because only NCCL's
+internals know it: that NCCL holds these registrations (ProcessGroupNCCL
+keeps them in NCCLComm, not visible from Python), and whether NCCL treats a
+buffer that spans several registered ranges (vmm pages of one tensor) as
+registered; the check prints how many such buffers it saw.
 """
 import gc
 import os
@@ -61,11 +68,62 @@ def holders(registered, lo, hi):
     return None if at < hi else held
 
 
-def told_units(pool_id=None):
-    """The units the bridge has told its trackers (pyalloc's side of the story)."""
+def block_ranges(pool_id=None):
+    """The (address, size) of every allocated block in pyalloc's own segment list (its
+    pools' bookkeeping, listed without the units: the C table's snapshot, whose
+    blocks tile each segment in order)."""
     from bridge_api import BridgeApi
 
-    return ranges(BridgeApi().snapshot(0, pool_id=pool_id, units=True))
+    out = set()
+    for seg in BridgeApi().snapshot(0, pool_id=pool_id):
+        at = seg["address"]
+        for b in seg["blocks"]:
+            if b["allocated"] and b["size"] > 0:
+                out.add((at, b["size"]))
+            at += b["size"]
+    return out
+
+
+# CUpointer_attribute (cuda.h): the range of a cuMemAlloc allocation, and the mapping
+# (cuMemMap) a pointer lies in.
+RANGE_START_ADDR, RANGE_SIZE, MAPPING_SIZE, MAPPING_BASE_ADDR = 11, 12, 18, 19
+
+
+def driver_attribute(driver, attribute, ptr):
+    """cuPointerGetAttribute's 64-bit answer, or None where the driver has none for ptr."""
+    import ctypes
+
+    value = ctypes.c_uint64(0)
+    status = driver.cuPointerGetAttribute(ctypes.byref(value), ctypes.c_int(attribute), ctypes.c_uint64(ptr))
+    return value.value if status == 0 else None
+
+
+def driver_extents(driver, ptr):
+    """The driver's own (start, size) of what ptr lies in, as it answers them: its
+    allocation (cuMemAlloc: cudaMalloc'd segments) and its mapping (cuMemMap: vmm's
+    handles, ncclMemAlloc). (None, None) for an answer it does not give."""
+    return [(driver_attribute(driver, RANGE_START_ADDR, ptr), driver_attribute(driver, RANGE_SIZE, ptr)),
+            (driver_attribute(driver, MAPPING_BASE_ADDR, ptr), driver_attribute(driver, MAPPING_SIZE, ptr))]
+
+
+def check_units_against_driver(units, blocks, driver=None):
+    """Each unit is what the driver has mapped from its address on (so NCCL can
+    register it, and deregister it by that address), to its last byte; no two overlap; and every block pyalloc holds lies in them. ``driver``:
+    libcuda (a stand-in on CPU)."""
+    import ctypes
+
+    driver = driver or ctypes.CDLL("libcuda.so.1")
+    end = 0
+    for addr, size in sorted(units):
+        assert addr >= end, f"units overlap at {addr:#x} (the one before ends at {end:#x})"
+        end = addr + size
+        extents = driver_extents(driver, addr)
+        # One allocation or mapping of the driver's starts at the unit and holds all of it.
+        assert any(start == addr and size <= (length or 0) for start, length in extents), (
+            f"unit {addr:#x}+{size:#x}: the driver's allocation and mapping there are "
+            + ", ".join(f"{start or 0:#x}+{length or 0:#x}" for start, length in extents))
+    missing = [(a, s) for a, s in sorted(blocks) if holders(units, a, a + s) is None]
+    assert not missing, f"blocks outside every unit listed: {[(hex(a), s) for a, s in missing[:4]]}"
 
 
 def pool_snapshot(pool_id):
@@ -87,12 +145,12 @@ def check_registered(tensor, registered, what):
 
 
 def check_snapshot_is_units():
-    """A snapshot now lists exactly the units told: what a communicator made now
-    registers is what later SEGMENT_FREEs deregister."""
+    """A snapshot now lists what the driver has mapped, one mapping a segment, and
+    every block pyalloc holds lies in them: what a communicator made now registers
+    is what later SEGMENT_FREEs deregister, by the same addresses."""
     torch.cuda.synchronize()
-    listed, told = ranges(torch.cuda.memory_snapshot()), told_units()
-    assert listed == told, (
-        f"snapshot lists {sorted(listed - told)[:4]} not told, units told {sorted(told - listed)[:4]} not listed")
+    listed = ranges(torch.cuda.memory_snapshot())
+    check_units_against_driver(listed, block_ranges())
     return listed
 
 
@@ -157,7 +215,7 @@ def main():
         # What register_mem_pool registered: the pool's segments, each one
         # ncclMemAlloc segment and so one unit, told as such.
         pool_ranges = ranges(pool_snapshot(tuple(pool.id)))
-        assert pool_ranges == told_units(tuple(pool.id)), (pool_ranges, told_units(tuple(pool.id)))
+        check_units_against_driver(pool_ranges, block_ranges(tuple(pool.id)))
         held = check_registered(t, pool_ranges, "a MemPool's tensor")
         assert len(held) == 1, f"a MemPool tensor spans {len(held)} registered ranges"
     dist.all_reduce(t)
@@ -165,13 +223,17 @@ def main():
     assert float(t[0]) == float(t[-1]) == 1.0
     live = set(pyalloc._C.cuda_pool_live_blocks(0, tuple(pool.id)))
     assert t.data_ptr() in live, live
-    if registers:
-        backend.deregister_mem_pool(pool)
+    # Freed while registered and while the process group lives: the hook deregisters
+    # each segment as it goes (deregistering the pool first would leave it to deregister
+    # what is no longer registered, which NCCLComm refuses), as a tensor's memory
+    # goes in a training run.
     del t
     gc.collect()
     del pool
     gc.collect()
     torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    del backend, allocator
     dist.destroy_process_group()
     pyalloc._C.cuda_check_invariants(0)
     # Not a failure: whether NCCL uses such buffers as registered is NCCL's.
