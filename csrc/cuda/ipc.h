@@ -107,6 +107,7 @@ std::string fake_token(uintptr_t base);
 /// For tests and the doctor.
 struct Counts {
   uint64_t exports = 0;       // allocations whose pages are exported now
+  uint64_t handles_exported = 0;  // handles of pages exported for those, ever (once each per share)
   uint64_t served = 0;        // requests for pages answered with their handles
   uint64_t refused = 0;       // requests refused (an export ended, unknown)
   uint64_t mappings = 0;      // handles opened by this process now
