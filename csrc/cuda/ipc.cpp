@@ -158,7 +158,7 @@ uint32_t process_id() {
   return pid != 0 ? pid : static_cast<uint32_t>(::getpid());
 }
 
-// The sending server's abstract socket name: the process's id in ten digits
+// The sending server's socket name (abstract, or its file's): the process's id in ten digits
 // (all a uint32_t takes), so that every 'P' handle has one length,
 // kPagesHandleSize. Its length must never be CU_IPC_HANDLE_SIZE: PyTorch and
 // open() read a handle of exactly 64 bytes as the driver's legacy handle
@@ -636,7 +636,8 @@ Served fetch_pages(const PagesHandle& h) {
   if (h.format == kPagesFormatFile && dir.empty())
     fail("it serves its pages from a socket file in its PYALLOC_IPC_DIR; set PYALLOC_IPC_DIR in this "
          "process too, to the same directory as this process sees it");
-  sockaddr_un a = h.format == kPagesFormatFile ? file_address(dir, h.socket, &len) : abstract_address(h.socket, &len);
+  sockaddr_un a = h.format == kPagesFormatFile ? file_address(dir, h.socket, &len)
+                                                : abstract_address(h.socket, &len);
   if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&a), len) != 0) {
     std::string why = std::string("its pyalloc does not answer (") + std::strerror(errno) + "): ";
     if (h.format == kPagesFormatFile)

@@ -14,8 +14,15 @@
 //   segments send their page handles as file descriptor numbers that the
 //   receiver takes from the sender with pidfd_getfd, which containers
 //   refuse. pyalloc instead serves the pages' POSIX file descriptors from a
-//   Unix socket (abstract name, same user only) in the sending process,
-//   passing them with SCM_RIGHTS when the receiver asks. The receiver maps
+//   Unix socket (same user only) in the sending process, passing them with
+//   SCM_RIGHTS when the receiver asks. The socket is abstract, reachable in
+//   one network namespace only, unless PYALLOC_IPC_DIR names a directory:
+//   then it is a file there (mode 0600, removed at exit), which processes in
+//   different network namespaces (containers sharing a GPU) reach through a
+//   directory both see; the handle says which, and each side reads
+//   PYALLOC_IPC_DIR for itself. The handles are exported once, at the first
+//   share; the export keeps their descriptors until the allocation's free
+//   and sends each receiver copies. The receiver maps
 //   only the handles under the allocation, in an address range of their
 //   size. Only a pyalloc receiver opens such a handle.
 // - 'e' (PyTorch's expandable segments) is refused with a clear error.

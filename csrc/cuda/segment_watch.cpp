@@ -34,6 +34,7 @@ struct Queued {
 std::mutex queue_mu;
 std::deque<Queued> queue;  // under queue_mu
 uint64_t last_queued = 0;  // under queue_mu
+std::atomic<uint64_t> queued_so_far{0};  // last_queued, read without the lock
 std::atomic<uint64_t> told{0};
 std::mutex telling_mu;  // one thread tells at a time: one order
 thread_local uint64_t my_last_queued = 0;
@@ -43,6 +44,7 @@ void enqueue(const SegmentEvent& e, std::function<void()> then = {}) {
   std::lock_guard<std::mutex> g(queue_mu);
   queue.push_back(Queued{++last_queued, e, std::move(then)});
   my_last_queued = last_queued;
+  queued_so_far.store(last_queued, std::memory_order_seq_cst);
 }
 
 bool pop(Queued* out) {
@@ -58,12 +60,10 @@ void tell_one(const SegmentEvent& e) {
   if (watcher != nullptr) watcher(watcher_user, e);
 }
 
-}  // namespace
-
-void tell_queued_segments() noexcept {
-  if (told.load(std::memory_order_acquire) >= my_last_queued) return;
-  if (telling_here) return;  // the loop this thread is in tells them after the watcher returns
-  std::lock_guard<std::mutex> g(telling_mu);
+// Tells the queue, if no other thread is telling it; false if one is.
+bool tell_queue() noexcept {
+  std::unique_lock<std::mutex> g(telling_mu, std::try_to_lock);
+  if (!g.owns_lock()) return false;
   telling_here = true;
   Queued q;
   while (pop(&q)) {
@@ -82,6 +82,21 @@ void tell_queued_segments() noexcept {
     told.store(q.seq, std::memory_order_release);
   }
   telling_here = false;
+  return true;
+}
+
+}  // namespace
+
+void tell_queued_segments() noexcept {
+  if (told.load(std::memory_order_acquire) >= my_last_queued) return;
+  if (telling_here) return;  // the loop this thread is in tells them after the watcher returns
+  // Never waits for another thread telling: its watcher may wait for a lock
+  // this thread holds. That thread tells these too: one queued before its
+  // last look (after it lets go of telling_mu) is seen there.
+  while (tell_queue()) {
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // the look after the unlock, not before
+    if (told.load(std::memory_order_seq_cst) >= queued_so_far.load(std::memory_order_seq_cst)) return;
+  }
 }
 
 size_t queued_segment_events() {

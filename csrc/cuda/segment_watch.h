@@ -21,9 +21,13 @@
 // thread holds while it allocates deadlocks). The pools queue each event
 // under their lock, in the order they map and unmap, and every pools
 // operation that queued one tells the queue, in that order, once it has
-// released the pool's lock and before it returns (TellQueuedSegments). So:
-// - a unit is told mapped before the operation that mapped it returns: no
-//   pointer into it reaches its caller first;
+// released the pool's lock and before it returns (TellQueuedSegments),
+// unless another thread is telling it then: that thread tells these too,
+// and this one never waits for it (its watcher may be waiting for a lock
+// this thread's caller holds). So:
+// - a unit is told mapped before the operation that mapped it returns, or
+//   while another thread tells the queue, right after that thread's current
+//   event (until then NCCL sees the buffer unregistered: its slower path);
 // - a unit is told unmapping before any unit mapped after it is told (one
 //   order for the process), so before pyalloc maps anything at its address
 //   again; but after the driver has the memory back, not before (PyTorch
@@ -69,9 +73,9 @@ using SegmentWatcher = void (*)(void* user, const SegmentEvent& event);
 void watch_segments(SegmentWatcher fn, void* user);
 
 /// Tells the watcher, on this thread, every event queued so far if this
-/// thread queued one not yet told; call with no pool lock held. Another
-/// thread telling meanwhile is waited for (the order is one), unless this
-/// thread is inside a watcher's call: then that call's loop tells the rest.
+/// thread queued one not yet told; call with no pool lock held. If another
+/// thread is telling meanwhile (or this one is, inside a watcher's call),
+/// returns at once: that loop tells the rest, in order.
 void tell_queued_segments() noexcept;
 
 /// Tells the queued events when it goes: the first line of every pools
