@@ -7,6 +7,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -333,12 +334,16 @@ class Exports {
   // The handle of the pages under the live allocation at ptr of `pools`,
   // and (*offset) where ptr lies in them. Exported once, on the first share:
   // the export keeps its handles' descriptors, which each receiver is sent,
-  // until the allocation's free. Under the exports' lock from the pools'
-  // answer on, so that a free (forget()) comes before or after it whole.
+  // until the allocation's free. Under the lock of ptr's shard throughout,
+  // so that its free (forget()) comes before or after it whole; the
+  // exports' lock only to record it, not while the pools export.
   std::string share(DevicePools& pools, uintptr_t ptr, uint64_t* offset) {
-    std::lock_guard<std::mutex> g(mu_);
-    auto known = by_block_.find(std::make_pair(pools.index(), ptr));
-    if (known != by_block_.end()) {
+    Shard& shard = shard_of(ptr);
+    std::lock_guard<std::mutex> s(shard.mu);
+    auto key = std::make_pair(pools.index(), ptr);
+    auto known = shard.by_block.find(key);
+    if (known != shard.by_block.end()) {
+      std::lock_guard<std::mutex> g(mu_);
       const Export& e = by_id_.at(known->second);
       *offset = e.offset;
       return e.handle;
@@ -355,6 +360,7 @@ class Exports {
       std::string handle{kHandleVersion, kSegmentHandle};
       return handle + mems.v.front().token;
     }
+    std::lock_guard<std::mutex> g(mu_);
     start_locked();
     exports_made_ += mems.v.size();
     PagesHandle h;
@@ -369,24 +375,31 @@ class Exports {
     e.offset = *offset;
     e.handle = encode(h);
     e.mems.v.swap(mems.v);
-    by_block_.emplace(std::make_pair(pools.index(), ptr), h.id);
+    shard.by_block.emplace(key, h.id);
     detail::exports.store(by_id_.size(), std::memory_order_release);
     return e.handle;
   }
 
+  // A free: the lock of ptr's shard alone, unless ptr's pages are exported.
   void forget(int device, uintptr_t ptr) {
-    std::lock_guard<std::mutex> g(mu_);  // waits for a request's descriptors being copied
-    auto it = by_block_.find(std::make_pair(device, ptr));
-    if (it == by_block_.end()) return;
-    by_id_.erase(it->second);  // closes its descriptors
-    by_block_.erase(it);
-    detail::exports.store(by_id_.size(), std::memory_order_release);
+    Shard& shard = shard_of(ptr);
+    std::lock_guard<std::mutex> s(shard.mu);
+    auto it = shard.by_block.find(std::make_pair(device, ptr));
+    if (it == shard.by_block.end()) return;
+    {
+      std::lock_guard<std::mutex> g(mu_);  // waits for a request's descriptors being copied
+      frees_locked_++;
+      by_id_.erase(it->second);  // closes its descriptors
+      detail::exports.store(by_id_.size(), std::memory_order_release);
+    }
+    shard.by_block.erase(it);
   }
 
   void count(Counts* c) {
     std::lock_guard<std::mutex> g(mu_);
     c->exports = by_id_.size();
     c->handles_exported = exports_made_;
+    c->frees_locked = frees_locked_;
     c->served = served_;
     c->refused = refused_;
   }
@@ -529,14 +542,25 @@ class Exports {
     send_all(c, head);
   }
 
-  std::mutex mu_;
+  // The exported allocations by (device, pointer), in shards by the pointer:
+  // a free looks in its own shard, so frees of allocations not exported take
+  // no lock of the whole process. Lock order: a shard's, then mu_.
+  struct Shard {
+    std::mutex mu;
+    std::map<std::pair<int, uintptr_t>, uint64_t> by_block;  // the export's id
+  };
+  static constexpr size_t kShards = 64;
+  Shard& shard_of(uintptr_t ptr) { return shards_[((ptr >> 9) ^ (ptr >> 21)) % kShards]; }
+  std::array<Shard, kShards> shards_;
+
+  std::mutex mu_;  // the exports (by_id_), the server, the counts
   std::mt19937_64 rng_;
   int fd_ = -1;
   std::string name_;
   uint8_t format_ = kPagesFormat;
   uint64_t exports_made_ = 0;  // handles exported for receivers, ever
+  uint64_t frees_locked_ = 0;  // frees that took mu_: those of exported allocations
   std::unordered_map<uint64_t, Export> by_id_;
-  std::map<std::pair<int, uintptr_t>, uint64_t> by_block_;
   uint64_t served_ = 0;
   uint64_t refused_ = 0;
 };

@@ -483,6 +483,7 @@ void bind_cuda(py::module_& m) {
         py::dict d;
         d["exports"] = c.exports;
         d["handles_exported"] = c.handles_exported;
+        d["frees_locked"] = c.frees_locked;
         d["served"] = c.served;
         d["refused"] = c.refused;
         d["mappings"] = c.mappings;

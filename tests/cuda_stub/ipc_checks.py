@@ -286,7 +286,14 @@ def vmm():
     assert 3 * MiB <= mapped == handle_bytes(handle) < reserved, (mapped, reserved)
     assert got["while_open"]["imported"] >= 1 and got["after"]["imported"] == 0, got
     # Pages around it go back to the driver; the shared ones stay where they are.
-    assert api.free(big, 0) == OK and api.empty_cache(-1) == OK
+    # Regression: once anything was exported, every free took the exports'
+    # lock of the whole process; now only the free of an exported allocation.
+    locked = _C.cuda_ipc_counts()["frees_locked"]
+    others = [malloc(MiB) for _ in range(16)]
+    for q in others + [big]:
+        assert api.free(q, 0) == OK
+    assert _C.cuda_ipc_counts()["frees_locked"] == locked, "frees of unexported blocks took the lock"
+    assert api.empty_cache(-1) == OK
     assert api.stats(0)["reserved_bytes.all.current"] < reserved
     again = ask(handle, offset, 3 * MiB, pattern=0x22, reply=0x22)
     assert c.string_at(p, MiB) == b"\x11" * MiB
@@ -296,6 +303,7 @@ def vmm():
     assert served == 5, served  # one request per receiving process: its second open is cached
     assert api.free(p, 0) == OK
     assert _C.cuda_ipc_counts()["exports"] == 0
+    assert _C.cuda_ipc_counts()["frees_locked"] == locked + 1
     got = ask(handle, offset, 3 * MiB)
     assert "is no longer shared: its allocation was freed" in got.get("error", ""), got
     assert got["mappings"] == 0 and got["imported"] == 0, got
