@@ -182,7 +182,8 @@ int api_memory_usage(int device, void* ptr, pyalloc_memory_usage* out) {
   return guarded([&] {
     *out = pyalloc_memory_usage{device, 0, 0, 0};
     if (ptr != nullptr) {
-      for (DevicePools* p : registry().all()) {
+      // Asked about one device: its pools alone (the profiler asks at every malloc and free).
+      for (DevicePools* p : devices_of(device)) {
         Allocator::LiveBlockInfo info;
         bool found = false;
         p->for_each_pool([&](DevicePools::PoolId, Allocator& a) {

@@ -66,6 +66,7 @@ DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config, P
 }
 
 uintptr_t DevicePools::malloc(size_t size, Stream stream, uint64_t context) {
+  TellQueuedSegments told;  // once this call's locks are released (segment_watch.h)
   if (size == 0) return 0;
   if (graphs_.routing()) {
     heal_routes();  // a capture whose route was never ended stops counting as one
@@ -98,6 +99,7 @@ size_t DevicePools::release_others(const Allocator& pool) {
 // device-wide lock on the common path. One of a graph-pool block takes the
 // graph pools' lock shared (graph_pools.h).
 bool DevicePools::free(uintptr_t ptr, std::string* why, uint64_t context) {
+  TellQueuedSegments told;  // once this call's locks are released (segment_watch.h)
   ipc::forget(index(), ptr);  // an export of its pages ends before they can be reused
   if (capture_free(ptr)) return true;
   if (general_->try_free(ptr, context)) return true;
@@ -141,9 +143,13 @@ bool DevicePools::base_allocation(uintptr_t ptr, uintptr_t* base, size_t* size) 
          graphs_.base_allocation(ptr, base, size);
 }
 
-uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) { return buffers_->malloc(size, stream); }
+uintptr_t DevicePools::malloc_buffer(size_t size, Stream stream) {
+  TellQueuedSegments told;  // once this call's locks are released (segment_watch.h)
+  return buffers_->malloc(size, stream);
+}
 
 void DevicePools::free_buffer(uintptr_t ptr) {
+  TellQueuedSegments told;  // once this call's locks are released (segment_watch.h)
   ipc::forget(index(), ptr);
   buffers_->free(ptr);
 }
@@ -175,6 +181,7 @@ void DevicePools::quiesce() const {
 }
 
 size_t DevicePools::empty_cache() {
+  TellQueuedSegments told;  // once this call's locks are released (segment_watch.h)
   // A capture may be underway from begin_allocate_to_pool on, before any of
   // its allocations has shown its stream: release nothing while a route is open.
   heal_routes();
@@ -269,15 +276,18 @@ void DevicePools::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
 }
 
 void DevicePools::end_allocate_to_pool(PoolId id) {
+  TellQueuedSegments told;  // once this call's locks are released (segment_watch.h)
   graphs_.end_route(id);
   release_parked_everywhere();
 }
 
 void DevicePools::mark_capture(bool begin) {
+  TellQueuedSegments told;  // once this call's locks are released (segment_watch.h)
   if (graphs_.mark_capture(begin)) release_parked_everywhere();
 }
 
 void DevicePools::release_pool(PoolId id) {
+  TellQueuedSegments told;  // once this call's locks are released (segment_watch.h)
   // A route its last use ended may have been the last capture.
   if (graphs_.release(id)) release_parked_everywhere();
 }
@@ -287,6 +297,7 @@ void DevicePools::create_or_incref_pool(PoolId id, SegmentSource source) {
 }
 
 void DevicePools::release_parked() {
+  TellQueuedSegments told;  // once this call's locks are released (segment_watch.h)
   if (device_->captures().underway()) return;  // each pool checks again, under its lock
   for_each_pool([](PoolId, Allocator& a) { a.release_parked(); });
 }
@@ -367,6 +378,7 @@ std::pair<size_t, size_t> DevicePools::graph_memory() const {
 }
 
 size_t DevicePools::release_graph_memory() {
+  TellQueuedSegments told;  // once this call's locks are released (segment_watch.h)
   std::vector<uintptr_t> idle;
   size_t bytes = 0;
   {

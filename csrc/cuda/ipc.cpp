@@ -1,13 +1,17 @@
 // CUDA IPC of pyalloc's memory: see ipc.h.
 #include "ipc.h"
 
+#include <fcntl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -135,9 +139,19 @@ struct PagesHandle {
   uint64_t id = 0;        // the export's id: random, so that it cannot be guessed
   uint64_t bytes = 0;     // the handles' bytes together
   uint32_t handles = 0;
-  std::string socket;     // the server's abstract name, without its leading NUL
+  uint8_t format = 0;     // kPagesFormat or kPagesFormatFile: where the server listens
+  std::string socket;     // the server's name: abstract (without its leading NUL), or its file's
 };
-constexpr uint8_t kPagesFormat = 1;
+constexpr uint8_t kPagesFormat = 1;      // an abstract socket: one network namespace
+constexpr uint8_t kPagesFormatFile = 2;  // a socket file in PYALLOC_IPC_DIR: one directory seen
+
+// The directory of socket files (PYALLOC_IPC_DIR), read by each side for
+// itself: a sender's container and a receiver's may mount it at different
+// paths. Empty: unset.
+std::string ipc_dir() {
+  const char* dir = std::getenv("PYALLOC_IPC_DIR");
+  return dir != nullptr ? dir : "";
+}
 
 std::atomic<uint32_t> pid_for_tests{0};
 uint32_t process_id() {
@@ -145,7 +159,7 @@ uint32_t process_id() {
   return pid != 0 ? pid : static_cast<uint32_t>(::getpid());
 }
 
-// The sending server's abstract socket name: the process's id in ten digits
+// The sending server's socket name (abstract, or its file's): the process's id in ten digits
 // (all a uint32_t takes), so that every 'P' handle has one length,
 // kPagesHandleSize. Its length must never be CU_IPC_HANDLE_SIZE: PyTorch and
 // open() read a handle of exactly 64 bytes as the driver's legacy handle
@@ -166,7 +180,7 @@ std::string encode(const PagesHandle& h) {
   std::string s;
   s.push_back(kHandleVersion);
   s.push_back(kPagesHandle);
-  put<uint8_t>(&s, kPagesFormat);
+  put<uint8_t>(&s, h.format);
   put(&s, h.pid);
   put(&s, h.id);
   put(&s, h.bytes);
@@ -181,9 +195,10 @@ std::string encode(const PagesHandle& h) {
 
 PagesHandle decode_pages(const std::string& s) {
   Reader r(s, 2);
-  if (r.get<uint8_t>() != kPagesFormat)
-    throw std::invalid_argument("pyalloc: a CUDA IPC handle of pages from another version of pyalloc");
   PagesHandle h;
+  h.format = r.get<uint8_t>();
+  if (h.format != kPagesFormat && h.format != kPagesFormatFile)
+    throw std::invalid_argument("pyalloc: a CUDA IPC handle of pages from another version of pyalloc");
   h.pid = r.get<uint32_t>();
   h.id = r.get<uint64_t>();
   h.bytes = r.get<uint64_t>();
@@ -282,6 +297,27 @@ sockaddr_un abstract_address(const std::string& name, socklen_t* len) {
   return a;
 }
 
+// The address of socket file `name` in directory `dir`.
+sockaddr_un file_address(const std::string& dir, const std::string& name, socklen_t* len) {
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::string path = dir + "/" + name;
+  if (path.size() + 1 > sizeof(a.sun_path))
+    throw std::runtime_error("pyalloc: PYALLOC_IPC_DIR (" + dir + ") is too long for a socket's path (" +
+                             std::to_string(sizeof(a.sun_path) - 2 - name.size()) +
+                             " bytes at most): choose a shorter path to it");
+  std::memcpy(a.sun_path, path.data(), path.size());
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + path.size() + 1);
+  return a;
+}
+
+// The server's socket file, removed when the process exits normally (one
+// killed leaves it; its random name never collides with another's).
+std::string served_file;
+void remove_served_file() {
+  if (!served_file.empty()) ::unlink(served_file.c_str());
+}
+
 void set_timeouts(int fd) {
   timeval t{kSocketTimeoutSeconds, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &t, sizeof(t));
@@ -295,51 +331,85 @@ class Exports {
     return *e;
   }
 
-  // The handle of the pages under the live allocation at ptr (mems: the
-  // handles share() found, whose descriptors the caller closes).
-  std::string add(int device, uintptr_t ptr, const std::vector<SharedMemory>& mems) {
+  // The handle of the pages under the live allocation at ptr of `pools`,
+  // and (*offset) where ptr lies in them. Exported once, on the first share:
+  // the export keeps its handles' descriptors, which each receiver is sent,
+  // until the allocation's free. Under the lock of ptr's shard throughout,
+  // so that its free (forget()) comes before or after it whole; the
+  // exports' lock only to record it, not while the pools export.
+  std::string share(DevicePools& pools, uintptr_t ptr, uint64_t* offset) {
+    Shard& shard = shard_of(ptr);
+    std::lock_guard<std::mutex> s(shard.mu);
+    auto key = std::make_pair(pools.index(), ptr);
+    auto known = shard.by_block.find(key);
+    if (known != shard.by_block.end()) {
+      std::lock_guard<std::mutex> g(mu_);
+      const Export& e = by_id_.at(known->second);
+      *offset = e.offset;
+      return e.handle;
+    }
+    SharedMems mems;  // closed on every path but the one that keeps them
+    std::string why;
+    if (!pools.share(ptr, &mems.v, &why)) {
+      if (mems.v.empty()) throw std::invalid_argument("pyalloc cannot share " + format_ptr(ptr) + ": " + why);
+      throw std::runtime_error("pyalloc cannot share the CUDA memory at " + format_ptr(ptr) +
+                               " with another process: " + why);
+    }
+    *offset = ptr - mems.v.front().addr;
+    if (mems.v.front().fd < 0) {  // a segment: the driver's token
+      std::string handle{kHandleVersion, kSegmentHandle};
+      return handle + mems.v.front().token;
+    }
     std::lock_guard<std::mutex> g(mu_);
     start_locked();
+    exports_made_ += mems.v.size();
     PagesHandle h;
     h.pid = static_cast<uint32_t>(process_id());
+    h.format = format_;
     h.socket = name_;
-    h.handles = static_cast<uint32_t>(mems.size());
-    for (const SharedMemory& m : mems) h.bytes += m.size;
-    auto key = std::make_pair(device, ptr);
-    auto known = by_block_.find(key);
-    if (known != by_block_.end()) {
-      h.id = known->second;
-    } else {
-      do h.id = rng_(); while (h.id == 0 || by_id_.count(h.id) != 0);
-      by_id_.emplace(h.id, Export{device, ptr, h.bytes, h.handles});
-      by_block_.emplace(key, h.id);
-      detail::exports.store(by_id_.size(), std::memory_order_release);
-    }
-    return encode(h);
+    h.handles = static_cast<uint32_t>(mems.v.size());
+    for (const SharedMemory& m : mems.v) h.bytes += m.size;
+    do h.id = rng_(); while (h.id == 0 || by_id_.count(h.id) != 0);
+    Export& e = by_id_[h.id];
+    e.device = pools.index();
+    e.offset = *offset;
+    e.handle = encode(h);
+    e.mems.v.swap(mems.v);
+    shard.by_block.emplace(key, h.id);
+    detail::exports.store(by_id_.size(), std::memory_order_release);
+    return e.handle;
   }
 
+  // A free: the lock of ptr's shard alone, unless ptr's pages are exported.
   void forget(int device, uintptr_t ptr) {
-    std::lock_guard<std::mutex> g(mu_);  // waits for a request's handles being taken
-    auto it = by_block_.find(std::make_pair(device, ptr));
-    if (it == by_block_.end()) return;
-    by_id_.erase(it->second);
-    by_block_.erase(it);
-    detail::exports.store(by_id_.size(), std::memory_order_release);
+    Shard& shard = shard_of(ptr);
+    std::lock_guard<std::mutex> s(shard.mu);
+    auto it = shard.by_block.find(std::make_pair(device, ptr));
+    if (it == shard.by_block.end()) return;
+    {
+      std::lock_guard<std::mutex> g(mu_);  // waits for a request's descriptors being copied
+      frees_locked_++;
+      by_id_.erase(it->second);  // closes its descriptors
+      detail::exports.store(by_id_.size(), std::memory_order_release);
+    }
+    shard.by_block.erase(it);
   }
 
   void count(Counts* c) {
     std::lock_guard<std::mutex> g(mu_);
     c->exports = by_id_.size();
+    c->handles_exported = exports_made_;
+    c->frees_locked = frees_locked_;
     c->served = served_;
     c->refused = refused_;
   }
 
  private:
   struct Export {
-    int device;
-    uintptr_t ptr;
-    uint64_t bytes;
-    uint32_t handles;
+    int device = 0;
+    uint64_t offset = 0;  // the allocation's place in its pages
+    std::string handle;
+    SharedMems mems;  // the handles' descriptors, from the share to the free
   };
 
   Exports() : rng_(std::random_device{}()) {}
@@ -351,13 +421,32 @@ class Exports {
     Fd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
     if (fd.get() < 0)
       throw std::runtime_error(std::string("pyalloc: socket() for CUDA IPC failed: ") + std::strerror(errno));
+    // PYALLOC_IPC_DIR: a socket file there, which a receiver in another
+    // network namespace (another container) reaches through the directory;
+    // else an abstract socket, which needs no file but one namespace.
+    std::string dir = ipc_dir();
     socklen_t len = 0;
-    sockaddr_un a = abstract_address(name, &len);
-    if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), len) != 0 || ::listen(fd.get(), 64) != 0)
+    sockaddr_un a = dir.empty() ? abstract_address(name, &len) : file_address(dir, name, &len);
+    if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), len) != 0)
+      throw std::runtime_error("pyalloc: the CUDA IPC socket could not be made" +
+                               (dir.empty() ? std::string() : " in PYALLOC_IPC_DIR (" + dir + ")") + ": " +
+                               std::strerror(errno));
+    if (!dir.empty()) {
+      served_file = a.sun_path;
+      std::atexit(remove_served_file);
+      // Its owner alone may connect (the server checks the peer's user too).
+      if (::chmod(a.sun_path, 0600) != 0) {
+        remove_served_file();
+        throw std::runtime_error(std::string("pyalloc: the CUDA IPC socket's mode could not be set: ") +
+                                 std::strerror(errno));
+      }
+    }
+    if (::listen(fd.get(), 64) != 0)
       throw std::runtime_error(std::string("pyalloc: the CUDA IPC socket could not listen: ") +
                                std::strerror(errno));
     fd_ = fd.release();
     name_ = name;
+    format_ = dir.empty() ? kPagesFormat : kPagesFormatFile;
     std::thread([this] { serve_forever(); }).detach();
   }
 
@@ -416,8 +505,9 @@ class Exports {
   }
 
   // Under the exports' lock, so that the allocation's free waits (forget()):
-  // the descriptors of the handles under export `id` into *mems, whose
-  // descriptors it closes; or why it is refused (counted).
+  // copies of the descriptors of the handles under export `id` into *mems,
+  // which closes them; or why it is refused (counted). No export, no pool's
+  // lock: the handles were exported once, at the share.
   std::string take_handles(uint64_t id, SharedMems* mems) {
     std::lock_guard<std::mutex> g(mu_);
     auto it = by_id_.find(id);
@@ -428,21 +518,20 @@ class Exports {
              " is no longer shared: its allocation was freed there before this process "
              "opened it (its memory may hold other data now)";
     }
-    const Export& e = it->second;
-    std::string why;
-    DevicePools* pools = PoolRegistry::instance().find(e.device);
-    bool ok = pools != nullptr && pools->share(e.ptr, &mems->v, &why);
-    uint64_t bytes = 0;
-    for (const SharedMemory& m : mems->v) bytes += m.size;
-    if (ok && (mems->v.size() != e.handles || bytes != e.bytes)) {
-      ok = false;
-      why = "its pages are no longer those shared";
+    for (const SharedMemory& m : it->second.mems.v) {
+      SharedMemory copy = m;
+      copy.fd = ::fcntl(m.fd, F_DUPFD_CLOEXEC, 0);
+      if (copy.fd < 0) {
+        std::string why = std::strerror(errno);
+        mems->close();
+        refused_++;
+        return "the CUDA memory shared as export " + std::to_string(id) + " of process " +
+               std::to_string(process_id()) + " cannot be served: its descriptors could not be copied (" +
+               why + ")";
+      }
+      mems->v.push_back(copy);
     }
-    if (ok) return "";
-    mems->close();
-    refused_++;
-    return "the CUDA memory shared as export " + std::to_string(id) + " of process " +
-           std::to_string(process_id()) + " cannot be served: " + why;
+    return "";
   }
 
   void refuse(int c, const std::string& message) {
@@ -453,12 +542,25 @@ class Exports {
     send_all(c, head);
   }
 
-  std::mutex mu_;
+  // The exported allocations by (device, pointer), in shards by the pointer:
+  // a free looks in its own shard, so frees of allocations not exported take
+  // no lock of the whole process. Lock order: a shard's, then mu_.
+  struct Shard {
+    std::mutex mu;
+    std::map<std::pair<int, uintptr_t>, uint64_t> by_block;  // the export's id
+  };
+  static constexpr size_t kShards = 64;
+  Shard& shard_of(uintptr_t ptr) { return shards_[((ptr >> 9) ^ (ptr >> 21)) % kShards]; }
+  std::array<Shard, kShards> shards_;
+
+  std::mutex mu_;  // the exports (by_id_), the server, the counts
   std::mt19937_64 rng_;
   int fd_ = -1;
   std::string name_;
+  uint8_t format_ = kPagesFormat;
+  uint64_t exports_made_ = 0;  // handles exported for receivers, ever
+  uint64_t frees_locked_ = 0;  // frees that took mu_: those of exported allocations
   std::unordered_map<uint64_t, Export> by_id_;
-  std::map<std::pair<int, uintptr_t>, uint64_t> by_block_;
   uint64_t served_ = 0;
   uint64_t refused_ = 0;
 };
@@ -554,10 +656,21 @@ Served fetch_pages(const PagesHandle& h) {
   };
   set_timeouts(sock.get());
   socklen_t len = 0;
-  sockaddr_un a = abstract_address(h.socket, &len);
-  if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&a), len) != 0)
-    fail(std::string("its pyalloc does not answer (") + std::strerror(errno) +
-         "): the process has exited, or runs in another network namespace");
+  std::string dir = ipc_dir();
+  if (h.format == kPagesFormatFile && dir.empty())
+    fail("it serves its pages from a socket file in its PYALLOC_IPC_DIR; set PYALLOC_IPC_DIR in this "
+         "process too, to the same directory as this process sees it");
+  sockaddr_un a = h.format == kPagesFormatFile ? file_address(dir, h.socket, &len)
+                                                : abstract_address(h.socket, &len);
+  if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&a), len) != 0) {
+    std::string why = std::string("its pyalloc does not answer (") + std::strerror(errno) + "): ";
+    if (h.format == kPagesFormatFile)
+      fail(why + "the process has exited, or its PYALLOC_IPC_DIR is not the directory " + dir +
+           " of this process");
+    fail(why + "the process has exited, or runs in another network namespace (another container), "
+               "whose abstract sockets this one cannot reach: set PYALLOC_IPC_DIR, in both processes, "
+               "to a directory both see (a shared volume or /dev/shm), to share through a socket file there");
+  }
   if (!send_all(sock.get(), std::string(reinterpret_cast<const char*>(&h.id), sizeof(h.id))))
     fail("the request could not be sent");
   int32_t status = 0;
@@ -714,19 +827,7 @@ std::string fake_token(uintptr_t base) {
 }
 
 std::string share(DevicePools& pools, uintptr_t ptr, uint64_t* offset) {
-  SharedMems mems;  // closed on every path: served afresh to each receiver that asks
-  std::string why;
-  if (!pools.share(ptr, &mems.v, &why)) {
-    if (mems.v.empty()) throw std::invalid_argument("pyalloc cannot share " + format_ptr(ptr) + ": " + why);
-    throw std::runtime_error("pyalloc cannot share the CUDA memory at " + format_ptr(ptr) +
-                             " with another process: " + why);
-  }
-  *offset = ptr - mems.v.front().addr;
-  if (mems.v.front().fd < 0) {  // a segment: the driver's token
-    std::string handle{kHandleVersion, kSegmentHandle};
-    return handle + mems.v.front().token;
-  }
-  return Exports::instance().add(pools.index(), ptr, mems.v);
+  return Exports::instance().share(pools, ptr, offset);
 }
 
 uintptr_t open(int device, const std::string& handle) {

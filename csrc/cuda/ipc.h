@@ -14,8 +14,17 @@
 //   segments send their page handles as file descriptor numbers that the
 //   receiver takes from the sender with pidfd_getfd, which containers
 //   refuse. pyalloc instead serves the pages' POSIX file descriptors from a
-//   Unix socket (abstract name, same user only) in the sending process,
-//   passing them with SCM_RIGHTS when the receiver asks. The receiver maps
+//   Unix socket (same user only) in the sending process, passing them with
+//   SCM_RIGHTS when the receiver asks. The socket is abstract, reachable in
+//   one network namespace only, unless PYALLOC_IPC_DIR names a directory:
+//   then it is a file there (mode 0600, removed at exit), which processes in
+//   different network namespaces (containers sharing a GPU) reach through a
+//   directory both see; the handle says which, and each side reads
+//   PYALLOC_IPC_DIR for itself. The handles are exported once, at the first
+//   share; the export keeps their descriptors (one per handle) until the
+//   allocation's free and sends each receiver copies, as PyTorch's
+//   ExpandableSegment::share keeps each handle's (shareable_handle). A free
+//   of an allocation not exported takes no lock of the whole process. The receiver maps
 //   only the handles under the allocation, in an address range of their
 //   size. Only a pyalloc receiver opens such a handle.
 // - 'e' (PyTorch's expandable segments) is refused with a clear error.
@@ -107,6 +116,8 @@ std::string fake_token(uintptr_t base);
 /// For tests and the doctor.
 struct Counts {
   uint64_t exports = 0;       // allocations whose pages are exported now
+  uint64_t handles_exported = 0;  // handles of pages exported for those, ever (once each per share)
+  uint64_t frees_locked = 0;  // frees that took the exports' lock: those of exported allocations
   uint64_t served = 0;        // requests for pages answered with their handles
   uint64_t refused = 0;       // requests refused (an export ended, unknown)
   uint64_t mappings = 0;      // handles opened by this process now

@@ -63,9 +63,14 @@ uintptr_t PoolBackend::reserve(size_t size) {
 }
 
 void PoolBackend::release(uintptr_t base, size_t size) {
-  units_.unmapping(base);
-  if (source_.release) source_.release(base, size);
-  else inner_->release(base, size);
+  if (source_.release) {
+    // Its allocator's free (ncclMemFree) after the watcher's deregistration,
+    // which runs with no pool lock held (segment_watch.h).
+    units_.unmapping(base, [release = source_.release, base, size] { release(base, size); });
+  } else {
+    units_.unmapping(base);
+    inner_->release(base, size);
+  }
   budget_.give(size);
 }
 

@@ -14,8 +14,32 @@
 // set (refused, parked during a capture) is told nothing. So a range is
 // registered once, and deregistered before its memory goes.
 //
-// Watchers run on the thread that maps or unmaps, with that pool's lock
-// held: they must not allocate from pyalloc or call into its pools.
+// Watchers run with no pool lock held, so that one may allocate, free or take
+// a lock that a thread waiting on a pool holds (PyTorch calls its trackers
+// under its allocator's recursive mutex: there a tracker that allocates
+// re-enters the allocator mid-operation, and one that takes a lock another
+// thread holds while it allocates deadlocks). The pools queue each event
+// under their lock, in the order they map and unmap, and every pools
+// operation that queued one tells the queue, in that order, once it has
+// released the pool's lock and before it returns (TellQueuedSegments),
+// unless another thread is telling it then: that thread tells these too,
+// and this one never waits for it (its watcher may be waiting for a lock
+// this thread's caller holds). So:
+// - a unit is told mapped before the operation that mapped it returns, or
+//   while another thread tells the queue, right after that thread's current
+//   event (until then NCCL sees the buffer unregistered: its slower path);
+// - a unit is told unmapping before any unit mapped after it is told (one
+//   order for the process), so before pyalloc maps anything at its address
+//   again; but after the driver has the memory back, not before (PyTorch
+//   tells SEGMENT_FREE before its cudaFree, and SEGMENT_UNMAP of an
+//   expandable segment after it unmaps). A watcher must not touch the memory
+//   of an unmapping unit; NCCL's deregistration does not. The exception is
+//   a segment of a MemPool's own allocator (ncclMemAlloc): its free waits in
+//   the queue behind its event, so it is deregistered before ncclMemFree, as
+//   NCCL asks; the pool's budget counts it free from the release on.
+// A watcher that allocates through pyalloc from inside its call gets its
+// memory at once; the units that call maps are told after the watcher
+// returns, by the same loop, still in order.
 //
 // Each unit also gets a number when it is mapped, from one count of the
 // process: PyTorch's registration_counter (SegmentInfo), which it assigns
@@ -27,6 +51,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -46,6 +71,26 @@ using SegmentWatcher = void (*)(void* user, const SegmentEvent& event);
 /// Sets the process's one watcher (nullptr: none). Returns once no call to
 /// the previous one is under way.
 void watch_segments(SegmentWatcher fn, void* user);
+
+/// Tells the watcher, on this thread, every event queued so far if this
+/// thread queued one not yet told; call with no pool lock held. If another
+/// thread is telling meanwhile (or this one is, inside a watcher's call),
+/// returns at once: that loop tells the rest, in order.
+void tell_queued_segments() noexcept;
+
+/// Tells the queued events when it goes: the first line of every pools
+/// operation that may map or unmap, so that they are told once its locks are
+/// released. While nothing is watched, two loads.
+class TellQueuedSegments {
+ public:
+  TellQueuedSegments() = default;
+  ~TellQueuedSegments() { tell_queued_segments(); }
+  TellQueuedSegments(const TellQueuedSegments&) = delete;
+  TellQueuedSegments& operator=(const TellQueuedSegments&) = delete;
+};
+
+/// Tests: the events queued and not yet told (all threads).
+size_t queued_segment_events();
 
 /// A unit mapped, and its number (the order of the mappings in the process).
 struct MappedUnit {
@@ -67,8 +112,10 @@ class MappedUnits {
   /// Access was set over [addr, addr + size): the handles mapped in it are told.
   void access(uintptr_t addr, size_t size);
   /// The unit at addr is about to go (released, unmapped, detached): told if
-  /// it was told mapped; forgotten either way.
-  void unmapping(uintptr_t addr);
+  /// it was told mapped; forgotten either way. `then`, if given, releases it:
+  /// run once it is told (a MemPool's own allocator's free, which must come
+  /// after the deregistration), or at once if nothing is to be told.
+  void unmapping(uintptr_t addr, std::function<void()> then = {});
   /// Every unit in [base, base + size) is about to go (a virtual range released).
   void unmapping_range(uintptr_t base, size_t size);
   /// The told units, by address.

@@ -15,6 +15,7 @@
 
 #include "cuda/cuda_driver.h"
 #include "cuda/registry.h"
+#include "cuda/segment_watch.h"
 #include "cuda/ipc.h"
 #include "py_bindings.h"
 #include "py_convert.h"
@@ -481,6 +482,8 @@ void bind_cuda(py::module_& m) {
         ipc::Counts c = ipc::counts();
         py::dict d;
         d["exports"] = c.exports;
+        d["handles_exported"] = c.handles_exported;
+        d["frees_locked"] = c.frees_locked;
         d["served"] = c.served;
         d["refused"] = c.refused;
         d["mappings"] = c.mappings;
@@ -496,6 +499,10 @@ void bind_cuda(py::module_& m) {
       "_testing_ipc_process_id", [](uint32_t pid) { ipc::set_process_id_for_tests(pid); }, py::arg("pid"),
       "Tests: the process id written into this process's CUDA IPC handles of pages from its first "
       "export on (0: its own).");
+  m.def(
+      "_testing_queued_segment_events", [] { return queued_segment_events(); },
+      "Tests: the events for the segment watcher queued under the pools' locks and not yet told "
+      "(segment_watch.h).");
   m.def(
       "_testing_hook_malloc",
       [](size_t size, int device, Stream stream) {

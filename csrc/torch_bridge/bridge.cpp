@@ -496,7 +496,8 @@ class PyallocAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAP
   // SEGMENT_ALLOC's range with NCCL and deregister it, by address, at its
   // SEGMENT_FREE. pyalloc tells them of the units the driver maps and unmaps
   // whole (segments; vmm's handles, moves included), each once usable and
-  // again before it goes (csrc/cuda/segment_watch.h); and from the first
+  // again as it goes, in order, with no pool lock held
+  // (csrc/cuda/segment_watch.h); and from the first
   // tracker on, snapshots list those units, which is what a new
   // communicator registers (its snapshot).
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {

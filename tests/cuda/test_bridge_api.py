@@ -1392,3 +1392,17 @@ def test_a_use_on_oom_pool_is_the_last_resort(api, fake):
     for x in (held, p, q):
         assert api.free(x, 0) == OK
     assert api.release_pool(0, 0, 7) == OK
+
+
+def test_memory_usage_of_one_device_looks_at_that_device_alone(api, fake):
+    # Regression: asked about device 0, memory_usage searched every device for
+    # ptr, and answered with another device's allocation (and its device).
+    status, p, _ = api.malloc(2 * MiB, device=1)
+    assert status == OK, api.error()
+    u = api.memory_usage(p, device=0)
+    assert (u.device, u.size) == (0, 0)
+    assert u.allocated == api.stats(0)["allocated_bytes.all.current"]
+    mine = api.memory_usage(p, device=1)
+    assert mine.device == 1 and mine.size >= 2 * MiB
+    assert api.memory_usage(p).device == 1  # -1: the allocation's device, found on any
+    assert api.free(p, 1) == OK

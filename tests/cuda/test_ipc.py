@@ -113,12 +113,26 @@ def test_a_handle_too_long_for_the_buffer_says_its_length(api, fake):
 # Two processes on the stand-in driver
 
 
+def network_namespaces_can_be_made():
+    try:
+        return subprocess.run(["unshare", "-n", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+NETNS = pytest.mark.skipif(not network_namespaces_can_be_made(),
+                           reason="`unshare -n` is not permitted here (needs root or user namespaces)")
+
+
 @pytest.mark.parametrize("mode", ["bestfit", "vmm", "vmm-large-pid", "vmm-unshareable",
-                                  "vmm-unshareable-not-permitted", "slow-sender", "fd-leaks"])
+                                  "vmm-unshareable-not-permitted", "slow-sender", "fd-leaks", "vmm-ipc-dir",
+                                  pytest.param("netns-abstract", marks=NETNS),
+                                  pytest.param("netns-ipc-dir", marks=NETNS)])
 def test_ipc_between_two_processes_on_the_stand_in_driver(stub_drivers, mode):
     stub_driver = stub_drivers["relaxed"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]), LD_LIBRARY_PATH=str(stub_driver.parent))
     env.pop("PYALLOC_CONF", None)
+    env.pop("PYALLOC_IPC_DIR", None)
     out = subprocess.run(
         [sys.executable, os.path.join(STUB_DIR, "ipc_checks.py"), str(stub_driver), "send", mode],
         capture_output=True, text=True, env=env, timeout=300,

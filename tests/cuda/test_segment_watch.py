@@ -152,3 +152,114 @@ def test_units_are_told_as_the_stand_in_driver_maps_moves_and_unmaps_them(stub_d
     out = subprocess.run([sys.executable, os.path.join(STUB_DIR, "watch_checks.py"), str(library), mode],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+
+
+# -- trackers are called with no pool lock held ----------------------------------------------
+
+TRACKER_THAT_ALLOCATES = r"""
+import sys
+from pyalloc import _C
+from bridge_api import OK, SEGMENT_EVENT_FN, BridgeApi
+
+MiB = 1 << 20
+_C._testing_use_fake_devices(64 << 20)
+api = BridgeApi()
+events, inner, errors = [], [], []
+
+def tracker(_user, device, mapped, addr, size, pool):
+    events.append((bool(mapped), addr, size))
+    try:
+        if len(inner) < 3:  # allocates, frees and empties the cache from inside its call
+            status, p, _ = api.malloc(9 * MiB)
+            assert status == OK, api.error()
+            inner.append(p)
+            assert api.free(p, 0) == OK, api.error()
+            assert api.empty_cache(-1) == OK, api.error()
+    except BaseException as e:  # ctypes swallows a callback's exception: keep it
+        errors.append(repr(e))
+
+fn = SEGMENT_EVENT_FN(tracker)
+assert api.watch_segments(fn, None) == OK
+status, p, _ = api.malloc(3 * MiB)
+assert status == OK, api.error()
+assert api.free(p, 0) == OK and api.empty_cache(-1) == OK
+assert api.watch_segments(SEGMENT_EVENT_FN(), None) == OK
+assert not errors, errors
+assert len(inner) == 3, inner
+# One order: every unit told mapped, then unmapping, never twice either way.
+live = {}
+for mapped, addr, size in events:
+    assert (addr in live) != mapped, (mapped, hex(addr), events)
+    if mapped:
+        live[addr] = size
+    else:
+        assert live.pop(addr) == size
+assert live == {}, live
+assert _C._testing_queued_segment_events() == 0
+print("OK", len(events))
+"""
+
+
+def test_a_tracker_that_allocates_and_frees_from_its_call_does_not_deadlock():
+    # Regression: trackers were called under the pool's lock, so a tracker
+    # that allocated or freed through pyalloc from its call waited for the lock
+    # its own thread held. In a child process, so that a deadlock fails fast.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]))
+    try:
+        out = subprocess.run([sys.executable, "-c", TRACKER_THAT_ALLOCATES], capture_output=True,
+                             text=True, env=env, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a tracker that allocates from its call deadlocked")
+    assert out.returncode == 0 and out.stdout.startswith("OK"), out.stdout + out.stderr
+
+
+TRACKER_THAT_TAKES_A_LOCK = r"""
+import threading
+from pyalloc import _C
+from bridge_api import OK, SEGMENT_EVENT_FN, BridgeApi
+
+MiB = 1 << 20
+_C._testing_use_fake_devices(64 << 20)
+api = BridgeApi()
+lock, in_tracker, errors, events, got = threading.Lock(), threading.Event(), [], [], {}
+
+def tracker(_user, device, mapped, addr, size, pool):
+    events.append((bool(mapped), addr))
+    if len(events) == 1:
+        in_tracker.set()
+        if not lock.acquire(timeout=20):  # held by a thread that allocates meanwhile
+            errors.append("the tracker waited for a lock its holder could not release")
+            return
+        lock.release()
+
+def other():
+    with lock:  # as a caller holding its own lock while it allocates
+        in_tracker.wait()
+        got["status"], got["ptr"], _ = api.malloc(30 * MiB)  # a segment of its own
+
+fn = SEGMENT_EVENT_FN(tracker)
+assert api.watch_segments(fn, None) == OK
+t = threading.Thread(target=other)
+t.start()
+status, p, _ = api.malloc(3 * MiB)
+t.join()
+assert status == OK and got["status"] == OK, (status, got)
+assert not errors, errors
+assert [m for m, _ in events] == [True, True], events  # both told, in order
+assert api.free(p, 0) == OK and api.free(got["ptr"], 0) == OK
+assert api.watch_segments(SEGMENT_EVENT_FN(), None) == OK
+print("OK")
+"""
+
+
+def test_a_tracker_that_takes_a_lock_an_allocating_thread_holds_does_not_deadlock():
+    # A tracker that waits for a lock which another thread holds while it
+    # allocates: that thread must not wait for the tracker in turn (for the
+    # pool's lock, as it did, or for the telling of its own events).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]))
+    try:
+        out = subprocess.run([sys.executable, "-c", TRACKER_THAT_TAKES_A_LOCK], capture_output=True,
+                             text=True, env=env, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a tracker that takes a lock an allocating thread holds deadlocked")
+    assert out.returncode == 0 and out.stdout.startswith("OK"), out.stdout + out.stderr

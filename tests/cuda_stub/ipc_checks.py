@@ -156,12 +156,15 @@ def check_an_open_during_a_capture_breaks_nothing(p, size):
     assert after["mappings"] == 0 and after["imported"] == 0 and after["ipc_opened"] == 0, got
 
 
-def ask(handle, offset, size, pattern=0, reply=0, device=0, **more):
+RECEIVER_PREFIX = []  # "unshare -n": receivers in a network namespace of their own
+
+
+def ask(handle, offset, size, pattern=0, reply=0, device=0, env=None, **more):
     """Starts a receiving process for the handle; its answer."""
     request = {"handle": handle.hex(), "offset": offset, "size": size, "pattern": pattern,
                "reply": reply, "device": device, **more}
-    out = subprocess.run([sys.executable, __file__, LIB, "receive"], input=json.dumps(request),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(RECEIVER_PREFIX + [sys.executable, __file__, LIB, "receive"], input=json.dumps(request),
+                         capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout)
 
@@ -256,15 +259,26 @@ def handle_bytes(handle):
     return int.from_bytes(handle[2 + 1 + 4 + 8:2 + 1 + 4 + 8 + 8], "little")
 
 
+def handle_count(handle):
+    """The number of handles a 'P' handle names (ipc.cpp's PagesHandle)."""
+    return int.from_bytes(handle[2 + 1 + 4 + 8 + 8:2 + 1 + 4 + 8 + 8 + 4], "little")
+
+
 def vmm():
     stub.vmm = 1
     _C.cuda_configure("pool_size:0,strategy:vmm")
     fds = open_fds()
     big = malloc(40 * MiB)  # pages the receiver has no business mapping
     c.memset(big, 0x77, 40 * MiB)
+    exports = stub.exports
     p, handle, offset, got = check_a_received_block_is_the_senders_memory()
     assert _C.cuda_config()["strategy"] == "vmm"
-    assert handle[:2] == b"\x02P"
+    assert handle[:2] == b"\x02P" and handle[2] == 1, "an abstract socket unless PYALLOC_IPC_DIR is set"
+    # Regression: each share exported the handles (only to count them), and
+    # each receiver's request exported them again. Once, at the first share:
+    # the export keeps their descriptors and sends each receiver copies.
+    assert stub.exports - exports == handle_count(handle) == _C.cuda_ipc_counts()["handles_exported"], (
+        stub.exports - exports, handle_count(handle))
     assert _C.cuda_ipc_counts()["exports"] == 1
     # The receiver mapped the handles under the block, no more.
     mapped = got["while_open"]["mapped_bytes"]
@@ -272,7 +286,14 @@ def vmm():
     assert 3 * MiB <= mapped == handle_bytes(handle) < reserved, (mapped, reserved)
     assert got["while_open"]["imported"] >= 1 and got["after"]["imported"] == 0, got
     # Pages around it go back to the driver; the shared ones stay where they are.
-    assert api.free(big, 0) == OK and api.empty_cache(-1) == OK
+    # Regression: once anything was exported, every free took the exports'
+    # lock of the whole process; now only the free of an exported allocation.
+    locked = _C.cuda_ipc_counts()["frees_locked"]
+    others = [malloc(MiB) for _ in range(16)]
+    for q in others + [big]:
+        assert api.free(q, 0) == OK
+    assert _C.cuda_ipc_counts()["frees_locked"] == locked, "frees of unexported blocks took the lock"
+    assert api.empty_cache(-1) == OK
     assert api.stats(0)["reserved_bytes.all.current"] < reserved
     again = ask(handle, offset, 3 * MiB, pattern=0x22, reply=0x22)
     assert c.string_at(p, MiB) == b"\x11" * MiB
@@ -282,6 +303,7 @@ def vmm():
     assert served == 5, served  # one request per receiving process: its second open is cached
     assert api.free(p, 0) == OK
     assert _C.cuda_ipc_counts()["exports"] == 0
+    assert _C.cuda_ipc_counts()["frees_locked"] == locked + 1
     got = ask(handle, offset, 3 * MiB)
     assert "is no longer shared: its allocation was freed" in got.get("error", ""), got
     assert got["mappings"] == 0 and got["imported"] == 0, got
@@ -398,11 +420,60 @@ def vmm_unshareable(refusal=0):
     assert api.free(p, 0) == OK
 
 
+def vmm_ipc_dir():
+    """PYALLOC_IPC_DIR: the sender serves its pages from a socket file there,
+    of its owner alone, which a receiver reaches through the same directory
+    (in another network namespace too: the mode "netns-ipc-dir"); a receiver
+    without it is told what to set."""
+    import stat
+    import tempfile
+
+    stub.vmm = 1
+    with tempfile.TemporaryDirectory() as shared:
+        os.environ["PYALLOC_IPC_DIR"] = shared
+        _C.cuda_configure("pool_size:0,strategy:vmm")
+        p, handle, offset, got = check_a_received_block_is_the_senders_memory()
+        assert handle[:2] == b"\x02P" and handle[2] == 2, handle
+        [name] = os.listdir(shared)
+        assert name.encode() in handle
+        mode = os.stat(os.path.join(shared, name)).st_mode
+        assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600, oct(mode)
+        alone = dict(os.environ)
+        del alone["PYALLOC_IPC_DIR"]
+        refused = ask(handle, offset, MiB, env=alone)
+        assert "set PYALLOC_IPC_DIR in this process too" in refused.get("error", ""), refused
+        assert refused["mappings"] == 0 and refused["imported"] == 0, refused
+        assert api.free(p, 0) == OK
+
+
+def netns_abstract():
+    """A receiver in another network namespace cannot reach the sender's
+    abstract socket: the error says what to change."""
+    stub.vmm = 1
+    RECEIVER_PREFIX[:] = ["unshare", "-n"]
+    _C.cuda_configure("pool_size:0,strategy:vmm")
+    p = malloc(3 * MiB)
+    handle, offset = share(p)
+    got = ask(handle, offset, MiB)
+    assert "another network namespace" in got.get("error", ""), got
+    assert "set PYALLOC_IPC_DIR, in both processes" in got["error"], got
+    assert got["mappings"] == 0 and got["imported"] == 0, got
+    assert api.free(p, 0) == OK
+
+
+def netns_ipc_dir():
+    """Receivers in a network namespace of their own (as in another container)
+    open the pages through the socket file in PYALLOC_IPC_DIR."""
+    RECEIVER_PREFIX[:] = ["unshare", "-n"]
+    vmm_ipc_dir()
+
+
 if sys.argv[2] == "receive":
     print(json.dumps(receive(json.loads(sys.stdin.read()))))
 else:
     {"bestfit": bestfit, "vmm": vmm, "vmm-large-pid": vmm_large_pid, "vmm-unshareable": vmm_unshareable,
      "vmm-unshareable-not-permitted": lambda: vmm_unshareable(800),
-     "slow-sender": slow_sender, "fd-leaks": fd_leaks}[sys.argv[3]]()
+     "slow-sender": slow_sender, "fd-leaks": fd_leaks, "vmm-ipc-dir": vmm_ipc_dir,
+     "netns-abstract": netns_abstract, "netns-ipc-dir": netns_ipc_dir}[sys.argv[3]]()
     assert stub.bad_handle == 0 and stub.vmm_refused == 0 and stub.capture_invalidated == 0
     print("OK")
