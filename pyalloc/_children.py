@@ -13,7 +13,12 @@ main module to import, ...); ``spawn.prepare()`` uses the keys it knows and
 ignores the others. ``reach_children()`` adds one key whose unpickling installs
 pyalloc in the child, with the parent's settings and route, before the child
 imports the program's main module or runs its target, so before its first CUDA
-work; the child in turn reaches its own children. Where the install fails in a
+work; the child in turn reaches its own children. That install leaves the CUDA
+driver alone (no torch.cuda.is_available(), no cuInit), since the driver reads
+CUDA_VISIBLE_DEVICES once, when it starts, and a target commonly sets it first
+(``os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)``); a child without a GPU or
+driver hears so at its first CUDA use. The parent already named the
+PYTORCH_ALLOC_CONF keys not applied: a child does not repeat them. Where the install fails in a
 child, it says so on stderr, naming the process, and the child runs on
 PyTorch's allocator. This needs no file on sys.path (no sitecustomize, no
 ``.pth``) and does not touch interpreters that are not multiprocessing children:
@@ -45,6 +50,7 @@ def install_in_child(conf: str, bridge: Optional[bool], patch_torch: bool) -> st
     child's preparation data holds under KEY: the route it took, or why not)."""
     from . import cuda
 
+    cuda._state.child = True  # no driver start before the target runs; the parent said the notes
     try:
         cuda.install(conf, bridge=bridge, patch_torch=patch_torch)
     except Exception as e:  # the child still runs: say loudly on what

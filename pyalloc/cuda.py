@@ -73,6 +73,10 @@ class _State:
     hooks: Tuple[str, ...] = ()
     route: Optional[str] = None  # "bridge" or "hooks"
     no_bridge: Optional[str] = None  # why the default fell back to the hooks
+    # A multiprocessing child of a process that installed pyalloc (pyalloc._children):
+    # install() leaves the CUDA driver alone there, and its parent already named the
+    # PYTORCH_ALLOC_CONF keys not applied.
+    child: bool = False
 
 
 _state = _State()
@@ -169,11 +173,12 @@ def install(conf: Optional[str] = None, *, bridge: Optional[bool] = None,
         return
 
     name, taken = torch_settings()
-    if name is not None:
+    if name is not None and not _state.child:
         _torch_conf.announce(name, taken)
     torch = _import_torch()
     _check_torch_can_swap(torch)
-    _C.cuda_check_driver()
+    if not _state.child:
+        _check_driver(torch)
     _C.cuda_configure(text)
 
     route = "bridge" if bridge is not False and _install_bridge(required=bool(bridge)) else "hooks"
@@ -303,13 +308,23 @@ def _check_torch_can_swap(torch) -> None:
             f"torch {torch.__version__} has no torch.cuda.memory.CUDAPluggableAllocator; "
             "pyalloc needs torch 2.3 or newer."
         )
+    if torch.cuda.is_initialized():
+        raise RuntimeError(_ALREADY_INITIALIZED)
+
+
+def _check_driver(torch) -> None:
+    """A GPU that torch sees, and the driver pyalloc's pools load. Both start the CUDA
+    driver (cuInit), which reads CUDA_VISIBLE_DEVICES once and for the process's life:
+    a multiprocessing child skips them, so that its target can still choose its devices
+    (``os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)``), and a child that does no CUDA
+    work never starts the driver. There a missing GPU or driver is said at the first
+    CUDA use, by torch's lazy init or by pyalloc's pools, which load the driver then."""
     if not torch.cuda.is_available():
         raise RuntimeError(
             "pyalloc.install() found no usable CUDA GPU (torch.cuda.is_available() is False): "
             "check the NVIDIA driver (nvidia-smi) and CUDA_VISIBLE_DEVICES."
         )
-    if torch.cuda.is_initialized():
-        raise RuntimeError(_ALREADY_INITIALIZED)
+    _C.cuda_check_driver()
 
 
 def _patch_torch() -> None:

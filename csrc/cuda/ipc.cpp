@@ -10,9 +10,11 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <random>
@@ -571,6 +573,7 @@ class Exports {
 struct Mapping {
   int device = 0;
   int uses = 0;  // 0: closed during a capture, its unmap deferred (unmap_deferred())
+  bool unmapping = false;  // uses == 0: a thread unmaps it, without mappings_mu
   bool legacy = false;  // cuIpcOpenMemHandle; else imported pages (or a fake device's)
   bool fake = false;
   uintptr_t base = 0;
@@ -579,6 +582,7 @@ struct Mapping {
 };
 
 std::mutex mappings_mu;
+std::condition_variable unmapping_done;  // an unmap without mappings_mu has finished
 std::map<std::string, Mapping>& by_handle() {
   static auto* m = new std::map<std::string, Mapping>();
   return *m;
@@ -752,8 +756,12 @@ void map_pages(Mapping* m, Served& pages) {
 // cuMemUnmap and cuMemRelease do not wait for them in all cases: PyTorch
 // synchronizes the device before it unmaps imported pages (ExpandableSegment::
 // unmapHandles, with no stream of its own). cuIpcCloseMemHandle is documented
-// to wait no more, so a legacy handle waits too (PyTorch's closes at once).
-// A failed wait leaves m mapped: the memory may still be in use.
+// to wait no more, so a legacy handle waits too (PyTorch's closes at once):
+// closing unmaps the range from this process, and a kernel of the receiver's
+// still reading it would fault (an illegal address, sticky for the context).
+// A failed wait leaves m mapped: the memory may still be in use. It runs
+// without mappings_mu (unmap_closed()): other opens and closes do not wait
+// behind the device's work.
 void unmap(Mapping* m) {
   if (m->fake) return;
   const Driver& d = driver();
@@ -778,7 +786,9 @@ void unmap(Mapping* m) {
 // cuIpcCloseMemHandle, cuMemUnmap and cuMemRelease during one break it in
 // CUDA's default (global) capture mode, from any thread. The pools' capture
 // trackers say (a CUDA device's is the process's); a process without pools
-// has neither declared nor seen one.
+// has neither declared nor seen one. The wait for the device runs inside the
+// tracker's check too: cuCtxSynchronize during another thread's capture breaks
+// it as well, so a capture's declaration waits for it (DevicePools::quiesce).
 bool unmap_unless_capturing(Mapping* m) {
   std::vector<DevicePools*> all = PoolRegistry::instance().all();
   if (all.empty()) {
@@ -790,29 +800,63 @@ bool unmap_unless_capturing(Mapping* m) {
   return all.front()->unless_capture_underway([&] { unmap(m); });
 }
 
-size_t deferred_unmaps = 0;  // mappings closed with uses == 0, waiting; under mappings_mu
+size_t deferred_unmaps = 0;  // mappings closed (uses == 0), not yet unmapped; under mappings_mu
 
-// Under mappings_mu: the mappings closed during a capture, unmapped now if
-// none is underway any more. One that fails is said and dropped: its memory
-// is not reachable through pyalloc any more either way.
-void unmap_deferred_locked() {
+using MappingIt = std::map<std::string, Mapping>::iterator;
+
+// Unmaps the mappings closed (uses == 0) that no other thread is unmapping,
+// with mappings_mu released during the unmaps: each waits for the whole device
+// first (unmap()), and every open and close of the process takes mappings_mu.
+// Marked `unmapping`, they stay in the tables meanwhile, so an open of one of
+// them waits for its end (find_settled()) rather than map its handle twice.
+// They are unmapped unless a capture is underway (then they all wait for
+// unmap_deferred()), and erased once unmapped, or once their unmap failed:
+// own's failure is thrown, another's said on stderr (its memory is not
+// reachable through pyalloc any more either way).
+void unmap_closed(std::unique_lock<std::mutex>& lock, MappingIt own) {
   if (deferred_unmaps == 0) return;
-  for (auto it = by_handle().begin(); it != by_handle().end();) {
-    Mapping& m = it->second;
-    if (m.uses != 0) {
-      ++it;
-      continue;
-    }
-    uintptr_t base = m.base;  // unmap() clears it
+  std::vector<MappingIt> closed;
+  for (auto it = by_handle().begin(); it != by_handle().end(); ++it)
+    if (it->second.uses == 0 && !it->second.unmapping) closed.push_back(it);
+  if (closed.empty()) return;
+  for (MappingIt it : closed) it->second.unmapping = true;
+  std::vector<uintptr_t> bases;  // unmap() clears them
+  for (MappingIt it : closed) bases.push_back(it->second.base);
+  std::vector<bool> gone(closed.size(), false);
+  std::exception_ptr own_failure;
+  lock.unlock();
+  for (size_t i = 0; i < closed.size(); ++i) {
     try {
-      if (!unmap_unless_capturing(&m)) return;  // still capturing: all of them wait
+      if (!unmap_unless_capturing(&closed[i]->second)) break;  // still capturing: all of them wait
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "pyalloc: unmapping CUDA memory opened from another process failed: %s\n",
-                   e.what());
+      if (closed[i] == own) own_failure = std::current_exception();
+      else
+        std::fprintf(stderr, "pyalloc: unmapping CUDA memory opened from another process failed: %s\n",
+                     e.what());
+    } catch (...) {  // the tables must be put right whatever was thrown
+      if (closed[i] == own) own_failure = std::current_exception();
     }
+    gone[i] = true;
+  }
+  lock.lock();
+  for (size_t i = 0; i < closed.size(); ++i) {
+    closed[i]->second.unmapping = false;
+    if (!gone[i]) continue;
     deferred_unmaps--;
-    by_base().erase(base);
-    it = by_handle().erase(it);
+    by_base().erase(bases[i]);
+    by_handle().erase(closed[i]);
+  }
+  unmapping_done.notify_all();
+  if (own_failure) std::rethrow_exception(own_failure);
+}
+
+// Under mappings_mu: the mapping of handle (or end()), once no thread is
+// unmapping it.
+MappingIt find_settled(std::unique_lock<std::mutex>& lock, const std::string& handle) {
+  for (;;) {
+    auto it = by_handle().find(handle);
+    if (it == by_handle().end() || !it->second.unmapping) return it;
+    unmapping_done.wait(lock);
   }
 }
 
@@ -835,16 +879,16 @@ uintptr_t open(int device, const std::string& handle) {
     throw std::invalid_argument("pyalloc: an empty or truncated CUDA IPC handle (" +
                                 std::to_string(handle.size()) + " bytes)");
   // One more use of a mapping already made.
-  auto known_use = [&]() -> uintptr_t {
-    auto known = by_handle().find(handle);
+  auto known_use = [&](std::unique_lock<std::mutex>& lock) -> uintptr_t {
+    auto known = find_settled(lock, handle);
     if (known == by_handle().end()) return 0;
     if (known->second.uses++ == 0) deferred_unmaps--;  // closed during a capture: kept, used again
     return known->second.base;
   };
   {
-    std::lock_guard<std::mutex> g(mappings_mu);
-    unmap_deferred_locked();
-    if (uintptr_t base = known_use()) return base;
+    std::unique_lock<std::mutex> lock(mappings_mu);
+    unmap_closed(lock, by_handle().end());
+    if (uintptr_t base = known_use(lock)) return base;
   }
   // PyTorch before 2.2 sent the driver's 64 bytes alone; PyTorch reads any
   // handle of that length so, and no 'P' handle has it (kPagesHandleSize).
@@ -881,9 +925,9 @@ uintptr_t open(int device, const std::string& handle) {
   } else {
     throw std::invalid_argument(std::string("pyalloc: an unknown kind of CUDA IPC handle ('") + type + "')");
   }
-  std::lock_guard<std::mutex> g(mappings_mu);
+  std::unique_lock<std::mutex> lock(mappings_mu);
   // Opened by another thread meanwhile: its mapping (the pages fetched are closed).
-  if (uintptr_t base = known_use()) return base;
+  if (uintptr_t base = known_use(lock)) return base;
   Mapping m;
   m.device = device;
   if (type == kPagesHandle) map_pages(&m, pages);
@@ -897,34 +941,22 @@ uintptr_t open(int device, const std::string& handle) {
 }
 
 void close(uintptr_t ptr) {
-  std::lock_guard<std::mutex> g(mappings_mu);
+  std::unique_lock<std::mutex> lock(mappings_mu);
   auto b = by_base().find(ptr);
   auto it = b == by_base().end() ? by_handle().end() : by_handle().find(b->second);
   if (it == by_handle().end() || it->second.uses == 0)
     throw std::invalid_argument("pyalloc: " + format_ptr(ptr) +
                                 " is no CUDA memory opened from another process");
   if (--it->second.uses > 0) return;
-  // During a capture the mapping waits, closed, for its end (unmap_deferred()).
-  bool unmapped = false;
-  try {
-    unmapped = unmap_unless_capturing(&it->second);
-  } catch (...) {
-    by_handle().erase(it);
-    by_base().erase(b);
-    throw;
-  }
-  if (!unmapped) {
-    deferred_unmaps++;
-    return;
-  }
-  by_handle().erase(it);
-  by_base().erase(b);
-  unmap_deferred_locked();
+  // Unmapped now with the others closed, unless a capture is underway: then
+  // they wait, closed, for its end (unmap_deferred()).
+  deferred_unmaps++;
+  unmap_closed(lock, it);
 }
 
 void unmap_deferred() {
-  std::lock_guard<std::mutex> g(mappings_mu);
-  unmap_deferred_locked();
+  std::unique_lock<std::mutex> lock(mappings_mu);
+  unmap_closed(lock, by_handle().end());
 }
 
 void set_process_id_for_tests(uint32_t pid) { pid_for_tests.store(pid, std::memory_order_relaxed); }

@@ -340,3 +340,80 @@ def test_a_child_where_install_fails_says_so(tmp_path):
         assert (f"pyalloc: WARNING: process {pid}, started by multiprocessing, runs PyTorch's own CUDA "
                 "allocator, not pyalloc: no GPU in this child") in err, err
         assert out[method]["route"] is None
+
+
+# install() runs for real in every interpreter of this one, with only what needs a GPU
+# stood in: a CUDA build of torch, a GPU that torch sees, the swap of torch's allocator
+# (a CPU torch has none), and the driver checks, which log the process that asked.
+STUB_GPU = """
+import json, os
+try:
+    import torch
+    from pyalloc import _C, cuda
+except ImportError:
+    cuda = None
+if cuda is not None:
+    def logged(what, result):
+        def call(*args, **kwargs):
+            with open(os.environ["DRIVER_LOG"], "a") as f:
+                f.write(json.dumps({"pid": os.getpid(), "what": what}) + "\\n")
+            return result
+        return call
+    torch.version.cuda = "13.0"
+    torch.cuda.is_available = logged("torch.cuda.is_available", True)
+    torch.cuda.device_count = logged("torch.cuda.device_count", 1)
+    torch.cuda.init = logged("torch.cuda.init", None)
+    _C.cuda_check_driver = logged("cuInit (_C.cuda_check_driver)", 13000)
+    _C.cuda_device_count = logged("cuInit (_C.cuda_device_count)", 1)
+    cuda._install_hooks = lambda torch: None
+"""
+
+RANKS = """
+import json, multiprocessing as mp, os
+
+def driver_calls():
+    with open(os.environ["DRIVER_LOG"]) as f:
+        return [c["what"] for c in map(json.loads, f) if c["pid"] == os.getpid()]
+
+def worker(rank, q):
+    # What a per-rank program does first: choose its GPU, before any CUDA work.
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    from pyalloc import cuda
+    q.put({"pid": os.getpid(), "driver_before_target": driver_calls(), "route": cuda._state.route})
+
+if __name__ == "__main__":
+    import torch.multiprocessing
+    out = {"parent": driver_calls()}
+    for method in ("spawn", "forkserver"):
+        q = mp.get_context(method).SimpleQueue()
+        torch.multiprocessing.start_processes(worker, args=(q,), nprocs=2, start_method=method)
+        out[method] = [q.get(), q.get()]
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_regression_children_leave_the_driver_to_their_target_and_say_the_notes_once(tmp_path):
+    # Regression: a spawn or forkserver child's install ran torch.cuda.is_available() and cuInit
+    # before its target, so CUDA_VISIBLE_DEVICES set there was never read; and each child named
+    # the PYTORCH_ALLOC_CONF keys not applied again.
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "sitecustomize.py").write_text(STUB_GPU)
+    (tmp_path / "ranks.py").write_text(RANKS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stub), REPO]),
+               DRIVER_LOG=str(tmp_path / "driver.log"), PYTORCH_ALLOC_CONF="garbage_collection_threshold:0.6")
+    for name in ("PYALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYALLOC_BRIDGE"):
+        env.pop(name, None)
+    (tmp_path / "driver.log").write_text("")
+    out = subprocess.run([sys.executable, "-m", "pyalloc", "run", "--no-bridge", "ranks.py"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert "cuInit (_C.cuda_check_driver)" in seen["parent"]  # the program's own process checks up front
+    for method in ("spawn", "forkserver"):
+        for child in seen[method]:
+            assert child["route"] == "hooks", (method, child, out.stderr)
+            assert child["driver_before_target"] == [], (method, child)
+    assert out.stderr.count("garbage_collection_threshold:0.6 is not applied") == 1, out.stderr

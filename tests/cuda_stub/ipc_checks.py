@@ -47,6 +47,8 @@ def receive(request):
         return close_during_capture(base, request["device"])
     if request.get("wait_fails"):
         return close_when_the_wait_fails(base)
+    if request.get("sync_paused"):
+        return close_while_the_device_is_waited_for(handle, base, request["device"])
     ptr, size = base + request["offset"], request["size"]
     seen = c.string_at(ptr, size)
     c.memset(ptr + size // 2, request["reply"], size - size // 2)
@@ -76,6 +78,57 @@ def close_when_the_wait_fails(base):
     status = api.ipc_close(base)
     return {"status": status, "error": api.error(), "unmapped_under_work": stub.unmapped_under_work,
             "after": dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened)}
+
+
+def close_while_the_device_is_waited_for(handle, base, device):
+    """In the receiving process: the last close of the memory waits for the device
+    (cuCtxSynchronize, held here), on one thread; another closes on another. Regression:
+    the wait ran under the receivers' lock, so every other open and close of the
+    process (tensors' deleters, any thread) waited behind a whole device's work.
+    An open of the same handle meanwhile waits for the unmap, then maps it afresh."""
+    import threading
+    import time
+
+    stub.work_queued, stub.pause_ctx_synchronize = 1, 1
+    closed = {}
+    closer = threading.Thread(target=lambda: closed.setdefault("status", api.ipc_close(base)))
+    closer.start()
+    deadline = time.monotonic() + 20
+    while not stub.paused and time.monotonic() < deadline:
+        time.sleep(0.001)
+    held = bool(stub.paused)
+    other = {}
+    another = threading.Thread(target=lambda: other.setdefault("status", api.ipc_close(0x1000)))
+    another.start()
+    another.join(timeout=10)
+    stalled = another.is_alive()
+    reopened = {}
+    reopener = threading.Thread(target=lambda: reopened.setdefault("got", api.ipc_open(handle, device)))
+    reopener.start()
+    reopener.join(timeout=1)
+    reopen_waited = reopener.is_alive()
+    stub.paused = 0  # the device's work is done
+    closer.join()
+    another.join()
+    reopener.join()
+    status, again = reopened["got"]
+    if status == OK:
+        assert api.ipc_close(again) == OK, api.error()
+    return {"held": held, "stalled": stalled, "closed": closed["status"], "other": other["status"],
+            "reopen_waited": reopen_waited, "reopened": status,
+            "unmapped_under_work": stub.unmapped_under_work,
+            "after": dict(_C.cuda_ipc_counts(), imported=stub.imported, ipc_opened=stub.ipc_opened)}
+
+
+def check_a_close_waiting_for_the_device_stalls_no_other(p, size):
+    handle, offset = share(p)
+    got = ask(handle, offset, size, sync_paused=True)
+    assert got["held"], got
+    assert not got["stalled"], "a close waited for another thread's close to synchronize the device"
+    assert got["closed"] == OK and got["other"] == INVALID, got
+    assert got["reopen_waited"] and got["reopened"] == OK, got
+    assert got["unmapped_under_work"] == 0, "it still waits for the device before it unmaps"
+    assert got["after"]["mappings"] == 0 and got["after"]["imported"] + got["after"]["ipc_opened"] == 0, got
 
 
 def begin_capture(device):
@@ -201,6 +254,7 @@ def check_a_received_block_is_the_senders_memory(size=3 * MiB):
     check_a_close_during_a_capture_waits_for_its_end(p, size)
     check_an_open_during_a_capture_breaks_nothing(p, size)
     check_a_close_that_cannot_wait_leaves_the_memory_mapped(p, size)
+    check_a_close_waiting_for_the_device_stalls_no_other(p, size)
     return p, handle, offset, got
 
 
@@ -300,7 +354,9 @@ def vmm():
     assert not again["seen_pattern"] and "error" not in again  # first half 0x11, second 0x22
     # Freed by its owner: the export ends, and a late receiver is refused.
     served = _C.cuda_ipc_counts()["served"]
-    assert served == 5, served  # one request per receiving process: its second open is cached
+    # One request per receiving process (its second open is cached), and one more from the
+    # receiver that opens the handle again once its mapping was unmapped.
+    assert served == 7, served
     assert api.free(p, 0) == OK
     assert _C.cuda_ipc_counts()["exports"] == 0
     assert _C.cuda_ipc_counts()["frees_locked"] == locked + 1

@@ -125,6 +125,7 @@ struct Stub {
   int work_queued;           /* kernels may still use memory: until a cuCtxSynchronize */
   int64_t unmapped_under_work; /* memory opened from another process unmapped while work_queued */
   int64_t mem_address_free;  /* cuMemAddressFree calls that freed a range */
+  volatile int pause_ctx_synchronize; /* the next cuCtxSynchronize pauses, as pause_mem_free */
 };
 struct Stub stub = {.capacity = 256 << 20};
 
@@ -221,6 +222,10 @@ CUresult cuCtxSynchronize(void) {
   CAPTURE_CHECK(during_capture());
   if (current == 0) { stub.wrong_context++; return INVALID_CONTEXT; }
   stub.ctx_synchronize++;
+  if (stub.pause_ctx_synchronize) {
+    stub.pause_ctx_synchronize = 0;
+    wait_while_paused();
+  }
   if (stub.sync_error) return stub.sync_error;
   stub.work_queued = 0;
   return SUCCESS;

@@ -30,4 +30,5 @@ class Stub(c.Structure):
         ("refuse_fd_handles_with", c.c_int), ("capture_invalidated", c.c_int64),
         ("vmm_refused", c.c_int64), ("ctx_synchronize", c.c_int64), ("work_queued", c.c_int),
         ("unmapped_under_work", c.c_int64), ("mem_address_free", c.c_int64),
+        ("pause_ctx_synchronize", c.c_int),
     ]
