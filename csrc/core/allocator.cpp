@@ -125,8 +125,8 @@ uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
   // As PyTorch answers such a request (its cudaMalloc fails): out of memory,
   // here at once, since no device could hold it.
   if (size > kMaxRequest)
-    refuse(size, size, s, "larger than any device could hold (limit " + format_bytes(kMaxRequest) + ")",
-           true);
+    refuse(size, size, s, "larger than any device could hold (limit " + format_bytes(kMaxRequest) + ")" +
+           kNoRetry, true, true);
   size_t rounded = round_up(size, kGranularity);
   if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
   // Segment events this request causes carry its tag (until it returns or throws).
@@ -144,7 +144,8 @@ uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
 uintptr_t Allocator::malloc_refused(size_t size, Stream s, uint64_t context, OomFailure failure, bool* retried) {
   // The owner may hold memory this pool could take (the other pools of a
   // device): given back with none of this pool's locks held, one more try.
-  if (oom_policy_ != nullptr && oom_policy_->release_elsewhere(*this) > 0) {
+  // Never for a request no release could make room for: the others keep their cache.
+  if (oom_policy_ != nullptr && !failure.hopeless && oom_policy_->release_elsewhere(*this) > 0) {
     try {
       return malloc_once(size, s, context, retried);
     } catch (const Refused& again) {
@@ -493,7 +494,8 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request, bool* retri
   // page is mapped or any cached memory is thrown away for nothing.
   std::string why;
   size_t room = kUnknownRoom;
-  if (!may_grow(size, &room, &why)) refuse(request, size, s, why, true);
+  bool hopeless = false;
+  if (!may_grow(size, &room, &why, &hopeless)) refuse(request, size, s, why, true, hopeless);
   if (vmm_ && takes_other_area(size, room, s)) {
     // Where growing would move pages out of holes (the cap or the device is
     // reached), take the pool past pool_size, or may map nothing (a
@@ -520,7 +522,7 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request, bool* retri
         release_cached();
       }
       b = find_free(kLargePool, size, s);
-      if (b == nullptr && may_grow(size, &room, &why))
+      if (b == nullptr && may_grow(size, &room, &why, &hopeless))
         b = vmm_ ? map_for(size, s, &why, room) : grow(size, s, &why, room);
     } catch (...) {
       drop_spares();
@@ -528,18 +530,21 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request, bool* retri
     }
     drop_spares();
   }
-  if (b == nullptr) refuse(request, size, s, why);
+  if (b == nullptr) refuse(request, size, s, why, false, hopeless);
   return take(b, size, s);
 }
 
-bool Allocator::may_grow(size_t size, size_t* room, std::string* why) {
+bool Allocator::may_grow(size_t size, size_t* room, std::string* why, bool* hopeless) {
   // What no release can give back: the allocated bytes. Pending frees are
   // not counted: the out-of-memory path waits for them.
   size_t held = static_cast<size_t>(stats_.allocated_bytes.all.current);
   size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   size_t cap = cfg_.max_pool_size;
+  // Beyond the pool's own cap, or the device's, nothing given back helps:
+  // hopeless, and no other pool gives back its cache for nothing.
+  *hopeless = true;
   if (cap != 0 && (size > cap || held > cap - size)) {
-    *why = "the allocated memory and this request would exceed the pool's cap";
+    *why = "the allocated memory and this request would exceed the pool's cap" + std::string(kNoRetry);
     return false;
   }
   // One question to the backend: a driver call per growth, never per cache hit.
@@ -547,6 +552,16 @@ bool Allocator::may_grow(size_t size, size_t* room, std::string* why) {
   backend_->mem_info(&dev_free, &dev_total);
   *room = kUnknownRoom;
   if (dev_total == 0) return true;  // unbounded, or not known during a capture
+  if (size > dev_total) {
+    *why = "larger than the device's total memory (" + format_bytes(dev_total) + ")" + kNoRetry;
+    return false;
+  }
+  if (size_t shared = backend_->shared_cap(); shared != 0 && size > shared) {
+    *why = "larger than the memory fraction lets all of the device's pools reserve (" + format_bytes(shared) +
+           ")" + kNoRetry;
+    return false;
+  }
+  *hopeless = false;
   // Spare handles (an out-of-memory retry's) hold memory the mapping takes first.
   for (size_t h : spares_) dev_free += h;
   *room = dev_free;

@@ -397,7 +397,11 @@ class Allocator {
   // Whether the pool could grow by size (the cap; the device's free memory
   // plus what the pool could give back); *room: the device's free bytes, and
   // those of the spare handles an out-of-memory retry holds.
-  bool may_grow(size_t size, size_t* room, std::string* why);
+  // *hopeless: refused where no memory given back anywhere could make room.
+  bool may_grow(size_t size, size_t* room, std::string* why, bool* hopeless);
+  // Ends the reason of a hopeless refusal (OomFailure::hopeless).
+  static constexpr const char* kNoRetry =
+      "; no retry was tried: no cached memory given back, by this pool or any other, could make room for it";
   // Whether a request of stream s the area of which has no free block for
   // size bytes takes one of the other area (vmm) rather than grow: size more
   // bytes of pages would pass the cap or the device's room (may_grow()'s),
@@ -548,7 +552,9 @@ class Allocator {
   };
   /// rejected: refused at once, before anything was mapped, reserved or
   /// released (counted in num_oom_rejections, OutOfMemoryError::rejected()).
-  [[noreturn]] void refuse(size_t request, size_t size, Stream s, std::string why, bool rejected = false);
+  /// hopeless: no memory given back anywhere could help (OomFailure::hopeless).
+  [[noreturn]] void refuse(size_t request, size_t size, Stream s, std::string why, bool rejected = false,
+                           bool hopeless = false);
   // The final error: counted, traced and worded, once (oom.cpp).
   [[noreturn]] void throw_oom(const OomFailure& failure, uint64_t context);
   std::string describe_oom_locked(const OomFailure& failure, size_t dev_free, size_t dev_total) const;

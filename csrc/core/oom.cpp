@@ -30,8 +30,8 @@ uintptr_t Allocator::malloc_cached(size_t size, Stream s, uint64_t context) {
   return hand_out(take(b, rounded, s), size, s, context);
 }
 
-void Allocator::refuse(size_t request, size_t size, Stream s, std::string why, bool rejected) {
-  throw Refused{OomFailure{request, size, s, std::move(why), rejected}};
+void Allocator::refuse(size_t request, size_t size, Stream s, std::string why, bool rejected, bool hopeless) {
+  throw Refused{OomFailure{request, size, s, std::move(why), rejected, hopeless}};
 }
 
 void Allocator::throw_oom(const OomFailure& f, uint64_t context) {
