@@ -14,6 +14,7 @@ uintptr_t Allocator::malloc_cached(size_t size, Stream s, uint64_t context) {
   if (size == 0 || size > kMaxRequest) return 0;
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
+  prepare(s);
   size_t rounded = round_up(size, kGranularity);
   if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
   Block* b;
