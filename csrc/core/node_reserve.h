@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <iterator>
 #include <utility>
 #include <vector>
 

@@ -140,6 +140,8 @@ void Allocator::init_vmm() {
     delete vmm_seg_;
     vmm_seg_ = nullptr;
     vmm_ = false;
+    block_floor_ = kOpBlocks;  // bestfit's again
+    map_floor_ = 0;
     page_ = 0;
     small_floor_ = 0;
     backend_->vmm_release(base, range);
