@@ -80,6 +80,8 @@ class HostBackend final : public Backend {
       fd_ = memfd_create("pyalloc-host-pages", MFD_CLOEXEC);
       if (fd_ < 0) return false;
     }
+    // Room for every page to come back to spare_: unmapping never allocates.
+    spare_.reserve(spare_.size() + page_of_.size() + size / page_);
     for (size_t off = 0; off < size; off += page_) {
       size_t phys;
       if (!spare_.empty()) {
@@ -134,11 +136,23 @@ class HostBackend final : public Backend {
     for (size_t off = 0; off < size; off += page_) {
       auto it = page_of_.find(addr + off);
       if (it == page_of_.end()) throw std::logic_error("vmm_detach over a page that is not mapped");
-      pages.push_back(it->second);
     }
-    unmap_locked(addr, size);
-    spare_.resize(spare_.size() - pages.size());  // unmap_locked freed them: they stay the handle's
-    detached_.emplace(size, std::move(pages));
+    try {
+      auto handle = detached_.emplace(size, std::vector<size_t>());
+      try {
+        for (size_t off = 0; off < size; off += page_) handle->second.push_back(page_of_.find(addr + off)->second);
+      } catch (...) {
+        detached_.erase(handle);
+        throw;
+      }
+      unmap_locked(addr, size);
+      spare_.resize(spare_.size() - handle->second.size());  // unmap_locked freed them: they stay the handle's
+    } catch (const std::bad_alloc&) {
+      // No room to keep it: released, as backend.h lets a failed detach be.
+      unmap_locked(addr, size);
+      used_ -= size;
+      return false;
+    }
     return true;
   }
 

@@ -80,7 +80,12 @@ class VirtualBackend final : public Backend {
   bool vmm_moves() override { return true; }
   bool vmm_detach(uintptr_t, size_t size) override {
     std::lock_guard<std::mutex> g(mu_);
-    spares_.insert(size);
+    try {
+      spares_.insert(size);
+    } catch (const std::bad_alloc&) {
+      used_ -= size;  // no room to keep it: released, as backend.h lets a failed detach be
+      return false;
+    }
     return true;
   }
   bool vmm_attach(uintptr_t, size_t size) override {

@@ -1,10 +1,9 @@
 // The allocator's policy: allocation, free, streams, growth and release.
 // Introspection (stats, snapshot, fragmentation, invariants) lives in
-// allocator_inspect.cpp.
+// allocator_inspect.cpp, the history in history.cpp.
 #include "allocator.h"
 
 #include <algorithm>
-#include <chrono>
 
 namespace pyalloc {
 namespace {
@@ -12,11 +11,6 @@ namespace {
 // PyTorch's rule: a request below max_split_size never takes an oversize
 // block, and an oversize request never wastes more than this on a block.
 constexpr size_t kOversizeSlack = size_t(20) << 20;
-
-int64_t now_us() {
-  using namespace std::chrono;
-  return duration_cast<microseconds>(steady_clock::now().time_since_epoch()).count();
-}
 
 }  // namespace
 
@@ -39,6 +33,15 @@ const char* trace_action_name(TraceEntry::Action a) {
 
 Allocator::Allocator(std::unique_ptr<Backend> backend, const Config& config)
     : backend_(std::move(backend)), cfg_(config) {
+  try {
+    init();
+  } catch (...) {
+    release_all();  // no destructor runs for an object whose constructor threw
+    throw;
+  }
+}
+
+void Allocator::init() {
   OpEnd end{this};
   cfg_.validate();
   stats_.max_split_size = cfg_.max_split_size == 0 ? -1 : static_cast<int64_t>(cfg_.max_split_size);
@@ -63,7 +66,9 @@ Allocator::Allocator(std::unique_ptr<Backend> backend, const Config& config)
   }
 }
 
-Allocator::~Allocator() {
+Allocator::~Allocator() { release_all(); }
+
+void Allocator::release_all() {
   for (PendingFree& pf : pending_)
     for (EventId e : pf.events) backend_->event_free(e);
   for (auto& [stream, st] : streams_)
@@ -74,6 +79,8 @@ Allocator::~Allocator() {
     else backend_->release(seg->base, seg->size);
     delete seg;
   }
+  segments_.clear();
+  chunks_.clear();
 }
 
 Allocator::StreamState& Allocator::state_slow(Stream s) {
@@ -89,9 +96,18 @@ Allocator::StreamState& Allocator::state_slow(Stream s) {
 }
 
 void Allocator::add_block_slab() {
-  constexpr size_t kSlab = 256;
-  block_slabs_.emplace_back(new Block[kSlab]);
+  // Everything that may throw first, the slab owned meanwhile: nothing leaks.
+  std::unique_ptr<Block[]> slab(new Block[kSlab]);
+  spare_blocks_.reserve(spare_blocks_.size() + kSlab);
+  block_slabs_.push_back(std::move(slab));
   for (size_t i = 0; i < kSlab; ++i) spare_blocks_.push_back(&block_slabs_.back()[i]);
+  if (vmm_) block_floor_ = map_floor_ = vmm_floor();
+}
+
+void Allocator::prepare_slow() {
+  while (spare_blocks_.size() < block_floor_) add_block_slab();
+  live_.make_room();
+  map_nodes_.reserve(map_floor_);
 }
 
 void Allocator::drop_block(Block* b) {
@@ -125,8 +141,9 @@ uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
   // As PyTorch answers such a request (its cudaMalloc fails): out of memory,
   // here at once, since no device could hold it.
   if (size > kMaxRequest)
-    refuse(size, size, s, "larger than any device could hold (limit " + format_bytes(kMaxRequest) + ")",
-           true);
+    refuse(size, size, s, "larger than any device could hold (limit " + format_bytes(kMaxRequest) + ")" +
+           kNoRetry, true, true);
+  prepare(s);
   size_t rounded = round_up(size, kGranularity);
   if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
   // Segment events this request causes carry its tag (until it returns or throws).
@@ -144,7 +161,8 @@ uintptr_t Allocator::malloc(size_t size, Stream s, uint64_t context) {
 uintptr_t Allocator::malloc_refused(size_t size, Stream s, uint64_t context, OomFailure failure, bool* retried) {
   // The owner may hold memory this pool could take (the other pools of a
   // device): given back with none of this pool's locks held, one more try.
-  if (oom_policy_ != nullptr && oom_policy_->release_elsewhere(*this) > 0) {
+  // Never for a request no release could make room for: the others keep their cache.
+  if (oom_policy_ != nullptr && !failure.hopeless && oom_policy_->release_elsewhere(*this) > 0) {
     try {
       return malloc_once(size, s, context, retried);
     } catch (const Refused& again) {
@@ -196,12 +214,14 @@ void Allocator::reinstate(uintptr_t addr, const LiveBlockInfo& info) {
   OpEnd end{this};
   ContextScope scope(&trace_context_, info.context);
   std::string where = "reinstate(" + format_ptr(addr) + ", " + std::to_string(info.size) + "): ";
+  std::vector<Stream> uses = info.uses;  // copied before anything changes
   Block* b = carve_at(addr, info.size, round_up(info.requested, kGranularity), info.stream, where);
-  b->uses = info.uses;
+  b->uses.swap(uses);
   hand_out(b, info.requested, info.stream, info.context);
 }
 
 Block* Allocator::carve_at(uintptr_t addr, size_t extent, size_t rounded, Stream s, const std::string& where) {
+  prepare(s);
   // Frees waiting on streams that have since finished complete first, as
   // for malloc(): their memory is free for the block.
   if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
@@ -292,13 +312,15 @@ Block* Allocator::alloc_small(size_t size, Stream s, size_t request, bool* retri
   if (b != nullptr) return take(b, size, s);
 
   // Borrow a chunk from the large pool (its small area, under vmm); it
-  // keeps the parent's stream label.
+  // keeps the parent's stream label. Its bookkeeping is made first.
+  auto owned = std::make_unique<Segment>();
+  if (chunks_.size() == chunks_.capacity()) chunks_.reserve(std::max<size_t>(8, 2 * chunks_.size()));
   Block* parent;
   {
     AreaScope area(*this, true);
     parent = alloc_large(cfg_.small_chunk_size, s, request, retried);
   }
-  Segment* chunk = new Segment();
+  Segment* chunk = owned.release();
   chunk->base = parent->addr;
   chunk->size = parent->size;
   chunk->pool = kSmallPool;
@@ -349,135 +371,10 @@ void Allocator::lend_chunk_stats(Block* parent, Segment* chunk, int sign) {
     if (runs != 0) stats_.segment.add(kLargePool, -runs);
   }
   if (!history_on_) return;
-  Stream rs = parent->segment->stream;
-  if (!parent->segment->vmm) {
-    // A run of a backend segment: the run and the pieces it becomes (or the
-    // pieces and the run), each a segment_free / segment_alloc of its own, so
-    // that trace_plot -s, which pairs those by address and draws nothing
-    // else, draws the bytes reserved (see trace_replace).
-    uintptr_t a = 0, e = 0;
-    run_extent(parent, &a, &e);
-    std::vector<TracePiece> run{{a, e - a, rs}}, pieces;
-    if (a < chunk->base) pieces.push_back({a, chunk->base - a, rs});
-    pieces.push_back({chunk->base, chunk->size, chunk->stream});
-    uintptr_t hi = chunk->base + chunk->size;
-    if (hi < e) pieces.push_back({hi, e - hi, rs});
-    if (sign > 0) trace_replace(a, e, run, pieces);
-    else trace_replace(a, e, pieces, run);
-    return;
+  try {
+    trace_lend(parent, chunk, sign);
+  } catch (const std::bad_alloc&) {  // left out of the history (history.cpp); the pool is whole
   }
-  // In a vmm segment, in the words of PyTorch's viewer, which replays the
-  // history backwards from the final segments: the chunk is a segment_alloc /
-  // segment_free of its own; the run gives up the chunk's range (trace_unmap)
-  // and takes it back as a segment_map (undone by cutting it out of the
-  // segment holding it).
-  if (sign < 0) {
-    // Undone, the map is cut out of the run first, so what lies above the
-    // chunk then is the rest of the run, if any, or the next segment.
-    uintptr_t a = 0, e = 0;
-    run_extent(parent, &a, &e);
-    trace_segment_free(chunk->base, chunk->size, chunk->stream,
-                       parent->end() == e && !segment_from(e) && segment_below(chunk->base));
-    trace(TraceEntry::kSegmentMap, chunk->base, chunk->size, rs);
-    return;
-  }
-  trace_unmap(parent, parent->addr, parent->end());
-  trace(TraceEntry::kSegmentAlloc, chunk->base, chunk->size, chunk->stream);
-}
-
-void Allocator::trace_unmap(const Block* b, uintptr_t lo, uintptr_t hi) {
-  // PyTorch's viewer undoes a segment_unmap by merging the range with the
-  // segments of the event's stream it touches, which cannot be relied on:
-  // where every event is on stream 0, the viewer drops the events' streams
-  // but not the final segments', and a range brought back never merges with
-  // a final segment beside it (an earlier segment_map over both then lies in
-  // no segment). So a segment_unmap is told only for a whole run with no
-  // segment beside it, where no merge is wanted; otherwise the run's pieces
-  // are allocated and the run freed, which the viewer undoes without merging.
-  const Block* first = b;
-  while (large_mem(first->prev)) first = first->prev;
-  const Block* last = b;
-  while (large_mem(last->next)) last = last->next;
-  auto beside = [](const Block* n) { return n != nullptr && n->mapped; };  // a chunk
-  if (lo == first->addr && hi == last->end() && !beside(first->prev) && !beside(last->next))
-    trace(TraceEntry::kSegmentUnmap, lo, hi - lo, b->segment->stream);
-  else
-    trace_split(b, lo, hi);
-}
-
-void Allocator::trace_split(const Block* b, uintptr_t lo, uintptr_t hi) {
-  // The pieces first, then the run: undone backwards, the run comes back
-  // before its pieces go, so no live block is ever outside every segment.
-  uintptr_t a = 0, e = 0;
-  run_extent(b, &a, &e);
-  Stream rs = b->segment->stream;
-  if (a < lo) trace(TraceEntry::kSegmentAlloc, a, lo - a, rs);
-  if (hi < e) trace(TraceEntry::kSegmentAlloc, hi, e - hi, rs);
-  trace_segment_free(a, e - a, rs, hi == e && !segment_from(e) && segment_below(lo));
-}
-
-void Allocator::trace_replace(uintptr_t a, uintptr_t e, const std::vector<TracePiece>& before,
-                              const std::vector<TracePiece>& after) {
-  // [a, e) held the segments `before` and holds `after` (each listed by
-  // address). trace_plot -s pairs a segment_alloc with the next segment_free
-  // at its address, so each is freed and the new ones allocated; PyTorch's
-  // viewer, which undoes the history from the final segments, then lacks a
-  // segment over the live blocks of [a, e) between the two. A segment over
-  // all of [a, e) covers them meanwhile: a segment_map (undone by cutting it
-  // out of the first segment holding it, which is this one: undone, the old
-  // segments go in after it) and a segment_unmap at the end (undone by
-  // inserting it and merging it with the segments it touches of its stream:
-  // kShadowStream, none's). The old ones go bottom up and the new ones come
-  // top down, so that the viewer's binary search for a block's segment,
-  // which the overlap may mislead, always meets one holding the block.
-  trace(TraceEntry::kSegmentMap, a, e - a, kShadowStream);
-  bool top = !segment_from(e);
-  for (size_t i = 0; i < before.size(); i++) {
-    const TracePiece& p = before[i];
-    trace_segment_free(p.addr, p.size, p.stream, top && i + 1 == before.size());
-  }
-  for (auto it = after.rbegin(); it != after.rend(); ++it)
-    trace(TraceEntry::kSegmentAlloc, it->addr, it->size, it->stream);
-  trace(TraceEntry::kSegmentUnmap, a, e - a, kShadowStream);
-}
-
-bool Allocator::segment_from(uintptr_t addr) const {
-  // Another backend segment, or in the one holding addr a chunk or the
-  // start of a run at addr or above.
-  if (segments_.lower_bound(addr) != segments_.end()) return true;
-  auto it = segments_.upper_bound(addr);
-  if (it == segments_.begin()) return false;
-  for (const Block* b = std::prev(it)->second->first; b != nullptr; b = b->next)
-    if (b->addr >= addr && b->mapped && (b->chunk != nullptr || !large_mem(b->prev))) return true;
-  return false;
-}
-
-bool Allocator::segment_below(uintptr_t addr) const {
-  if (history_shared_) return true;  // another pool's may be
-  for (const auto& [base, seg] : segments_) {
-    if (base >= addr) break;
-    for (const Block* b = seg->first; b != nullptr && b->addr < addr; b = b->next)
-      if (b->mapped) return true;
-  }
-  return false;
-}
-
-void Allocator::trace_segment_free(uintptr_t addr, size_t size, Stream s, bool top) {
-  // PyTorch's viewer undoes a segment_free by inserting the segment before
-  // the first one above it, or, when there is none, before the last one
-  // (JavaScript's splice(-1, 0, x)): its list then leaves address order, and
-  // a later undo of a segment_unmap merges with the wrong neighbours. So
-  // above a segment freed at the top (with others below it) goes an empty
-  // segment at its end for that moment: undone, the empty one is appended
-  // (segment_unmap), the freed one inserted before it, and the empty one
-  // removed (segment_alloc). Both are 0 bytes: no reserved figure moves.
-  if (!top) {
-    trace(TraceEntry::kSegmentFree, addr, size, s);
-    return;
-  }
-  trace(TraceEntry::kSegmentAlloc, addr + size, 0, s);
-  trace(TraceEntry::kSegmentFree, addr, size, s);
-  trace(TraceEntry::kSegmentUnmap, addr + size, 0, s);
 }
 
 Block* Allocator::alloc_large(size_t size, Stream s, size_t request, bool* retried) {
@@ -493,7 +390,8 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request, bool* retri
   // page is mapped or any cached memory is thrown away for nothing.
   std::string why;
   size_t room = kUnknownRoom;
-  if (!may_grow(size, &room, &why)) refuse(request, size, s, why, true);
+  bool hopeless = false;
+  if (!may_grow(size, &room, &why, &hopeless)) refuse(request, size, s, why, true, hopeless);
   if (vmm_ && takes_other_area(size, room, s)) {
     // Where growing would move pages out of holes (the cap or the device is
     // reached), take the pool past pool_size, or may map nothing (a
@@ -516,11 +414,12 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request, bool* retri
     *retried = true;
     try {
       {
+        if (vmm_) spare_nodes_.reserve(handles_.size());  // each handle unmapped may wait as a spare
         KeepHandles keep(keep_handles_, vmm_ && backend_->vmm_moves());
         release_cached();
       }
       b = find_free(kLargePool, size, s);
-      if (b == nullptr && may_grow(size, &room, &why))
+      if (b == nullptr && may_grow(size, &room, &why, &hopeless))
         b = vmm_ ? map_for(size, s, &why, room) : grow(size, s, &why, room);
     } catch (...) {
       drop_spares();
@@ -528,18 +427,21 @@ Block* Allocator::alloc_large(size_t size, Stream s, size_t request, bool* retri
     }
     drop_spares();
   }
-  if (b == nullptr) refuse(request, size, s, why);
+  if (b == nullptr) refuse(request, size, s, why, false, hopeless);
   return take(b, size, s);
 }
 
-bool Allocator::may_grow(size_t size, size_t* room, std::string* why) {
+bool Allocator::may_grow(size_t size, size_t* room, std::string* why, bool* hopeless) {
   // What no release can give back: the allocated bytes. Pending frees are
   // not counted: the out-of-memory path waits for them.
   size_t held = static_cast<size_t>(stats_.allocated_bytes.all.current);
   size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   size_t cap = cfg_.max_pool_size;
+  // Beyond the pool's own cap, or the device's, nothing given back helps:
+  // hopeless, and no other pool gives back its cache for nothing.
+  *hopeless = true;
   if (cap != 0 && (size > cap || held > cap - size)) {
-    *why = "the allocated memory and this request would exceed the pool's cap";
+    *why = "the allocated memory and this request would exceed the pool's cap" + std::string(kNoRetry);
     return false;
   }
   // One question to the backend: a driver call per growth, never per cache hit.
@@ -547,6 +449,16 @@ bool Allocator::may_grow(size_t size, size_t* room, std::string* why) {
   backend_->mem_info(&dev_free, &dev_total);
   *room = kUnknownRoom;
   if (dev_total == 0) return true;  // unbounded, or not known during a capture
+  if (size > dev_total) {
+    *why = "larger than the device's total memory (" + format_bytes(dev_total) + ")" + kNoRetry;
+    return false;
+  }
+  if (size_t shared = backend_->shared_cap(); shared != 0 && size > shared) {
+    *why = "larger than the memory fraction lets all of the device's pools reserve (" + format_bytes(shared) +
+           ")" + kNoRetry;
+    return false;
+  }
+  *hopeless = false;
   // Spare handles (an out-of-memory retry's) hold memory the mapping takes first.
   for (size_t h : spares_) dev_free += h;
   *room = dev_free;
@@ -639,8 +551,7 @@ Block* Allocator::find_other_streams(Pool pool, size_t size, Stream s, Block** f
     Block* b = o.free[pool].best_fit(size, ready);
     if (b == nullptr && o.synced_seq < o.last_free_seq && !backend_->is_capturing(o.stream)) {
       // Mark how far o's queue has got; an idle stream passes it at once.
-      o.syncs.emplace_back(backend_->record_event(o.stream), o.last_free_seq);
-      o.synced_seq = o.last_free_seq;
+      add_sync(o);
       poll_syncs(o, false);
       b = o.free[pool].best_fit(size, ready);
     }
@@ -728,7 +639,18 @@ Block* Allocator::grow(size_t size, Stream s, std::string* why, size_t room) {
 }
 
 Block* Allocator::add_segment(uintptr_t base, size_t size, Stream s) {
-  Segment* seg = new Segment();
+  // Listed before anything changes; if that fails, the memory goes back.
+  std::unique_ptr<Segment> owned;
+  try {
+    state(s);
+    owned = std::make_unique<Segment>();
+    segments_.emplace(base, owned.get());
+  } catch (...) {
+    backend_->release(base, size);
+    stats_.num_driver_calls++;
+    throw;
+  }
+  Segment* seg = owned.release();
   seg->base = base;
   seg->size = size;
   seg->pool = kLargePool;
@@ -742,7 +664,6 @@ Block* Allocator::add_segment(uintptr_t base, size_t size, Stream s) {
   b->free_seq = 0;  // fresh memory: no stream has used it
   b->state = BlockState::kFree;
   seg->first = b;
-  segments_.emplace(base, seg);
   state(s).free[kLargePool].insert(b);
   stats_.segment.add(kLargePool, 1);
   stats_.reserved_bytes.add(kLargePool, static_cast<int64_t>(size));
@@ -764,6 +685,12 @@ void Allocator::free(uintptr_t ptr, uint64_t context) {
 // Inlined into try_free(), the hot path: out of line it cost some 17
 // instructions a free (callgrind, cache-hit pairs).
 [[gnu::always_inline]] inline void Allocator::free_locked(uintptr_t ptr, Block* b, uint64_t context) {
+  if (!b->uses.empty()) return free_pending(ptr, b, context);
+  release_live(ptr, b, context);
+  finish_free(b);
+}
+
+[[gnu::always_inline]] inline void Allocator::release_live(uintptr_t ptr, Block* b, uint64_t context) {
   live_.erase(ptr);
   Pool pool = b->segment->pool;
   stats_.allocation.add(pool, -1);
@@ -773,15 +700,23 @@ void Allocator::free(uintptr_t ptr, uint64_t context) {
     ContextScope scope(&trace_context_, context != 0 ? context : b->context);
     trace(TraceEntry::kFreeRequested, b->addr, b->requested, b->stream);
   }
-  if (!b->uses.empty()) {
-    // Other streams may still read it: free once their queued work is done.
-    PendingFree pf{b, {}};
+}
+
+void Allocator::free_pending(uintptr_t ptr, Block* b, uint64_t context) {
+  // Other streams may still read it: free once their queued work is done.
+  // Room and events first: if either fails, the block is still live.
+  if (pending_.size() == pending_.capacity()) pending_.reserve(std::max<size_t>(8, 2 * pending_.size()));
+  PendingFree pf{b, {}};
+  pf.events.reserve(b->uses.size());
+  try {
     for (Stream u : b->uses) pf.events.push_back(backend_->record_event(u));
-    b->state = BlockState::kPendingFree;
-    pending_.push_back(std::move(pf));
-    return;
+  } catch (...) {
+    for (EventId e : pf.events) backend_->event_free(e);
+    throw;
   }
-  finish_free(b);
+  release_live(ptr, b, context);
+  b->state = BlockState::kPendingFree;
+  pending_.push_back(std::move(pf));
 }
 
 bool Allocator::try_free(uintptr_t ptr, uint64_t context) {
@@ -911,11 +846,19 @@ void Allocator::take_place_of(Block* b, Block* n) {
 // ---------------------------------------------------------------------------
 // Events
 
-void Allocator::poll_syncs(StreamState& st, bool wait) {
-  if (wait && st.synced_seq < st.last_free_seq) {
-    st.syncs.emplace_back(backend_->record_event(st.stream), st.last_free_seq);
-    st.synced_seq = st.last_free_seq;
+void Allocator::add_sync(StreamState& st) {
+  EventId e = backend_->record_event(st.stream);
+  try {
+    st.syncs.emplace_back(e, st.last_free_seq);
+  } catch (...) {
+    backend_->event_free(e);
+    throw;
   }
+  st.synced_seq = st.last_free_seq;
+}
+
+void Allocator::poll_syncs(StreamState& st, bool wait) {
+  if (wait && st.synced_seq < st.last_free_seq) add_sync(st);
   while (!st.syncs.empty()) {
     auto [event, seq] = st.syncs.front();
     if (wait ? !backend_->event_wait(event) : !backend_->event_done(event)) break;
@@ -1068,6 +1011,7 @@ size_t Allocator::empty_cache() {
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
   set_area(false);  // pool_size, if mapped again, is the large area's
+  prepare_bookkeeping();
   size_t keep = kept_pool_size();
   if (keep == 0 || backend_->capture_underway()) return release_cached(0);
   size_t released = release_cached(keep);
@@ -1077,6 +1021,7 @@ size_t Allocator::empty_cache() {
   if (reserved >= keep) return released;
   size_t want = keep - reserved;
   std::string why;
+  prepare(0);
   if (vmm_) {
     map_for(want, 0, &why, kUnknownRoom, /*exact=*/true, /*fresh=*/true);
   } else if (uintptr_t base = device_reserve(want); base != 0) {
@@ -1097,6 +1042,7 @@ size_t Allocator::reserve(size_t nbytes) {
   // Under vmm, a free range of the area a request of nbytes takes.
   AreaScope area(*this, vmm_ && round_up(nbytes, kGranularity) <= kSmallArea);
   if (largest_free_in_area() >= round_up(nbytes, kGranularity)) return 0;
+  prepare(0);
   if (vmm_) {
     unpark();  // first: map_for() would, and they are no part of what this reserves
     int64_t before = stats_.reserved_bytes.all.current;
@@ -1139,59 +1085,6 @@ std::string Allocator::describe_bad_pointer(uintptr_t ptr, const char* op) const
     return where + "points " + std::to_string(ptr - b->addr) + " bytes into the allocation at " +
            format_ptr(b->addr) + "; pass the pointer malloc() returned";
   return where + "not a live allocation";
-}
-
-// ---------------------------------------------------------------------------
-// History
-
-void Allocator::trace(TraceEntry::Action a, uintptr_t addr, size_t size, Stream s) {
-  if (history_max_ == 0) return;
-  TraceEntry e{a, addr, size, s, now_us(), trace_context_};
-  if (history_.size() < history_max_) {
-    history_.push_back(e);
-  } else {
-    history_[history_next_] = e;
-  }
-  history_next_ = (history_next_ + 1) % history_max_;
-}
-
-void Allocator::record_history(bool enabled, size_t max_entries) {
-  std::lock_guard<Lock> guard(mu_);
-  history_on_ = enabled && max_entries > 0;
-  if (max_entries != history_max_) {
-    history_.clear();
-    history_next_ = 0;
-    history_max_ = max_entries;
-  }
-  if (!enabled) {
-    history_.clear();
-    history_next_ = 0;
-  }
-}
-
-void Allocator::clear_history() {
-  std::lock_guard<Lock> guard(mu_);
-  history_.clear();
-  history_next_ = 0;
-}
-
-void Allocator::contexts_in_use(std::vector<uint64_t>* out) const {
-  std::lock_guard<Lock> guard(mu_);
-  live_.for_each([out](uintptr_t, const Block* b) {
-    if (b->context != 0) out->push_back(b->context);
-  });
-  for (const PendingFree& pf : pending_)
-    if (pf.block->context != 0) out->push_back(pf.block->context);
-  for (const TraceEntry& e : history_)
-    if (e.context != 0) out->push_back(e.context);
-}
-
-std::vector<TraceEntry> Allocator::history() const {
-  std::lock_guard<Lock> guard(mu_);
-  if (history_.size() < history_max_) return history_;
-  std::vector<TraceEntry> out(history_.begin() + history_next_, history_.end());
-  out.insert(out.end(), history_.begin(), history_.begin() + history_next_);
-  return out;
 }
 
 }  // namespace pyalloc

@@ -45,6 +45,16 @@
 //   large ones. Pages move between the areas only as they move out of holes.
 //   Pages are mapped in handles (backend.h), unmapped only whole: up to
 //   32 MiB with room on the device, one page near a limit (vmm.cpp).
+// - Host memory. The core's own bookkeeping (blocks, the pointer map, the
+//   maps of the vmm range, chunk and pending-free lists, stream states) is
+//   made before an operation changes anything (prepare(), node_reserve.h),
+//   so that host memory running out fails the operation with
+//   std::bad_alloc, the pool as it was: no half-listed block, nothing
+//   leaked. It stays std::bad_alloc (Python's MemoryError), not
+//   OutOfMemoryError: that one is the device's, and giving back device
+//   memory, the answer to it, cannot help. The history alone drops an entry
+//   it has no room for (history.cpp). tests/cpp's injection run fails every
+//   allocation of a mixed workload in turn.
 //
 // Thread safety: every public method takes the allocator's lock (lock.h).
 #pragma once
@@ -66,6 +76,7 @@
 #include "config.h"
 #include "free_index.h"
 #include "lock.h"
+#include "node_reserve.h"
 #include "oom.h"
 #include "ptr_map.h"
 #include "stats.h"
@@ -141,7 +152,9 @@ class Allocator {
   Allocator& operator=(const Allocator&) = delete;
 
   /// `size` bytes usable on `stream`; 0 for size 0. Throws OutOfMemoryError
-  /// once every retry failed (oom.h), worded by the OomPolicy if one is set.
+  /// once every retry failed (oom.h), worded by the OomPolicy if one is set;
+  /// std::bad_alloc, with nothing changed, if host memory for the pool's
+  /// bookkeeping runs out (as may every operation).
   /// `context` is an opaque tag the history and snapshot() carry for this
   /// allocation (PyTorch's recorded stack traces, kept by the caller); 0 for
   /// none.
@@ -322,6 +335,27 @@ class Allocator {
     return state_slow(s);
   }
   StreamState& state_slow(Stream s);
+  // Host memory for the core's own bookkeeping (blocks, the pointer map,
+  // nodes of the vmm maps, s's stream state) made before an operation
+  // changes anything, so that std::bad_alloc fails it with the pool as it
+  // was. What an operation may take: kOpBlocks blocks under bestfit; under
+  // vmm, where unmapping splits every free block it touches, twice the
+  // blocks in use and as many map nodes (block_floor_). Two compares when
+  // all is ready.
+  void prepare(Stream s) {
+    prepare_bookkeeping();
+    state(s);
+  }
+  void prepare_bookkeeping() {
+    if (spare_blocks_.size() < block_floor_ || map_nodes_.ready() < map_floor_ || live_.full()) prepare_slow();
+  }
+  void prepare_slow();
+  // block_floor_ under vmm: 3 spare >= 2 total + kOpBlocks (spares for twice the blocks in use).
+  size_t vmm_floor() const { return (2 * block_slabs_.size() * kSlab + kOpBlocks + 2) / 3; }
+  static constexpr size_t kSlab = 256;
+  static constexpr size_t kOpBlocks = 16;
+  size_t block_floor_ = kOpBlocks;
+  size_t map_floor_ = 0;
   // Inline: a split takes a block on the malloc+free hot path of a request
   // smaller than its free block (out of line, 18 instructions a pair).
   Block* new_block() {
@@ -397,7 +431,11 @@ class Allocator {
   // Whether the pool could grow by size (the cap; the device's free memory
   // plus what the pool could give back); *room: the device's free bytes, and
   // those of the spare handles an out-of-memory retry holds.
-  bool may_grow(size_t size, size_t* room, std::string* why);
+  // *hopeless: refused where no memory given back anywhere could make room.
+  bool may_grow(size_t size, size_t* room, std::string* why, bool* hopeless);
+  // Ends the reason of a hopeless refusal (OomFailure::hopeless).
+  static constexpr const char* kNoRetry =
+      "; no retry was tried: no cached memory given back, by this pool or any other, could make room for it";
   // Whether a request of stream s the area of which has no free block for
   // size bytes takes one of the other area (vmm) rather than grow: size more
   // bytes of pages would pass the cap or the device's room (may_grow()'s),
@@ -415,6 +453,7 @@ class Allocator {
   // b takes n's place in the address list (b->size already covers n); n is dropped.
   void take_place_of(Block* b, Block* n);
   // Virtual memory (strategy vmm)
+  void init();  // the constructor's work
   void init_vmm();
   // exact: nothing mapped ahead (pool_size, reserve(), what empty_cache() restores of pool_size).
   Block* map_for(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom, bool exact = false,
@@ -486,6 +525,16 @@ class Allocator {
   }
   // free() of the live block b at ptr, under the lock.
   void free_locked(uintptr_t ptr, Block* b, uint64_t context);
+  // Out of the pointer map and the allocated counts (free_locked()).
+  void release_live(uintptr_t ptr, Block* b, uint64_t context);
+  // free_locked() of a block record_stream() gave other streams: a pending
+  // free, its events recorded before anything changes.
+  void free_pending(uintptr_t ptr, Block* b, uint64_t context);
+  // An event on st's stream covering its frees so far, listed in st.syncs;
+  // the event is freed again if listing it fails.
+  void add_sync(StreamState& st);
+  // The destructor's work; also the constructor's when it throws.
+  void release_all();
   void finish_free(Block* b);
   bool is_ready(const Block* b);
   void poll_syncs(StreamState& st, bool wait);
@@ -515,6 +564,8 @@ class Allocator {
   static void run_extent(const Block* b, uintptr_t* lo, uintptr_t* hi);
   // A chunk of parent's range moves between the pools: stats and history.
   void lend_chunk_stats(Block* parent, Segment* chunk, int sign);
+  // Its history (history.cpp); may throw std::bad_alloc, the stats settled.
+  void trace_lend(Block* parent, Segment* chunk, int sign);
   // History: the run of b loses [lo, hi), told as its pieces allocated
   // and the run freed (see lend_chunk_stats).
   void trace_split(const Block* b, uintptr_t lo, uintptr_t hi);
@@ -548,7 +599,9 @@ class Allocator {
   };
   /// rejected: refused at once, before anything was mapped, reserved or
   /// released (counted in num_oom_rejections, OutOfMemoryError::rejected()).
-  [[noreturn]] void refuse(size_t request, size_t size, Stream s, std::string why, bool rejected = false);
+  /// hopeless: no memory given back anywhere could help (OomFailure::hopeless).
+  [[noreturn]] void refuse(size_t request, size_t size, Stream s, std::string why, bool rejected = false,
+                           bool hopeless = false);
   // The final error: counted, traced and worded, once (oom.cpp).
   [[noreturn]] void throw_oom(const OomFailure& failure, uint64_t context);
   std::string describe_oom_locked(const OomFailure& failure, size_t dev_free, size_t dev_total) const;
@@ -598,6 +651,10 @@ class Allocator {
   bool keep_handles_ = false;             // unmap_handles() detaches handles as spares_
   std::multiset<size_t> spares_;          // sizes of the handles detached for the mapping underway
   std::map<uintptr_t, Block*> parked_;    // mapped blocks no device may access yet (unpark())
+  // Nodes made ahead (node_reserve.h): unmapped_ and parked_, handles_, spares_.
+  NodeReserve<std::map<uintptr_t, Block*>> map_nodes_;
+  NodeReserve<std::map<uintptr_t, size_t>> handle_nodes_;
+  NodeReserve<std::multiset<size_t>> spare_nodes_;
 
   bool history_on_ = false;
   OomPolicy* oom_policy_ = nullptr;

@@ -98,6 +98,9 @@ class Backend {
   /// Free and total memory of the device behind the backend, for messages
   /// and caps; total == 0 means unbounded.
   virtual void mem_info(size_t* free_bytes, size_t* total_bytes) = 0;
+  /// The most all of the pools on this backend's device may reserve together
+  /// (PyTorch's memory fraction), below the device's total; 0: no such cap.
+  virtual size_t shared_cap() { return 0; }
 
   virtual EventId record_event(Stream stream) = 0;
   virtual bool event_done(EventId event) = 0;

@@ -14,6 +14,7 @@ uintptr_t Allocator::malloc_cached(size_t size, Stream s, uint64_t context) {
   if (size == 0 || size > kMaxRequest) return 0;
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
+  prepare(s);
   size_t rounded = round_up(size, kGranularity);
   if (!pending_.empty() && !backend_->is_capturing(s)) process_pending(false);
   Block* b;
@@ -30,8 +31,8 @@ uintptr_t Allocator::malloc_cached(size_t size, Stream s, uint64_t context) {
   return hand_out(take(b, rounded, s), size, s, context);
 }
 
-void Allocator::refuse(size_t request, size_t size, Stream s, std::string why, bool rejected) {
-  throw Refused{OomFailure{request, size, s, std::move(why), rejected}};
+void Allocator::refuse(size_t request, size_t size, Stream s, std::string why, bool rejected, bool hopeless) {
+  throw Refused{OomFailure{request, size, s, std::move(why), rejected, hopeless}};
 }
 
 void Allocator::throw_oom(const OomFailure& f, uint64_t context) {

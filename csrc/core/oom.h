@@ -27,13 +27,16 @@ struct OomFailure {
   Stream stream = 0;
   std::string why;        // the reason, naming none of the pool's figures
   bool rejected = false;  // refused at once (OutOfMemoryError::rejected())
+  // No memory given back anywhere could make room (beyond the device, or a
+  // cap): the owner's retry (release_elsewhere) is skipped, its cache kept.
+  bool hopeless = false;
 };
 
 class OomPolicy {
  public:
   virtual ~OomPolicy() = default;
-  /// After the pool's own retry failed: gives back memory held outside the
-  /// pool that it could then take; the bytes given back, or any nonzero
+  /// After the pool's own retry failed, unless the failure is hopeless:
+  /// gives back memory held outside the pool that it could then take; the bytes given back, or any nonzero
   /// number when they are not known (0: no more retry).
   /// Called with none of the pool's locks held.
   virtual size_t release_elsewhere(Allocator& pool) = 0;

@@ -23,8 +23,15 @@ class PtrMap {
     }
   }
 
+  /// Grows the table now if the next insert() would: insert() then never
+  /// allocates (std::bad_alloc here leaves the map as it was).
+  void make_room() {
+    if (full()) rehash(slots_.size() * 2);
+  }
+  bool full() const { return (count_ + 1) * 2 > slots_.size(); }
+
   void insert(uintptr_t key, Block* value) {
-    if ((count_ + 1) * 2 > slots_.size()) rehash(slots_.size() * 2);
+    make_room();
     place(key, value);
     count_++;
   }
@@ -74,9 +81,10 @@ class PtrMap {
   }
 
   void rehash(size_t capacity) {
+    std::vector<Slot> grown(capacity);  // first: if it throws, nothing has moved
     std::vector<Slot> old;
     old.swap(slots_);
-    slots_.assign(capacity, Slot{});
+    slots_.swap(grown);
     mask_ = capacity - 1;
     shift_ = 64 - __builtin_ctzll(capacity);
     for (const Slot& s : old)

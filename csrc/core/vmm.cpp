@@ -106,7 +106,18 @@ void Allocator::init_vmm() {
   max_handle_ = page;
   while (max_handle_ * 2 <= kMaxHandle) max_handle_ *= 2;
   handle_limit_ = page;
-  vmm_seg_ = new Segment();
+  block_floor_ = map_floor_ = vmm_floor();
+  // The range listed before anything else may throw, or it goes back.
+  std::unique_ptr<Segment> owned;
+  try {
+    prepare_bookkeeping();
+    owned = std::make_unique<Segment>();
+    segments_.emplace(base, owned.get());
+  } catch (...) {
+    backend_->vmm_release(base, range);
+    throw;
+  }
+  vmm_seg_ = owned.release();
   vmm_seg_->base = base;
   vmm_seg_->size = range;
   vmm_seg_->pool = kLargePool;
@@ -119,8 +130,7 @@ void Allocator::init_vmm() {
   b->mapped = false;
   b->state = BlockState::kFree;
   vmm_seg_->first = b;
-  unmapped_.emplace(base, b);
-  segments_.emplace(base, vmm_seg_);
+  map_nodes_.put(unmapped_, base, b);
   // While nothing is mapped: the range goes back, and the pool uses plain
   // segments (or throws).
   auto give_back = [&]() {
@@ -130,6 +140,8 @@ void Allocator::init_vmm() {
     delete vmm_seg_;
     vmm_seg_ = nullptr;
     vmm_ = false;
+    block_floor_ = kOpBlocks;  // bestfit's again
+    map_floor_ = 0;
     page_ = 0;
     small_floor_ = 0;
     backend_->vmm_release(base, range);
@@ -212,10 +224,12 @@ size_t Allocator::unpark() {
 size_t Allocator::release_parked() {
   std::lock_guard<Lock> guard(mu_);
   OpEnd end{this};
+  prepare_bookkeeping();
   return unpark();
 }
 
 size_t Allocator::unmap_free_pages_kept(size_t want, uintptr_t keep_lo, uintptr_t keep_hi) {
+  spare_nodes_.reserve(handles_.size());  // each handle unmapped may wait as a spare
   KeepHandles keep(keep_handles_, backend_->vmm_moves());
   return unmap_free_pages(want, keep_lo, keep_hi, /*wait=*/true, /*all_or_none=*/true);
 }
@@ -434,7 +448,7 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   // driver's error, if it was one): once `kept`, nothing more is mapped.
   bool kept = false;
   auto park = [&](uintptr_t a, size_t n) {
-    parked_.emplace(a, cut_mapped(u, a, a + n, s));
+    map_nodes_.put(parked_, a, cut_mapped(u, a, a + n, s));
     *why = "the device refused access to " + format_bytes(n) +
            " of new pages during a CUDA graph capture (cuMemSetAccess failed); they stay reserved, "
            "unused, until the first growth or empty_cache() after the capture";
@@ -511,20 +525,20 @@ Block* Allocator::cut_mapped(Block* u, uintptr_t lo, uintptr_t hi, Stream s) {
   // Cut the mapped piece out of u; fresh pages are safe for every stream.
   Block* m;
   if (lo == u->addr && hi == u->end()) {
-    unmapped_.erase(u->addr);
+    map_nodes_.erase_key(unmapped_, u->addr);
     m = u;
   } else {
     m = new_block();
     m->segment = u->segment;
     if (lo == u->addr) {
-      unmapped_.erase(u->addr);
+      map_nodes_.erase_key(unmapped_, u->addr);
       m->prev = u->prev;
       m->next = u;
       if (u->prev != nullptr) u->prev->next = m;
       else u->segment->first = m;
       u->prev = m;
       u->addr = hi;
-      unmapped_.emplace(u->addr, u);
+      map_nodes_.put(unmapped_, u->addr, u);
     } else if (hi == u->end()) {
       m->prev = u;
       m->next = u->next;
@@ -545,7 +559,7 @@ Block* Allocator::cut_mapped(Block* u, uintptr_t lo, uintptr_t hi, Stream s) {
       m->prev = u;
       m->next = t;
       u->next = m;
-      unmapped_.emplace(t->addr, t);
+      map_nodes_.put(unmapped_, t->addr, t);
       u->size -= t->size;
     }
     u->size -= hi - lo;
@@ -567,8 +581,7 @@ size_t Allocator::unmap_free_pages(size_t want, uintptr_t keep_lo, uintptr_t kee
   for (auto& [stream, st] : streams_) {
     if (backend_->is_capturing(stream)) continue;
     if (st->synced_seq < st->last_free_seq && !wait) {
-      st->syncs.emplace_back(backend_->record_event(stream), st->last_free_seq);
-      st->synced_seq = st->last_free_seq;
+      add_sync(*st);
     }
     poll_syncs(*st, wait);
   }
@@ -633,6 +646,8 @@ size_t Allocator::handle_size(uintptr_t addr, uintptr_t end) const {
 }
 
 bool Allocator::map_handles(uintptr_t lo, size_t size, bool* kept) {
+  // A node for every handle it may map (of a page at least), before any is.
+  handle_nodes_.reserve(size / page_ + 1);
   Recount recount{*this};
   uintptr_t a = lo, end = lo + size;
   auto undo = [&]() {
@@ -652,9 +667,9 @@ bool Allocator::map_handles(uintptr_t lo, size_t size, bool* kept) {
         // Still the core's spare while the backend may throw: dropped then
         // like the others (map_for()).
         if (backend_->vmm_attach(a, h)) {
-          spares_.erase(std::prev(sp));
+          spare_nodes_.erase(spares_, std::prev(sp));
           stats_.num_driver_calls++;  // cuMemMap
-          handles_.emplace(a, h);
+          handle_nodes_.put(handles_, a, h);
           a += h;
           continue;
         }
@@ -669,7 +684,7 @@ bool Allocator::map_handles(uintptr_t lo, size_t size, bool* kept) {
         return false;
       }
       stats_.num_driver_calls += 2;  // cuMemCreate, cuMemMap
-      handles_.emplace(a, h);
+      handle_nodes_.put(handles_, a, h);
       a += h;
     }
     // One cuMemSetAccess for the whole range, as PyTorch's mapAndSetAccess:
@@ -700,14 +715,14 @@ void Allocator::unmap_handles(uintptr_t lo, uintptr_t hi) {
   auto it = handles_.lower_bound(lo);
   while (it != handles_.end() && it->first < hi) {
     if (keep_handles_ && backend_->vmm_detach(it->first, it->second)) {
-      spares_.insert(it->second);
+      spare_nodes_.add(spares_, it->second);
       stats_.num_driver_calls++;  // cuMemUnmap
     } else {
       // A detach that failed has released the handle already (backend.h).
       if (!keep_handles_) backend_->vmm_unmap(it->first, it->second);
       stats_.num_driver_calls += 2;  // cuMemUnmap, cuMemRelease
     }
-    it = handles_.erase(it);
+    it = handle_nodes_.erase(handles_, it);
   }
 }
 
@@ -769,11 +784,11 @@ Block* Allocator::unmap_range(Block* f, uintptr_t lo, uintptr_t hi) {
   // Unmapped neighbours become one block.
   for (Block* n : {f->prev, f->next}) {
     if (n == nullptr || n->mapped) continue;
-    unmapped_.erase(n->addr);
+    map_nodes_.erase_key(unmapped_, n->addr);
     f->size += n->size;
     take_place_of(f, n);
   }
-  unmapped_[f->addr] = f;
+  map_nodes_.put(unmapped_, f->addr, f);
   return tail != nullptr ? tail : f;
 }
 

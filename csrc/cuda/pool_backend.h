@@ -72,6 +72,7 @@ class PoolBackend final : public Backend {
   uintptr_t reserve(size_t size) override;
   void release(uintptr_t base, size_t size) override;
   void mem_info(size_t* free_bytes, size_t* total_bytes) override;
+  size_t shared_cap() override { return budget_.cap.load(std::memory_order_acquire); }
   size_t vmm_page_size() override { return inner_->vmm_page_size(); }
   bool vmm_proven() override { return inner_->vmm_proven(); }
   uintptr_t vmm_reserve(size_t size) override;

@@ -204,7 +204,9 @@ def test_oom_message_names_each_figure_once_for_what_it_is(fake, lib):
                  "8.00 MiB of the reserved memory is free", "the largest free block is 4.00 MiB",
                  "The memory fraction 0.75 caps all of pyalloc's pools on device 0 at 48.00 MiB: "
                  "28.00 MiB more can be reserved under the cap",
-                 "Why: the allocated memory and this request would exceed the pool's cap."):
+                 "Why: the allocated memory and this request would exceed the pool's cap; no retry "
+                 "was tried: no cached memory given back, by this pool or any other, could make "
+                 "room for it."):
         assert message.count(said) == 1, (said, message)
     for figure in ("40.00 MiB", "12.00 MiB", "20.00 MiB", "8.00 MiB", "4.00 MiB", "48.00 MiB", "28.00 MiB"):
         assert len(re.findall(r"(?<![\d.])" + re.escape(figure), message)) == 1, (figure, message)

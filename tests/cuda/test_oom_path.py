@@ -73,19 +73,65 @@ def test_the_oom_event_carries_the_requests_context(fake):
         api.record_history(0, 0, 1)
 
 
-def test_a_buffer_oom_after_the_general_pool_gave_back_counts_once(fake, lib, history):
+NO_RETRY = ("no retry was tried: no cached memory given back, by this pool or any other, "
+            "could make room for it")
+
+
+def test_a_buffer_oom_beyond_the_memory_fraction_keeps_the_general_cache(fake, lib, history):
+    """Regression: a request larger than the memory fraction lets all of the
+    device's pools hold made the general pool give back its cache for a retry
+    that could not help. PyTorch's alloc_block calls release_cached_blocks
+    there too; pyalloc refuses at once and keeps the cache."""
     p = lib.pyalloc_malloc(40 * MiB, 0, None)
     lib.pyalloc_free(p, 0, 0, None)  # cached in the general pool
     lib.pyalloc_set_memory_fraction(0.5, 0)  # 32 MiB for all of device 0's pools
     with pytest.raises(pyalloc.OutOfMemoryError) as e:
         _C.cuda_buffer(0, 40 * MiB, 0)
-    assert str(e.value).startswith("CUDA out of memory. Tried to allocate 40.00 MiB on device 0 "
-                                   "(pyalloc buffer pool).")
-    assert str(e.value).count("CUDA out of memory") == 1
-    # The general pool's cache was given back for the retry, which the cap refused too.
-    assert _C.cuda_stats(0, "general")["reserved_bytes.all.current"] == 0
+    message = str(e.value)
+    assert message.startswith("CUDA out of memory. Tried to allocate 40.00 MiB on device 0 "
+                              "(pyalloc buffer pool).")
+    assert message.count("CUDA out of memory") == 1
+    assert "larger than the memory fraction lets all of the device's pools reserve (32.00 MiB)" in message
+    assert NO_RETRY in message
+    assert _C.cuda_stats(0, "general")["reserved_bytes.all.current"] == 40 * MiB
     assert counts() == (1, 1, 0)
     assert len(ooms("buffers")) == 1 and ooms("general") == []
+    _C.cuda_check_invariants(0)
+
+
+def test_a_request_beyond_the_device_keeps_every_pools_cache(fake, lib, history):
+    """Regression: a request larger than the device itself made the device's
+    other pools give back their cache before the error."""
+    buf = _C.cuda_buffer(0, 8 * MiB, 0)
+    del buf  # cached in the buffer pool
+    lib.pyalloc_free(lib.pyalloc_malloc(4 * MiB, 0, None), 0, 0, None)  # and in the general pool
+    general = _C.cuda_stats(0, "general")["reserved_bytes.all.current"]
+    buffers = _C.cuda_stats(0, "buffers")["reserved_bytes.all.current"]
+    assert general > 0 and buffers > 0
+    with pytest.raises(pyalloc.OutOfMemoryError) as e:
+        _C._testing_hook_malloc(65 * MiB, 0, 0)  # the fake device holds 64 MiB
+    message = str(e.value)
+    assert "larger than the device's total memory (64.00 MiB)" in message and NO_RETRY in message
+    assert _C.cuda_stats(0, "general")["reserved_bytes.all.current"] == general
+    assert _C.cuda_stats(0, "buffers")["reserved_bytes.all.current"] == buffers
+    assert counts() == (1, 1, 0)
+    _C.cuda_check_invariants(0)
+
+
+def test_a_request_beyond_the_pools_cap_keeps_the_other_pools_cache(fake, lib, history):
+    """Regression: a request the general pool's own cap (max_pool_size) could
+    never hold made the buffer pool give back its cache first."""
+    _C.cuda_configure("max_pool_size:16MiB")
+    buf = _C.cuda_buffer(0, 8 * MiB, 0)
+    del buf
+    buffers = _C.cuda_stats(0, "buffers")["reserved_bytes.all.current"]
+    assert buffers > 0
+    with pytest.raises(pyalloc.OutOfMemoryError) as e:
+        _C._testing_hook_malloc(20 * MiB, 0, 0)
+    message = str(e.value)
+    assert "would exceed the pool's cap" in message and NO_RETRY in message
+    assert _C.cuda_stats(0, "buffers")["reserved_bytes.all.current"] == buffers
+    assert counts() == (1, 1, 0)
     _C.cuda_check_invariants(0)
 
 
