@@ -491,6 +491,31 @@ def test_on_torch_2_13_a_capture_counts_from_its_route_to_its_mark(api, fake):
         _C._testing_set_capture(stream, 0)
         assert api.set_captures_marked(0) == OK
 
+def test_on_torch_2_13_a_mark_takes_over_only_its_own_threads_route(api, fake):
+    """capture_begin routes, begins the capture and marks it on one thread: a
+    mark takes over the count from its own thread's route only. Another
+    thread's route, whose capture is about to begin, counts on."""
+    capture = FILTER_FN(lambda _u, s: int((s or 0) == 0x7B))
+    other = FILTER_FN(lambda _u, s: int((s or 0) == 0x7C))
+    assert api.set_captures_marked(1) == OK
+    try:
+        cached_on_device_1(api)
+        begun = []
+        t = threading.Thread(target=lambda: begun.append(api.begin_allocate_to_pool(0, 0, 80, other, None)))
+        t.start()
+        t.join()
+        assert begun == [OK]
+        assert api.begin_allocate_to_pool(0, 0, 81, capture, None) == OK
+        assert api.mark_capture(0, 1) == OK
+        assert api.mark_capture(0, 0) == OK
+        assert api.end_allocate_to_pool(0, 0, 81) == OK
+        assert not released_on_device_1(api)  # the other thread's capture has not begun yet
+        assert api.end_allocate_to_pool(0, 0, 80) == OK
+        assert released_on_device_1(api)
+        assert api.release_pool(0, 0, 80) == OK and api.release_pool(0, 0, 81) == OK
+    finally:
+        assert api.set_captures_marked(0) == OK
+
 
 def test_on_torch_2_13_a_marked_capture_that_failed_heals(api, fake):
     """Regression: when cudaStreamEndCapture fails, torch 2.13's capture_end
