@@ -317,10 +317,12 @@ typedef struct pyalloc_bridge_api {
   int (*set_free_memory_hook)(pyalloc_free_memory_fn fn, void* user);
   /* marked 1: PyTorch marks each capture (torch 2.13+: mark_capture), and
    * routing a pool (use_mem_pool, NCCL registration, CUDA-graph trees'
-   * warm-up) is no capture by itself: routes begun from then on do not
-   * count as a capture underway, as PyTorch's allocator defers its event
-   * processing for marked captures alone. 0: every route counts as one (the
-   * default). Appended: check size before calling. */
+   * warm-up) is no capture by itself: a route begun from then on counts as
+   * a capture underway only until a mark begins on its thread (its capture
+   * has begun), it serves a stream that is not capturing, or it ends, as
+   * PyTorch's allocator defers its event processing for marked captures
+   * alone. 0: every route counts as one until it ends (the default).
+   * Appended: check size before calling. */
   int (*set_captures_marked)(int marked);
   /* record_stream_owned with the stream's device (PyTorch's c10::Stream
    * carries it; -1: the allocation's own): the event is recorded on that

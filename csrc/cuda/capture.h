@@ -3,14 +3,16 @@
 //
 // Told: PyTorch routes a graph's pool (begin_allocate_to_pool) before it
 // calls cudaStreamBeginCapture, and ends the route after the capture ends;
-// torch 2.13 also marks the capture itself (markCaptureBegin/End). Each open
-// route and each mark counts as a capture underway (open() / close()), so the
-// window between the route's opening and the capture's start is covered too:
-// another thread's event query or free there would invalidate the capture
-// as it begins. PyTorch's own allocator likewise defers its event processing
-// while any pool route is open. Where PyTorch marks its captures (the bridge
-// on torch 2.13 and later), only the marks count, as they do in PyTorch's
-// allocator: a route alone (use_mem_pool) is no capture (graph_pools.h).
+// torch 2.13 also marks the capture itself (markCaptureBegin/End), after
+// cudaStreamBeginCapture. Each open route and each mark counts as a capture
+// underway (open() / close()), so the window between the route's opening and
+// the capture's start is covered too: another thread's event query or free
+// there would invalidate the capture as it begins. PyTorch's own allocator
+// likewise defers its event processing while any pool route is open. Where
+// PyTorch marks its captures (the bridge on torch 2.13 and later), a route
+// counts only until its capture's mark takes over, or until it serves a
+// stream found not capturing (use_mem_pool: no capture, as PyTorch's
+// allocator then counts the marks alone), or until it ends (graph_pools.h).
 //
 // Seen: without those calls, every stream pyalloc allocates on is probed, and a
 // stream found capturing is remembered until a later probe finds it done.

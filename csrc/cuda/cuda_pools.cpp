@@ -272,7 +272,7 @@ void DevicePools::check_invariants() const {
 // Graph pools: PyTorch's calls, passed on (graph_pools.h)
 
 void DevicePools::begin_allocate_to_pool(PoolId id, StreamFilter filter) {
-  graphs_.begin_route(id, std::move(filter), !process_.captures_marked());
+  graphs_.begin_route(id, std::move(filter), process_.captures_marked());
 }
 
 void DevicePools::end_allocate_to_pool(PoolId id) {

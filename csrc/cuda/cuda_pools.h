@@ -60,7 +60,8 @@ class ProcessPools {
   /// whether their stream is capturing.
   virtual bool told_of_captures() const = 0;
   /// PyTorch marks each capture (torch 2.13's markCaptureBegin/End, through
-  /// the bridge): a pool route alone is no capture (GraphPools::begin_route).
+  /// the bridge): a pool route counts as a capture only until its capture's
+  /// mark or an allocation on a stream not capturing (GraphPools::begin_route).
   virtual bool captures_marked() const = 0;
   /// Every device's pools made so far.
   virtual std::vector<DevicePools*> all() const = 0;

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <iterator>
 #include <stdexcept>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -181,7 +182,7 @@ void GraphPools::quiesce() const {
 // ---------------------------------------------------------------------------
 // Routes and the capture window
 
-void GraphPools::begin_route(PoolId id, StreamFilter filter, bool capture) {
+void GraphPools::begin_route(PoolId id, StreamFilter filter, bool marked) {
   std::unique_lock<std::shared_mutex> g(mu_);
   // One route to a pool at a time, as PyTorch's beginAllocateToPool checks
   // ("already recording to mempool_id"): then each end ends the route it
@@ -201,12 +202,13 @@ void GraphPools::begin_route(PoolId id, StreamFilter filter, bool capture) {
   Route route;
   route.id = id;
   route.filter = std::move(filter);
-  route.declared = capture;
+  route.until_marked = marked;
+  route.thread = std::this_thread::get_id();
   routes_.push_back(std::move(route));
   routing_.store(true, std::memory_order_release);
-  if (!capture) return;
-  // PyTorch begins the capture only after this returns: from now on, a
-  // capture counts as underway, for every thread (capture.h).
+  // PyTorch begins the capture only after this returns, and marks it (torch
+  // 2.13) only once it has begun: from now on, a capture counts as underway,
+  // for every thread (capture.h).
   device_.captures().open();
   declared_routes_.fetch_add(1, std::memory_order_acq_rel);
 }
@@ -225,21 +227,62 @@ void GraphPools::end_route(PoolId id) {
   if (it != pools_.end()) reclaim_locked(*it->second);  // released while routed
 }
 
+// A mark and its route: torch 2.13's CUDAGraph::capture_begin routes the
+// pool, begins the capture and marks it, all on the calling thread, so a
+// mark's begin takes over the count from the routes of its thread still
+// waiting for a mark (until_marked, declared); the newest is its capture's
+// route, which then holds the mark (`marked`): the route's capturing streams
+// heal the mark if PyTorch never ends it (heal_routes()). A mark's end ends
+// its thread's marked route's mark (capture_end ends the mark on the thread
+// that began it); one of a thread with none ends a mark held by no route, if
+// any is left: an end whose mark healed first is ignored. Limit: a mark
+// healed between cudaStreamEndCapture's success and markCaptureEnd (the
+// grace makes it unlikely) takes with its late end a mark of the same thread
+// begun since, or one held by no route.
 bool GraphPools::mark_capture(bool begin) {
   std::unique_lock<std::shared_mutex> g(mu_);
+  std::lock_guard<std::mutex> s(seen_mu_);
+  const std::thread::id me = std::this_thread::get_id();
   if (begin) {
     marks_++;
-    device_.captures().open();
+    device_.captures().open();  // before the routes it takes over close: never a moment uncounted
+    bool held = false;
+    for (auto r = routes_.rbegin(); r != routes_.rend(); ++r) {
+      if (r->thread != me || !r->until_marked || !r->declared) continue;
+      if (held) {
+        uncount_held(*r, false, nullptr);
+        continue;
+      }
+      held = true;
+      r->marked = true;  // its `seen` now heals the mark
+      r->declared = false;
+      declared_routes_.fetch_sub(1, std::memory_order_acq_rel);
+      device_.captures().close();
+    }
     return false;
   }
-  if (marks_ == 0) return false;
+  int held = 0;
+  Route* owner = nullptr;
+  for (Route& r : routes_) {
+    if (!r.marked) continue;
+    held++;
+    if (r.thread == me) owner = &r;  // the newest
+  }
+  if (owner != nullptr) {
+    uncount_held(*owner, true, nullptr);
+    return true;
+  }
+  if (marks_ == held) return false;  // no mark left that no route holds: it healed
   marks_--;
   device_.captures().close();
   return true;
 }
 
-void GraphPools::retire_locked(Route& route, const char* why) {
-  undeclare_locked(route, why);
+void GraphPools::retire_locked(Route& route, const char* why, bool end_mark) {
+  {
+    std::lock_guard<std::mutex> s(seen_mu_);
+    uncount_held(route, end_mark, why);
+  }
   route.healed = true;  // ended: no capture of it may be counted again
 }
 
@@ -247,12 +290,16 @@ void GraphPools::retire_locked(Route& route, const char* why) {
 // mark before it ends the route, but a capture abandoned before capture_end
 // (an exception in the captured code, the graph destroyed) gets from reset()
 // an end of its route and a release of its pool only, and its mark would
-// count as a capture underway for the rest of the process. Every capture
-// PyTorch marks has its route open until after its mark ends, so once no
-// route is left open on the device (healed ones aside), every mark left is
-// such a one, and ends. A mark that outlives its route while another route
-// of the device stays open ends only then: a capture still marked cannot be
-// told apart from it.
+// count as a capture underway for the rest of the process. A route's end
+// leaves the mark it holds held by none. Every capture PyTorch marks has its
+// route open until after its mark ends, so once no route is left open on the
+// device (healed ones aside), every mark left is such a one, and ends.
+// A mark that outlives its route while another route of the device stays
+// open ends only then: a capture still marked cannot be told apart from it.
+// Limit: a conditional node's capture (begin_capture_to_if_node) ends its
+// route and begins another meanwhile; with no other route open on the
+// device, its mark ends there, and the capture counts again only from the new
+// route's begin (declared, waiting for a mark that never comes) on.
 bool GraphPools::end_abandoned_marks_locked() {
   if (marks_ == 0) return false;
   for (const Route& r : routes_)
@@ -271,15 +318,18 @@ bool GraphPools::end_abandoned_marks_locked() {
 // for kRouteHealGrace while the route is still open, it stops counting as a
 // capture underway and pyalloc says so on stderr (once a device); the grace
 // leaves a capture that has just ended the moment PyTorch needs to end its
-// route. A route that served no capturing stream cannot be seen to end: it
-// goes when the pool's last use is released (release()), which ends every
-// route still open to it. Limit: a route seen only on a stream forked from
-// the capture and joined back before the capture ends may heal while the
-// capture goes on, after the grace.
+// route. On torch 2.13 the same failure leaves the capture's mark open too
+// (where capture_end ends it only after cudaStreamEndCapture succeeds): the
+// route holding the mark remembers its capturing streams the same way, and
+// the mark ends when the route heals. A route that served no capturing stream
+// cannot be seen to end: it goes when the pool's last use is released
+// (release()), which ends every route still open to it. Limit: a route seen
+// only on a stream forked from the capture and joined back before the
+// capture ends may heal while the capture goes on, after the grace.
 
 bool GraphPools::route_abandoned_locked(Route& route) {
-  if (!route.declared) return false;
   std::lock_guard<std::mutex> s(seen_mu_);
+  if (!route.declared && !route.marked) return false;
   if (route.seen.empty()) return false;
   for (const auto& [stream, capture] : route.seen) {
     CaptureState st = device_.captures().probe(stream);
@@ -294,16 +344,23 @@ bool GraphPools::route_abandoned_locked(Route& route) {
   return now - route.ended >= kRouteHealGrace;
 }
 
-void GraphPools::undeclare_locked(Route& route, const char* why) {
-  if (!route.declared) return;
-  route.declared = false;
-  {
-    std::lock_guard<std::mutex> s(seen_mu_);
-    if (!route.seen.empty()) watched_.fetch_sub(1, std::memory_order_acq_rel);
-    route.seen.clear();
+void GraphPools::uncount_held(Route& route, bool end_mark, const char* why) {
+  if (!route.declared && !route.marked) return;
+  if (!route.seen.empty()) watched_.fetch_sub(1, std::memory_order_acq_rel);
+  route.seen.clear();
+  route.ended = 0;
+  if (route.declared) {
+    route.declared = false;
+    declared_routes_.fetch_sub(1, std::memory_order_acq_rel);
+    device_.captures().close();
   }
-  declared_routes_.fetch_sub(1, std::memory_order_acq_rel);
-  device_.captures().close();
+  if (route.marked) {
+    route.marked = false;  // else its mark stays, held by no route
+    if (end_mark) {        // mu_ is held exclusively
+      marks_--;
+      device_.captures().close();
+    }
+  }
   if (why != nullptr && !told_unended_.exchange(true)) {
     std::fprintf(stderr,
                  "pyalloc: a CUDA graph capture into pool (%llu, %llu) on device %d was never "
@@ -325,7 +382,7 @@ void GraphPools::heal_routes() {
   }
   std::unique_lock<std::shared_mutex> g(mu_);
   for (Route& route : routes_)
-    if (route_abandoned_locked(route)) retire_locked(route, "its streams stopped capturing");
+    if (route_abandoned_locked(route)) retire_locked(route, "its streams stopped capturing", true);
   end_abandoned_marks_locked();
 }
 
@@ -349,16 +406,22 @@ uintptr_t GraphPools::malloc(size_t size, Stream stream, uint64_t context, bool*
   *routed = true;
   // Remember a capturing stream, so that no pool of the process releases
   // memory until its capture is over (capture.h); and the route it served,
-  // so that the route heals if PyTorch never ends it.
+  // so that the route (or its capture's mark) heals if PyTorch never ends it.
+  // A route waiting for a mark that serves a stream not capturing routes no
+  // capture (use_mem_pool): it counts as one no longer.
   CaptureState cap = device_.captures().probe(stream);
-  if (cap.capturing && route->declared) {
+  if (cap.capturing || route->until_marked) {
     std::lock_guard<std::mutex> s(seen_mu_);
-    auto key = std::make_pair(stream, cap.id);
-    if (std::find(route->seen.begin(), route->seen.end(), key) == route->seen.end()) {
-      if (route->seen.empty()) watched_.fetch_add(1, std::memory_order_acq_rel);
-      route->seen.push_back(key);
+    if (!cap.capturing) {
+      if (route->declared) uncount_held(*route, false, nullptr);  // until_marked: holds no mark
+    } else if (route->declared || route->marked) {
+      auto key = std::make_pair(stream, cap.id);
+      if (std::find(route->seen.begin(), route->seen.end(), key) == route->seen.end()) {
+        if (route->seen.empty()) watched_.fetch_add(1, std::memory_order_acq_rel);
+        route->seen.push_back(key);
+      }
+      route->ended = 0;
     }
-    route->ended = 0;
   }
   uintptr_t ptr = pool->alloc->malloc(size, stream, context);
   std::lock_guard<std::mutex> b(pool->mu);

@@ -25,20 +25,27 @@
 // and never while a capture is underway.
 //
 // The capture window: PyTorch routes a graph's pool before it begins the
-// capture, and ends the route after the capture ends. Before torch 2.13 each
-// open route counts as a capture underway (capture.h) on every device, from
-// its opening on: no pool queries events, releases or unmaps memory, or
-// reclaims graph pools. torch 2.13 also marks the capture itself
-// (mark_capture()), which counts the same way; where PyTorch marks its
-// captures (begin_route()'s `capture` false), a route alone counts as none,
-// as PyTorch's allocator then defers its event processing for the marks
-// alone: use_mem_pool, NCCL registration and CUDA-graph trees' warm-up route
-// with no capture. A mark PyTorch never ends (a capture abandoned before
-// capture_end, whose reset() ends the route only) ends once no route is left
-// open on the device: PyTorch ends a capture's mark before its route, so no
-// capture is marked without its route open. The caller waits, once a route
-// or mark is open, for every pool of every device to finish the operation it
-// was in (quiesce()).
+// capture, and ends the route after the capture ends. Each open route counts
+// as a capture underway (capture.h) on every device, from its opening on: no
+// pool queries events, releases or unmaps memory, or reclaims graph pools.
+// Before torch 2.13 it counts until it ends. torch 2.13 also marks the
+// capture itself (mark_capture(): capture_begin routes, calls
+// cudaStreamBeginCapture, then marks), which counts the same way; where
+// PyTorch marks its captures (begin_route()'s `marked`), a route counts only
+// until its capture's mark takes over (a mark begun on the thread that
+// opened it), or until it serves an allocation on a stream found not
+// capturing (use_mem_pool, NCCL registration and CUDA-graph trees' warm-up
+// route with no capture: PyTorch's allocator then defers its event processing
+// for the marks alone), or until it ends; so the moment between the route and
+// the mark, when the capture begins, is covered. A mark PyTorch never ends
+// ends when its route's capturing streams have been seen done for
+// kRouteHealGrace (cudaStreamEndCapture failed, the graph kept:
+// heal_routes()), or once no route is left open on the device (a capture
+// abandoned before capture_end, whose reset() ends the route only): PyTorch
+// ends a capture's mark before its route, so no capture is marked without a
+// route open. The caller waits, once a route or mark is
+// open, for every pool of every device to finish the operation it was in
+// (quiesce()).
 //
 // torch.cuda.MemPool's options, as PyTorch's allocator keeps them per pool:
 // no_split (set_no_split()) makes the pool's allocator never split a block
@@ -64,6 +71,7 @@
 #include <shared_mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -104,13 +112,14 @@ class GraphPools {
   // -- Routes and the capture window ------------------------------------------
 
   /// From now on, allocations on streams the filter accepts come from pool
-  /// `id` (created if new); a use of the pool. With `capture`, the route
-  /// counts as a capture underway until it ends (PyTorch marks no capture).
+  /// `id` (created if new); a use of the pool. The route counts as a capture
+  /// underway until it ends; with `marked` (PyTorch marks its captures), only
+  /// until a mark begins on this thread or it serves a stream not capturing.
   /// Throws std::invalid_argument if the pool is being recorded to already
   /// (a route to it still open, not healed), as PyTorch's allocator refuses
   /// it; a healed route to it goes. The filter is called with no lock of
   /// PyTorch's held, and must not allocate.
-  void begin_route(PoolId id, StreamFilter filter, bool capture = true);
+  void begin_route(PoolId id, StreamFilter filter, bool marked = false);
   /// Stops the route to pool `id`, if any; the pool and its blocks stay.
   void end_route(PoolId id);
   /// A MemPool: creates pool `id` with one use (its segments from `source`,
@@ -128,15 +137,16 @@ class GraphPools {
   /// of pool `id` serve malloc_on_oom(). Throws no_such_pool() if there is
   /// none, unless turning it off (MemPool's destructor).
   void set_use_on_oom(PoolId id, bool use_on_oom);
-  /// torch 2.13's markCaptureBegin (begin) / markCaptureEnd: a capture on
-  /// the device counts as underway in between, or until no route is left
-  /// open on the device. An end without a begin is ignored. True if a mark
-  /// ended.
+  /// torch 2.13's markCaptureBegin (begin) / markCaptureEnd, on the thread
+  /// that captures: a capture on the device counts as underway in between,
+  /// or until the mark's route heals, or no route is left open on the
+  /// device. An end without a begin (or whose mark healed) is ignored. True
+  /// if a mark ended.
   bool mark_capture(bool begin);
-  /// Ends counting as a capture underway each route whose capturing streams
-  /// have all been done for kRouteHealGrace (see graph_pools.cpp, "A route
-  /// that never ends"). One atomic load while no open route has served a
-  /// capture.
+  /// Ends counting as a capture underway each route (and the mark it holds)
+  /// whose capturing streams have all been done for kRouteHealGrace (see
+  /// graph_pools.cpp, "A route that never ends"). One atomic load while no
+  /// open route has served a capture.
   void heal_routes();
   /// Some route is open (one atomic load).
   bool routing() const { return routing_.load(std::memory_order_acquire); }
@@ -223,14 +233,21 @@ class GraphPools {
  private:
   struct Pool;
   // A route of begin_route(). While `declared`, it counts as a capture
-  // underway (capture.h): until end_route(), its pool's last release(), or
-  // heal_routes() (then `healed`: its capture was seen over, and PyTorch
-  // never ended the route). Changed under mu_ held exclusively, except
-  // `seen` and `ended`, guarded by seen_mu_.
+  // underway (capture.h); while `marked`, its capture's mark does (never
+  // both): until end_route(), its pool's last release(), or heal_routes()
+  // (then `healed`: its capture was seen over, and PyTorch never ended the
+  // route); one `until_marked` is declared only until a mark of its thread
+  // takes over (mark_capture()) or it serves a stream not capturing.
+  // `declared`, `marked`, `seen` and `ended` are guarded by seen_mu_
+  // (`marked` changed under mu_ held exclusively too, with marks_), the rest
+  // changed under mu_ held exclusively.
   struct Route {
     PoolId id;
     StreamFilter filter;
+    bool until_marked = false;  // PyTorch marks its captures (torch 2.13+)
+    std::thread::id thread;     // the thread that began it: its capture's
     bool declared = true;
+    bool marked = false;
     bool healed = false;
     std::vector<std::pair<Stream, uint64_t>> seen;  // (stream, capture id) it served capturing
     double ended = 0;  // when all of `seen` were first found done (steady seconds), 0: not yet
@@ -239,8 +256,11 @@ class GraphPools {
   Pool& incref_locked(PoolId id, SegmentSource source = {});
   bool reclaim_locked(Pool& pool);
   bool route_abandoned_locked(Route& route);
-  void undeclare_locked(Route& route, const char* why);
-  void retire_locked(Route& route, const char* why);
+  /// Ends the route's count, seen_mu_ held: its declaration, or its hold on
+  /// a mark, which ends too with `end_mark` (mu_ held exclusively); `why`:
+  /// said on stderr (once a device), as a capture never ended.
+  void uncount_held(Route& route, bool end_mark, const char* why);
+  void retire_locked(Route& route, const char* why, bool end_mark = false);
   bool end_abandoned_marks_locked();
 
   Device& device_;
@@ -252,11 +272,11 @@ class GraphPools {
   mutable std::shared_mutex mu_;
   std::map<PoolId, std::unique_ptr<Pool>> pools_;
   std::vector<Route> routes_;             // in begin order
-  std::mutex seen_mu_;                    // guards each route's seen and ended
-  std::atomic<int> watched_{0};           // declared routes whose `seen` is not empty
+  std::mutex seen_mu_;                    // guards each route's count (Route)
+  std::atomic<int> watched_{0};           // declared or marked routes whose `seen` is not empty
   std::atomic<int> declared_routes_{0};   // routes that still count as a capture underway
   std::atomic<bool> told_unended_{false};  // a route left open was said on stderr
-  int marks_ = 0;                         // mark_capture() begins not yet ended
+  int marks_ = 0;                         // mark_capture() begins not yet ended (routes' `marked` included)
   std::atomic<bool> routing_{false};      // routes_ is not empty
   std::atomic<bool> exist_{false};        // pools_ is not empty
   std::atomic<bool> told_of_captures_{false};

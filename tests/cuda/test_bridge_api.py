@@ -442,6 +442,128 @@ def test_on_torch_2_13_a_route_alone_is_no_capture(api, fake):
         assert api.set_captures_marked(0) == OK
 
 
+def test_on_torch_2_13_a_capture_counts_from_its_route_to_its_mark(api, fake):
+    """Regression: torch 2.13's capture_begin routes the pool, then calls
+    cudaStreamBeginCapture, then marks the capture. Where PyTorch marks its
+    captures a route counted as no capture at all, so between the route and the
+    mark another thread's release or event query ran into the capture as it
+    began. A route now counts from its begin until its capture's mark, or until
+    it serves a stream found not capturing (use_mem_pool), or its end."""
+    stream = 0x79
+    capture = FILTER_FN(lambda _u, s: int((s or 0) == stream))
+    every = FILTER_FN(lambda _u, s: 1)
+    assert api.set_captures_marked(1) == OK
+    try:
+        cached_on_device_1(api)
+        assert api.begin_allocate_to_pool(0, 0, 74, capture, None) == OK
+        assert not released_on_device_1(api)  # cudaStreamBeginCapture comes next
+        _C._testing_set_capture(stream, 47)
+        assert api.mark_capture(0, 1) == OK  # the mark takes over
+        assert not released_on_device_1(api)
+        _C._testing_set_capture(stream, 0)
+        assert api.mark_capture(0, 0) == OK
+        assert released_on_device_1(api)  # the route alone counts no longer
+        assert api.end_allocate_to_pool(0, 0, 74) == OK
+        # use_mem_pool(P): a capture until its first allocation shows a stream
+        # that is not capturing; an allocation on a capturing stream does not.
+        cached_on_device_1(api)
+        assert api.begin_allocate_to_pool(0, 0, 75, every, None) == OK
+        assert not released_on_device_1(api)
+        _C._testing_set_capture(stream, 48)
+        _, a, _ = api.malloc(MiB, stream=stream)
+        _C._testing_set_capture(stream, 0)
+        assert not released_on_device_1(api)
+        _, b, _ = api.malloc(MiB, stream=3)
+        assert released_on_device_1(api)
+        assert api.values("pool_live_blocks", 0, 0, 75) == sorted([a, b])
+        assert api.end_allocate_to_pool(0, 0, 75) == OK
+        # One that never allocates counts until its end.
+        cached_on_device_1(api)
+        assert api.begin_allocate_to_pool(0, 0, 76, every, None) == OK
+        assert not released_on_device_1(api)
+        assert api.end_allocate_to_pool(0, 0, 76) == OK
+        assert released_on_device_1(api)
+        for p in (a, b):
+            api.free(p, 0)
+        for pool in (74, 75, 76):
+            assert api.release_pool(0, 0, pool) == OK
+    finally:
+        _C._testing_set_capture(stream, 0)
+        assert api.set_captures_marked(0) == OK
+
+def test_on_torch_2_13_a_mark_takes_over_only_its_own_threads_route(api, fake):
+    """capture_begin routes, begins the capture and marks it on one thread: a
+    mark takes over the count from its own thread's route only. Another
+    thread's route, whose capture is about to begin, counts on."""
+    capture = FILTER_FN(lambda _u, s: int((s or 0) == 0x7B))
+    other = FILTER_FN(lambda _u, s: int((s or 0) == 0x7C))
+    assert api.set_captures_marked(1) == OK
+    try:
+        cached_on_device_1(api)
+        begun = []
+        t = threading.Thread(target=lambda: begun.append(api.begin_allocate_to_pool(0, 0, 80, other, None)))
+        t.start()
+        t.join()
+        assert begun == [OK]
+        assert api.begin_allocate_to_pool(0, 0, 81, capture, None) == OK
+        assert api.mark_capture(0, 1) == OK
+        assert api.mark_capture(0, 0) == OK
+        assert api.end_allocate_to_pool(0, 0, 81) == OK
+        assert not released_on_device_1(api)  # the other thread's capture has not begun yet
+        assert api.end_allocate_to_pool(0, 0, 80) == OK
+        assert released_on_device_1(api)
+        assert api.release_pool(0, 0, 80) == OK and api.release_pool(0, 0, 81) == OK
+    finally:
+        assert api.set_captures_marked(0) == OK
+
+
+def test_on_torch_2_13_a_marked_capture_that_failed_heals(api, fake):
+    """Regression: when cudaStreamEndCapture fails, torch 2.13's capture_end
+    neither unmarks the capture nor ends its route; a graph kept (no reset())
+    left the mark open for good: nothing released, no event processed on any
+    device. Its capturing streams are now remembered, and once found done for
+    the grace period the mark ends and the route counts no longer, as a route
+    left open does before torch 2.13."""
+    stream = 0x7A
+    capture_id = [0]
+    capture = FILTER_FN(lambda _u, s: int((s or 0) == stream and capture_id[0] == 49))
+    assert api.set_captures_marked(1) == OK
+    try:
+        cached_on_device_1(api)
+        assert api.begin_allocate_to_pool(0, 0, 77, capture, None) == OK
+        capture_id[0] = 49
+        _C._testing_set_capture(stream, 49)
+        assert api.mark_capture(0, 1) == OK
+        _, g, _ = api.malloc(MiB, stream=stream)
+        assert api.values("pool_live_blocks", 0, 0, 77) == [g]
+        _C._testing_set_capture(stream, 0)  # cudaStreamEndCapture fails: no mark end, no route end
+        capture_id[0] = 0
+        assert not released_on_device_1(api)  # its stream is seen done
+        time.sleep(_C.cuda_route_heal_grace() + 0.1)
+        assert released_on_device_1(api)  # healed
+        assert api.mark_capture(0, 0) == OK  # a late end finds no mark: ignored
+        # The next capture counts from its route to its mark's end.
+        cached_on_device_1(api)
+        assert api.begin_allocate_to_pool(0, 0, 78, capture, None) == OK
+        assert not released_on_device_1(api)
+        assert api.mark_capture(0, 1) == OK
+        assert not released_on_device_1(api)
+        assert api.mark_capture(0, 0) == OK
+        assert released_on_device_1(api)
+        assert api.end_allocate_to_pool(0, 0, 78) == OK
+        # The healed route gives way to a new one into its pool.
+        assert api.begin_allocate_to_pool(0, 0, 77, capture, None) == OK
+        assert api.end_allocate_to_pool(0, 0, 77) == OK
+        api.free(g, 0)
+        assert api.release_pool(0, 0, 77) == OK and api.release_pool(0, 0, 77) == OK
+        assert api.release_pool(0, 0, 78) == OK
+        assert api.empty_cache(0) == OK
+        assert _C.cuda_graph_pools(0) == []
+    finally:
+        _C._testing_set_capture(stream, 0)
+        assert api.set_captures_marked(0) == OK
+
+
 def test_pool_calls_on_a_pool_that_does_not_exist_raise(api, fake):
     """Regression (issue 53, item 11): PyTorch's checkPoolLiveAllocations raises
     "Could not find pool of id" and getPoolUseCount asserts for a pool that does
