@@ -232,6 +232,9 @@ class Allocator {
   /// gets what the pool holds now at once); nullptr stops that. The sink
   /// must outlive the allocator or be detached first.
   void set_stats_sink(StatsSink* sink);
+  /// The sink takes this pool's counts and peaks, under its lock, as the
+  /// pool stops being the sink's solo allocator (StatsSink::join).
+  void join_sink();
   FragmentationInfo fragmentation() const;
   /// The pool's memory as PyTorch reports it: one segment per contiguous run
   /// of large-pool memory (a backend segment, or a mapped run of the virtual
@@ -312,7 +315,7 @@ class Allocator {
     Allocator* self;
     ~OpEnd() {
       self->stats_.settle();
-      if (self->sink_ != nullptr) self->sink_->push(self->stats_, &self->pushed_);
+      if (self->sink_ != nullptr && !self->sink_->skips(self)) self->sink_->push(self, self->stats_, &self->pushed_);
     }
   };
 

@@ -59,7 +59,12 @@ void Allocator::set_stats_sink(StatsSink* sink) {
   std::lock_guard<Lock> guard(mu_);
   sink_ = sink;
   pushed_ = Stats();
-  if (sink_ != nullptr) sink_->push(stats_, &pushed_);
+  if (sink_ != nullptr) sink_->push(this, stats_, &pushed_);
+}
+
+void Allocator::join_sink() {
+  std::lock_guard<Lock> guard(mu_);
+  if (sink_ != nullptr) sink_->join(this, stats_, &pushed_);
 }
 
 size_t Allocator::largest_free_in_area() const {

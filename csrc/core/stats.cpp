@@ -5,6 +5,8 @@
 #include <array>
 #include <mutex>
 
+#include "allocator.h"
+
 namespace pyalloc {
 
 namespace {
@@ -123,12 +125,44 @@ inline void carry(StatArray& total, const StatArray& now, StatArray& last) {
   carry(total.large, now.large, last.large);
 }
 
+// Whether any current count of `s` is nonzero.
+bool has_counts(const Stats& s) {
+  for (const StatArray* a : arrays_of(s))
+    if (a->all.current != 0 || a->small.current != 0 || a->large.current != 0) return true;
+  return s.oversize_allocations.current != 0 || s.oversize_segments.current != 0;
+}
+
+// The current counts and peaks of `from` in `to`, its sums left as they are.
+void copy_counts(Stats& to, const Stats& from) {
+  auto copy = [](Stat& t, const Stat& f) {
+    t.current = f.current;
+    t.peak = f.peak;
+  };
+  auto to_arrays = arrays_of(to);
+  auto from_arrays = arrays_of(from);
+  for (size_t i = 0; i < to_arrays.size(); ++i) {
+    copy(to_arrays[i]->all, from_arrays[i]->all);
+    copy(to_arrays[i]->small, from_arrays[i]->small);
+    copy(to_arrays[i]->large, from_arrays[i]->large);
+  }
+  copy(to.oversize_allocations, from.oversize_allocations);
+  copy(to.oversize_segments, from.oversize_segments);
+}
+
 }  // namespace
 
-void StatsSink::push(const Stats& now, Stats* last) {
+void StatsSink::push(const Allocator* pusher, const Stats& now, Stats* last) {
+  if (Allocator* solo = solo_.load(std::memory_order_acquire); solo != nullptr) {
+    if (solo == pusher) return;
+    // Another allocator with no count leaves the sum the solo one's (its
+    // *last has no count either: it has never carried any).
+    if (!has_counts(now)) return;
+    solo->join_sink();  // its lock, then ours: solo ends before we carry
+  }
   // Only current counts, and only those that changed: this runs at the end of
-  // every allocation and free of every pool of the device, so it is spelled
-  // out for the compiler rather than looped over member tables.
+  // every allocation and free of every pool of the device once solo has
+  // ended, so it is spelled out for the compiler rather than looped over
+  // member tables.
   std::lock_guard<Lock> guard(mu_);
   carry(total_.allocation, now.allocation, last->allocation);
   carry(total_.segment, now.segment, last->segment);
@@ -143,9 +177,18 @@ void StatsSink::push(const Stats& now, Stats* last) {
   carry(total_.oversize_segments, now.oversize_segments, last->oversize_segments);
 }
 
+void StatsSink::join(const Allocator* solo, const Stats& now, Stats* last) {
+  std::lock_guard<Lock> guard(mu_);
+  if (solo_.load(std::memory_order_relaxed) != solo) return;
+  copy_counts(total_, now);
+  *last = now;  // only its current counts are ever read
+  solo_.store(nullptr, std::memory_order_release);
+}
+
 Stats StatsSink::read(const std::vector<Stats>& pools) const {
   std::lock_guard<Lock> guard(mu_);
   Stats out = total_;
+  if (solo_.load(std::memory_order_relaxed) != nullptr && !pools.empty()) copy_counts(out, pools.front());
   add_sums(out, retired_);
   for (const Stats& p : pools) add_sums(out, p);
   return out;

@@ -37,6 +37,7 @@
 //   oversize_*                     blocks / segments of max_split_size or more
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -46,6 +47,8 @@
 #include "lock.h"
 
 namespace pyalloc {
+
+class Allocator;
 
 struct Stat {
   int64_t current = 0;
@@ -152,15 +155,37 @@ struct Stats {
 /// sum must be taken as they happen (never a sum of the allocators' peaks).
 /// The sums that only grow (allocated, freed, the counters) are added up when
 /// read, from the allocators' own stats and those of allocators retired.
+///
+/// While one allocator (the device's general pool: set_solo()) is the only
+/// one with any count, the sum is its own stats, peaks included, and it
+/// pushes nothing: a cached malloc+free pair through a device's pools cost
+/// 1700 instructions against the core's 940, 400 of them carrying 33 counts
+/// to the sink twice (callgrind, benchmarks/bench_core_instructions.py).
+/// The first push of another allocator with a count ends that for good: it
+/// takes the solo allocator's lock and gives the sink its counts and peaks
+/// (Allocator::join_sink), then carries its own as usual.
 class StatsSink {
  public:
+  /// `solo` (set before any other allocator counts anything) need not push
+  /// while the others have no count; its stats stand for the sum.
+  void set_solo(Allocator* solo) { solo_.store(solo, std::memory_order_release); }
+  /// Whether `pusher` may skip its push: it is the solo allocator. Read
+  /// under `pusher`'s lock, under which join() ends solo.
+  bool skips(const Allocator* pusher) const { return solo_.load(std::memory_order_acquire) == pusher; }
   /// Adds the change of the current counts from `*last` to `now`, settles
   /// the peaks, and brings `*last`'s current counts to `now`'s. Called under
-  /// the pushing allocator's lock; takes only the sink's own.
-  void push(const Stats& now, Stats* last);
-  /// The allocators' stats as one: the sink's current counts and peaks, the
-  /// sums of `pools` (each allocator's stats()) and of the retired ones.
-  /// max_split_size is left to the caller.
+  /// the pushing allocator's lock; takes only the sink's own, and the solo
+  /// allocator's when this push ends solo (the solo allocator never waits
+  /// for another allocator's lock under its own).
+  void push(const Allocator* pusher, const Stats& now, Stats* last);
+  /// Ends solo, under the solo allocator's lock: the sink takes its current
+  /// counts and peaks (`now`, whose peaks are the sum's so far) and `*last`
+  /// becomes `now`. Nothing if `solo` is not (any more) the solo allocator.
+  void join(const Allocator* solo, const Stats& now, Stats* last);
+  /// The allocators' stats as one: the sink's current counts and peaks (the
+  /// solo allocator's, pools.front(), while it is alone), the sums of
+  /// `pools` (each allocator's stats(), the solo one's first) and of the
+  /// retired ones. max_split_size is left to the caller.
   Stats read(const std::vector<Stats>& pools) const;
   /// An allocator detached for good (its current counts all 0): its sums
   /// stay in the device's.
@@ -172,7 +197,8 @@ class StatsSink {
 
  private:
   mutable Lock mu_;
-  Stats total_;    // current counts and their peaks
+  std::atomic<Allocator*> solo_{nullptr};
+  Stats total_;    // current counts and their peaks (once solo has ended)
   Stats retired_;  // allocated / freed sums and counters of retired allocators
 };
 

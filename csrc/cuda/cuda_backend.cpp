@@ -793,6 +793,7 @@ class CudaDevice final : public Device {
   }
   int dlpack_device_type() const override { return 2; }  // kDLCUDA
   std::string vmm_unavailable() const override { return sh_->vmm_page != 0 ? "" : sh_->vmm_why; }
+  bool has_error() const override { return sh_->has_error.load(std::memory_order_acquire); }
   std::string take_error() override {
     if (!sh_->has_error.load(std::memory_order_acquire)) return {};  // every allocation asks
     std::lock_guard<std::mutex> g(sh_->error_mu);

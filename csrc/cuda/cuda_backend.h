@@ -72,6 +72,9 @@ class Device {
   /// The error that has left memory of this device unusable since the last
   /// call, as a message for the user; empty if none. Cleared by the call.
   virtual std::string take_error() { return ""; }
+  /// Whether take_error() may have one: asked by every allocation, so
+  /// without building a string.
+  virtual bool has_error() const { return false; }
 };
 
 /// What `pyalloc doctor` shows of a CUDA device.

@@ -36,6 +36,7 @@ std::unique_ptr<Backend> DevicePools::make_backend(PoolId id) {
 
 DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config, ProcessPools& process)
     : device_(std::move(device)),
+      index_(device_->index()),
       config_(config),
       process_(process),
       general_(std::make_unique<Allocator>(make_backend({0, 0}), config_)),
@@ -45,6 +46,7 @@ DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config, P
   buffers_->set_oom_policy(&buffer_oom_);
   general_->set_stats_sink(&device_stats_);
   buffers_->set_stats_sink(&device_stats_);
+  device_stats_.set_solo(general_.get());  // the device's counts are its own until another pool's
   general_->share_history();  // one device trace for all of its pools
   buffers_->share_history();
   max_split_size_ = general_->stats().max_split_size;
@@ -68,6 +70,13 @@ DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config, P
 uintptr_t DevicePools::malloc(size_t size, Stream stream, uint64_t context) {
   TellQueuedSegments told;  // once this call's locks are released (segment_watch.h)
   if (size == 0) return 0;
+  // The common case, PyTorch's hot path: no route, and captures announced.
+  if (!graphs_.routing() && (graphs_.told_of_captures() || process_.told_of_captures()))
+    return general_->malloc(size, stream, context);
+  return malloc_routed(size, stream, context);
+}
+
+uintptr_t DevicePools::malloc_routed(size_t size, Stream stream, uint64_t context) {
   if (graphs_.routing()) {
     heal_routes();  // a capture whose route was never ended stops counting as one
     bool routed = false;
@@ -103,6 +112,10 @@ bool DevicePools::free(uintptr_t ptr, std::string* why, uint64_t context) {
   ipc::forget(index(), ptr);  // an export of its pages ends before they can be reused
   if (capture_free(ptr)) return true;
   if (general_->try_free(ptr, context)) return true;
+  return free_other(ptr, why, context);
+}
+
+bool DevicePools::free_other(uintptr_t ptr, std::string* why, uint64_t context) {
   if (graphs_.free(ptr, context)) return true;
   try {
     general_->free(ptr, context);  // says what ptr is (a double free, a foreign pointer)
@@ -353,8 +366,7 @@ uintptr_t DevicePools::capture_malloc(size_t size, Stream stream, uint64_t captu
   return ptr;
 }
 
-bool DevicePools::capture_free(uintptr_t ptr) {
-  if (!graph_any_.load(std::memory_order_acquire)) return false;
+bool DevicePools::capture_free_held(uintptr_t ptr) {
   std::lock_guard<std::mutex> g(graph_mu_);
   auto it = graph_live_.find(ptr);
   if (it == graph_live_.end()) return false;

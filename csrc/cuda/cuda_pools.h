@@ -79,7 +79,7 @@ class DevicePools {
   /// `process` must outlive the pools.
   DevicePools(std::unique_ptr<Device> device, const Config& config, ProcessPools& process);
 
-  int index() const { return device_->index(); }
+  int index() const { return index_; }
   Device& device() { return *device_; }
   Allocator& general() { return *general_; }
   Allocator& buffers() { return *buffers_; }
@@ -235,6 +235,10 @@ class DevicePools {
   using GraphKey = std::tuple<uint64_t, Stream, size_t>;  // (capture, stream, size)
 
   std::unique_ptr<Backend> make_backend(PoolId id);
+  // malloc() and free() beyond their common case, out of line so that it
+  // stays short: a route or a capture to look at; a block of no general pool.
+  [[gnu::noinline]] uintptr_t malloc_routed(size_t size, Stream stream, uint64_t context);
+  [[gnu::noinline]] bool free_other(uintptr_t ptr, std::string* why, uint64_t context);
   /// On the out-of-memory path of `pool`: gives back the cached memory of
   /// the device's other pools and its graph pools without a use; the bytes.
   size_t release_others(const Allocator& pool);
@@ -243,10 +247,14 @@ class DevicePools {
   // parked during it, once none is underway (Allocator::release_parked).
   void release_parked_everywhere();
   uintptr_t capture_malloc(size_t size, Stream stream, uint64_t capture, uint64_t context);
-  bool capture_free(uintptr_t ptr);
+  // Inline: every free asks, and none has been held but during a capture
+  // without PyTorch's pool calls.
+  bool capture_free(uintptr_t ptr) { return graph_any_.load(std::memory_order_acquire) && capture_free_held(ptr); }
+  bool capture_free_held(uintptr_t ptr);
   void capture_record_stream(uintptr_t ptr);
 
   std::unique_ptr<Device> device_;
+  int index_;  // device_->index(), which every free passes on
   Config config_;
   ProcessPools& process_;
   DeviceBudget budget_;     // before the pools that draw on it

@@ -12,12 +12,6 @@ namespace pyalloc {
 
 PoolRegistry::PoolRegistry() = default;
 
-PoolRegistry& PoolRegistry::instance() {
-  // Never destroyed: PyTorch frees tensors during interpreter shutdown.
-  static PoolRegistry* r = new PoolRegistry();
-  return *r;
-}
-
 void PoolRegistry::configure(const std::string& text) {
   Config c = parse_config(text);
   std::lock_guard<std::mutex> g(mu_);
@@ -49,13 +43,11 @@ Config PoolRegistry::config() {
   return config_locked();
 }
 
-DevicePools& PoolRegistry::get(int device) {
+DevicePools& PoolRegistry::make(int device) {
   if (device < 0 || device >= kMaxDevices)
     throw std::invalid_argument("invalid CUDA device index " + std::to_string(device));
-  DevicePools* p = pools_[device].load(std::memory_order_acquire);
-  if (p != nullptr) return *p;
   std::lock_guard<std::mutex> g(mu_);
-  p = pools_[device].load(std::memory_order_acquire);
+  DevicePools* p = pools_[device].load(std::memory_order_acquire);
   if (p != nullptr) return *p;
   Config c = config_locked();
   std::unique_ptr<Device> dev = fake_ ? open_fake_device(device, fake_capacity_) : open_cuda_device(device);
@@ -69,11 +61,6 @@ DevicePools& PoolRegistry::get(int device) {
 }
 
 void PoolRegistry::wait_for_pools_being_made() { std::lock_guard<std::mutex> g(mu_); }
-
-DevicePools* PoolRegistry::find(int device) const {
-  if (device < 0 || device >= kMaxDevices) return nullptr;
-  return pools_[device].load(std::memory_order_acquire);
-}
 
 std::vector<DevicePools*> PoolRegistry::all() const {
   std::vector<DevicePools*> out;
@@ -128,32 +115,26 @@ void report_bad_free(uintptr_t ptr, const std::string& why) {
                why.empty() ? format_ptr(ptr).c_str() : why.c_str());
 }
 
-}  // namespace
-
-uintptr_t malloc(size_t size, int device, Stream stream, uint64_t context) {
-  // PyTorch may ask for 0 bytes; like its own allocator, answer nullptr.
-  if (size == 0) return 0;
-  DevicePools* pools;
+// The device's pools, made on its first allocation. Apart from malloc(),
+// whose common case (pools made, no error) is then a few instructions.
+[[gnu::noinline]] DevicePools& first_pools(int device) {
   try {
-    pools = &PoolRegistry::instance().get(device);
+    return PoolRegistry::instance().get(device);
   } catch (const OutOfMemoryError& e) {
     throw OutOfMemoryError("CUDA out of memory. pyalloc could not create its pool on device " +
                            std::to_string(device) + ": " + e.what());
   }
-  // A failed event left memory out of use: say so where the user sees it.
-  std::string error = pools->device().take_error();
-  if (!error.empty()) throw std::runtime_error(error);
-  return pools->malloc(size, stream, context);
 }
 
-bool free_checked(uintptr_t ptr, int device, uint64_t context, std::string* why) {
-  if (ptr == 0) return true;
-  PoolRegistry& r = PoolRegistry::instance();
-  DevicePools* hinted = r.find(device);
-  if (hinted == nullptr && device < 0) hinted = r.only();  // one device: no search
-  if (hinted != nullptr && hinted->free(ptr, why, context)) return true;
+[[gnu::noinline]] void raise_device_error(DevicePools& pools) {
+  if (std::string error = pools.device().take_error(); !error.empty()) throw std::runtime_error(error);
+}
+
+// free_checked() of a pointer the hinted device's pools do not hold live.
+[[gnu::noinline]] bool free_elsewhere(uintptr_t ptr, DevicePools* hinted, uint64_t context, std::string* why) {
   // The device is a hint: the pointer's owner decides. Only the devices
   // whose address range holds it are asked (may_hold() takes no lock).
+  PoolRegistry& r = PoolRegistry::instance();
   uintptr_t base;
   size_t size;
   std::string owner_why;
@@ -172,6 +153,27 @@ bool free_checked(uintptr_t ptr, int device, uint64_t context, std::string* why)
   if (hinted == nullptr || !hinted->segment_of(ptr, &base, &size) || why->empty())
     *why = "free(" + format_ptr(ptr) + "): not a pointer from pyalloc's pools";
   return false;
+}
+
+}  // namespace
+
+uintptr_t malloc(size_t size, int device, Stream stream, uint64_t context) {
+  // PyTorch may ask for 0 bytes; like its own allocator, answer nullptr.
+  if (size == 0) return 0;
+  DevicePools* pools = PoolRegistry::instance().find(device);
+  if (pools == nullptr) pools = &first_pools(device);
+  // A failed event left memory out of use: say so where the user sees it.
+  if (pools->device().has_error()) raise_device_error(*pools);
+  return pools->malloc(size, stream, context);
+}
+
+bool free_checked(uintptr_t ptr, int device, uint64_t context, std::string* why) {
+  if (ptr == 0) return true;
+  PoolRegistry& r = PoolRegistry::instance();
+  DevicePools* hinted = r.find(device);
+  if (hinted == nullptr && device < 0) hinted = r.only();  // one device: no search
+  if (hinted != nullptr && hinted->free(ptr, why, context)) return true;
+  return free_elsewhere(ptr, hinted, context, why);
 }
 
 void free(uintptr_t ptr, int device) noexcept {

@@ -23,8 +23,13 @@ class PoolRegistry final : public ProcessPools {
  public:
   static constexpr int kMaxDevices = 64;
 
-  /// The process's one registry (never destroyed).
-  static PoolRegistry& instance();
+  /// The process's one registry (never destroyed: PyTorch frees tensors
+  /// during interpreter shutdown). Inline, as find() and get()'s common
+  /// case: every allocation and free of PyTorch's asks it.
+  static PoolRegistry& instance() {
+    static PoolRegistry* r = new PoolRegistry();
+    return *r;
+  }
 
   /// Sets the configuration ("key:value,..."). Throws std::invalid_argument
   /// for a bad one, std::runtime_error if pools already use a different one.
@@ -33,9 +38,15 @@ class PoolRegistry final : public ProcessPools {
 
   /// The device's pools, created on first use; throws for a bad index or a
   /// missing driver (drv::DriverError), or OutOfMemoryError for pool_size.
-  DevicePools& get(int device);
+  DevicePools& get(int device) {
+    DevicePools* p = find(device);
+    return p != nullptr ? *p : make(device);
+  }
   /// The device's pools if they exist (no lock).
-  DevicePools* find(int device) const;
+  DevicePools* find(int device) const {
+    if (device < 0 || device >= kMaxDevices) return nullptr;
+    return pools_[device].load(std::memory_order_acquire);
+  }
   std::vector<DevicePools*> all() const override;
   /// Returns once no device's pools are being made (get()): a device's
   /// first pools try a mapping, and all() lists them only once made.
@@ -83,6 +94,8 @@ class PoolRegistry final : public ProcessPools {
  private:
   PoolRegistry();
   Config config_locked();
+  /// get() of a device without pools yet: makes them, under mu_.
+  DevicePools& make(int device);
 
   mutable std::mutex mu_;
   std::array<std::atomic<DevicePools*>, kMaxDevices> pools_{};
