@@ -69,14 +69,15 @@ DevicePools::DevicePools(std::unique_ptr<Device> device, const Config& config, P
 
 uintptr_t DevicePools::malloc(size_t size, Stream stream, uint64_t context) {
   TellQueuedSegments told;  // once this call's locks are released (segment_watch.h)
-  if (size == 0) return 0;
-  // The common case, PyTorch's hot path: no route, and captures announced.
+  // The common case, PyTorch's hot path: no route, and captures announced
+  // (the general pool answers 0 bytes with nullptr itself).
   if (!graphs_.routing() && (graphs_.told_of_captures() || process_.told_of_captures()))
     return general_->malloc(size, stream, context);
   return malloc_routed(size, stream, context);
 }
 
 uintptr_t DevicePools::malloc_routed(size_t size, Stream stream, uint64_t context) {
+  if (size == 0) return 0;
   if (graphs_.routing()) {
     heal_routes();  // a capture whose route was never ended stops counting as one
     bool routed = false;
@@ -108,8 +109,11 @@ size_t DevicePools::release_others(const Allocator& pool) {
 // device-wide lock on the common path. One of a graph-pool block takes the
 // graph pools' lock shared (graph_pools.h).
 bool DevicePools::free(uintptr_t ptr, std::string* why, uint64_t context) {
-  TellQueuedSegments told;  // once this call's locks are released (segment_watch.h)
   ipc::forget(index(), ptr);  // an export of its pages ends before they can be reused
+  // The common path: no block is held for a graph, and a free into the
+  // general pool maps and unmaps nothing, so it has no segment event to tell.
+  if (!graph_any_.load(std::memory_order_acquire) && general_->try_free(ptr, context)) return true;
+  TellQueuedSegments told;  // once this call's locks are released (segment_watch.h)
   if (capture_free(ptr)) return true;
   if (general_->try_free(ptr, context)) return true;
   return free_other(ptr, why, context);

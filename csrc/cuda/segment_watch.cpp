@@ -8,6 +8,13 @@
 #include <shared_mutex>
 
 namespace pyalloc {
+namespace segment_watch_detail {
+std::atomic<uint64_t> queued_so_far{0};  // last_queued, read without the lock
+std::atomic<uint64_t> told{0};
+}  // namespace segment_watch_detail
+using segment_watch_detail::queued_so_far;
+using segment_watch_detail::told;
+
 namespace {
 
 // Read on every map and unmap; changed rarely (the bridge attaching a tracker).
@@ -34,8 +41,6 @@ struct Queued {
 std::mutex queue_mu;
 std::deque<Queued> queue;  // under queue_mu
 uint64_t last_queued = 0;  // under queue_mu
-std::atomic<uint64_t> queued_so_far{0};  // last_queued, read without the lock
-std::atomic<uint64_t> told{0};
 std::mutex telling_mu;  // one thread tells at a time: one order
 thread_local uint64_t my_last_queued = 0;
 thread_local bool telling_here = false;  // inside a watcher's call on this thread

@@ -49,6 +49,7 @@
 // were made, whatever their addresses.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -80,11 +81,23 @@ void tell_queued_segments() noexcept;
 
 /// Tells the queued events when it goes: the first line of every pools
 /// operation that may map or unmap, so that they are told once its locks are
-/// released. While nothing is watched, two loads.
+/// released. While nothing is queued, two loads.
+namespace segment_watch_detail {
+// The number of the last event queued, and of the last told (segment_watch.cpp).
+extern std::atomic<uint64_t> queued_so_far;
+extern std::atomic<uint64_t> told;
+}  // namespace segment_watch_detail
+
 class TellQueuedSegments {
  public:
   TellQueuedSegments() = default;
-  ~TellQueuedSegments() { tell_queued_segments(); }
+  // Inline, and no thread-local read, while every event queued is told: the
+  // common case, and a cost on every malloc and free.
+  ~TellQueuedSegments() {
+    if (segment_watch_detail::queued_so_far.load(std::memory_order_acquire) >
+        segment_watch_detail::told.load(std::memory_order_acquire))
+      tell_queued_segments();
+  }
   TellQueuedSegments(const TellQueuedSegments&) = delete;
   TellQueuedSegments& operator=(const TellQueuedSegments&) = delete;
 };
