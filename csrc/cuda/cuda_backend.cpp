@@ -34,23 +34,6 @@ CUstream event_stream(Stream s) {
   return as_stream(s);
 }
 
-// The primary context of device `index`, retained once for the process (as
-// each device's pools retain theirs): for events on a stream of another
-// device than the pool's. Throws DriverError.
-CUcontext primary_context(const Driver& d, int index) {
-  static std::mutex mu;
-  static std::map<int, CUcontext> contexts;
-  std::lock_guard<std::mutex> g(mu);
-  auto it = contexts.find(index);
-  if (it != contexts.end()) return it->second;
-  CUdevice dev = 0;
-  check(d.DeviceGet(&dev, index), "cuDeviceGet");
-  CUcontext ctx = nullptr;
-  check(d.DevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
-  contexts.emplace(index, ctx);
-  return ctx;
-}
-
 void device_mem_info(const Driver& d, CUcontext ctx, size_t* free_bytes, size_t* total_bytes) {
   *free_bytes = *total_bytes = 0;
   try {

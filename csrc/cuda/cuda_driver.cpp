@@ -5,6 +5,7 @@
 
 #include <dlfcn.h>
 
+#include <map>
 #include <mutex>
 
 namespace pyalloc {
@@ -139,6 +140,20 @@ std::string error_name(CUresult r) {
 
 void check(CUresult r, const char* what) {
   if (r != CUDA_SUCCESS) throw DriverError(std::string(what) + " failed: " + error_name(r));
+}
+
+CUcontext primary_context(const Driver& d, int index) {
+  static std::mutex mu;
+  static std::map<int, CUcontext> contexts;
+  std::lock_guard<std::mutex> g(mu);
+  auto it = contexts.find(index);
+  if (it != contexts.end()) return it->second;
+  CUdevice dev = 0;
+  check(d.DeviceGet(&dev, index), "cuDeviceGet");
+  CUcontext ctx = nullptr;
+  check(d.DevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  contexts.emplace(index, ctx);
+  return ctx;
 }
 
 }  // namespace drv

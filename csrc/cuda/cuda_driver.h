@@ -197,6 +197,11 @@ std::string error_name(CUresult r);
 /// Throws DriverError "<what> failed: <error name>" unless r is CUDA_SUCCESS.
 void check(CUresult r, const char* what);
 
+/// The primary context of device `index`, retained once for the process's
+/// life and shared by every user of the device (its pools, events on its
+/// streams, memory opened from another process). Throws DriverError.
+CUcontext primary_context(const Driver& d, int index);
+
 /// Makes ctx current for the scope, and then what the thread had current
 /// before: another context, or none (a thread pyalloc runs on is left as it
 /// found it). Costs one cuCtxGetCurrent when ctx is already current.

@@ -70,22 +70,6 @@ class Reader {
   size_t at_;
 };
 
-// The primary context of a device, retained once for the process's life.
-CUcontext context_of(int device) {
-  static std::mutex mu;
-  static std::map<int, CUcontext> contexts;
-  std::lock_guard<std::mutex> g(mu);
-  auto it = contexts.find(device);
-  if (it != contexts.end()) return it->second;
-  const Driver& d = driver();
-  CUdevice dev = 0;
-  check(d.DeviceGet(&dev, device), "cuDeviceGet");
-  CUcontext ctx = nullptr;
-  check(d.DevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
-  contexts.emplace(device, ctx);
-  return ctx;
-}
-
 // A file descriptor, closed when it goes unless released: on every path.
 class Fd {
  public:
@@ -615,7 +599,7 @@ void open_legacy(Mapping* m, const std::string& token) {
   CUipcMemHandle h{};
   std::memcpy(h.reserved, token.data(), sizeof(h.reserved));
   RelaxedCaptureMode relaxed(d);  // as map_pages()
-  ContextGuard g(d, context_of(m->device));
+  ContextGuard g(d, primary_context(driver(), m->device));
   CUdeviceptr p = 0;
   CUresult r = d.IpcOpenMemHandle(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
   if (r != CUDA_SUCCESS)
@@ -708,7 +692,7 @@ Served fetch_pages(const PagesHandle& h) {
 void map_pages(Mapping* m, Served& pages) {
   const Driver& d = driver();
   RelaxedCaptureMode relaxed(d);
-  ContextGuard g(d, context_of(m->device));
+  ContextGuard g(d, primary_context(driver(), m->device));
   size_t n = pages.fds.size();
   m->bytes = pages.total;
   CUresult r = CUDA_SUCCESS;
@@ -765,7 +749,7 @@ void map_pages(Mapping* m, Served& pages) {
 void unmap(Mapping* m) {
   if (m->fake) return;
   const Driver& d = driver();
-  ContextGuard g(d, context_of(m->device));
+  ContextGuard g(d, primary_context(driver(), m->device));
   CUresult done = d.CtxSynchronize();
   if (done != CUDA_SUCCESS)
     throw std::runtime_error(

@@ -200,17 +200,22 @@ print("OK", len(events))
 """
 
 
+def run_or_fail_on_deadlock(script, what):
+    """Runs script in a child process, so that a deadlock fails the test in a
+    minute instead of hanging the suite."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]))
+    try:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{what} deadlocked")
+    assert out.returncode == 0 and out.stdout.startswith("OK"), out.stdout + out.stderr
+
+
 def test_a_tracker_that_allocates_and_frees_from_its_call_does_not_deadlock():
     # Regression: trackers were called under the pool's lock, so a tracker
     # that allocated or freed through pyalloc from its call waited for the lock
-    # its own thread held. In a child process, so that a deadlock fails fast.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]))
-    try:
-        out = subprocess.run([sys.executable, "-c", TRACKER_THAT_ALLOCATES], capture_output=True,
-                             text=True, env=env, timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.fail("a tracker that allocates from its call deadlocked")
-    assert out.returncode == 0 and out.stdout.startswith("OK"), out.stdout + out.stderr
+    # its own thread held.
+    run_or_fail_on_deadlock(TRACKER_THAT_ALLOCATES, "a tracker that allocates from its call")
 
 
 TRACKER_THAT_TAKES_A_LOCK = r"""
@@ -256,10 +261,4 @@ def test_a_tracker_that_takes_a_lock_an_allocating_thread_holds_does_not_deadloc
     # A tracker that waits for a lock which another thread holds while it
     # allocates: that thread must not wait for the tracker in turn (for the
     # pool's lock, as it did, or for the telling of its own events).
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, TESTS]))
-    try:
-        out = subprocess.run([sys.executable, "-c", TRACKER_THAT_TAKES_A_LOCK], capture_output=True,
-                             text=True, env=env, timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.fail("a tracker that takes a lock an allocating thread holds deadlocked")
-    assert out.returncode == 0 and out.stdout.startswith("OK"), out.stdout + out.stderr
+    run_or_fail_on_deadlock(TRACKER_THAT_TAKES_A_LOCK, "a tracker that takes a lock an allocating thread holds")
