@@ -83,21 +83,27 @@ std::vector<std::pair<std::string, int64_t>> Stats::flatten() const {
 
 namespace {
 
-// Adds the sums that only grow (allocated, freed, the counters) of `from` to `to`.
-void add_sums(Stats& to, const Stats& from) {
-  auto add = [](Stat& t, const Stat& f) {
-    t.allocated += f.allocated;
-    t.freed += f.freed;
-  };
+// f(to's Stat, from's Stat) for every count of the two: each array's three
+// pools, then the oversize counts.
+template <typename F>
+void each_stat(Stats& to, const Stats& from, F f) {
   auto to_arrays = arrays_of(to);
   auto from_arrays = arrays_of(from);
   for (size_t i = 0; i < to_arrays.size(); ++i) {
-    add(to_arrays[i]->all, from_arrays[i]->all);
-    add(to_arrays[i]->small, from_arrays[i]->small);
-    add(to_arrays[i]->large, from_arrays[i]->large);
+    f(to_arrays[i]->all, from_arrays[i]->all);
+    f(to_arrays[i]->small, from_arrays[i]->small);
+    f(to_arrays[i]->large, from_arrays[i]->large);
   }
-  add(to.oversize_allocations, from.oversize_allocations);
-  add(to.oversize_segments, from.oversize_segments);
+  f(to.oversize_allocations, from.oversize_allocations);
+  f(to.oversize_segments, from.oversize_segments);
+}
+
+// Adds the sums that only grow (allocated, freed, the counters) of `from` to `to`.
+void add_sums(Stats& to, const Stats& from) {
+  each_stat(to, from, [](Stat& t, const Stat& f) {
+    t.allocated += f.allocated;
+    t.freed += f.freed;
+  });
   to.num_alloc_retries += from.num_alloc_retries;
   to.num_ooms += from.num_ooms;
   to.num_sync_all_streams += from.num_sync_all_streams;
@@ -134,19 +140,10 @@ bool has_counts(const Stats& s) {
 
 // The current counts and peaks of `from` in `to`, its sums left as they are.
 void copy_counts(Stats& to, const Stats& from) {
-  auto copy = [](Stat& t, const Stat& f) {
+  each_stat(to, from, [](Stat& t, const Stat& f) {
     t.current = f.current;
     t.peak = f.peak;
-  };
-  auto to_arrays = arrays_of(to);
-  auto from_arrays = arrays_of(from);
-  for (size_t i = 0; i < to_arrays.size(); ++i) {
-    copy(to_arrays[i]->all, from_arrays[i]->all);
-    copy(to_arrays[i]->small, from_arrays[i]->small);
-    copy(to_arrays[i]->large, from_arrays[i]->large);
-  }
-  copy(to.oversize_allocations, from.oversize_allocations);
-  copy(to.oversize_segments, from.oversize_segments);
+  });
 }
 
 }  // namespace
