@@ -35,6 +35,7 @@ MiB = 1 << 20
 #: roundup_power2_divisions' intervals: [1, 2) MiB ... [32, inf) GiB.
 INTERVALS = 16
 _UNSET = 1 << 63  # max_split_size at or past this (SIZE_MAX as int64 is -1) is unset
+_MAX_DIVISIONS = 1 << 31  # PyTorch reads divisions with stoi
 
 #: Keys of PYTORCH_CUDA_ALLOC_CONF that decide nothing about the device memory the
 #: model replays, or that the replay takes elsewhere.
@@ -137,7 +138,7 @@ def _divisions(s: TorchSettings, recorded: Dict[str, Any], conf: Dict[str, str])
         per_interval = _by_interval(value)
     elif value is None and "roundup_power2_divisions" in conf:
         text = conf["roundup_power2_divisions"]
-        per_interval = [int(text)] * INTERVALS if text.isdigit() else None
+        per_interval = [int(text)] * INTERVALS if text.isdigit() and int(text) < _MAX_DIVISIONS else None
         value = text
     else:
         per_interval = [0] * INTERVALS
@@ -155,7 +156,7 @@ def _by_interval(recorded: Dict[Any, Any]) -> Optional[List[int]]:
         lower = int(key) if type(key) is str and key.isdigit() else 0
         index = lower.bit_length() - 1
         if lower != 1 << max(index, 0) or not 0 <= index < INTERVALS or type(divisions) is not int \
-                or divisions < 0:
+                or not 0 <= divisions < _MAX_DIVISIONS:
             return None
         out[index] = divisions
     return out
@@ -167,7 +168,7 @@ def _mib(s: TorchSettings, conf: Dict[str, str], key: str) -> Optional[int]:
     text = conf.get(key)
     if text is None:
         return None
-    if text.isdigit() and int(text) > 0:
+    if text.isdigit() and 0 < int(text) * MiB < _UNSET:
         return int(text) * MiB
     s._skip(key, text, "unset")
     return None

@@ -246,6 +246,17 @@ def test_unknown_and_unreadable_settings_are_named():
     assert sorted(s.not_applied) == ["backend", "max_split_size", "some_new_knob"]
 
 
+def test_values_no_pytorch_would_record_are_named_not_passed_on():
+    huge = recorded_settings("large_segment_size_mb:99999999999999999999")
+    huge["roundup_power2_divisions"]["1024"] = 1 << 70
+    s = torch_settings({"allocator_settings": huge})
+    assert sorted(s.not_applied) == ["large_segment_size_mb", "roundup_power2_divisions"]
+    assert s.model_options() == TorchSettings().model_options()
+    # Divisions that are not powers of two are refused where they would reach the model.
+    with pytest.raises(ValueError, match="powers of two"):
+        _C.run_torch_model(calls_of([("a", 0, 1)]), roundup_power2_divisions=[3] * 16)
+
+
 def test_a_mismatch_says_which_setting_was_not_applied():
     """A recording whose device calls the model cannot make (a 30 MiB cudaMalloc where
     the model reuses the free 200 MiB block), under a setting it does not apply: the
