@@ -1,7 +1,8 @@
 // A model of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp,
-// as in torch 2.11-2.13), default and with expandable_segments:True, run over
-// the same ReplayTrace as pyalloc's replay, so that the replay can set pyalloc
-// beside the allocator a user would otherwise run, at equal budgets.
+// as in torch 2.11-2.13), default and with expandable_segments:True, under the
+// settings a snapshot records (TorchAllocatorSettings), run over the same
+// ReplayTrace as pyalloc's replay, so that the replay can set pyalloc beside the
+// allocator a user would otherwise run, at equal budgets.
 //
 // It is a policy of its own, not pyalloc's core: it keeps PyTorch's blocks
 // (two pools, free blocks ordered by stream, size, address; blocks split and

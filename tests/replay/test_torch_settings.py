@@ -59,13 +59,13 @@ def segment(addr, total, blocks):
 
 
 def calls_of(ops):
-    """A ReplayTrace from [("a", id, size) | ("f", id)]."""
+    """A ReplayTrace from [("a", id, size, stream=0) | ("f", id)]."""
     kinds, ids, sizes, streams = array("B"), array("I"), array("Q"), array("Q")
     for op in ops:
         kinds.append(1 if op[0] == "a" else 2)
         ids.append(op[1])
         sizes.append(op[2] if op[0] == "a" else 0)
-        streams.append(0)
+        streams.append(op[3] if op[0] == "a" and len(op) > 3 else 0)
     return _C.ReplayTrace(kinds, ids, sizes, streams)
 
 
@@ -203,6 +203,13 @@ def test_oom_releases_oversize_blocks_first():
                        (SEG_ALLOC, 4, 60 * MiB)]
     # Without the setting nothing is oversize: the 60 MiB are cut from the 200 MiB block.
     assert made(model(ops, TorchSettings(), capacity=250 * MiB)) == made(r)[:2]
+    # Only the request's stream's blocks: the oversize block of stream 1 stays, and the
+    # out-of-memory path goes on to release_cached_blocks, which frees every free segment.
+    ops = [("a", 0, 200 * MiB, 1), ("a", 1, 30 * MiB), ("f", 0), ("f", 1), ("a", 2, 60 * MiB)]
+    r = model(ops, s, capacity=250 * MiB)
+    assert r["retries"] == 1
+    # (in the free set's order: by stream, then size)
+    assert made(r)[2:] == [(SEG_FREE, 4, 30 * MiB), (SEG_FREE, 4, 200 * MiB), (SEG_ALLOC, 4, 60 * MiB)]
 
 
 # -- large_segment_size_mb ----------------------------------------------------
