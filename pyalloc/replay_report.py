@@ -303,11 +303,20 @@ def format_recorded(results: Sequence[ReplayResult]) -> str:
         v = r.validation
         if v is not None:
             parts.append(f"the model of its allocator ({v['allocator']}) makes {v['matched_calls']} of its "
-                         f"{v['recorded_calls']} recorded device calls")
+                         f"{v['recorded_calls']} recorded device calls" + _why_calls_differ(v))
         if parts:
             lines.append(textwrap.fill(f"{label}: " + "; ".join(parts) + ".", WIDTH,
                                        subsequent_indent="  ", break_on_hyphens=False))
     return "\n".join(lines)
+
+
+def _why_calls_differ(v: Mapping[str, Any]) -> str:
+    """The reason the replay can know why the model missed recorded calls: a recorded
+    setting of PyTorch's allocator it does not apply ("" if it missed none, or knows none)."""
+    missing = v.get("settings_not_applied") or []
+    if v["matched_calls"] == v["recorded_calls"] or not missing:
+        return ""
+    return f" (with {', '.join(missing)} not applied: the model runs PyTorch's default there)"
 
 
 # ---------------------------------------------------------------------------

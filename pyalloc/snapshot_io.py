@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _C
+from .replay_settings import TorchSettings, torch_settings
 
 __all__ = [
     "ACTIONS",
@@ -365,6 +366,8 @@ class Trace:
     #: The snapshot's pinned host memory, counted and left aside.
     host_segments: int = 0
     host_events: int = 0
+    #: The settings of PyTorch's allocator the snapshot records, as its model takes them.
+    torch_settings: TorchSettings = field(default_factory=TorchSettings)
 
     def __len__(self) -> int:
         return len(self.actions)
@@ -410,6 +413,7 @@ def read_trace(
         k: v for k, v in snapshot.items()
         if k not in ("segments", "device_traces", "host_segments", "host_traces")
     }
+    trace.torch_settings = torch_settings(snapshot)
     return trace
 
 
