@@ -16,11 +16,13 @@ replayed as the allocation it was:
   ``allocator_settings`` record a per-process memory fraction
   (``snapshot_io.memory_fraction``), PyTorch could reserve at most that fraction
   of the device's memory, so the capacity is min(reserved + device_free,
-  fraction x device memory). A snapshot does not record the device's memory:
-  unless the caller gives it, it is taken as reserved + device_free at the event
-  (``device_total_assumed``), which leaves out what the CUDA context and other
-  processes held, and so errs low; the cap is never taken below the reserved
-  bytes, which the recording allocator held under it;
+  fraction x device memory). A snapshot does not record the device's memory;
+  pyalloc's out-of-memory recorder writes it beside the snapshot (its
+  ``pyalloc_oom`` key). Unless the caller or that record gives it, it is taken as
+  reserved + device_free at the event (``device_total_assumed``), which leaves
+  out what the CUDA context and other processes held, and so errs low; the cap
+  is never taken below the reserved bytes, which the recording allocator held
+  under it;
 - the bytes live then (requested, not yet freed, blocks live before the trace
   included);
 - the verdict: fragmentation when live + the allocation fit that capacity (an
@@ -42,7 +44,8 @@ from typing import Any, Dict, List, Optional
 
 from . import _C
 from .replay_allocators import ALLOCATORS, run_allocator
-from .snapshot_io import SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace, memory_fraction
+from .snapshot_io import (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace, memory_fraction,
+                          recorded_device_total)
 
 __all__ = ["MAX_OOM_REPLAYS", "diagnose_ooms", "recorded_reserved_at"]
 
@@ -84,13 +87,15 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
     allocator name. Where the recording allocator's reserved bytes are unknown
     (no segments), capacity, verdict and served_by are None. ``memory_fraction``
     is the recorded per-process memory fraction (None: none recorded);
-    ``device_total_bytes`` the device memory its cap was taken of (`device_total`
-    where given, else reserved + device_free: ``device_total_assumed``), None
-    where no fraction applies."""
+    ``device_total_bytes`` the device's memory: `device_total` where given, else
+    what pyalloc's out-of-memory recorder wrote beside the snapshot
+    (``snapshot_io.recorded_device_total``), else, where a fraction needs it,
+    reserved + device_free (``device_total_assumed``); None where none of these."""
     ooms = sorted(trace.ooms)
     if not ooms:
         return []
     fraction = memory_fraction(trace.metadata)
+    known = device_total or recorded_device_total(trace.metadata, trace.device)
     events = [event for event, _, _, _ in ooms]
     reserved = recorded_reserved_at(trace, plan.native_start_bytes, events)
     # The failed allocation goes in before the first call of a later event.
@@ -99,9 +104,9 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
     out = []
     for n, ((event, size, free, stream), held, k, live) in enumerate(zip(ooms, reserved, points, lives)):
         capacity = None if held is None else held + free
-        total = None
+        total = known
         if capacity is not None and fraction is not None:
-            total = device_total if device_total else capacity
+            total = known or capacity
             # The recording allocator held `held` under the cap: it is at least that.
             capacity = min(capacity, max(int(fraction * total), held))
         served_by: Dict[str, Optional[bool]] = {a: None for a in ALLOCATORS}
@@ -116,7 +121,7 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
             "served_by": served_by,
             "memory_fraction": fraction,
             "device_total_bytes": total,
-            "device_total_assumed": total is not None and not device_total,
+            "device_total_assumed": total is not None and not known,
         })
     return out
 

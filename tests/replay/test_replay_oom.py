@@ -656,3 +656,48 @@ def test_peak_live_after_the_ring_buffer_wrapped(seed):
         kept = {"segments": segments, "device_traces": [events[cut:]]}
         [r] = replay_devices(kept, search=False)
         assert r.peak_live_bytes == max(live_after[cut - 1:]), cut
+
+
+# -- what the recorder writes beside the snapshot (pyalloc_oom) ---------------
+
+
+def with_recorder_metadata(snapshot, **fields):
+    """The snapshot as pyalloc's out-of-memory recorder writes it: a top-level
+    "pyalloc_oom" dict (any field may be missing)."""
+    snapshot["pyalloc_oom"] = {"device": 0, "allocator": "pytorch", "pyalloc": "0", **fields}
+    return snapshot
+
+
+def test_the_recorders_device_total_reaches_the_trace_and_caps_the_fraction():
+    from pyalloc.snapshot_io import read_trace
+
+    snapshot = with_recorder_metadata(with_fraction(fragmented(), {"per_process_memory_fraction": 0.52}),
+                                      device_total_bytes=200 * MiB)
+    assert read_trace(snapshot).metadata["pyalloc_oom"]["device_total_bytes"] == 200 * MiB
+    [oom] = replay(snapshot, search=False).recorded_ooms
+    assert (oom["device_total_bytes"], oom["device_total_assumed"]) == (200 * MiB, False)
+    assert oom["capacity_bytes"] == int(0.52 * 200 * MiB)
+    assert "needed on 104.00 MiB (memory fraction 0.52 of 200.00 MiB)" in oom_sentence(oom)
+
+
+def test_the_recorders_device_total_is_said_without_a_fraction_too():
+    # 100 MiB reserved + 10 MiB free of a 128 MiB device: the other 18 MiB the run
+    # could not use (the CUDA context, other processes).
+    [oom] = replay(with_recorder_metadata(fragmented(), device_total_bytes=128 * MiB),
+                   search=False).recorded_ooms
+    assert (oom["capacity_bytes"], oom["device_total_bytes"], oom["device_total_assumed"]) == \
+        (110 * MiB, 128 * MiB, False)
+    assert "needed on 110.00 MiB of the device's 128.00 MiB" in oom_sentence(oom)
+
+
+@pytest.mark.parametrize("fields", [
+    {"device_total_bytes": 200 * MiB, "device": 1},  # another device's total
+    {"device_total_bytes": -5}, {"device_total_bytes": True}, {"device_total_bytes": "200MiB"},
+    {"device_total_bytes": 0}, {"device_total_bytes": None}, {}], ids=str)
+def test_a_device_total_that_is_not_this_devices_or_not_a_size_is_ignored(fields):
+    snapshot = with_recorder_metadata(with_fraction(fragmented(), {"per_process_memory_fraction": 0.52}), **fields)
+    [oom] = replay(snapshot, search=False).recorded_ooms
+    assert (oom["device_total_bytes"], oom["device_total_assumed"]) == (110 * MiB, True)
+    snapshot["pyalloc_oom"] = "not a dict"
+    [oom] = replay(snapshot, search=False).recorded_ooms
+    assert (oom["device_total_bytes"], oom["device_total_assumed"]) == (110 * MiB, True)
