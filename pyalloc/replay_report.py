@@ -448,11 +448,15 @@ def oom_sentence(oom: Dict[str, Any]) -> str:
     yes = [a for a, v in served.items() if v is True]
     no = [a for a, v in served.items() if v is False]
     on = f"{format_bytes(capacity)}{_fraction_note(oom)}"
-    if oom["fragmentation"]:
+    fragmentation = oom["fragmentation"]
+    if fragmentation:
         text = f"fragmentation: {format_bytes(needed)} needed on {on}"
-    else:
+    elif fragmentation is False:
         text = (f"not fragmentation: {format_bytes(needed)} needed on {on} "
                 f"({format_bytes(needed - capacity)} short)")
+    else:
+        text = f"fragmentation only if the cap was at least {format_bytes(needed)}, which the snapshot does not tell"
+    text += _cap_note(oom)
     if yes and no:
         text += f"; {_names(yes)} would have served it, {_names(no)} would not"
     elif yes:
@@ -461,9 +465,20 @@ def oom_sentence(oom: Dict[str, Any]) -> str:
         text += f"; none of {', '.join(ALLOCATOR_NAMES.get(a, a) for a in no)} would have served it"
     elif no:
         text += f"; {_names(no)} would not have served it"
-    if not oom["fragmentation"]:
+    if fragmentation is False:
         text += "; reduce memory"
     return f"{head}: {text}"
+
+
+def _cap_note(oom: Dict[str, Any]) -> str:
+    """"; a cap was in force: ..." where one the snapshot does not record was inferred
+    (replay_oom._capacity): the evidence, and what the capacity was taken as."""
+    if not oom.get("cap_inferred"):
+        return ""
+    reserved, below = oom["reserved_bytes"], oom["cap_below_bytes"]
+    return (f"; a cap was in force: {format_bytes(oom['device_free_bytes'])} free on the device, more than the "
+            f"{format_bytes(below - reserved)} segment it wanted; taken as the {format_bytes(reserved)} reserved "
+            f"(it lay below {format_bytes(below)})")
 
 
 def _fraction_note(oom: Dict[str, Any]) -> str:
