@@ -41,7 +41,19 @@ replayed as the allocation it was:
   (freed right after), replayed from the start on a device of that capacity.
   Served means every allocation up to and including this one was served; an
   allocator that fails earlier would not have reached it. An allocator that this
-  build cannot run is reported as None.
+  build cannot run is reported as None;
+- how much each had to spare or lacked: the smallest device on which it serves
+  those calls (``min_capacity_bytes``), found by the budget search of the whole
+  trace (``replay._min_budget``) run on them, for the first MAX_OOM_SEARCHES
+  events of a device;
+- what the recording allocator held then: its reserved bytes, those of them not
+  live (``unused_bytes``: cached free blocks and rounding), and the largest free
+  block that could have held the allocation (of its pool and stream), read from
+  the final segments where they are the ones the event met (no event but oom
+  events and the snapshot's own came after it), else None.
+
+None of it depends on the budget search of the whole trace (``replay``'s
+``search``): a verdict is the same whether or not that ran.
 """
 from __future__ import annotations
 
@@ -96,11 +108,14 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
     """One dict per readable oom event of `trace` (see the module docstring):
     ``{event, size_bytes, live_bytes, capacity_bytes, fragmentation, served_by,
     memory_fraction, device_total_bytes, device_total_assumed, reserved_bytes,
-    device_free_bytes, cap_inferred, cap_below_bytes}``, ``size_bytes``
+    device_free_bytes, cap_inferred, cap_below_bytes, unused_bytes,
+    largest_free_block_bytes, min_capacity_bytes}``, ``size_bytes``
     being the size PyTorch recorded (rounded, not requested) and ``served_by`` by
-    allocator name. Where the recording allocator's reserved bytes are unknown
-    (no segments), capacity, verdict and served_by are None. ``memory_fraction``
-    is the recorded per-process memory fraction (None: none recorded);
+    allocator name, as ``min_capacity_bytes`` is. Where the recording
+    allocator's reserved bytes are unknown (no segments), capacity, verdict,
+    served_by, reserved_bytes, unused_bytes and the largest free block are
+    None. ``memory_fraction`` is the recorded per-process memory fraction (None:
+    none recorded);
     ``device_total_bytes`` the device's memory: `device_total` where given, else
     what pyalloc's out-of-memory recorder wrote beside the snapshot
     (``snapshot_io.recorded_device_total``), else, where a fraction needs it,
@@ -144,7 +159,8 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
             "cap_inferred": cap_below is not None,
             "cap_below_bytes": cap_below,
             "unused_bytes": None if held is None or held < live else held - live,
-            "largest_free_block_bytes": _largest_free(trace, size, stream) if event >= settled else None,
+            "largest_free_block_bytes": (_largest_free(trace, size, stream)
+                                         if held is not None and event >= settled else None),
             "min_capacity_bytes": needs,
         })
     return out

@@ -544,6 +544,11 @@ def test_an_oom_without_segments_has_no_capacity_and_no_verdict():
     [oom] = replay(with_oom(oom_event(8 * MiB, MiB), segments=False), search=False).recorded_ooms
     assert (oom["live_bytes"], oom["capacity_bytes"], oom["fragmentation"]) == (4 * MiB, None, None)
     assert set(oom["served_by"].values()) == {None}
+    assert (oom["reserved_bytes"], oom["unused_bytes"], oom["largest_free_block_bytes"]) == (None, None, None)
+    # The error the last event: the final segments are its, but there are none to read.
+    [oom] = replay({"segments": [], "device_traces": [[ev("alloc", BASE, 4 * MiB), oom_event(8 * MiB, MiB)]]},
+                   search=False).recorded_ooms
+    assert (oom["reserved_bytes"], oom["largest_free_block_bytes"]) == (None, None)
     assert "no verdict" in oom_sentence(oom)
 
 
