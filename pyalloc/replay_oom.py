@@ -67,7 +67,8 @@ from .replay_allocators import ALLOCATORS, run_allocator
 from .snapshot_io import (OOM, OTHER, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace,
                           memory_fraction, recorded_device_total)
 
-__all__ = ["MAX_OOM_REPLAYS", "MAX_OOM_SEARCHES", "device_need", "diagnose_ooms", "recorded_reserved_at", "segment_size"]
+__all__ = ["MAX_OOM_REPLAYS", "MAX_OOM_SEARCHES", "device_need", "diagnose_ooms", "recorded_reserved_at",
+           "segment_size"]
 
 #: Recorded OOMs per device whose request is replayed through the allocators; the
 #: verdict of later ones stands, their served_by is None (each replay runs the
@@ -171,7 +172,8 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
 # expandable segment); kMinLargeAlloc, below which a large block gets a
 # kLargeBuffer segment (and the large pool's expandable page); kRoundLarge, the
 # rounding of larger segments.
-_SMALL_SIZE, _SMALL_BUFFER, _MIN_LARGE_ALLOC, _LARGE_BUFFER, _ROUND_LARGE = 1 << 20, 2 << 20, 10 << 20, 20 << 20, 2 << 20
+_SMALL_SIZE, _SMALL_BUFFER, _MIN_LARGE_ALLOC = 1 << 20, 2 << 20, 10 << 20
+_LARGE_BUFFER, _ROUND_LARGE = 20 << 20, 2 << 20
 
 
 def segment_size(size: int) -> int:

@@ -152,7 +152,7 @@ def test_format_verdict_is_the_replays_sentence_and_the_command(tmp_path):
     from pyalloc.replay import replay_devices
     from pyalloc.replay_report import format_ooms, format_verdict
     from pyalloc.snapshot_io import write_snapshot
-    from test_replay_oom import fragmented
+    from test_replay_oom import cli, fragmented
 
     path = tmp_path / "a dir" / "rank0-dev0.pickle"
     path.parent.mkdir()
@@ -166,12 +166,17 @@ def test_format_verdict_is_the_replays_sentence_and_the_command(tmp_path):
     # The same figures as `pyalloc replay` prints: its sentence, line for line.
     printed = format_ooms(replay_devices(str(path), search=True)).splitlines()
     assert lines[:len(printed)] == printed
+    p = cli(path)  # the command the verdict names, run as it says
+    assert p.returncode == 0, p.stderr
+    assert "\n".join(printed) in p.stdout
     # And those figures are the recorded_ooms' (JSON): what was reserved, each allocator's margin.
     [oom] = results[0].recorded_ooms
     said = " ".join(line.strip() for line in lines)
     need = oom["min_capacity_bytes"]
-    assert (oom["reserved_bytes"], oom["unused_bytes"], oom["largest_free_block_bytes"]) == (100 << 20, 50 << 20, 2 << 20)
-    assert "100.00 MiB reserved, 50.00 MiB of it not live, the largest free block of its pool and stream 2.00 MiB" in said
+    assert (oom["reserved_bytes"], oom["unused_bytes"], oom["largest_free_block_bytes"]) == \
+        (100 << 20, 50 << 20, 2 << 20)
+    assert ("100.00 MiB reserved, 50.00 MiB of it not live, the largest free block of its pool and stream "
+            "2.00 MiB") in said
     assert f"pyalloc ({format_bytes(oom['capacity_bytes'] - need['pyalloc'])} to spare) would have served it" in said
     if need["native"] is not None:
         assert f"PyTorch ({format_bytes(need['native'] - oom['capacity_bytes'])} short)" in said
