@@ -45,7 +45,7 @@ replayed as the allocation it was:
 - how much each had to spare or lacked: the smallest device on which it serves
   those calls (``min_capacity_bytes``), found by the budget search of the whole
   trace (``replay._min_budget``) run on them, for the first MAX_OOM_SEARCHES
-  events of a device;
+  events of a device and its last;
 - what the recording allocator held then: its reserved bytes, those of them not
   live (``unused_bytes``: cached free blocks and rounding), and the largest free
   block that could have held the allocation (of its pool and stream), read from
@@ -70,14 +70,15 @@ from .snapshot_io import (OOM, OTHER, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, 
 __all__ = ["MAX_OOM_REPLAYS", "MAX_OOM_SEARCHES", "device_need", "diagnose_ooms", "recorded_reserved_at",
            "segment_size"]
 
-#: Recorded OOMs per device whose request is replayed through the allocators; the
-#: verdict of later ones stands, their served_by is None (each replay runs the
-#: trace from the start, so a file of many oom events must not cost that many).
+#: Recorded OOMs per device whose request is replayed through the allocators, and
+#: the last one (the error a snapshot dumped at an out-of-memory error was taken
+#: at); the verdict of the others stands, their served_by is None (each replay runs
+#: the trace from the start, so a file of many oom events must not cost that many).
 MAX_OOM_REPLAYS = 16
 
 #: Recorded OOMs per device for which each allocator's smallest capacity is searched
-#: (min_capacity_bytes, a bisection of some twenty replays each); None for later ones.
-#: The first few: an out-of-memory recorder keeps at most a few snapshots per run.
+#: (min_capacity_bytes, a bisection of some twenty replays each), and the last one;
+#: None for the others.
 MAX_OOM_SEARCHES = 4
 
 _GROW = (SEGMENT_ALLOC, SEGMENT_MAP)
@@ -140,10 +141,12 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
                 total = known or held + free
             capacity, cap_below = _capacity(held, free, size, fraction, total)
         served_by: Dict[str, Optional[bool]] = {a: None for a in ALLOCATORS}
-        if capacity is not None and n < MAX_OOM_REPLAYS:
+        # The last one too: the error a snapshot taken at an out-of-memory error was taken at.
+        last = n == len(ooms) - 1
+        if capacity is not None and (n < MAX_OOM_REPLAYS or last):
             served_by = _served_by(plan, k, event, size, stream, capacity, conf)
         needs: Dict[str, Optional[int]] = {a: None for a in ALLOCATORS}
-        if n < MAX_OOM_SEARCHES:
+        if n < MAX_OOM_SEARCHES or last:
             needs = _min_capacities(plan, k, event, size, stream, conf)
         out.append({
             "event": event,

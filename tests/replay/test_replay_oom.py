@@ -560,12 +560,13 @@ def test_an_oom_first_and_many_ooms():
     [first, second] = replay(snapshot, search=False).recorded_ooms
     assert (first["event"], first["live_bytes"], first["capacity_bytes"]) == (0, 0, 0)
     assert (second["event"], second["live_bytes"], second["fragmentation"]) == (3, 4 * MiB, True)
-    # Many: each gets a verdict, the first MAX_OOM_REPLAYS a replay.
+    # Many: each gets a verdict, the first MAX_OOM_REPLAYS a replay, and the last (the
+    # error a snapshot taken at an out-of-memory error was taken at).
     events[3:3] = [oom_event(8 * MiB, MiB) for _ in range(MAX_OOM_REPLAYS + 4)]
     ooms = replay(snapshot, search=False).recorded_ooms
     assert len(ooms) == MAX_OOM_REPLAYS + 6
     assert all(o["fragmentation"] is not None for o in ooms)
-    assert [o["served_by"]["pyalloc"] is None for o in ooms] == [False] * MAX_OOM_REPLAYS + [True] * 6
+    assert [o["served_by"]["pyalloc"] is None for o in ooms] == [False] * MAX_OOM_REPLAYS + [True] * 5 + [False]
 
 
 # -- every device a row --------------------------------------------------------
@@ -879,13 +880,13 @@ def test_recorded_ooms_do_not_depend_on_the_budget_search():
     assert replay(fragmented(), search=True).recorded_ooms == replay(fragmented(), search=False).recorded_ooms
 
 
-def test_only_the_first_few_ooms_are_searched():
+def test_only_the_first_few_ooms_and_the_last_are_searched():
     from pyalloc.replay_oom import MAX_OOM_SEARCHES
 
     snapshot = with_oom(oom_event(8 * MiB, MiB))
     snapshot["device_traces"][0][3:3] = [oom_event(8 * MiB, MiB) for _ in range(MAX_OOM_SEARCHES + 2)]
     ooms = replay(snapshot, search=False).recorded_ooms
     assert [o["min_capacity_bytes"]["pyalloc"] is None for o in ooms] == \
-        [False] * MAX_OOM_SEARCHES + [True] * 3
+        [False] * MAX_OOM_SEARCHES + [True] * 2 + [False]
     # 4 MiB live + 8 MiB on a 21 MiB device: pyalloc needs 12 MiB or a little more.
     assert 12 * MiB <= ooms[0]["min_capacity_bytes"]["pyalloc"] <= 21 * MiB
