@@ -262,15 +262,13 @@ def _min_capacities(plan: Any, k: int, event: int, size: int, stream: int,
     sub = _with_request(plan, k, event, size, stream)
     _measure_live(sub)
     calls = _C.ReplayTrace(sub.kinds, sub.ids, sub.sizes, sub.streams)
-    needs: Dict[str, Optional[int]] = {}
+    needs: Dict[str, Optional[int]] = {a: None for a in ALLOCATORS}
     for name in ALLOCATORS:
         own = conf if name == "pyalloc" else ""  # pyalloc's configuration is pyalloc's alone
         try:
             uncapped = run_allocator(calls, name, conf=own, plan=sub)
         except NotImplementedError:
-            needs[name] = None
             continue
-        needs[name] = None
         if uncapped.completed:
             needs[name] = _min_budget(calls, own, sub.peak_live_bytes, uncapped.peak_reserved_bytes,
                                       _Bars(False, ""), name)[0]

@@ -434,8 +434,8 @@ def oom_sentence(oom: Dict[str, Any]) -> str:
     "a 4.94 GiB allocation with 78.29 GiB live: not fragmentation: 83.20 GiB needed
     on 78.50 GiB (4.70 GiB short); 78.42 GiB reserved, 132.94 MiB of it not live,
     ...; none of pyalloc (4.96 GiB short), ... would have served it; reduce memory",
-    or "...: fragmentation: 80.00 MiB needed on 110.00 MiB; ...; pyalloc would have
-    served it (9.69 MiB to spare), PyTorch (20.00 MiB short) would not". The
+    or "...: fragmentation: 80.00 MiB needed on 110.00 MiB; ...; pyalloc (9.69 MiB
+    to spare) would have served it, PyTorch (20.00 MiB short) would not". The
     allocation's size is the one PyTorch recorded, rounded as it rounds requests.
     Under a recorded memory fraction the capacity says so, and what device memory
     it assumed; under an inferred cap, what betrayed it. Each allocator's figure is
