@@ -139,7 +139,8 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
         if held is not None:
             if fraction is not None:
                 total = known or held + free
-            capacity, cap_below = _capacity(held, free, size, fraction, total)
+            capacity, cap_below = _capacity(held, free, size, fraction, total,
+                                            plan.torch_settings.large_segment_size or _LARGE_BUFFER)
         served_by: Dict[str, Optional[bool]] = {a: None for a in ALLOCATORS}
         # The last one too: the error a snapshot taken at an out-of-memory error was taken at.
         last = n == len(ooms) - 1
@@ -179,28 +180,29 @@ _SMALL_SIZE, _SMALL_BUFFER, _MIN_LARGE_ALLOC = 1 << 20, 2 << 20, 10 << 20
 _LARGE_BUFFER, _ROUND_LARGE = 20 << 20, 2 << 20
 
 
-def segment_size(size: int) -> int:
+def segment_size(size: int, large: int = _LARGE_BUFFER) -> int:
     """The segment PyTorch's allocator asks the device for to hold a block of
     `size` bytes (its get_allocation_size: alloc_block's p.alloc_size), the size
-    its per-process memory fraction is checked against."""
+    its per-process memory fraction is checked against. `large`: its large
+    segment (large_segment_size_mb, 20 MiB unless the snapshot records another)."""
     if size <= _SMALL_SIZE:
         return _SMALL_BUFFER
     if size < _MIN_LARGE_ALLOC:
-        return _LARGE_BUFFER
+        return large
     return -(-size // _ROUND_LARGE) * _ROUND_LARGE
 
 
-def device_need(size: int) -> int:
+def device_need(size: int, large: int = _LARGE_BUFFER) -> int:
     """The most device memory PyTorch's allocator can need to take a block of
     `size` bytes, with expandable segments or without: its segment, or the pages
-    of an expandable segment that cover the block (2 MiB in the small pool, 20 MiB
-    in the large one)."""
-    page = _SMALL_BUFFER if size <= _SMALL_SIZE else _LARGE_BUFFER
-    return max(segment_size(size), -(-size // page) * page)
+    of an expandable segment that cover the block (2 MiB in the small pool, the
+    large segment, `large`, in the large one)."""
+    page = _SMALL_BUFFER if size <= _SMALL_SIZE else large
+    return max(segment_size(size, large), -(-size // page) * page)
 
 
 def _capacity(held: int, free: int, size: int, fraction: Optional[float],
-              total: Optional[int]) -> Tuple[int, Optional[int]]:
+              total: Optional[int], large: int = _LARGE_BUFFER) -> Tuple[int, Optional[int]]:
     """(the capacity, the bound a cap was inferred below, or None).
 
     All the run could have had is what it held and what the device had free;
@@ -213,8 +215,8 @@ def _capacity(held: int, free: int, size: int, fraction: Optional[float],
     capacity = held + free
     if fraction is not None and total is not None:
         capacity = min(capacity, max(int(fraction * total), held))
-    if free >= device_need(size):
-        below = held + segment_size(size)
+    if free >= device_need(size, large):
+        below = held + segment_size(size, large)
         if capacity >= below:
             return held, below
     return capacity, None
@@ -271,7 +273,7 @@ def _min_capacities(plan: Any, k: int, event: int, size: int, stream: int,
             continue
         if uncapped.completed:
             needs[name] = _min_budget(calls, own, sub.peak_live_bytes, uncapped.peak_reserved_bytes,
-                                      _Bars(False, ""), name)[0]
+                                      _Bars(False, ""), name, settings=sub.torch_settings)[0]
     return needs
 
 

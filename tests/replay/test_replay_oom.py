@@ -890,3 +890,15 @@ def test_only_the_first_few_ooms_and_the_last_are_searched():
         [False] * MAX_OOM_SEARCHES + [True] * 2 + [False]
     # 4 MiB live + 8 MiB on a 21 MiB device: pyalloc needs 12 MiB or a little more.
     assert 12 * MiB <= ooms[0]["min_capacity_bytes"]["pyalloc"] <= 21 * MiB
+
+
+
+def test_a_recorded_large_segment_size_is_the_segment_a_cap_is_inferred_from():
+    """With large_segment_size_mb:64 PyTorch asks for a 64 MiB segment to hold a 4 MiB
+    block: 40 MiB free on the device is then a true shortage, not a cap."""
+    snapshot = full_segments(request=4 * MiB, device_free=40 * MiB)
+    [oom] = replay(snapshot, search=False).recorded_ooms
+    assert oom["cap_inferred"] is True  # under the default 20 MiB segment, 40 MiB free means a cap
+    snapshot["allocator_settings"] = {"PYTORCH_CUDA_ALLOC_CONF": "large_segment_size_mb:64"}
+    [oom] = replay(snapshot, search=False).recorded_ooms
+    assert oom["cap_inferred"] is False and oom["capacity_bytes"] == 140 * MiB

@@ -103,6 +103,10 @@ def test_roundup_power2_divisions_4_is_honoured_by_the_oom_verdict():
     # expandable segments (whose 20 MiB pages hold 1280 MiB exactly).
     assert oom["served_by"]["native"] is False
     assert oom["served_by"]["native_expandable"] is False
+    # How much each would have needed is searched under the same settings: at least
+    # the two rounded blocks, not the 2400 MiB PyTorch's default rounding would need.
+    assert oom["min_capacity_bytes"]["native"] >= 2560 * MiB
+    assert oom["min_capacity_bytes"]["native_expandable"] >= 2560 * MiB
 
 
 def test_roundup_power2_divisions_4_makes_the_recorded_cudamalloc():
