@@ -9,6 +9,8 @@ from ._config import CONFIG_KEYS, parse_config
 from .allocator import Allocator, InvalidPointerError, InvariantError, OutOfMemoryError
 from .cuda import (
     NotOnCudaError,
+    attach_oom_observer,
+    detach_oom_observer,
     dump_snapshot,
     empty_cache,
     fragmentation,
@@ -38,6 +40,8 @@ __all__ = [
     "NotOnCudaError",
     "OutOfMemoryError",
     "__version__",
+    "attach_oom_observer",
+    "detach_oom_observer",
     "dump_snapshot",
     "empty_cache",
     "fragmentation",
