@@ -44,7 +44,9 @@ no verdict is given on it. Pinned host memory (``host_segments``,
 ``host_traces``) is left aside with a note: the replay is of device memory.
 
 Beside these stands the trace's own: the peak of live (requested) bytes, the
-least any allocator must hold, and, when the snapshot has segments, the
+least any allocator must hold (counting blocks until their free completes: where
+a free waits on another stream, an allocator that runs out of memory frees it
+sooner, so a budget may be below it), and, when the snapshot has segments, the
 reserved bytes of the allocator that recorded it, followed event by event from
 the final segments back.
 """
