@@ -493,6 +493,68 @@ def test_an_id_freed_and_allocated_again_is_not_freed_early():
         assert (run["ooms"], run["first_oom_op"], run["early_frees"]) == (1, 4, 1), expandable
 
 
+def random_calls(seed, steps=3000, request_every=3):
+    """A random trace over reused ids on three streams; every `request_every`-th free
+    is requested first, its free coming a few calls later (or never)."""
+    import random
+
+    rng = random.Random(seed)
+    ops_, live, requested, free_ids, next_id = [], [], [], [], 0
+    for _ in range(steps):
+        r = rng.random()
+        if requested and r < 0.15:
+            ops_.append((2, requested.pop(rng.randrange(len(requested))), 0, 0))
+            free_ids.append(ops_[-1][1])
+        elif live and r < 0.5:
+            id_ = live.pop(rng.randrange(len(live)))
+            if rng.randrange(request_every) == 0:
+                ops_.append((3, id_, 0, 0))
+                requested.append(id_)
+            else:
+                ops_.append((2, id_, 0, 0))
+                free_ids.append(id_)
+        else:
+            id_ = free_ids.pop() if free_ids and rng.random() < 0.5 else next_id
+            next_id += id_ == next_id
+            size = rng.randrange(48 * MiB) if rng.random() < 0.25 else rng.randrange(2 * MiB)
+            ops_.append((1, id_, size, rng.randrange(3)))
+            live.append(id_)
+    return ops_
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_traces_with_requested_frees(seed):
+    calls = random_calls(seed)
+    with_requests = trace_of(*calls)
+    without = trace_of(*[c for c in calls if c[0] != 3])
+    for expandable in (False, True):
+        # Unbounded, a free request does nothing: the same run as without it (but for
+        # where the second half starts, which the extra calls move).
+        a, b = (_C.run_torch_model(t, expandable=expandable) for t in (with_requests, without))
+        assert a["early_frees"] == 0
+        moved = ("seconds", "second_half_device_calls")
+        assert {k: v for k, v in a.items() if k not in moved} == {k: v for k, v in b.items() if k not in moved}
+        for capacity in (64 * MiB, 160 * MiB):
+            r = _C.run_torch_model(with_requests, expandable=expandable, capacity=capacity)
+            assert r["peak_reserved_bytes"] <= capacity
+            assert r["early_frees"] <= sum(1 for c in calls if c[0] == 3)
+    wide = [_C.Replayer(_C.Allocator("virtual", "", 0), t) for t in (with_requests, without)]
+    for r in wide:
+        r.run()
+    assert [(r.frees, r.peak_live_bytes, r.early_frees) for r in wide] == [
+        (wide[1].frees, wide[1].peak_live_bytes, 0)] * 2
+    a = _C.Allocator("virtual", "", 96 * MiB)
+    r = _C.Replayer(a, with_requests)
+    for stop in range(0, len(calls) + 1, 50):
+        r.run(stop)
+        a.check_invariants()
+    r.run()
+    a.check_invariants()
+    assert r.early_frees > 0 and r.ooms > 0  # the capacity is tight enough to need both
+    held = a.stats()["allocated_bytes.all.current"]
+    assert r.live_bytes >= 0 and (r.live_bytes == 0) == (held == 0)
+
+
 def test_a_free_pending_at_the_end_is_freed_by_the_out_of_memory_path():
     # The trace ends before the last buffer's free completes: it stays live unbounded,
     # and an allocation that needs its room gets it once the stream is waited for.
