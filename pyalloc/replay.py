@@ -67,6 +67,7 @@ from .replay_oom import diagnose_ooms
 from .replay_report import (BUDGET_LEGEND, TABLE_LEGEND, format_names, format_ooms, format_recorded, format_table,
                             plot_results, verdicts, wrap)
 from .replay_result import BUDGET_PRECISION, ReplayResult
+from .replay_settings import TorchSettings
 from .replay_validate import validate
 from .snapshot_io import (
     ALLOC,
@@ -152,6 +153,8 @@ class ReplayPlan:
     native_ooms: int = 0
     #: The addresses of the blocks live before the trace, in op order (they are ops 0, 1, ...).
     preexisting_addrs: array = field(default_factory=lambda: array("Q"))
+    #: The recorded settings of PyTorch's allocator, which its models run with (run_allocator).
+    torch_settings: TorchSettings = field(default_factory=TorchSettings)
 
     def __len__(self) -> int:
         return len(self.kinds)
@@ -161,7 +164,8 @@ def plan_trace(trace: Trace) -> ReplayPlan:
     """Resolves a trace's addresses into allocations (see the module docstring)."""
     actions, addrs, sizes, streams = trace.actions, trace.addrs, trace.sizes, trace.streams
     uses_completions = FREE_COMPLETED in actions
-    plan = ReplayPlan(array("B"), array("I"), array("Q"), array("Q"), array("q"))
+    plan = ReplayPlan(array("B"), array("I"), array("Q"), array("Q"), array("q"),
+                      torch_settings=trace.torch_settings)
     kinds: List[int] = []
     ids: List[int] = []
     events: List[int] = []
@@ -519,7 +523,7 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
         skipped_oom_problems=list(trace.oom_problems),
         timeline=_timeline(main, plan),
         native_timeline=_native_timeline(plan, len(trace)),
-        notes=_host_note(trace),
+        notes=_host_note(trace) + trace.torch_settings.notes,
     )
     result.search_replays += _replay_models(result, calls, plan, search, bars)
     checked = validate(trace, plan, calls)
@@ -530,7 +534,7 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
         result.budget_bytes = budget
         for name in ALLOCATORS:
             result.budget_runs[name] = asdict(
-                run_allocator(calls, name, capacity=budget, conf=conf if name == "pyalloc" else ""))
+                run_allocator(calls, name, capacity=budget, conf=conf if name == "pyalloc" else "", plan=plan))
         result.budget_ooms = result.budget_runs["pyalloc"]["ooms"]
         result.budget_peak_reserved_bytes = result.budget_runs["pyalloc"]["peak_reserved_bytes"]
     return result
@@ -580,29 +584,33 @@ def _replay_models(result: ReplayResult, calls: Any, plan: ReplayPlan, search: b
         if not search or not run.completed:
             continue
         budget, n = _min_budget(calls, "", plan.peak_live_without_pending_bytes, run.peak_reserved_bytes,
-                                bars, name)
+                                bars, name, settings=plan.torch_settings)
         replays += n
         setattr(result, f"{name}_min_budget_bytes", budget)
         if budget:
-            setattr(result, f"{name}_budget_retries", run_allocator(calls, name, capacity=budget).retries)
+            setattr(result, f"{name}_budget_retries",
+                    run_allocator(calls, name, capacity=budget, plan=plan).retries)
     return replays
 
 
 def _fits(calls: Any, conf: str, capacity: int, allocator: str = "pyalloc",
-          page_size: Optional[int] = None) -> bool:
-    """Whether the whole trace replays within `capacity` bytes without an OOM."""
+          page_size: Optional[int] = None, settings: Optional[TorchSettings] = None) -> bool:
+    """Whether the whole trace replays within `capacity` bytes without an OOM
+    (`settings`: PyTorch's, for its models)."""
     return run_allocator(calls, allocator, capacity=capacity, stop_on_oom=True, conf=conf,
-                         page_size=page_size).completed
+                         page_size=page_size, settings=settings).completed
 
 
 def _min_budget(calls: Any, conf: str, peak_live: int, peak_reserved: int,
-                bars: "_Bars", allocator: str = "pyalloc", page_size: Optional[int] = None) -> Tuple[int, int]:
+                bars: "_Bars", allocator: str = "pyalloc", page_size: Optional[int] = None,
+                settings: Optional[TorchSettings] = None) -> Tuple[int, int]:
     """Bisection on the device's capacity, between peak live (too little: the
     live bytes alone need that much; ReplayPlan.peak_live_without_pending_bytes,
     as frees waiting on streams are made by the out-of-memory path) and the
     unbounded replay's peak reserved
     (enough: the same replay never reserved more), to BUDGET_PRECISION.
-    `page_size`: pyalloc's what-if page size (run_allocator()). Returns (budget, replays)."""
+    `page_size`: pyalloc's what-if page size, `settings` PyTorch's for its models
+    (run_allocator()). Returns (budget, replays)."""
     if peak_live == 0:
         return 0, 0
     lo, hi = peak_live - 1, peak_reserved
@@ -612,7 +620,7 @@ def _min_budget(calls: Any, conf: str, peak_live: int, peak_reserved: int,
         while hi - lo > hi * BUDGET_PRECISION:
             mid = max((lo + hi) // 2, 1)  # a device holds at least a byte
             replays += 1
-            if _fits(calls, conf, mid, allocator, page_size):
+            if _fits(calls, conf, mid, allocator, page_size, settings):
                 hi = mid
             else:
                 lo = mid
@@ -622,7 +630,8 @@ def _min_budget(calls: Any, conf: str, peak_live: int, peak_reserved: int,
         # search goes on above the largest that failed, below the next that
         # completes (or the unbounded replay's peak reserved).
         checked = [int(hi * (1 + above)) for above in BUDGET_CHECKS_ABOVE]
-        fits = {size: _fits(calls, conf, size, allocator, page_size) for size in checked if size < peak_reserved}
+        fits = {size: _fits(calls, conf, size, allocator, page_size, settings)
+                for size in checked if size < peak_reserved}
         replays += len(fits)
         failed = [size for size, ok in fits.items() if not ok]
         if not failed:

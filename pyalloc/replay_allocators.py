@@ -4,8 +4,9 @@
 (a ``_C.ReplayTrace``) through one of:
 
 - ``pyalloc``: pyalloc's core on the virtual backend (addresses only);
-- ``native``: the model of PyTorch's caching allocator, default settings
-  (csrc/replay/torch_model.h);
+- ``native``: the model of PyTorch's caching allocator (csrc/replay/torch_model.h),
+  with the settings the snapshot recorded (``replay_settings.TorchSettings``;
+  PyTorch's defaults where none);
 - ``native_expandable``: the same model with ``expandable_segments:True``.
 
 Each runs its own out-of-memory path under a capacity: pyalloc its own,
@@ -22,6 +23,7 @@ from typing import Any, Optional
 
 from . import _C
 from ._config import as_size
+from .replay_settings import TorchSettings
 
 __all__ = ["ALLOCATORS", "AllocatorRun", "run_allocator"]
 
@@ -49,13 +51,15 @@ class AllocatorRun:
 
 def run_allocator(calls: Any, allocator: str, *, capacity: Optional[int] = None,
                   stop_on_oom: bool = False, conf: str = "", plan: Any = None,
-                  page_size: Optional[int] = None) -> AllocatorRun:
+                  page_size: Optional[int] = None, settings: Optional[TorchSettings] = None) -> AllocatorRun:
     """Replays `calls` (a _C.ReplayTrace) through `allocator` on a device of
     `capacity` bytes (None: unbounded). `conf` is pyalloc's configuration (pyalloc only).
     `plan` is the ReplayPlan the calls came from (the PyTorch models may use its
     pre-trace blocks / segments). `page_size` (pyalloc only; None or 0: CUDA's 2 MiB)
     replays on a device whose virtual-memory pages have that size, a what-if: the pages
-    the vmm strategy maps.
+    the vmm strategy maps. `settings`: PyTorch's allocator settings for its models, as
+    the snapshot recorded them (None: the plan's ``torch_settings``, or PyTorch's
+    defaults without a plan).
     Raises ValueError for an unknown allocator name, or a page_size for another allocator
     or under strategy:bestfit (which maps no pages)."""
     if allocator not in ALLOCATORS:
@@ -73,8 +77,9 @@ def run_allocator(calls: Any, allocator: str, *, capacity: Optional[int] = None,
     # trace allocated first: the same start for all three. (Validation against a
     # snapshot's own calls starts the model from the recorded segments instead:
     # replay_validate.py.)
+    settings = settings or getattr(plan, "torch_settings", None) or TorchSettings()
     r = _C.run_torch_model(calls, expandable=allocator == "native_expandable",
-                           capacity=capacity or 0, stop_on_oom=stop_on_oom)
+                           capacity=capacity or 0, stop_on_oom=stop_on_oom, **settings.model_options())
     return AllocatorRun(
         completed=r["completed"],
         ooms=r["ooms"],

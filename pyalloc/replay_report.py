@@ -8,15 +8,17 @@ replay itself never imports matplotlib.
 from __future__ import annotations
 
 import os
+import shlex
 import textwrap
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ._C import format_bytes
 from .replay_result import BUDGET_PRECISION, ReplayResult
 
-__all__ = ["ALLOCATOR_NAMES", "BUDGET_LEGEND", "COLUMNS", "LEGEND", "TABLE_LEGEND", "TIE", "WIDTH", "comparison_figure", "figure",
-           "format_names", "format_ooms", "format_recorded", "format_table", "oom_sentence", "plot_comparison",
-           "plot_results", "short_names", "shortened_names", "verdicts", "wrap"]
+__all__ = ["ALLOCATOR_NAMES", "BUDGET_LEGEND", "COLUMNS", "LEGEND", "TABLE_LEGEND", "TIE", "VERDICT_LINES", "WIDTH",
+           "comparison_figure", "figure", "format_names", "format_ooms", "format_recorded", "format_table",
+           "format_verdict", "oom_sentence", "plot_comparison", "plot_results", "short_names", "shortened_names",
+           "verdicts", "wrap"]
 
 #: The full table's columns (the markdown header). The terminal's table is
 #: narrower: the three measures (TABLE_LEGEND) under one heading each.
@@ -303,11 +305,20 @@ def format_recorded(results: Sequence[ReplayResult]) -> str:
         v = r.validation
         if v is not None:
             parts.append(f"the model of its allocator ({v['allocator']}) makes {v['matched_calls']} of its "
-                         f"{v['recorded_calls']} recorded device calls")
+                         f"{v['recorded_calls']} recorded device calls" + _why_calls_differ(v))
         if parts:
             lines.append(textwrap.fill(f"{label}: " + "; ".join(parts) + ".", WIDTH,
                                        subsequent_indent="  ", break_on_hyphens=False))
     return "\n".join(lines)
+
+
+def _why_calls_differ(v: Mapping[str, Any]) -> str:
+    """The reason the replay can know why the model missed recorded calls: a recorded
+    setting of PyTorch's allocator it does not apply ("" if it missed none, or knows none)."""
+    missing = v.get("settings_not_applied") or []
+    if v["matched_calls"] == v["recorded_calls"] or not missing:
+        return ""
+    return f" (with {', '.join(missing)} not applied: the model runs PyTorch's default there)"
 
 
 # ---------------------------------------------------------------------------
@@ -423,19 +434,23 @@ ALLOCATOR_NAMES = {
 }
 
 
-def _names(keys: List[str]) -> str:
-    names = [ALLOCATOR_NAMES.get(k, k) for k in keys]
+def _and(names: List[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def oom_sentence(oom: Dict[str, Any]) -> str:
     """What a recorded out-of-memory error was, in words a person can act on:
     "a 4.94 GiB allocation with 78.29 GiB live: not fragmentation: 83.20 GiB needed
-    on 78.50 GiB (4.70 GiB short); reduce memory", or "...: fragmentation: 80.00 MiB
-    needed on 110.00 MiB; pyalloc would have served it, PyTorch would not". The
+    on 78.50 GiB (4.70 GiB short); 78.42 GiB reserved, 132.94 MiB of it not live,
+    ...; none of pyalloc (4.96 GiB short), ... would have served it; reduce memory",
+    or "...: fragmentation: 80.00 MiB needed on 110.00 MiB; ...; pyalloc (9.69 MiB
+    to spare) would have served it, PyTorch (20.00 MiB short) would not". The
     allocation's size is the one PyTorch recorded, rounded as it rounds requests.
     Under a recorded memory fraction the capacity says so, and what device memory
-    it assumed. Allocators whose answer is unknown (None) are left out."""
+    it assumed; under an inferred cap, what betrayed it. Each allocator's figure is
+    the capacity left over, or missing, against the smallest on which it serves the
+    run up to the error (min_capacity_bytes). Allocators whose answer is unknown
+    (None) are left out; figures a dict lacks (an older --json) are not said."""
     size, live, capacity = oom["size_bytes"], oom["live_bytes"], oom["capacity_bytes"]
     needed = live + size
     head = f"a {format_bytes(size)} allocation with {format_bytes(live)} live"
@@ -443,47 +458,136 @@ def oom_sentence(oom: Dict[str, Any]) -> str:
         return (f"{head}: {format_bytes(needed)} needed; the snapshot does not say how much the "
                 "device held, so no verdict")
     served = oom["served_by"]
-    yes = [a for a, v in served.items() if v is True]
-    no = [a for a, v in served.items() if v is False]
+    yes = [_with_margin(a, oom) for a, v in served.items() if v is True]
+    no = [_with_margin(a, oom) for a, v in served.items() if v is False]
     on = f"{format_bytes(capacity)}{_fraction_note(oom)}"
-    if oom["fragmentation"]:
+    fragmentation = oom["fragmentation"]
+    if fragmentation:
         text = f"fragmentation: {format_bytes(needed)} needed on {on}"
-    else:
+    elif fragmentation is False:
         text = (f"not fragmentation: {format_bytes(needed)} needed on {on} "
                 f"({format_bytes(needed - capacity)} short)")
+    else:
+        text = f"fragmentation only if the cap was at least {format_bytes(needed)}, which the snapshot does not tell"
+    text += _cap_note(oom) + _reserved_note(oom)
     if yes and no:
-        text += f"; {_names(yes)} would have served it, {_names(no)} would not"
+        text += f"; {_and(yes)} would have served it, {_and(no)} would not"
     elif yes:
-        text += f"; {_names(yes)} would have served it"
+        text += f"; {_and(yes)} would have served it"
     elif len(no) > 1:
-        text += f"; none of {', '.join(ALLOCATOR_NAMES.get(a, a) for a in no)} would have served it"
+        text += f"; none of {', '.join(no)} would have served it"
     elif no:
-        text += f"; {_names(no)} would not have served it"
-    if not oom["fragmentation"]:
+        text += f"; {_and(no)} would not have served it"
+    if fragmentation is False:
         text += "; reduce memory"
     return f"{head}: {text}"
 
 
-def _fraction_note(oom: Dict[str, Any]) -> str:
-    """" (memory fraction 0.5 of ...)" where a recorded fraction capped the capacity."""
-    fraction, total = oom.get("memory_fraction"), oom.get("device_total_bytes")
-    if fraction is None or total is None:
+def _with_margin(allocator: str, oom: Dict[str, Any]) -> str:
+    """"pyalloc (9.69 MiB to spare)" or "PyTorch (20.00 MiB short)": the capacity
+    against the smallest the allocator needs, where that is known and agrees with
+    whether it served the error (a replay at the capacity, served_by); the name
+    alone otherwise."""
+    name = ALLOCATOR_NAMES.get(allocator, allocator)
+    need = (oom.get("min_capacity_bytes") or {}).get(allocator)
+    served, capacity = oom["served_by"].get(allocator), oom["capacity_bytes"]
+    if need is None or served is None or served != (need <= capacity):
+        return name
+    if served:
+        return f"{name} ({format_bytes(capacity - need)} to spare)"
+    return f"{name} ({format_bytes(need - capacity)} short)"
+
+
+def _reserved_note(oom: Dict[str, Any]) -> str:
+    """"; 100.00 MiB reserved, 50.00 MiB of it not live, the largest free block of
+    its pool and stream 2.00 MiB" where the recording allocator's reserved bytes are
+    known; the largest free block "not known" where the snapshot's segments are not
+    those of the error."""
+    reserved, unused = oom.get("reserved_bytes"), oom.get("unused_bytes")
+    if reserved is None or "largest_free_block_bytes" not in oom:
         return ""
+    # An inferred cap's note has just named the reserved bytes.
+    parts = [] if oom.get("cap_inferred") else [f"{format_bytes(reserved)} reserved"]
+    if unused is not None:
+        parts.append(f"{format_bytes(unused)} of it not live")
+    largest = oom["largest_free_block_bytes"]
+    if largest is None:
+        parts.append("the largest free block not known (the segments changed after the error)")
+    else:
+        parts.append(f"the largest free block of its pool and stream {format_bytes(largest)}")
+    return "; " + ", ".join(parts)
+
+
+def _cap_note(oom: Dict[str, Any]) -> str:
+    """"; a cap was in force: ..." where one the snapshot does not record was inferred
+    (replay_oom._capacity): the evidence, and what the capacity was taken as."""
+    if not oom.get("cap_inferred"):
+        return ""
+    reserved, below = oom["reserved_bytes"], oom["cap_below_bytes"]
+    return (f"; a cap was in force: {format_bytes(oom['device_free_bytes'])} free on the device, more than the "
+            f"{format_bytes(below - reserved)} segment it wanted; taken as the {format_bytes(reserved)} reserved "
+            f"(it lay below {format_bytes(below)})")
+
+
+def _fraction_note(oom: Dict[str, Any]) -> str:
+    """" (memory fraction 0.5 of ...)" where a recorded fraction capped the capacity;
+    " of the device's 80.00 GiB" where the device's memory is known without one."""
+    fraction, total = oom.get("memory_fraction"), oom.get("device_total_bytes")
+    if total is None:
+        return ""
+    if fraction is None:
+        return f" of the device's {format_bytes(total)}"
     if oom.get("device_total_assumed"):
         return (f" (memory fraction {fraction:g} of the device, whose memory the snapshot does "
                 f"not record: taken as {format_bytes(total)}, reserved plus free at the error)")
     return f" (memory fraction {fraction:g} of {format_bytes(total)})"
 
 
+def _oom_lines(r: ReplayResult, oom: Dict[str, Any]) -> List[str]:
+    """One recorded out-of-memory error's sentence, named by trace and event, as
+    lines of at most WIDTH columns, the later ones indented."""
+    return textwrap.wrap(f"{_label(r)}, event {oom['event']}: {oom_sentence(oom)}", WIDTH,
+                         subsequent_indent="  ", break_on_hyphens=False)
+
+
 def format_ooms(results: Sequence[ReplayResult]) -> str:
     """A sentence per out-of-memory error the traces recorded, each within WIDTH
     columns, its later lines indented ("" if none)."""
-    lines = []
-    for r in results:
-        for oom in r.recorded_ooms:
-            lines.append(textwrap.fill(f"{_label(r)}, event {oom['event']}: {oom_sentence(oom)}", WIDTH,
-                                       subsequent_indent="  ", break_on_hyphens=False))
-    return "\n".join(lines)
+    return "\n".join(line for r in results for oom in r.recorded_ooms for line in _oom_lines(r, oom))
+
+
+#: At most this many lines in format_verdict().
+VERDICT_LINES = 8
+
+
+def format_verdict(results: Sequence[ReplayResult], path: str) -> List[str]:
+    """What a program that just ran out of memory prints on stderr, from the replay
+    of the snapshot it left at `path` (replay_devices(path)): for each device, its
+    last recorded out-of-memory error (the one the snapshot was taken at), in the
+    very sentence ``pyalloc replay PATH`` prints for it (format_ooms()), as many as
+    fit VERDICT_LINES, a count of those left out, then the command that replays
+    the file again. Lines of at most WIDTH columns (the command's excepted: it
+    stays whole, to be copied), VERDICT_LINES at most unless the first sentence
+    alone takes more; [] when the results recorded no out-of-memory error."""
+    recorded = [(r, r.recorded_ooms[-1]) for r in results if r.recorded_ooms]
+    if not recorded:
+        return []
+    total = sum(len(r.recorded_ooms) for r in results)
+    command = "pyalloc replay " + shlex.quote(os.fspath(path))
+    lines: List[str] = []
+    shown = 0
+    for r, oom in recorded:
+        sentence = _oom_lines(r, oom)
+        # One line for the command, one for a count of those left out.
+        if lines and len(lines) + len(sentence) > VERDICT_LINES - 2:
+            break
+        lines += sentence  # whole, the first one too: a sentence cut short would lose figures
+        shown += 1
+    if total > shown:
+        lines.append(f"  ({total - shown} more out-of-memory error(s) in this file: pyalloc replay lists each)")
+    # The command stays whole on its line, to be copied, however long the path.
+    said = "to replay it again, with the table and every error:"
+    return lines + ([f"{said} {command}"] if len(said) + 1 + len(command) <= WIDTH else [said, "  " + command])
 
 
 def plot_results(results: Sequence[ReplayResult], path: str) -> None:

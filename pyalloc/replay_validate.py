@@ -60,6 +60,9 @@ class Validation:
     releases: int = 0               # the recording's release_cached_blocks calls, given to the model
     peak_reserved_bytes: int = 0    # the model's, from the seeded start
     driver_addresses: bool = False  # the recorded cudaMalloc addresses were given to the model
+    #: Recorded settings of PyTorch's allocator the model does not apply (replay_settings):
+    #: where the calls differ, a reason the replay can know.
+    settings_not_applied: List[str] = field(default_factory=list)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -98,13 +101,15 @@ def validate(trace: Trace, plan: Any, calls: Any, *, driver_addresses: bool = Fa
             n = len(plan.preexisting_addrs)
             place_at = array("Q", plan.preexisting_addrs)
             place_at.extend([0] * (len(plan) - n))
+    # The model runs with the settings the recording allocator had (max_split_size_mb...).
+    options = trace.torch_settings.model_options()
     try:
         r = _C.run_torch_model(calls, expandable=expandable, record_calls=True, seed=seed,
-                               place_at=place_at, releases=releases, malloc_hints=hints)
+                               place_at=place_at, releases=releases, malloc_hints=hints, **options)
     except ValueError:  # segments that overlap: a snapshot at odds with itself; start empty
         seed, place_at = None, None
         r = _C.run_torch_model(calls, expandable=expandable, record_calls=True, releases=releases,
-                               malloc_hints=hints)
+                               malloc_hints=hints, **options)
     made = [(code, op, size) for code, op, _, size in r["calls"]]
 
     by_action: Dict[str, List[int]] = {}
@@ -132,6 +137,7 @@ def validate(trace: Trace, plan: Any, calls: Any, *, driver_addresses: bool = Fa
         releases=len(releases),
         peak_reserved_bytes=r["peak_reserved_bytes"],
         driver_addresses=driver_addresses,
+        settings_not_applied=list(trace.torch_settings.not_applied),
     )
 
 

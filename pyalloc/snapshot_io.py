@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _C
+from .replay_settings import TorchSettings, torch_settings
 
 __all__ = [
     "ACTIONS",
@@ -53,6 +54,7 @@ __all__ = [
     "device_traces",
     "devices_of",
     "load_snapshot",
+    "recorded_device_total",
     "memory_fraction",
     "read_trace",
     "write_snapshot",
@@ -355,6 +357,9 @@ class Trace:
     segments_bytes: int = 0
     #: The final segments: (address, total bytes, stream, small pool, expandable).
     segment_list: List[Tuple[int, int, int, bool, bool]] = field(default_factory=list)
+    #: The final segments' free ("inactive") blocks: (bytes, stream, small pool); one
+    #: whose size is not a byte count is left out (only a figure of the verdict uses them).
+    free_blocks: List[Tuple[int, int, bool]] = field(default_factory=list)
     ignored_actions: Dict[str, int] = field(default_factory=dict)
     metadata: Dict[str, Any] = field(default_factory=dict)
     ooms: List[Tuple[int, int, int, int]] = field(default_factory=list)
@@ -365,6 +370,8 @@ class Trace:
     #: The snapshot's pinned host memory, counted and left aside.
     host_segments: int = 0
     host_events: int = 0
+    #: The settings of PyTorch's allocator the snapshot records, as its model takes them.
+    torch_settings: TorchSettings = field(default_factory=TorchSettings)
 
     def __len__(self) -> int:
         return len(self.actions)
@@ -410,6 +417,7 @@ def read_trace(
         k: v for k, v in snapshot.items()
         if k not in ("segments", "device_traces", "host_segments", "host_traces")
     }
+    trace.torch_settings = torch_settings(snapshot)
     return trace
 
 
@@ -515,6 +523,26 @@ def memory_fraction(snapshot: Dict[str, Any]) -> Optional[float]:
     return fraction if 0.0 < fraction < 1.0 else None
 
 
+#: The top-level key under which pyalloc's out-of-memory recorder writes what the
+#: snapshot itself does not say (the device's memory, the allocator, the command...).
+RECORDER_KEY = "pyalloc_oom"
+
+
+def recorded_device_total(snapshot: Dict[str, Any], device: int) -> Optional[int]:
+    """The total memory of `device` in bytes, as pyalloc's out-of-memory recorder
+    wrote it beside the snapshot (``pyalloc_oom["device_total_bytes"]``, from
+    torch.cuda.mem_get_info), or None: no such record, another device's (its
+    ``device`` names the one it measured), or not a positive byte count. A snapshot
+    dict, or a Trace's ``metadata``."""
+    record = snapshot.get(RECORDER_KEY)
+    if type(record) is not dict:
+        return None
+    total, measured = record.get("device_total_bytes"), record.get("device")
+    if type(measured) is int and measured != device:
+        return None
+    return total if type(total) is int and 0 < total < _MAX_SIZE else None
+
+
 def _segment_devices(snapshot: Dict[str, Any]) -> set:
     """The devices (non-negative integers) that segments of `snapshot` name."""
     return {
@@ -542,11 +570,13 @@ def _read_segments(trace: Trace, segments: List[Any], device: int) -> None:
         address = seg.get("address", 0)
         if type(address) is not int or not 0 <= address < _U64:
             raise TraceError(f"{where}[{i}]: 'address' must be an address, got {_short.repr(address)}")
-        trace.segment_list.append((address, total, stream % _U64, seg.get("segment_type") == "small",
-                                   seg.get("is_expandable") is True))
+        small = seg.get("segment_type") == "small"
+        trace.segment_list.append((address, total, stream % _U64, small, seg.get("is_expandable") is True))
         for j, b in enumerate(blocks):
             if type(b) is not dict:
                 raise TraceError(f"{where}[{i}].blocks[{j}]: a block must be a dict")
+            if b.get("state") == "inactive" and type(b.get("size")) is int and 0 <= b["size"] < _MAX_SIZE:
+                trace.free_blocks.append((b["size"], stream % _U64, small))
             if b.get("state") not in _ACTIVE_STATES:
                 continue
             addr, size = b.get("address"), b.get("size")

@@ -82,11 +82,35 @@ std::unique_ptr<ReplayTrace> make_trace(const py::buffer& kinds, const py::buffe
   return std::make_unique<ReplayTrace>(std::move(ops));
 }
 
+// PyTorch's allocator settings, by keyword as pyalloc.snapshot_io.TorchSettings
+// gives them; 0 (or None) for PyTorch's default.
+TorchAllocatorSettings model_settings(size_t max_split_size, size_t max_non_split_rounding,
+                                      size_t large_segment_size, const py::object& divisions) {
+  TorchAllocatorSettings s;
+  if (max_split_size != 0) s.max_split_size = max_split_size;
+  s.max_non_split_rounding = max_non_split_rounding;
+  if (large_segment_size != 0) s.large_segment_size = large_segment_size;
+  if (!divisions.is_none()) {
+    for (py::handle h : divisions) {
+      auto d = h.cast<uint64_t>();
+      if (d != 0 && (d & (d - 1)) != 0)
+        throw std::invalid_argument("roundup_power2_divisions must be 0 or powers of two, got " +
+                                    std::to_string(d));
+      s.roundup_power2_divisions.push_back(static_cast<size_t>(d));
+    }
+  }
+  return s;
+}
+
 py::dict run_model(const ReplayTrace& trace, bool expandable, size_t capacity, bool stop_on_oom,
                    bool record_calls, const py::object& seed, const py::object& place_at,
-                   const py::object& releases, const py::object& malloc_hints) {
+                   const py::object& releases, const py::object& malloc_hints, size_t max_split_size,
+                   size_t max_non_split_rounding, size_t large_segment_size,
+                   const py::object& roundup_power2_divisions) {
   TorchModelOptions opt;
   opt.expandable = expandable;
+  opt.settings = model_settings(max_split_size, max_non_split_rounding, large_segment_size,
+                                roundup_power2_divisions);
   opt.capacity = capacity;
   opt.stop_on_oom = stop_on_oom;
   opt.record_calls = record_calls;
@@ -197,12 +221,17 @@ void bind_replay(py::module_& m) {
         py::arg("capacity") = 0, py::arg("stop_on_oom") = false, py::arg("record_calls") = false,
         py::arg("seed") = py::none(), py::arg("place_at") = py::none(),
         py::arg("releases") = py::none(), py::arg("malloc_hints") = py::none(),
+        py::arg("max_split_size") = 0, py::arg("max_non_split_rounding") = 0,
+        py::arg("large_segment_size") = 0, py::arg("roundup_power2_divisions") = py::none(),
         "Replays a ReplayTrace through the model of PyTorch's caching allocator "
         "(csrc/replay/torch_model.h), default or expandable_segments:True, on a device of "
         "`capacity` bytes (0: unbounded), without the GIL. seed: [(address, bytes, stream, "
         "small_pool)] segments present before op 0; place_at: per op, the address a pre-trace "
         "alloc had (0: none); releases: ascending ops before which release_cached_blocks runs; "
-        "malloc_hints: [(bytes, address)] the driver's answers by cudaMalloc ordinal. Returns a "
+        "malloc_hints: [(bytes, address)] the driver's answers by cudaMalloc ordinal. "
+        "max_split_size, max_non_split_rounding, large_segment_size (bytes; 0: PyTorch's "
+        "default) and roundup_power2_divisions (per interval from 1 MiB; None: none): PyTorch's "
+        "allocator settings (pyalloc.snapshot_io.TorchSettings.model_options()). Returns a "
         "dict: completed, ooms, first_oom_op, peak_reserved_bytes, device_calls, "
         "second_half_device_calls, driver_calls, retries, early_frees (blocks whose free was "
         "requested, freed by an out-of-memory retry before their free), misplaced, seconds, and calls: "

@@ -18,9 +18,9 @@ namespace {
 constexpr size_t kMinBlockSize = 512;          // every size rounds up to this
 constexpr size_t kSmallSize = 1 << 20;         // the largest small-pool request
 constexpr size_t kSmallBuffer = 2 << 20;       // small-pool segment, and its page
-constexpr size_t kLargeBuffer = 20 << 20;      // segment for requests under kMinLargeAlloc, and a large page
-constexpr size_t kMinLargeAlloc = 10 << 20;
+constexpr size_t kMinLargeAlloc = 10 << 20;    // below: a large_segment_size segment
 constexpr size_t kRoundLarge = 2 << 20;
+constexpr int kRoundUpFirstInterval = 20;      // roundup_power2_divisions' intervals start at 1 MiB
 // Where the model's device addresses live, and an expandable range when there
 // is no capacity to take 9/8 of.
 constexpr uintptr_t kAddressTop = uintptr_t(1) << 52;
@@ -28,6 +28,8 @@ constexpr size_t kUnboundedRange = size_t(1) << 40;  // 1 TiB, more than any dev
 constexpr uintptr_t kAlignment = 2 << 20;  // of the model's cudaMalloc and reservation addresses
 
 size_t round_up(size_t n, size_t unit) { return (n + unit - 1) / unit * unit; }
+
+int floor_log2(size_t n) { return 63 - __builtin_clzll(n); }  // n > 0
 
 struct ExpandableSegment;
 
@@ -169,6 +171,8 @@ class Model {
     TorchBlock* b = get_free_block(pool, stream, size);
     if (b == nullptr) {
       b = alloc_block(pool, stream, size, op);
+      if (b == nullptr && release_available_cached_blocks(pool, stream, size, op))
+        b = alloc_block(pool, stream, size, op);
       if (b == nullptr) {
         // The out-of-memory path: release what is cached everywhere, try once more.
         retries_++;
@@ -218,13 +222,37 @@ class Model {
   std::vector<ModelCall>& calls() { return calls_; }
 
  private:
-  static size_t round_size(size_t size) {
-    return size < kMinBlockSize ? kMinBlockSize : round_up(size, kMinBlockSize);
+  // PyTorch's round_size: up to 512 B, or up to the next power-of-two division
+  // where roundup_power2_divisions asks for more than one in the size's
+  // interval and the size is above 512 B times that many.
+  size_t round_size(size_t size) const {
+    if (size < kMinBlockSize) return kMinBlockSize;
+    size_t divisions = divisions_for(size);
+    if (divisions > 1 && size > kMinBlockSize * divisions) return roundup_power2_next_division(size, divisions);
+    return round_up(size, kMinBlockSize);
   }
 
-  static size_t allocation_size(size_t size) {
+  // AllocatorConfig::roundup_power2_divisions(size): the setting of the size's
+  // interval [2^k, 2^(k+1)) MiB, sizes under 1 MiB in the first, the last open-ended.
+  size_t divisions_for(size_t size) const {
+    const std::vector<size_t>& d = opt_.settings.roundup_power2_divisions;
+    if (d.empty()) return 0;
+    int index = std::clamp(floor_log2(size) - kRoundUpFirstInterval, 0, static_cast<int>(d.size()) - 1);
+    return d[index];
+  }
+
+  // Up to the next of `divisions` (a power of two) equal steps between the
+  // powers of two around size; powers of two stay.
+  static size_t roundup_power2_next_division(size_t size, size_t divisions) {
+    if ((size & (size - 1)) == 0) return size;
+    size_t floor = size_t(1) << floor_log2(size);
+    size_t step = floor >> floor_log2(divisions);
+    return step == 0 ? floor << 1 : round_up(size, step);
+  }
+
+  size_t allocation_size(size_t size) const {
     if (size <= kSmallSize) return kSmallBuffer;
-    if (size < kMinLargeAlloc) return kLargeBuffer;
+    if (size < kMinLargeAlloc) return opt_.settings.large_segment_size;
     return round_up(size, kRoundLarge);
   }
 
@@ -252,7 +280,13 @@ class Model {
   bool should_split(const TorchBlock* b, size_t size) const {
     size_t remaining = b->size - size;
     if (b->small || opt_.expandable) return remaining >= kMinBlockSize;
-    return remaining > kSmallSize;
+    return size < opt_.settings.max_split_size && remaining > kSmallSize;
+  }
+
+  // The most a block of max_split_size or more may exceed a request it serves.
+  size_t max_non_split_rounding() const {
+    const TorchAllocatorSettings& s = opt_.settings;
+    return s.max_non_split_rounding != 0 ? s.max_non_split_rounding : s.large_segment_size;
   }
 
   // Marks b (out of every set) allocated, splitting the rest off behind it.
@@ -285,6 +319,11 @@ class Model {
              expandable_size(*next) < expandable_size(*it))
         it = next++;
     }
+    // Oversize blocks (max_split_size or more) serve only requests as large,
+    // and only within max_non_split_rounding of their size.
+    size_t max_split = opt_.settings.max_split_size;
+    if (size < max_split && (*it)->size >= max_split) return nullptr;
+    if (size >= max_split && (*it)->size >= size + max_non_split_rounding()) return nullptr;
     TorchBlock* b = *it;
     pool.blocks.erase(it);
     return b;
@@ -316,13 +355,7 @@ class Model {
       if (b->segment != nullptr) {
         to_unmap.push_back(b);  // unmapping changes the set: gather first
       } else if (b->prev == nullptr && b->next == nullptr) {
-        pool.blocks.erase(b);
-        device_frees_++;
-        driver_calls_++;  // cudaFree
-        add_reserved(-static_cast<int64_t>(b->size));
-        addresses_.give(b->ptr, b->size);
-        record(ModelCall::kSegmentFree, op, b->ptr, b->size);
-        delete_block(b);
+        free_segment(b, pool, op);
       }
     }
     for (TorchBlock* b : to_unmap) {
@@ -336,6 +369,54 @@ class Model {
         delete_block(b);
       }
     }
+  }
+
+  // PyTorch's release_block: cudaFree of a wholly free segment.
+  void free_segment(TorchBlock* b, Pool& pool, uint64_t op) {
+    pool.blocks.erase(b);
+    device_frees_++;
+    driver_calls_++;  // cudaFree
+    add_reserved(-static_cast<int64_t>(b->size));
+    addresses_.give(b->ptr, b->size);
+    record(ModelCall::kSegmentFree, op, b->ptr, b->size);
+    delete_block(b);
+  }
+
+  // PyTorch's release_available_cached_blocks, under max_split_size: frees the
+  // smallest oversize block of the stream that holds max(size, max_split_size),
+  // else the largest oversize ones down until they add up to it. Whether that
+  // was done, that is, whether another cudaMalloc is worth trying.
+  bool release_available_cached_blocks(Pool& pool, Stream stream, size_t size, uint64_t op) {
+    size_t max_split = opt_.settings.max_split_size;
+    if (max_split == SIZE_MAX) return false;
+    TorchBlock key;
+    key.stream = stream;
+    key.size = std::max(size, max_split);
+    auto it = pool.blocks.lower_bound(&key);
+    if (it != pool.blocks.end() && (*it)->stream == stream && (*it)->segment == nullptr) {
+      release_whole(*it, pool, op);
+      return true;
+    }
+    if (it == pool.blocks.begin()) return false;
+    size_t released = 0;
+    --it;  // the largest block below the key: of this stream, if any is
+    while (released < key.size && (*it)->size >= max_split && (*it)->stream == stream) {
+      TorchBlock* b = *it;
+      bool first = it == pool.blocks.begin();
+      if (!first) --it;
+      if (b->segment == nullptr) released += release_whole(b, pool, op);
+      if (first) break;
+    }
+    return released >= key.size;
+  }
+
+  // Frees b if it is a whole segment, as an oversize block always is in
+  // PyTorch (requests of max_split_size or more do not split); its size, or 0.
+  size_t release_whole(TorchBlock* b, Pool& pool, uint64_t op) {
+    if (b->prev != nullptr || b->next != nullptr) return 0;  // a seeded segment's piece
+    size_t size = b->size;
+    free_segment(b, pool, op);
+    return size;
   }
 
   // ---- expandable segments ----
@@ -368,7 +449,7 @@ class Model {
       for (TorchBlock* b = c; bytes < size && allocatable(b); b = b->next) bytes += b->size;
       if (bytes >= size) return c;
     }
-    size_t page = pool.small ? kSmallBuffer : kLargeBuffer;
+    size_t page = pool.small ? kSmallBuffer : opt_.settings.large_segment_size;
     // PyTorch reserves 9/8 of the device's memory for each range.
     size_t range = opt_.capacity != 0 ? round_up(opt_.capacity + opt_.capacity / 8, page)
                                       : std::max(kUnboundedRange, round_up(size, page));

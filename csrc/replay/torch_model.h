@@ -1,7 +1,8 @@
 // A model of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp,
-// as in torch 2.11-2.13), default and with expandable_segments:True, run over
-// the same ReplayTrace as pyalloc's replay, so that the replay can set pyalloc
-// beside the allocator a user would otherwise run, at equal budgets.
+// as in torch 2.11-2.13), default and with expandable_segments:True, under the
+// settings a snapshot records (TorchAllocatorSettings), run over the same
+// ReplayTrace as pyalloc's replay, so that the replay can set pyalloc beside the
+// allocator a user would otherwise run, at equal budgets.
 //
 // It is a policy of its own, not pyalloc's core: it keeps PyTorch's blocks
 // (two pools, free blocks ordered by stream, size, address; blocks split and
@@ -11,22 +12,29 @@
 // segment_unmap calls, in order), is written in csrc/replay/README.md.
 //
 // Policy, in short:
-// - Requests round up to 512 B; rounded <= 1 MiB go to the small pool, the
+// - Requests round up to 512 B (or to a power-of-two division, with
+//   roundup_power2_divisions); rounded <= 1 MiB go to the small pool, the
 //   rest to the large pool. Free blocks are reused only on their own stream:
-//   best fit by size, ties to the lowest address.
+//   best fit by size, ties to the lowest address; with max_split_size_mb,
+//   blocks of that size or more serve only requests as large, within
+//   max_non_split_rounding, and are not split.
 // - Default: a miss calls cudaMalloc for a segment of 2 MiB (small pool),
-//   20 MiB (requests under 10 MiB) or the request rounded up to 2 MiB. A block
-//   is split when the rest is >= 512 B (small pool) or > 1 MiB (large pool).
+//   20 MiB (requests under 10 MiB; large_segment_size_mb) or the request
+//   rounded up to 2 MiB. A block is split when the rest is >= 512 B (small
+//   pool) or > 1 MiB (large pool, requests under max_split_size).
 // - Expandable: one virtual range per (pool, stream), pages of 2 MiB (small)
-//   or 20 MiB (large) mapped on demand; a miss maps only what the lowest free
-//   run in front of unmapped space lacks; best fit counts a free block followed
-//   by unmapped space as that much bigger; rests of 512 B or more are split off.
-// - Out of memory (a capacity given): release_cached_blocks (first the blocks
-//   whose free was requested while other streams used them are freed, as
-//   PyTorch's synchronize_and_free_events does once it has waited for the
-//   streams; then every wholly free segment of every pool and stream, or every
-//   whole page inside a free block, is released) and one more try, then the
-//   allocation is refused. Such a block is otherwise freed at its kFree op.
+//   or 20 MiB (large; large_segment_size_mb) mapped on demand; a miss maps
+//   only what the lowest free run in front of unmapped space lacks; best fit
+//   counts a free block followed by unmapped space as that much bigger; rests
+//   of 512 B or more are split off.
+// - Out of memory (a capacity given): with max_split_size_mb,
+//   release_available_cached_blocks (oversize free segments, enough to cover
+//   the request) and a try; then release_cached_blocks (first the blocks whose
+//   free was requested while other streams used them are freed, as PyTorch's
+//   synchronize_and_free_events does once it has waited for the streams; then
+//   every wholly free segment of every pool and stream, or every whole page
+//   inside a free block, is released) and one more try, then the allocation is
+//   refused. Such a block is otherwise freed at its kFree op.
 #pragma once
 
 #include <cstddef>
@@ -58,8 +66,26 @@ struct SeedSegment {
   bool small;  // in the small pool
 };
 
+/// The settings of PyTorch's allocator (PYTORCH_CUDA_ALLOC_CONF) the model
+/// honours, as a snapshot records them; the defaults are PyTorch's.
+struct TorchAllocatorSettings {
+  /// max_split_size_mb: free blocks of at least this size serve only requests of
+  /// at least this size, within max_non_split_rounding, and are never split;
+  /// SIZE_MAX: unset.
+  size_t max_split_size = SIZE_MAX;
+  /// max_non_split_rounding_mb; 0: large_segment_size (PyTorch's default).
+  size_t max_non_split_rounding = 0;
+  /// large_segment_size_mb: the segment of requests of 1-10 MiB and the large
+  /// pool's expandable page.
+  size_t large_segment_size = 20 << 20;
+  /// roundup_power2_divisions per power-of-two interval from 1 MiB (16 of them,
+  /// the last open-ended); empty, 0 or 1: sizes round up to 512 B only.
+  std::vector<size_t> roundup_power2_divisions;
+};
+
 struct TorchModelOptions {
   bool expandable = false;
+  TorchAllocatorSettings settings;
   /// Device bytes; 0: unbounded (cudaMalloc and page mapping never fail).
   size_t capacity = 0;
   /// Stop at the first refused allocation (a budget search only needs to know).

@@ -727,7 +727,7 @@ def test_the_smallest_budget_is_one_every_larger_device_checked_completes_from(m
     it completes."""
     import pyalloc.replay as replay_mod
 
-    def fits(calls, conf, capacity, allocator="pyalloc", page_size=None):
+    def fits(calls, conf, capacity, allocator="pyalloc", page_size=None, settings=None):
         return capacity >= 100_000 and not 100_150 <= capacity <= 100_400
 
     monkeypatch.setattr(replay_mod, "_fits", fits)
@@ -738,7 +738,8 @@ def test_the_smallest_budget_is_one_every_larger_device_checked_completes_from(m
         assert fits(None, "", int(budget * (1 + above)))
     # A monotonic allocator: the bisection's answer, within its precision.
     monkeypatch.setattr(replay_mod, "_fits",
-                        lambda calls, conf, capacity, allocator="pyalloc", page_size=None: capacity >= 100_000)
+                        lambda calls, conf, capacity, allocator="pyalloc", page_size=None, settings=None:
+                        capacity >= 100_000)
     budget, _ = replay_mod._min_budget(None, "", 90_000, 200_000, replay_mod._Bars(False, "t"))
     assert 100_000 <= budget <= 100_000 * (1 + replay_mod.BUDGET_PRECISION)
 
