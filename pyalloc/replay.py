@@ -12,7 +12,13 @@ have held this run, and in how much memory?" for PyTorch memory snapshots:
    mentions, and every free with no alloc before it. Each allocation stays on
    its stream. A block is freed at its ``free_completed`` (when the stream work
    using it was done), or at its ``free_requested`` when the trace has no
-   completion for it.
+   completion for it. Where other calls come between the two (the block was
+   used on another stream: ``record_stream``), its ``free_requested`` stays as
+   a call of its own ("free requested"): an allocator's out-of-memory path
+   waits for the streams and frees such blocks before it gives up (PyTorch's
+   release_cached_blocks, pyalloc's release_cached), so under a capacity the
+   replays free them there, and their completion then does nothing. A block
+   whose free is still pending when the trace ends stays live but for that.
 3. The C++ replayer (csrc/replay/replay.h) runs the calls against pyalloc's core on
    the virtual backend, which hands out addresses only: the whole trace in one
    call, without the GIL.
@@ -38,7 +44,9 @@ no verdict is given on it. Pinned host memory (``host_segments``,
 ``host_traces``) is left aside with a note: the replay is of device memory.
 
 Beside these stands the trace's own: the peak of live (requested) bytes, the
-least any allocator must hold, and, when the snapshot has segments, the
+least any allocator must hold (counting blocks until their free completes: where
+a free waits on another stream, an allocator that runs out of memory frees it
+sooner, so a budget may be below it), and, when the snapshot has segments, the
 reserved bytes of the allocator that recorded it, followed event by event from
 the final segments back.
 """
@@ -91,7 +99,7 @@ HOW_TO_RECORD = ("To record one, call torch.cuda.memory._record_memory_history(m
 class NoHistoryError(TraceError):
     """The snapshot (or the device asked for) recorded no event: there is nothing to replay."""
 
-_KIND_ALLOC, _KIND_FREE, _KIND_NONE = 1, 2, 0
+_KIND_ALLOC, _KIND_FREE, _KIND_FREE_REQUESTED, _KIND_NONE = 1, 2, 3, 0
 
 #: The stream of the segment pyalloc's history maps over a run while it turns into
 #: its pieces or back (csrc/core/allocator.h, kShadowStream).
@@ -114,9 +122,11 @@ PROGRESS_MIN_EVENTS = 200_000
 
 @dataclass
 class ReplayPlan:
-    """A trace as allocator calls: op i is ``kinds[i]`` (1 alloc, 2 free) of
-    allocation ``ids[i]``, of ``sizes[i]`` requested bytes, on ``streams[i]``,
-    standing for trace event ``events[i]`` (-1: a block live before the trace)."""
+    """A trace as allocator calls: op i is ``kinds[i]`` (1 alloc, 2 free, 3 free
+    requested: the block waits on other streams until its free, which an
+    out-of-memory path may make early) of allocation ``ids[i]``, of ``sizes[i]``
+    requested bytes, on ``streams[i]``, standing for trace event ``events[i]``
+    (-1: a block live before the trace)."""
 
     kinds: array
     ids: array
@@ -133,6 +143,10 @@ class ReplayPlan:
     stream_count: int = 0
     peak_live_bytes: int = 0
     peak_live_op: int = -1
+    #: The peak with each block freed at its free request: the least an allocator
+    #: that waits for the streams when it runs out of memory needs (the budget
+    #: search starts from it). peak_live_bytes when no free waits on a stream.
+    peak_live_without_pending_bytes: int = 0
     native_start_bytes: Optional[int] = None
     native_peak_reserved_bytes: Optional[int] = None
     native_points: List[Tuple[int, int]] = field(default_factory=list)  # (event, reserved after it)
@@ -203,11 +217,13 @@ def plan_trace(trace: Trace) -> ReplayPlan:
                 if cur[1] >= 0:
                     plan.stray_frees += 1
                 elif uses_completions:
-                    cur[1] = emit(_KIND_NONE, cur[0], i)
+                    cur[1] = emit(_KIND_FREE_REQUESTED, cur[0], i)
                 else:
                     emit(_KIND_FREE, cur[0], i)
                     state[addr] = None
             else:
+                if 0 <= cur[1] == len(kinds) - 1:
+                    kinds[cur[1]] = _KIND_NONE  # completed before any other call: a plain free
                 emit(_KIND_FREE, cur[0], i)
                 state[addr] = None
         elif code == OOM:
@@ -241,14 +257,24 @@ def plan_trace(trace: Trace) -> ReplayPlan:
 def _measure_live(plan: ReplayPlan) -> None:
     live = peak = 0
     peak_op = -1
-    for op, (kind, size) in enumerate(zip(plan.kinds, plan.sizes)):
+    waiting = least = 0  # bytes whose free was requested, not yet made; the peak without them
+    requested = set()
+    for op, (kind, id_, size) in enumerate(zip(plan.kinds, plan.ids, plan.sizes)):
         if kind == _KIND_ALLOC:
             live += size
             if live > peak:
                 peak, peak_op = live, op
+            least = max(least, live - waiting)
+        elif kind == _KIND_FREE_REQUESTED:
+            waiting += size
+            requested.add(id_)
         else:
             live -= size
+            if id_ in requested:
+                requested.discard(id_)
+                waiting -= size
     plan.peak_live_bytes, plan.peak_live_op = peak, peak_op
+    plan.peak_live_without_pending_bytes = least
 
 
 def _follow_native(plan: ReplayPlan, trace: Trace) -> None:
@@ -456,7 +482,7 @@ def _replay_trace(trace: Trace, conf: str, budget: Optional[int], search: bool,
 
     min_budget, replays = None, 0
     if search and main.ooms == 0:
-        min_budget, replays = _min_budget(calls, conf, plan.peak_live_bytes, peak_reserved, bars)
+        min_budget, replays = _min_budget(calls, conf, plan.peak_live_without_pending_bytes, peak_reserved, bars)
     pyalloc_retries = None
     if min_budget:
         pyalloc_retries = run_allocator(calls, "pyalloc", capacity=min_budget, conf=conf).retries
@@ -557,8 +583,8 @@ def _replay_models(result: ReplayResult, calls: Any, plan: ReplayPlan, search: b
         setattr(result, f"{name}_driver_calls", run.driver_calls)
         if not search or not run.completed:
             continue
-        budget, n = _min_budget(calls, "", plan.peak_live_bytes, run.peak_reserved_bytes, bars, name,
-                                settings=plan.torch_settings)
+        budget, n = _min_budget(calls, "", plan.peak_live_without_pending_bytes, run.peak_reserved_bytes,
+                                bars, name, settings=plan.torch_settings)
         replays += n
         setattr(result, f"{name}_min_budget_bytes", budget)
         if budget:
@@ -579,7 +605,9 @@ def _min_budget(calls: Any, conf: str, peak_live: int, peak_reserved: int,
                 bars: "_Bars", allocator: str = "pyalloc", page_size: Optional[int] = None,
                 settings: Optional[TorchSettings] = None) -> Tuple[int, int]:
     """Bisection on the device's capacity, between peak live (too little: the
-    live bytes alone need that much) and the unbounded replay's peak reserved
+    live bytes alone need that much; ReplayPlan.peak_live_without_pending_bytes,
+    as frees waiting on streams are made by the out-of-memory path) and the
+    unbounded replay's peak reserved
     (enough: the same replay never reserved more), to BUDGET_PRECISION.
     `page_size`: pyalloc's what-if page size, `settings` PyTorch's for its models
     (run_allocator()). Returns (budget, replays)."""

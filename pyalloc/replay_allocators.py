@@ -11,8 +11,10 @@
 
 Each runs its own out-of-memory path under a capacity: pyalloc its own,
 PyTorch's models release every cached segment (or whole page) of every pool and
-stream and try once more. The figures come back in one record, so that the
-replay compares the three at equal budgets.
+stream and try once more. Before either gives up, the blocks whose free waits on
+other streams (a "free requested" call, kind 3: ``record_stream``) are freed, as
+both allocators do once they have waited for those streams. The figures come
+back in one record, so that the replay compares the three at equal budgets.
 """
 from __future__ import annotations
 

@@ -272,18 +272,30 @@ def _min_capacities(plan: Any, k: int, event: int, size: int, stream: int,
         except NotImplementedError:
             continue
         if uncapped.completed:
-            needs[name] = _min_budget(calls, own, sub.peak_live_bytes, uncapped.peak_reserved_bytes,
+            needs[name] = _min_budget(calls, own, sub.peak_live_without_pending_bytes, uncapped.peak_reserved_bytes,
                                       _Bars(False, ""), name, settings=sub.torch_settings)[0]
     return needs
 
 
 def _live_before(plan: Any, points: List[int]) -> List[int]:
-    """Requested bytes live before op k, for each k of `points` (ascending)."""
+    """Requested bytes live before op k, for each k of `points` (ascending). A block
+    whose free was requested (kind 3: it waits on other streams) counts as freed
+    there: PyTorch's out-of-memory path frees it before the error."""
     out = []
     live = op = 0
+    requested = set()
     for k in points:
         while op < k:
-            live += plan.sizes[op] if plan.kinds[op] == 1 else -plan.sizes[op]
+            kind, id_ = plan.kinds[op], plan.ids[op]
+            if kind == 1:
+                live += plan.sizes[op]
+            elif kind == 3:
+                live -= plan.sizes[op]
+                requested.add(id_)
+            elif id_ in requested:
+                requested.discard(id_)
+            else:
+                live -= plan.sizes[op]
             op += 1
         out.append(live)
     return out
@@ -308,7 +320,9 @@ def _served_by(plan: Any, k: int, event: int, size: int, stream: int, capacity: 
 def _with_request(plan: Any, k: int, event: int, size: int, stream: int) -> Any:
     """The plan's first k calls, then an alloc of `size` bytes (the recorded,
     rounded size) on `stream` standing for trace event `event` and its free. Ids are renumbered densely (a
-    ReplayTrace wants them below its number of calls)."""
+    ReplayTrace wants them below its number of calls). The prefix keeps its free requests (kind 3) whose
+    free comes after the event: the allocators free those blocks on their out-of-memory path, as
+    PyTorch did before it gave up."""
     slot: Dict[int, int] = {}
     ids = array("I", (slot.setdefault(i, len(slot)) for i in plan.ids[:k]))
     request = len(slot)

@@ -70,9 +70,9 @@ std::unique_ptr<ReplayTrace> make_trace(const py::buffer& kinds, const py::buffe
                                 std::to_string(st.size()) + ")");
   std::vector<ReplayOp> ops(k.size());
   for (size_t i = 0; i < k.size(); ++i) {
-    if (k[i] != ReplayOp::kAlloc && k[i] != ReplayOp::kFree)
+    if (k[i] != ReplayOp::kAlloc && k[i] != ReplayOp::kFree && k[i] != ReplayOp::kFreeRequested)
       throw std::invalid_argument("kinds[" + std::to_string(i) + "] is " + std::to_string(k[i]) +
-                                  "; valid kinds: 1 (alloc), 2 (free)");
+                                  "; valid kinds: 1 (alloc), 2 (free), 3 (free requested)");
     if (id[i] >= k.size() || id[i] >= UINT32_MAX)
       throw std::invalid_argument("ids[" + std::to_string(i) + "] is " + std::to_string(id[i]) +
                                   "; ids must be below the number of ops and 2**32 - 1");
@@ -146,6 +146,7 @@ py::dict run_model(const ReplayTrace& trace, bool expandable, size_t capacity, b
       r.second_half_device_calls < 0 ? py::object(py::none()) : py::object(py::int_(r.second_half_device_calls));
   out["driver_calls"] = r.driver_calls;
   out["retries"] = r.retries;
+  out["early_frees"] = r.early_frees;
   out["misplaced"] = r.misplaced;
   out["seconds"] = r.seconds;
   py::list calls;
@@ -162,9 +163,11 @@ void bind_replay(py::module_& m) {
                           "An allocation trace as allocator calls, ready to replay in C++.")
       .def(py::init(&make_trace), py::arg("kinds"), py::arg("ids"), py::arg("sizes"),
            py::arg("streams"),
-           "Four equal-length integer buffers, one entry per call: kind (1 alloc, 2 free), "
-           "id (a slot naming the allocation, below the number of ops), size (requested bytes; ignored "
-           "for frees) and stream (for allocs). ValueError names the first bad entry.")
+           "Four equal-length integer buffers, one entry per call: kind (1 alloc, 2 free, 3 free "
+           "requested: the block waits on other streams (record_stream) until its free, which an "
+           "out-of-memory path may make early), id (a slot naming the allocation, below the number of "
+           "ops), size (requested bytes; ignored for frees) and stream (for allocs). ValueError names "
+           "the first bad entry.")
       .def("__len__", &ReplayTrace::size)
       .def_property_readonly("allocs", &ReplayTrace::allocs, "Alloc ops in the trace.")
       .def_property_readonly("slots", &ReplayTrace::slots, "One more than the largest id.");
@@ -174,8 +177,9 @@ void bind_replay(py::module_& m) {
       .def(py::init<Allocator&, const ReplayTrace&, bool, size_t>(), py::arg("allocator"),
            py::arg("trace"), py::arg("stop_on_oom") = false, py::arg("timeline_points") = 0,
            py::keep_alive<1, 2>(), py::keep_alive<1, 3>(),
-           "stop_on_oom: stop at the first allocation that fails instead of skipping it "
-           "(and its free). timeline_points: how many samples of (live, reserved) to keep.")
+           "stop_on_oom: stop at the first allocation that fails (after the blocks whose free was "
+           "requested are freed and it is tried again) instead of skipping it (and its free). "
+           "timeline_points: how many samples of (live, reserved) to keep.")
       .def(
           "run",
           [](Replayer& r, py::object stop) {
@@ -188,7 +192,10 @@ void bind_replay(py::module_& m) {
           "False if it stopped at an out-of-memory (stop_on_oom).")
       .def_property_readonly("position", &Replayer::position, "The next op to run.")
       .def_property_readonly("mallocs", &Replayer::mallocs, "Allocations served.")
-      .def_property_readonly("frees", &Replayer::frees)
+      .def_property_readonly("frees", &Replayer::frees, "Blocks freed (early_frees included).")
+      .def_property_readonly("early_frees", &Replayer::early_frees,
+                             "Blocks whose free was requested (kind 3), freed before their free because "
+                             "an allocation failed; their free then does nothing.")
       .def_property_readonly("ooms", &Replayer::ooms, "Allocations the allocator refused.")
       .def_property_readonly("skipped_frees", &Replayer::skipped_frees,
                              "Frees of refused allocations, not made.")
@@ -226,7 +233,8 @@ void bind_replay(py::module_& m) {
         "default) and roundup_power2_divisions (per interval from 1 MiB; None: none): PyTorch's "
         "allocator settings (pyalloc.snapshot_io.TorchSettings.model_options()). Returns a "
         "dict: completed, ooms, first_oom_op, peak_reserved_bytes, device_calls, "
-        "second_half_device_calls, driver_calls, retries, misplaced, seconds, and calls: "
+        "second_half_device_calls, driver_calls, retries, early_frees (blocks whose free was "
+        "requested, freed by an out-of-memory retry before their free), misplaced, seconds, and calls: "
         "[(action code 3-6, op, address, bytes)] when record_calls.");
 
   py::class_<PickleScan>(m, "PickleScan",

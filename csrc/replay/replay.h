@@ -3,15 +3,22 @@
 // a fraction of a second and a budget search can replay them many times.
 //
 // A ReplayTrace is the trace reduced to allocator calls: "alloc id (size,
-// stream)" and "free id". Turning a PyTorch snapshot (addresses reused over
+// stream)", "free id", and "free requested id": a free asked for while other
+// streams still used the block (record_stream), whose "free id" comes later,
+// when that work is done. Turning a PyTorch snapshot (addresses reused over
 // time, blocks live before the ring buffer began) into this form is the
 // Python side's job (pyalloc/replay.py); here ids are slots, checked once.
 //
 // A Replayer runs a ReplayTrace against one Allocator, in steps if the caller
 // wants to look at the allocator at a given point (run(stop) then inspect, then
-// run() on). An allocation the allocator cannot serve is counted and skipped,
-// together with its later free; with stop_on_oom the replay stops there
-// instead (a budget search only needs to know whether the trace fits).
+// run() on). A block whose free is requested stays allocated until its free,
+// unless an allocation fails first: then, as an allocator's out-of-memory path
+// does after waiting for the streams (pyalloc's release_cached, PyTorch's
+// synchronize_and_free_events), every such block is freed at once and the
+// allocation tried again; its later free does nothing. An allocation the
+// allocator still cannot serve is counted and skipped, together with its later
+// free; with stop_on_oom the replay stops there instead (a budget search only
+// needs to know whether the trace fits).
 #pragma once
 
 #include <cstddef>
@@ -25,19 +32,21 @@
 namespace pyalloc {
 
 struct ReplayOp {
-  enum Kind : uint8_t { kAlloc = 1, kFree = 2 };
+  /// kFreeRequested: the free of a live block was asked for while other
+  /// streams still used it; its kFree (if any) follows when their work is done.
+  enum Kind : uint8_t { kAlloc = 1, kFree = 2, kFreeRequested = 3 };
   Kind kind;
   uint32_t id;
-  size_t size;    // requested bytes; for a free, the size its alloc requested
+  size_t size;    // requested bytes; for a free (requested), the size its alloc requested
   Stream stream;  // alloc only
 };
 
 class ReplayTrace {
  public:
   /// Checks that ids are below the number of ops, that every alloc names a
-  /// free slot and every free a live one, and
-  /// fills each free's size from its alloc. Throws std::invalid_argument
-  /// naming the first bad op.
+  /// free slot, every free a live one and every free request a live one whose
+  /// free was not requested yet, and fills each free's size from its alloc.
+  /// Throws std::invalid_argument naming the first bad op.
   explicit ReplayTrace(std::vector<ReplayOp> ops);
 
   const std::vector<ReplayOp>& ops() const { return ops_; }
@@ -72,7 +81,11 @@ class Replayer {
 
   size_t position() const { return pos_; }
   uint64_t mallocs() const { return mallocs_; }
+  /// Blocks freed (by their free op, or early: early_frees()).
   uint64_t frees() const { return frees_; }
+  /// Blocks whose free was requested, freed before their free op because an
+  /// allocation failed (their free op then does nothing).
+  uint64_t early_frees() const { return early_frees_; }
   uint64_t ooms() const { return ooms_; }
   /// Frees not made because their allocation had failed.
   uint64_t skipped_frees() const { return skipped_frees_; }
@@ -89,8 +102,13 @@ class Replayer {
   std::vector<TimelinePoint> timeline() const;
 
  private:
-  /// False when the allocator could not serve it.
+  /// False when the allocator could not serve it, even after the blocks
+  /// whose free was requested were freed.
   bool alloc_one(const ReplayOp& op);
+  bool try_alloc(const ReplayOp& op);
+  void free_one(uint32_t id);
+  /// Frees every block whose free was requested; false if there was none.
+  bool free_requested_now();
   void sample(size_t op);
 
   Allocator& alloc_;
@@ -99,11 +117,15 @@ class Replayer {
   size_t bucket_ = 0;  // ops per timeline point; 0: no timeline
   mutable std::mutex mu_;  // one run() at a time
 
+  enum Held : uint8_t { kNotHeld, kHeld, kFreeWaits, kFreedEarly };
   std::vector<uintptr_t> ptr_;  // by id; 0 when not held
-  std::vector<uint8_t> held_;   // by id: the allocator holds it (size 0 included)
+  std::vector<size_t> size_;    // by id: requested bytes of the block held
+  std::vector<uint8_t> held_;   // by id, a Held: kHeld and kFreeWaits are held (size 0 included)
+  std::vector<uint32_t> requested_;  // ids of kFreeRequested ops, in order (some freed since)
+  size_t waiting_ = 0;               // ids in kFreeWaits
   size_t pos_ = 0;
   bool stopped_ = false;
-  uint64_t mallocs_ = 0, frees_ = 0, ooms_ = 0, skipped_frees_ = 0;
+  uint64_t mallocs_ = 0, frees_ = 0, early_frees_ = 0, ooms_ = 0, skipped_frees_ = 0;
   int64_t first_oom_op_ = -1;
   int64_t live_ = 0, peak_live_ = 0, bucket_live_max_ = 0;
   size_t half_ = 0;

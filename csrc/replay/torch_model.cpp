@@ -41,6 +41,7 @@ struct TorchBlock {
   bool small = false;
   bool allocated = false;
   bool mapped = true;  // false only inside an expandable segment
+  bool free_requested = false;  // allocated, its free waiting on other streams (record_stream)
   TorchBlock* prev = nullptr;
   TorchBlock* next = nullptr;
   ExpandableSegment* segment = nullptr;  // the expandable range it lies in, if any
@@ -186,19 +187,37 @@ class Model {
   void free(TorchBlock* b) {
     Pool& pool = pool_of(b->small);
     b->allocated = false;
+    b->free_requested = false;
     try_merge(b, b->prev, pool);
     try_merge(b, b->next, pool);
     pool.blocks.insert(b);
   }
 
   void release_cached_blocks(uint64_t op) {
+    synchronize_and_free_events();
     release_blocks(large_, op);
     release_blocks(small_, op);
+  }
+
+  /// The free of *slot was requested while other streams still used it
+  /// (record_stream): it stays allocated until the caller frees it, or until
+  /// release_cached_blocks waits for those streams, frees it and clears *slot.
+  void request_free(TorchBlock** slot) {
+    (*slot)->free_requested = true;
+    if (waiting_.size() >= compact_waiting_at_) {
+      // Most entries are blocks freed since by their caller: drop those.
+      waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(),
+                                    [](const auto& w) { return !still_waiting(w); }),
+                     waiting_.end());
+      compact_waiting_at_ = std::max<size_t>(1024, 2 * waiting_.size());
+    }
+    waiting_.emplace_back(slot, *slot);
   }
 
   uint64_t device_calls() const { return device_allocs_ + device_frees_; }
   uint64_t driver_calls() const { return driver_calls_; }
   uint64_t retries() const { return retries_; }
+  uint64_t early_frees() const { return early_frees_; }
   int64_t peak_reserved() const { return peak_reserved_; }
   std::vector<ModelCall>& calls() { return calls_; }
 
@@ -235,6 +254,24 @@ class Model {
     if (size <= kSmallSize) return kSmallBuffer;
     if (size < kMinLargeAlloc) return opt_.settings.large_segment_size;
     return round_up(size, kRoundLarge);
+  }
+
+  // PyTorch's synchronize_and_free_events: wait for every stream, then free
+  // the blocks whose free waited on them, in the order it was requested.
+  void synchronize_and_free_events() {
+    for (const auto& w : waiting_) {
+      if (!still_waiting(w)) continue;
+      *w.first = nullptr;
+      free(w.second);
+      early_frees_++;
+    }
+    waiting_.clear();
+  }
+
+  // Not freed since by its caller (whose slot then holds another block, or
+  // this one recycled and not waiting).
+  static bool still_waiting(const std::pair<TorchBlock**, TorchBlock*>& w) {
+    return *w.first == w.second && w.second->allocated && w.second->free_requested;
   }
 
   Pool& pool_for(size_t rounded) { return rounded <= kSmallSize ? small_ : large_; }
@@ -564,6 +601,11 @@ class Model {
   std::list<ExpandableSegment> segments_;
   int64_t reserved_ = 0, peak_reserved_ = 0;
   uint64_t device_allocs_ = 0, device_frees_ = 0, driver_calls_ = 0, retries_ = 0, mallocs_ = 0;
+  uint64_t early_frees_ = 0;
+  // Blocks whose free waits on other streams, with where the caller keeps them;
+  // entries the caller freed since stay until compacted.
+  std::vector<std::pair<TorchBlock**, TorchBlock*>> waiting_;
+  size_t compact_waiting_at_ = 1024;
   std::vector<ModelCall> calls_;
 };
 
@@ -599,7 +641,12 @@ TorchModelResult run_torch_model(const ReplayTrace& trace, const TorchModelOptio
       while (next_release < opt.releases.size() && opt.releases[next_release] <= pos) next_release++;
     }
     const ReplayOp& op = ops[pos];
+    if (op.kind == ReplayOp::kFreeRequested) {
+      if (block[op.id] != nullptr) model.request_free(&block[op.id]);
+      continue;
+    }
     if (op.kind == ReplayOp::kFree) {
+      // nullptr: size 0, refused, or freed early by an out-of-memory retry.
       if (held[op.id] && block[op.id] != nullptr) model.free(block[op.id]);
       held[op.id] = 0;
       block[op.id] = nullptr;
@@ -635,6 +682,7 @@ TorchModelResult run_torch_model(const ReplayTrace& trace, const TorchModelOptio
     r.second_half_device_calls = static_cast<int64_t>(model.device_calls() - calls_at_half);
   r.driver_calls = model.driver_calls();
   r.retries = model.retries();
+  r.early_frees = model.early_frees();
   r.calls = std::move(model.calls());
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return r;

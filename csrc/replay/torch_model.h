@@ -29,9 +29,12 @@
 //   of 512 B or more are split off.
 // - Out of memory (a capacity given): with max_split_size_mb,
 //   release_available_cached_blocks (oversize free segments, enough to cover
-//   the request) and a try; then release_cached_blocks (every wholly free
-//   segment of every pool and stream, or every whole page inside a free block)
-//   and one more try, then the allocation is refused.
+//   the request) and a try; then release_cached_blocks (first the blocks whose
+//   free was requested while other streams used them are freed, as PyTorch's
+//   synchronize_and_free_events does once it has waited for the streams; then
+//   every wholly free segment of every pool and stream, or every whole page
+//   inside a free block, is released) and one more try, then the allocation is
+//   refused. Such a block is otherwise freed at its kFree op.
 #pragma once
 
 #include <cstddef>
@@ -123,6 +126,9 @@ struct TorchModelResult {
   uint64_t driver_calls = 0;
   /// Out-of-memory retries taken (release_cached_blocks, then try again).
   uint64_t retries = 0;
+  /// Blocks whose free was requested (kFreeRequested), freed by
+  /// release_cached_blocks before their free op.
+  uint64_t early_frees = 0;
   /// Seeded allocs that found no free block at their address (served normally).
   uint64_t misplaced = 0;
   double seconds = 0;

@@ -685,22 +685,36 @@ void test_device_pools_threads() {
 
 // The model of PyTorch's allocator over a random trace of three streams, default
 // and expandable, with and without a capacity and with releases between ops:
-// run under the sanitizers, its block lists are walked hard.
+// run under the sanitizers, its block lists are walked hard. Some frees are
+// requested first (waiting on other streams), their free a few ops later or
+// never, so that out-of-memory retries and releases free them early; ids are
+// reused once freed.
 void test_torch_model(unsigned seed, int steps) {
   std::mt19937_64 rng(seed);
   std::vector<ReplayOp> ops;
-  std::vector<uint32_t> live;
+  std::vector<uint32_t> live, requested, freed;
   uint32_t next_id = 0;
+  auto take = [&](std::vector<uint32_t>& from) {
+    size_t k = rng() % from.size();
+    uint32_t id = from[k];
+    from[k] = from.back();
+    from.pop_back();
+    return id;
+  };
   for (int i = 0; i < steps; ++i) {
-    if (!live.empty() && rng() % 2 == 0) {
-      size_t k = rng() % live.size();
-      ops.push_back(ReplayOp{ReplayOp::kFree, live[k], 0, 0});
-      live[k] = live.back();
-      live.pop_back();
+    if (!requested.empty() && rng() % 6 == 0) {
+      ops.push_back(ReplayOp{ReplayOp::kFree, take(requested), 0, 0});
+      freed.push_back(ops.back().id);
+    } else if (!live.empty() && rng() % 2 == 0) {
+      uint32_t id = take(live);
+      bool waits = rng() % 3 == 0;
+      ops.push_back(ReplayOp{waits ? ReplayOp::kFreeRequested : ReplayOp::kFree, id, 0, 0});
+      (waits ? requested : freed).push_back(id);
     } else {
       size_t size = rng() % 4 == 0 ? rng() % (48 * MiB) : rng() % (2 * MiB);
-      ops.push_back(ReplayOp{ReplayOp::kAlloc, next_id, size, static_cast<Stream>(rng() % 3)});
-      live.push_back(next_id++);
+      uint32_t id = !freed.empty() && rng() % 2 == 0 ? take(freed) : next_id++;
+      ops.push_back(ReplayOp{ReplayOp::kAlloc, id, size, static_cast<Stream>(rng() % 3)});
+      live.push_back(id);
     }
   }
   ReplayTrace trace(ops);
@@ -725,7 +739,21 @@ void test_torch_model(unsigned seed, int steps) {
       }
       CHECK(peak == r.peak_reserved);
       if (capacity != 0) CHECK(r.peak_reserved <= int64_t(capacity));
+      // Every release waits for the streams, as PyTorch's empty_cache does: the
+      // blocks whose free was requested are freed there, before their free.
+      CHECK(r.early_frees > 0);
     }
+  }
+  // pyalloc's replayer over the same trace: frees requested are made early when
+  // an allocation fails, and their later free does nothing.
+  for (size_t capacity : {size_t(0), 96 * MiB}) {
+    auto a = make("virtual", "", capacity);
+    Replayer r(*a, trace, false, 0);
+    CHECK(r.run(SIZE_MAX));
+    a->check_invariants();
+    CHECK(r.mallocs() + r.ooms() == trace.allocs());
+    CHECK((capacity == 0) == (r.early_frees() == 0));
+    CHECK(r.live_bytes() >= 0);
   }
 }
 

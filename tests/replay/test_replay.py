@@ -13,6 +13,7 @@ import pytest
 
 from pyalloc import _C
 from pyalloc.replay import _fits, plan_trace, replay
+from pyalloc.replay_allocators import run_allocator
 from pyalloc.snapshot_io import read_trace, write_snapshot
 from shared_dir import SHARED_DIR
 
@@ -50,8 +51,9 @@ def plan_of(snapshot):
 
 
 def ops(plan):
-    """[(kind, id, size, stream, event)] with kinds as 'alloc' / 'free'."""
-    names = {1: "alloc", 2: "free"}
+    """[(kind, id, size, stream, event)] with kinds as 'alloc' / 'free' / 'pending' (a free
+    requested while another stream still uses the block)."""
+    names = {1: "alloc", 2: "free", 3: "pending"}
     return [(names[k], i, s, st, e) for k, i, s, st, e in
             zip(plan.kinds, plan.ids, plan.sizes, plan.streams, plan.events)]
 
@@ -255,7 +257,12 @@ def trace_of(*ops_):
     [
         ([(2, 0, 0, 0)], "frees an id that is not live"),
         ([(1, 0, 8, 0), (1, 0, 8, 0)], "allocates an id that is still live"),
-        ([(3, 0, 8, 0)], "valid kinds"),
+        ([(4, 0, 8, 0)], "valid kinds"),
+        ([(3, 0, 8, 0)], "requests the free of an id that is not live"),
+        ([(1, 0, 8, 0), (3, 0, 0, 0), (3, 0, 0, 0)], "requests the free of an id already pending"),
+        ([(1, 0, 8, 0), (2, 0, 0, 0), (3, 0, 0, 0)], "requests the free of an id that is not live"),
+        ([(1, 0, 8, 0), (3, 0, 0, 0), (1, 0, 8, 0)], "allocates an id that is still live"),
+        ([(1, 0, 8, 0), (3, 7, 0, 0)], "below the number of ops"),
     ],
 )
 def test_replay_trace_rejects_inconsistent_calls(bad, match):
@@ -403,6 +410,161 @@ def test_empty_trace():
 
     with pytest.raises(NoHistoryError, match="holds no history"):
         replay(snap([]))
+
+
+# -- frees waiting on record_stream -----------------------------------------
+
+
+def record_stream_run(passes=3, size=39 * MiB):
+    """A 1 MiB block live throughout (a 2 MiB small-pool segment), then `passes` buffers
+    of `size` bytes, each used on a second stream (record_stream) and freed while that
+    stream still uses it: its free completes only after the next buffer is allocated."""
+    events = [ev("alloc", 0x100, MiB)]
+    for i in range(passes):
+        addr = 0x10000000 * (i + 1)
+        events += [ev("alloc", addr, size), ev("free_requested", addr, size)]
+        if i:
+            events.append(ev("free_completed", addr - 0x10000000, size))
+    events.append(ev("free_completed", 0x10000000 * passes, size))
+    return snap(events)
+
+
+def test_a_free_waiting_on_another_stream_is_a_pending_op_then_its_completion():
+    p = plan_of(snap([ev("alloc", 1, 100), ev("free_requested", 1, 100), ev("alloc", 2, 50),
+                      ev("free_completed", 1, 100), ev("free_requested", 2, 50),
+                      ev("free_completed", 2, 50)]))
+    # Block 1 is freed at its completion; its request is kept as a pending op (an
+    # out-of-memory path may free it early). Block 2's completion follows its request
+    # at once: a plain free, no pending op.
+    assert [(o[0], o[4]) for o in ops(p)] == [("alloc", 0), ("pending", 1), ("alloc", 2), ("free", 3),
+                                            ("free", 5)]
+    assert p.peak_live_bytes == 150
+    assert p.peak_live_without_pending_bytes == 100
+
+
+def test_pytorch_waits_for_record_stream_frees_on_its_out_of_memory_path():
+    # PyTorch under a cap: the next buffer's cudaMalloc fails, release_cached_blocks
+    # first waits for the streams (synchronize_and_free_events), which frees the
+    # buffer still in use on the other stream, then releases its segment: one buffer's
+    # 40 MiB segment plus the 2 MiB small segment (42 MiB) serve the run. Freeing
+    # only at the recorded completions would need two buffers at once (82 MiB).
+    r = replay(record_stream_run())
+    assert r.peak_live_bytes == 79 * MiB  # live until the completions, as recorded
+    assert r.native_peak_reserved_bytes == 82 * MiB  # uncapped: nothing waits early
+    assert r.native_min_budget_bytes <= 42 * MiB * 1.005
+    assert r.native_expandable_min_budget_bytes <= 42 * MiB * 1.005
+    # pyalloc's own out-of-memory path waits for its pending frees too.
+    assert 40 * MiB <= r.pyalloc_min_budget_bytes <= 44 * MiB
+    assert r.native_min_budget_bytes >= 40 * MiB and r.native_expandable_min_budget_bytes >= 40 * MiB
+
+
+def test_record_stream_frees_made_early_are_not_made_again():
+    p = plan_of(record_stream_run())
+    calls = _C.ReplayTrace(p.kinds, p.ids, p.sizes, p.streams)
+    for expandable in (False, True):
+        run = _C.run_torch_model(calls, expandable=expandable, capacity=42 * MiB)
+        assert (run["completed"], run["retries"], run["early_frees"]) == (True, 2, 2), expandable
+        assert _C.run_torch_model(calls, expandable=expandable)["early_frees"] == 0
+    a = _C.Allocator("virtual", "", 42 * MiB)
+    r = _C.Replayer(a, calls)
+    assert r.run()
+    # Each buffer freed once (two of them early, by the out-of-memory path), the small
+    # block never: nothing skipped, nothing live but the small block at the end.
+    assert (r.ooms, r.frees, r.early_frees, r.skipped_frees, r.live_bytes) == (0, 3, 2, 0, MiB)
+    assert a.stats()["allocated_bytes.all.current"] <= 2 * MiB
+    a.check_invariants()
+    # Unbounded, the pending ops do nothing: the frees come at the completions.
+    wide = _C.Replayer(_C.Allocator("virtual", "", 0), calls)
+    wide.run()
+    assert (wide.frees, wide.peak_live_bytes) == (3, 79 * MiB)
+
+
+def test_an_id_freed_and_allocated_again_is_not_freed_early():
+    # Id 0's free was requested, then made; the id is allocated again and never
+    # requested: the failing allocation of id 1 may not take it.
+    t = trace_of((1, 0, 30 * MiB, 0), (3, 0, 0, 0), (2, 0, 0, 0), (1, 0, 30 * MiB, 0),
+                 (1, 1, 30 * MiB, 0), (2, 1, 0, 0), (3, 0, 0, 0), (1, 2, 30 * MiB, 0))
+    r = _C.Replayer(_C.Allocator("virtual", "", 40 * MiB), t)
+    assert r.run()
+    # Id 1 is refused; id 2 gets the room of id 0, whose free was requested again.
+    assert (r.ooms, r.first_oom_op, r.early_frees, r.skipped_frees) == (1, 4, 1, 1)
+    for expandable in (False, True):
+        run = _C.run_torch_model(t, expandable=expandable, capacity=40 * MiB)
+        assert (run["ooms"], run["first_oom_op"], run["early_frees"]) == (1, 4, 1), expandable
+
+
+def random_calls(seed, steps=3000, request_every=3):
+    """A random trace over reused ids on three streams; every `request_every`-th free
+    is requested first, its free coming a few calls later (or never)."""
+    import random
+
+    rng = random.Random(seed)
+    ops_, live, requested, free_ids, next_id = [], [], [], [], 0
+    for _ in range(steps):
+        r = rng.random()
+        if requested and r < 0.15:
+            ops_.append((2, requested.pop(rng.randrange(len(requested))), 0, 0))
+            free_ids.append(ops_[-1][1])
+        elif live and r < 0.5:
+            id_ = live.pop(rng.randrange(len(live)))
+            if rng.randrange(request_every) == 0:
+                ops_.append((3, id_, 0, 0))
+                requested.append(id_)
+            else:
+                ops_.append((2, id_, 0, 0))
+                free_ids.append(id_)
+        else:
+            id_ = free_ids.pop() if free_ids and rng.random() < 0.5 else next_id
+            next_id += id_ == next_id
+            size = rng.randrange(48 * MiB) if rng.random() < 0.25 else rng.randrange(2 * MiB)
+            ops_.append((1, id_, size, rng.randrange(3)))
+            live.append(id_)
+    return ops_
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_traces_with_requested_frees(seed):
+    calls = random_calls(seed)
+    with_requests = trace_of(*calls)
+    without = trace_of(*[c for c in calls if c[0] != 3])
+    for expandable in (False, True):
+        # Unbounded, a free request does nothing: the same run as without it (but for
+        # where the second half starts, which the extra calls move).
+        a, b = (_C.run_torch_model(t, expandable=expandable) for t in (with_requests, without))
+        assert a["early_frees"] == 0
+        moved = ("seconds", "second_half_device_calls")
+        assert {k: v for k, v in a.items() if k not in moved} == {k: v for k, v in b.items() if k not in moved}
+        for capacity in (64 * MiB, 160 * MiB):
+            r = _C.run_torch_model(with_requests, expandable=expandable, capacity=capacity)
+            assert r["peak_reserved_bytes"] <= capacity
+            assert r["early_frees"] <= sum(1 for c in calls if c[0] == 3)
+    wide = [_C.Replayer(_C.Allocator("virtual", "", 0), t) for t in (with_requests, without)]
+    for r in wide:
+        r.run()
+    assert [(r.frees, r.peak_live_bytes, r.early_frees) for r in wide] == [
+        (wide[1].frees, wide[1].peak_live_bytes, 0)] * 2
+    a = _C.Allocator("virtual", "", 96 * MiB)
+    r = _C.Replayer(a, with_requests)
+    for stop in range(0, len(calls) + 1, 50):
+        r.run(stop)
+        a.check_invariants()
+    r.run()
+    a.check_invariants()
+    assert r.early_frees > 0 and r.ooms > 0  # the capacity is tight enough to need both
+    held = a.stats()["allocated_bytes.all.current"]
+    assert r.live_bytes >= 0 and (r.live_bytes == 0) == (held == 0)
+
+
+def test_a_free_pending_at_the_end_is_freed_by_the_out_of_memory_path():
+    # The trace ends before the last buffer's free completes: it stays live unbounded,
+    # and an allocation that needs its room gets it once the stream is waited for.
+    events = [ev("alloc", 1, 30 * MiB), ev("free_requested", 1, 30 * MiB), ev("alloc", 2, 30 * MiB),
+              ev("free_requested", 2, 30 * MiB), ev("free_completed", 2, 30 * MiB)]
+    p = plan_of(snap(events))
+    assert p.pending_at_end == 1
+    calls = _C.ReplayTrace(p.kinds, p.ids, p.sizes, p.streams)
+    assert run_allocator(calls, "native", capacity=40 * MiB).completed
+    assert run_allocator(calls, "native").peak_reserved_bytes == 60 * MiB
 
 
 # -- known totals ------------------------------------------------------------

@@ -374,6 +374,25 @@ def test_unknown_models_are_none_and_left_out_of_the_sentence():
         assert "PyTorch" not in oom_sentence(oom)
 
 
+def test_a_block_waiting_on_another_stream_is_freed_before_the_request_fails():
+    """A 30 MiB block freed while a second stream still used it (record_stream), a
+    10 MiB one live, and a 20 MiB request on a 40 MiB device: the out-of-memory
+    path waits for the stream and frees the first block, so every allocator serves
+    the request (the prefix replayed keeps the pending free), and the block does not
+    count as live."""
+    first, second = BASE, BASE + 0x10000000
+    events = [ev("segment_alloc", first, 30 * MiB), ev("alloc", first, 30 * MiB),
+              ev("free_requested", first, 30 * MiB), ev("segment_alloc", second, 10 * MiB),
+              ev("alloc", second, 10 * MiB), oom_event(20 * MiB, 0), ev("free_completed", first, 30 * MiB)]
+    segments = [{"device": 0, "address": addr, "total_size": size, "stream": 0, "segment_type": "large",
+                 "blocks": [{"address": addr, "size": size, "requested_size": size, "state": state,
+                             "frames": []}]}
+                for addr, size, state in ((first, 30 * MiB, "inactive"), (second, 10 * MiB, "active_allocated"))]
+    [oom] = replay({"segments": segments, "device_traces": [events]}, search=False).recorded_ooms
+    assert (oom["capacity_bytes"], oom["live_bytes"], oom["fragmentation"]) == (40 * MiB, 10 * MiB, True)
+    assert oom["served_by"] == {name: True for name in ALLOCATORS}
+
+
 def test_each_allocator_is_asked_through_run_allocator(monkeypatch):
     """How the diagnosis uses the seam: every allocator of ALLOCATORS, on the
     capacity, stopping at the first refusal, with the plan its calls came from:
