@@ -62,7 +62,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _C
 from ._config import as_size, conf_string
-from .replay_allocators import ALLOCATORS, run_allocator
+# BUDGET_CHECKS_ABOVE, BUDGET_PRECISION and _fits stay importable from here, where callers found them.
+from .replay_allocators import (ALLOCATORS, BUDGET_CHECKS_ABOVE, KIND_ALLOC as _KIND_ALLOC, KIND_FREE as _KIND_FREE,
+                                KIND_FREE_REQUESTED as _KIND_FREE_REQUESTED, fits as _fits, measure_live as _measure_live,
+                                min_budget as _min_budget, run_allocator)
 from .replay_oom import diagnose_ooms
 from .replay_report import (BUDGET_LEGEND, TABLE_LEGEND, format_names, format_ooms, format_recorded, format_table,
                             plot_results, verdicts, wrap)
@@ -99,18 +102,11 @@ HOW_TO_RECORD = ("To record one, call torch.cuda.memory._record_memory_history(m
 class NoHistoryError(TraceError):
     """The snapshot (or the device asked for) recorded no event: there is nothing to replay."""
 
-_KIND_ALLOC, _KIND_FREE, _KIND_FREE_REQUESTED, _KIND_NONE = 1, 2, 3, 0
+_KIND_NONE = 0  # a free_requested whose completion follows at once: no op of its own
 
 #: The stream of the segment pyalloc's history maps over a run while it turns into
 #: its pieces or back (csrc/core/allocator.h, kShadowStream).
 _COVER_STREAM = (1 << 64) - 1
-
-#: An allocator can complete a trace on a device and fail on a slightly larger
-#: one (its choices depend on the room it has: pyalloc's handle sizes, PyTorch's
-#: out-of-memory retries). The smallest budget is checked on devices this much
-#: larger too, and searched again above any of them that fails: the budget
-#: reported is one from which every device checked completes.
-BUDGET_CHECKS_ABOVE = (0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05)
 
 #: Traces with at least this many events get a progress bar on a terminal.
 PROGRESS_MIN_EVENTS = 200_000
@@ -252,29 +248,6 @@ def plan_trace(trace: Trace) -> ReplayPlan:
     _measure_live(plan)
     _follow_native(plan, trace)
     return plan
-
-
-def _measure_live(plan: ReplayPlan) -> None:
-    live = peak = 0
-    peak_op = -1
-    waiting = least = 0  # bytes whose free was requested, not yet made; the peak without them
-    requested = set()
-    for op, (kind, id_, size) in enumerate(zip(plan.kinds, plan.ids, plan.sizes)):
-        if kind == _KIND_ALLOC:
-            live += size
-            if live > peak:
-                peak, peak_op = live, op
-            least = max(least, live - waiting)
-        elif kind == _KIND_FREE_REQUESTED:
-            waiting += size
-            requested.add(id_)
-        else:
-            live -= size
-            if id_ in requested:
-                requested.discard(id_)
-                waiting -= size
-    plan.peak_live_bytes, plan.peak_live_op = peak, peak_op
-    plan.peak_live_without_pending_bytes = least
 
 
 def _follow_native(plan: ReplayPlan, trace: Trace) -> None:
@@ -591,53 +564,6 @@ def _replay_models(result: ReplayResult, calls: Any, plan: ReplayPlan, search: b
             setattr(result, f"{name}_budget_retries",
                     run_allocator(calls, name, capacity=budget, plan=plan).retries)
     return replays
-
-
-def _fits(calls: Any, conf: str, capacity: int, allocator: str = "pyalloc",
-          page_size: Optional[int] = None, settings: Optional[TorchSettings] = None) -> bool:
-    """Whether the whole trace replays within `capacity` bytes without an OOM
-    (`settings`: PyTorch's, for its models)."""
-    return run_allocator(calls, allocator, capacity=capacity, stop_on_oom=True, conf=conf,
-                         page_size=page_size, settings=settings).completed
-
-
-def _min_budget(calls: Any, conf: str, peak_live: int, peak_reserved: int,
-                bars: "_Bars", allocator: str = "pyalloc", page_size: Optional[int] = None,
-                settings: Optional[TorchSettings] = None) -> Tuple[int, int]:
-    """Bisection on the device's capacity, between peak live (too little: the
-    live bytes alone need that much; ReplayPlan.peak_live_without_pending_bytes,
-    as frees waiting on streams are made by the out-of-memory path) and the
-    unbounded replay's peak reserved
-    (enough: the same replay never reserved more), to BUDGET_PRECISION.
-    `page_size`: pyalloc's what-if page size, `settings` PyTorch's for its models
-    (run_allocator()). Returns (budget, replays)."""
-    if peak_live == 0:
-        return 0, 0
-    lo, hi = peak_live - 1, peak_reserved
-    replays = 0
-    bar = bars.search()
-    while True:
-        while hi - lo > hi * BUDGET_PRECISION:
-            mid = max((lo + hi) // 2, 1)  # a device holds at least a byte
-            replays += 1
-            if _fits(calls, conf, mid, allocator, page_size, settings):
-                hi = mid
-            else:
-                lo = mid
-            if bar is not None:
-                bar.update(1)
-        # Larger devices must complete too (BUDGET_CHECKS_ABOVE): else the
-        # search goes on above the largest that failed, below the next that
-        # completes (or the unbounded replay's peak reserved).
-        checked = [int(hi * (1 + above)) for above in BUDGET_CHECKS_ABOVE]
-        fits = {size: _fits(calls, conf, size, allocator, page_size, settings)
-                for size in checked if size < peak_reserved}
-        replays += len(fits)
-        failed = [size for size, ok in fits.items() if not ok]
-        if not failed:
-            return hi, replays
-        lo = max(failed)
-        hi = min([size for size, ok in fits.items() if ok and size > lo], default=peak_reserved)
 
 
 def _ratio(num: Optional[int], den: int) -> Optional[float]:

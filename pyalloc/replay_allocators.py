@@ -19,15 +19,28 @@ back in one record, so that the replay compares the three at equal budgets.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from . import _C
 from ._config import as_size
+from .replay_result import BUDGET_PRECISION
 from .replay_settings import TorchSettings
 
-__all__ = ["ALLOCATORS", "AllocatorRun", "run_allocator"]
+__all__ = ["ALLOCATORS", "AllocatorRun", "BUDGET_CHECKS_ABOVE", "fits", "measure_live", "min_budget", "run_allocator"]
 
 ALLOCATORS = ("pyalloc", "native", "native_expandable")
+
+#: A ReplayTrace's op kinds (csrc/replay/replay.h): an alloc, a free, and a free
+#: requested whose block waits on other streams until its free op (or until an
+#: out-of-memory path frees it early).
+KIND_ALLOC, KIND_FREE, KIND_FREE_REQUESTED = 1, 2, 3
+
+#: An allocator can complete a trace on a device and fail on a slightly larger
+#: one (its choices depend on the room it has: pyalloc's handle sizes, PyTorch's
+#: out-of-memory retries). The smallest budget is checked on devices this much
+#: larger too, and searched again above any of them that fails: the budget
+#: reported is one from which every device checked completes.
+BUDGET_CHECKS_ABOVE = (0.001, 0.002, 0.003, 0.005, 0.01, 0.02, 0.05)
 
 
 @dataclass
@@ -119,3 +132,78 @@ def _run_pyalloc(calls: Any, capacity: Optional[int], stop_on_oom: bool, conf: s
         driver_calls=stats.get("num_driver_calls"),
         retries=stats["num_alloc_retries"],
     )
+
+
+def measure_live(plan: Any) -> None:
+    """Sets a ReplayPlan's peak of requested bytes live (and the op it is reached
+    at), and that peak with the blocks whose free waits on other streams counted
+    as freed at their request (peak_live_without_pending_bytes: the least a budget
+    search starts from, as out-of-memory paths free those blocks early)."""
+    live = peak = 0
+    peak_op = -1
+    waiting = least = 0  # bytes whose free was requested, not yet made; the peak without them
+    requested = set()
+    for op, (kind, id_, size) in enumerate(zip(plan.kinds, plan.ids, plan.sizes)):
+        if kind == KIND_ALLOC:
+            live += size
+            if live > peak:
+                peak, peak_op = live, op
+            least = max(least, live - waiting)
+        elif kind == KIND_FREE_REQUESTED:
+            waiting += size
+            requested.add(id_)
+        else:
+            live -= size
+            if id_ in requested:
+                requested.discard(id_)
+                waiting -= size
+    plan.peak_live_bytes, plan.peak_live_op = peak, peak_op
+    plan.peak_live_without_pending_bytes = least
+
+
+def fits(calls: Any, conf: str, capacity: int, allocator: str = "pyalloc",
+         page_size: Optional[int] = None, settings: Optional[TorchSettings] = None) -> bool:
+    """Whether the whole trace replays within `capacity` bytes without an OOM
+    (`settings`: PyTorch's, for its models)."""
+    return run_allocator(calls, allocator, capacity=capacity, stop_on_oom=True, conf=conf,
+                         page_size=page_size, settings=settings).completed
+
+
+def min_budget(calls: Any, conf: str, peak_live: int, peak_reserved: int,
+               bars: Any = None, allocator: str = "pyalloc", page_size: Optional[int] = None,
+               settings: Optional[TorchSettings] = None) -> Tuple[int, int]:
+    """Bisection on the device's capacity, between peak live (too little: the
+    live bytes alone need that much; ReplayPlan.peak_live_without_pending_bytes,
+    as frees waiting on streams are made by the out-of-memory path) and the
+    unbounded replay's peak reserved
+    (enough: the same replay never reserved more), to BUDGET_PRECISION.
+    `bars`: the replay's progress bars (their search() bar counts the replays), or None.
+    `page_size`: pyalloc's what-if page size, `settings` PyTorch's for its models
+    (run_allocator()). Returns (budget, replays)."""
+    if peak_live == 0:
+        return 0, 0
+    lo, hi = peak_live - 1, peak_reserved
+    replays = 0
+    bar = None if bars is None else bars.search()
+    while True:
+        while hi - lo > hi * BUDGET_PRECISION:
+            mid = max((lo + hi) // 2, 1)  # a device holds at least a byte
+            replays += 1
+            if fits(calls, conf, mid, allocator, page_size, settings):
+                hi = mid
+            else:
+                lo = mid
+            if bar is not None:
+                bar.update(1)
+        # Larger devices must complete too (BUDGET_CHECKS_ABOVE): else the
+        # search goes on above the largest that failed, below the next that
+        # completes (or the unbounded replay's peak reserved).
+        checked = [int(hi * (1 + above)) for above in BUDGET_CHECKS_ABOVE]
+        done = {size: fits(calls, conf, size, allocator, page_size, settings)
+                for size in checked if size < peak_reserved}
+        replays += len(done)
+        failed = [size for size, ok in done.items() if not ok]
+        if not failed:
+            return hi, replays
+        lo = max(failed)
+        hi = min([size for size, ok in done.items() if ok and size > lo], default=peak_reserved)

@@ -44,7 +44,7 @@ replayed as the allocation it was:
   build cannot run is reported as None;
 - how much each had to spare or lacked: the smallest device on which it serves
   those calls (``min_capacity_bytes``), found by the budget search of the whole
-  trace (``replay._min_budget``) run on them, for the first MAX_OOM_SEARCHES
+  trace (``replay_allocators.min_budget``) run on them, for the first MAX_OOM_SEARCHES
   events of a device and its last;
 - what the recording allocator held then: its reserved bytes, those of them not
   live (``unused_bytes``: cached free blocks and rounding), and the largest free
@@ -63,7 +63,7 @@ from bisect import bisect_left
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import _C
-from .replay_allocators import ALLOCATORS, run_allocator
+from .replay_allocators import ALLOCATORS, measure_live, min_budget, run_allocator
 from .snapshot_io import (OOM, OTHER, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace,
                           memory_fraction, recorded_device_total)
 
@@ -257,12 +257,10 @@ def _min_capacities(plan: Any, k: int, event: int, size: int, stream: int,
                     conf: str) -> Dict[str, Optional[int]]:
     """For each allocator, the smallest device on which it serves the trace's calls up
     to the event and then the allocation (the budget search of the whole trace,
-    replay._min_budget, on those calls); None where it serves them on no device
+    replay_allocators.min_budget, on those calls); None where it serves them on no device
     (or this build cannot run it)."""
-    from .replay import _Bars, _measure_live, _min_budget  # replay imports this module
-
     sub = _with_request(plan, k, event, size, stream)
-    _measure_live(sub)
+    measure_live(sub)
     calls = _C.ReplayTrace(sub.kinds, sub.ids, sub.sizes, sub.streams)
     needs: Dict[str, Optional[int]] = {a: None for a in ALLOCATORS}
     for name in ALLOCATORS:
@@ -272,8 +270,8 @@ def _min_capacities(plan: Any, k: int, event: int, size: int, stream: int,
         except NotImplementedError:
             continue
         if uncapped.completed:
-            needs[name] = _min_budget(calls, own, sub.peak_live_without_pending_bytes, uncapped.peak_reserved_bytes,
-                                      _Bars(False, ""), name, settings=sub.torch_settings)[0]
+            needs[name] = min_budget(calls, own, sub.peak_live_without_pending_bytes, uncapped.peak_reserved_bytes,
+                                     None, name, settings=sub.torch_settings)[0]
     return needs
 
 

@@ -726,18 +726,19 @@ def test_the_smallest_budget_is_one_every_larger_device_checked_completes_from(m
     the budget reported is above the failures, and every device checked above
     it completes."""
     import pyalloc.replay as replay_mod
+    import pyalloc.replay_allocators as allocators_mod
 
     def fits(calls, conf, capacity, allocator="pyalloc", page_size=None, settings=None):
         return capacity >= 100_000 and not 100_150 <= capacity <= 100_400
 
-    monkeypatch.setattr(replay_mod, "_fits", fits)
+    monkeypatch.setattr(allocators_mod, "fits", fits)
     budget, replays = replay_mod._min_budget(None, "", 90_000, 200_000, replay_mod._Bars(False, "t"))
     assert budget > 100_400 and replays > 0
     assert budget <= 100_400 * (1 + replay_mod.BUDGET_CHECKS_ABOVE[0]) + 200_000 * replay_mod.BUDGET_PRECISION
     for above in replay_mod.BUDGET_CHECKS_ABOVE:
         assert fits(None, "", int(budget * (1 + above)))
     # A monotonic allocator: the bisection's answer, within its precision.
-    monkeypatch.setattr(replay_mod, "_fits",
+    monkeypatch.setattr(allocators_mod, "fits",
                         lambda calls, conf, capacity, allocator="pyalloc", page_size=None, settings=None:
                         capacity >= 100_000)
     budget, _ = replay_mod._min_budget(None, "", 90_000, 200_000, replay_mod._Bars(False, "t"))
