@@ -151,8 +151,16 @@ class _TorchRecorder:
     def __init__(self, frames: bool, history: int) -> None:
         self.frames, self.history = frames, history
         self.started = False
-        self.label = "pytorch expandable_segments" if _torch_setting("expandable_segments") in (
-            "True", "true", "1") else "pytorch"
+
+    def label(self, snapshot: Dict[str, Any]) -> str:
+        """"pytorch expandable_segments" where the allocator ran them: as the snapshot's
+        settings record (a program may turn them on itself), else as the variable says."""
+        settings = snapshot.get("allocator_settings")
+        if isinstance(settings, dict) and isinstance(settings.get("expandable_segments"), bool):
+            expandable = settings["expandable_segments"]
+        else:
+            expandable = _torch_setting("expandable_segments") in ("True", "true", "1")
+        return "pytorch expandable_segments" if expandable else "pytorch"
 
     def arm(self, watch: "OomWatch") -> None:
         import torch
@@ -198,8 +206,6 @@ class _TorchRecorder:
 class _PyallocRecorder:
     """pyalloc's pools (pyalloc.cuda): its history and its out-of-memory observers."""
 
-    label = "pyalloc"
-
     def __init__(self, frames: bool, history: int) -> None:
         self.history = history
         if frames:
@@ -216,8 +222,12 @@ class _PyallocRecorder:
 
         return cuda.snapshot()
 
+    def label(self, snapshot: Dict[str, Any]) -> str:
+        return "pyalloc"
+
     def device_total(self, device: int, reported: int) -> Optional[int]:
-        return reported
+        # pyalloc's observers get the device's own total (0 where the driver said none).
+        return reported or None
 
     def disarm(self, observer: Callable[..., None]) -> None:
         from . import cuda
@@ -290,6 +300,10 @@ class OomWatch:
             recorder.arm(self)
         except BaseException:
             self._armed = False
+            try:  # what was armed before the failure
+                recorder.disarm(self.observe)
+            except Exception:
+                pass
             raise
 
     def close(self) -> None:
@@ -338,8 +352,8 @@ class OomWatch:
             say(f"snapshot {path}; the verdict could not start ({e}): {replay_command(path)}")
             return
         self.verdicts.append(proc)
-        say(f"snapshot {path} of the out-of-memory error on cuda:{device}; "
-            f"its verdict follows, also in {txt}")
+        say(f"out of memory on cuda:{device}: snapshot {path}; its verdict follows "
+            f"(also in {os.path.basename(txt)})")
 
     def _metadata(self, snapshot: Dict[str, Any], device: int, requested: int, reported_total: int,
                   device_free: int) -> Dict[str, Any]:
@@ -353,7 +367,7 @@ class OomWatch:
             "device_total_bytes": total,
             "rank": _env_int("RANK"),
             "world_size": _env_int("WORLD_SIZE"),
-            "allocator": self._recorder.label,
+            "allocator": self._recorder.label(snapshot),
             "requested_bytes": requested,
             "device_free_bytes": device_free,
             "command": list(self.command) if self.command is not None else None,

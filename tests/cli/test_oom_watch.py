@@ -103,7 +103,7 @@ def test_a_pyalloc_oom_leaves_a_snapshot_and_the_verdict_replay_gives(fake, lib,
     assert verdict["status"] == "done" and verdict["device"] == 0 and verdict["file"] == snapshot
     assert verdict["ooms"] and lines and lines[-1].endswith(f"pyalloc replay {snapshot}")
     err = capfd.readouterr().err
-    assert f"pyalloc oom: snapshot {snapshot}" in err
+    assert f"pyalloc oom: out of memory on cuda:0: snapshot {snapshot};" in err
     for line in lines:
         assert f"pyalloc oom: {line}" in err  # the same lines, on stderr
     printed, rows = replay_cli(snapshot, capfd, tmp_path)
@@ -266,14 +266,24 @@ def test_torch_oom_writes_the_devices_snapshot_named_by_rank(torch_cuda, tmp_pat
     assert verdict["status"] == "done" and verdict["ooms"][0]["size_bytes"] == 16 * MiB
 
 
-def test_expandable_segments_name_the_allocator(torch_cuda, tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+@pytest.mark.parametrize("variable, recorded, label", [
+    ("expandable_segments:True", None, "pytorch expandable_segments"),  # a snapshot without the key
+    ("", True, "pytorch expandable_segments"),  # turned on by the program itself
+    ("expandable_segments:True", False, "pytorch"),  # what the allocator ran wins
+])
+def test_expandable_segments_name_the_allocator(torch_cuda, tmp_path, monkeypatch, variable, recorded, label):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", variable)
+    settings = torch_cuda.snapshot["allocator_settings"]
+    if recorded is None:
+        del settings["expandable_segments"]
+    else:
+        settings["expandable_segments"] = recorded
     with pyalloc.watch_oom(tmp_path, allocator="torch", verdict_timeout=60) as watch:
         with pytest.raises(torch_cuda.torch.cuda.OutOfMemoryError):
             torch_cuda.malloc(20 * MiB, device=1)
         wait_verdicts(watch)
     with open(watch.snapshots[0], "rb") as f:
-        assert pickle.load(f)["pyalloc_oom"]["allocator"] == "pytorch expandable_segments"
+        assert pickle.load(f)["pyalloc_oom"]["allocator"] == label
 
 
 def test_at_most_max_snapshots_and_the_rest_counted_in_one_line(torch_cuda, tmp_path, capsys):
