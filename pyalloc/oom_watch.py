@@ -15,7 +15,8 @@ program runs:
   CUDA itself, on the current device: under torchrun that is a context on GPU 0
   for every rank. So both are queued with ``torch.cuda._lazy_call``, which
   runs them when the program initialises CUDA (before its first allocation),
-  or at once where it already has. PyTorch's cudaMallocAsync backend keeps no
+  or at once where it already has; nothing here starts the driver before the
+  program does (see ``_torch_has_cuda``). PyTorch's cudaMallocAsync backend keeps no
   history and refuses observers: the program then runs unwatched, and a line
   says so;
 - pyalloc's (``pyalloc.record_history``, ``pyalloc.cuda.attach_oom_observer``),
@@ -478,11 +479,21 @@ def _recorder(watch: OomWatch) -> Any:
         return None
     import torch
 
-    if not torch.cuda.is_available():
+    if not _torch_has_cuda(torch):
         warnings.warn("pyalloc.watch_oom: torch sees no CUDA device and pyalloc holds no pools: "
                       "nothing to watch", stacklevel=3)
         return None
     return _TorchRecorder(watch.frames, watch.history)
+
+
+def _torch_has_cuda(torch: Any) -> bool:
+    """Whether torch may use a CUDA device. Before the program has started CUDA, only
+    whether this torch was built with it: asking for devices would start the driver,
+    which reads CUDA_VISIBLE_DEVICES once, then (a program that sets it first thing
+    would be ignored) and cannot be used in a process forked after it."""
+    if torch.cuda.is_initialized():
+        return torch.cuda.is_available()
+    return torch.cuda._is_compiled()
 
 
 def _at_exit() -> None:

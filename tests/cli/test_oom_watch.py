@@ -177,7 +177,10 @@ class FakeTorchCuda:
         self.queued, self.history, self.observers = [], [], []
         self.initialized = False
         cuda = torch.cuda
-        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        self.asked = 0  # devices asked for: the driver started
+        monkeypatch.setattr(cuda, "is_available", self.is_available)
+        monkeypatch.setattr(cuda, "is_initialized", lambda: self.initialized)
+        monkeypatch.setattr(cuda, "_is_compiled", lambda: True)
         monkeypatch.setattr(cuda, "_lazy_call", self.lazy_call)
         monkeypatch.setattr(cuda.memory, "_record_memory_history", self.record_history)
         monkeypatch.setattr(cuda.memory, "_snapshot", self.take_snapshot)
@@ -187,6 +190,10 @@ class FakeTorchCuda:
                             raising=False)
         for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
             monkeypatch.delenv(name, raising=False)
+
+    def is_available(self):
+        self.asked += 1
+        return True
 
     def lazy_call(self, fn, **kwargs):
         if self.initialized:
@@ -222,7 +229,8 @@ def torch_cuda(monkeypatch):
 
 def test_torch_history_waits_for_cuda_and_keeps_no_frames(torch_cuda, tmp_path):
     watch = pyalloc.watch_oom(tmp_path, allocator="torch", history=5000)
-    assert torch_cuda.history == [] and torch_cuda.observers == []  # no CUDA init of its own
+    # No CUDA of its own: the program may still set CUDA_VISIBLE_DEVICES, or fork.
+    assert torch_cuda.history == [] and torch_cuda.observers == [] and torch_cuda.asked == 0
     torch_cuda.init()
     assert torch_cuda.history == [{"enabled": "all", "context": None, "stacks": "python",
                                    "max_entries": 5000}]
@@ -374,7 +382,7 @@ def test_cuda_malloc_async_runs_the_program_unwatched(torch_cuda, tmp_path, monk
 
 def test_without_a_gpu_there_is_nothing_to_watch(monkeypatch, tmp_path):
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: False)  # as a CPU build of torch
     with pytest.warns(UserWarning, match="nothing to watch"):
         watch = pyalloc.watch_oom(tmp_path)
     assert watch.allocator is None and not watch.armed
