@@ -83,8 +83,9 @@ def lib():
 def test_a_pyalloc_oom_leaves_a_snapshot_and_the_verdict_replay_gives(fake, lib, tmp_path, capfd):
     with pyalloc.watch_oom(tmp_path) as watch:  # fake devices: pyalloc's recorder
         assert watch.allocator == "pyalloc"
-        held = [_C._testing_hook_malloc(12 * MiB, 0, 0) for _ in range(4)]
-        lib.pyalloc_free(held.pop(1), 0, 0, None)  # a hole between live blocks
+        held = [_C._testing_hook_malloc(10 * MiB, 0, 0) for _ in range(4)]
+        for hole in (held.pop(2), held.pop(0)):  # a hole in each of two segments: fragmentation
+            lib.pyalloc_free(hole, 0, 0, None)
         with pytest.raises(pyalloc.OutOfMemoryError):
             while True:
                 held.append(_C._testing_hook_malloc(18 * MiB, 0, 0))
@@ -102,6 +103,7 @@ def test_a_pyalloc_oom_leaves_a_snapshot_and_the_verdict_replay_gives(fake, lib,
     lines = Path(txt).read_text().splitlines()
     assert verdict["status"] == "done" and verdict["device"] == 0 and verdict["file"] == snapshot
     assert verdict["ooms"] and lines and lines[-1].endswith(f"pyalloc replay {snapshot}")
+    assert verdict["ooms"][-1]["fragmentation"] is True and "fragmentation" in lines[0]
     err = capfd.readouterr().err
     assert f"pyalloc oom: out of memory on cuda:0: snapshot {snapshot};" in err
     for line in lines:
