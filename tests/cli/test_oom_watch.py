@@ -455,3 +455,51 @@ def test_the_command_refuses_a_program_it_cannot_run(capsys, tmp_path):
     assert "only Python programs" in capsys.readouterr().err
     assert cli_main(["oom", "--conf", "pool_size:1GiB", "--", "python", "x.py"]) == 2
     assert "--conf" in capsys.readouterr().err
+
+
+def test_a_verdict_still_running_at_the_end_is_named_once(torch_cuda, tmp_path, monkeypatch, capsys):
+    class Running:
+        pid = 4242
+
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(oom_watch, "start_verdict", lambda path, device, timeout: Running())
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+    with pytest.raises(torch_cuda.torch.cuda.OutOfMemoryError):
+        torch_cuda.malloc(20 * MiB, device=1)
+    watch.close()
+    watch.close()
+    oom_watch._at_exit()
+    lines = [x for x in capsys.readouterr().err.splitlines() if "still running" in x]
+    txt = verdict_files(tmp_path / "oom-rank0-cuda1-1.pickle")[0]
+    assert lines == [f"pyalloc oom: the verdict on {tmp_path}/oom-rank0-cuda1-1.pickle is still running "
+                     f"(process 4242); it will be written to {txt}"]
+
+
+def test_the_command_installs_pyalloc_first_and_watches_its_pools(fake, monkeypatch, tmp_path, capfd):
+    from pyalloc import launcher
+
+    installed = []
+    monkeypatch.setattr(launcher, "install_for_program", installed.append)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "trainer.py").write_text(textwrap.dedent("""
+        import sys
+        import pyalloc
+        from pyalloc import _C
+        held = []
+        try:
+            while True:
+                held.append(_C._testing_hook_malloc(24 << 20, 0, 0))
+        except pyalloc.OutOfMemoryError:
+            sys.exit(len(held))
+    """))
+    status = cli_main(["oom", "--allocator", "pyalloc", "--conf", "segment_size:4MiB", "--",
+                       "python", "-m", "trainer"])
+    assert installed == ["segment_size:4MiB"]
+    assert status == 2  # the program's: two 24 MiB blocks on a 64 MiB device
+    snapshot = tmp_path / "pyalloc-oom" / "oom-rank0-cuda0-1.pickle"
+    verdict = json.loads(Path(wait_for(verdict_files(snapshot)[1])).read_text())
+    assert verdict["status"] == "done" and verdict["ooms"][-1]["size_bytes"] == 24 * MiB
+    with open(snapshot, "rb") as f:
+        assert pickle.load(f)["pyalloc_oom"]["command"] == ["python", "-m", "trainer"]
