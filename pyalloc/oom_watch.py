@@ -420,8 +420,9 @@ def watch_oom(directory: "str | os.PathLike[str]" = DEFAULT_DIR, *, allocator: O
     None: pyalloc where it is installed or its pools exist, else PyTorch's.
     frames: record Python stack frames with each allocation (PyTorch's allocator;
     pyalloc records none). max_snapshots: snapshots kept per process, the first
-    error's and those after it. history: events kept per device. verdict_timeout:
-    seconds each verdict may take before it stops (the snapshot stays).
+    error's and those after it. history: events kept per device (pyalloc: per
+    pool). verdict_timeout: seconds each verdict may take before it stops (the
+    snapshot stays).
 
     A second call while a watch is armed returns that watch where the settings
     are the same, and raises RuntimeError where they differ (close() it first).
