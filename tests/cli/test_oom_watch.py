@@ -464,7 +464,7 @@ def test_a_verdict_still_running_at_the_end_is_named_once(torch_cuda, tmp_path, 
         def poll(self):
             return None
 
-    monkeypatch.setattr(oom_watch, "start_verdict", lambda path, device, timeout: Running())
+    monkeypatch.setattr(oom_watch, "start_verdict", lambda path, device, timeout, cwd: Running())
     watch = pyalloc.watch_oom(tmp_path, allocator="torch")
     with pytest.raises(torch_cuda.torch.cuda.OutOfMemoryError):
         torch_cuda.malloc(20 * MiB, device=1)
@@ -492,14 +492,23 @@ def test_the_command_installs_pyalloc_first_and_watches_its_pools(fake, monkeypa
             while True:
                 held.append(_C._testing_hook_malloc(24 << 20, 0, 0))
         except pyalloc.OutOfMemoryError:
-            sys.exit(len(held))
+            import os
+            os.chdir(os.path.dirname(os.getcwd()))  # the folder given stays the one started in
+            try:
+                _C._testing_hook_malloc(64 << 20, 0, 0)
+            except pyalloc.OutOfMemoryError:
+                sys.exit(len(held))
     """))
     status = cli_main(["oom", "--allocator", "pyalloc", "--conf", "segment_size:4MiB", "--",
                        "python", "-m", "trainer"])
     assert installed == ["segment_size:4MiB"]
     assert status == 2  # the program's: two 24 MiB blocks on a 64 MiB device
+    assert sorted(p for p in os.listdir(tmp_path / "pyalloc-oom") if p.endswith(".pickle")) == [
+        "oom-rank0-cuda0-1.pickle", "oom-rank0-cuda0-2.pickle"]
     snapshot = tmp_path / "pyalloc-oom" / "oom-rank0-cuda0-1.pickle"
     verdict = json.loads(Path(wait_for(verdict_files(snapshot)[1])).read_text())
     assert verdict["status"] == "done" and verdict["ooms"][-1]["size_bytes"] == 24 * MiB
+    assert verdict["file"] == "pyalloc-oom/oom-rank0-cuda0-1.pickle"  # as the user's shell finds it
+    wait_for(verdict_files(tmp_path / "pyalloc-oom" / "oom-rank0-cuda0-2.pickle")[1])
     with open(snapshot, "rb") as f:
         assert pickle.load(f)["pyalloc_oom"]["command"] == ["python", "-m", "trainer"]
