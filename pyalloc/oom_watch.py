@@ -362,7 +362,7 @@ class OomWatch:
 
     def _metadata(self, snapshot: Dict[str, Any], device: int, requested: int, reported_total: int,
                   device_free: int) -> Dict[str, Any]:
-        """Interface 1 of issue 51: what the verdict reads beside the trace.
+        """What the verdict reads beside the trace (snapshot_io.RECORDER_KEY).
         ``device_limit_bytes`` is the observer's own figure where it is below the
         device's memory: PyTorch then reports the cap a memory fraction set."""
         total = self._recorder.device_total(device, reported_total)

@@ -127,6 +127,9 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
         return []
     fraction = memory_fraction(trace.metadata)
     known = device_total or recorded_device_total(trace.metadata, trace.device)
+    # The cap PyTorch's observer reported at the error, under a memory fraction: no
+    # need to infer one.
+    limit = recorded_device_total(trace.metadata, trace.device, "device_limit_bytes")
     events = [event for event, _, _, _ in ooms]
     reserved = recorded_reserved_at(trace, plan.native_start_bytes, events)
     # The failed allocation goes in before the first call of a later event.
@@ -139,8 +142,12 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
         if held is not None:
             if fraction is not None:
                 total = known or held + free
-            capacity, cap_below = _capacity(held, free, size, fraction, total,
-                                            plan.torch_settings.large_segment_size or _LARGE_BUFFER)
+            if limit is not None:
+                # It held `held` under the cap: the capacity is at least that.
+                capacity, cap_below = min(held + free, max(limit, held)), None
+            else:
+                capacity, cap_below = _capacity(held, free, size, fraction, total,
+                                                plan.torch_settings.large_segment_size or _LARGE_BUFFER)
         served_by: Dict[str, Optional[bool]] = {a: None for a in ALLOCATORS}
         # The last one too: the error a snapshot taken at an out-of-memory error was taken at.
         last = n == len(ooms) - 1
@@ -162,6 +169,7 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
             "reserved_bytes": held,
             "device_free_bytes": free,
             "cap_inferred": cap_below is not None,
+            "cap_recorded_bytes": limit if held is not None else None,
             "cap_below_bytes": cap_below,
             "unused_bytes": None if held is None or held < live else held - live,
             "largest_free_block_bytes": (_largest_free(trace, size, stream)

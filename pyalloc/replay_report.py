@@ -519,8 +519,13 @@ def _reserved_note(oom: Dict[str, Any]) -> str:
 
 
 def _cap_note(oom: Dict[str, Any]) -> str:
-    """"; a cap was in force: ..." where one the snapshot does not record was inferred
-    (replay_oom._capacity): the evidence, and what the capacity was taken as."""
+    """"; under the per-process cap of ..." where the recorder kept the cap PyTorch's
+    observer reported; "; a cap was in force: ..." where one the snapshot does not
+    record was inferred (replay_oom._capacity): the evidence, and what the capacity
+    was taken as."""
+    recorded = oom.get("cap_recorded_bytes")
+    if recorded is not None:
+        return f"; under the per-process cap of {format_bytes(recorded)} PyTorch reported at the error"
     if not oom.get("cap_inferred"):
         return ""
     reserved, below = oom["reserved_bytes"], oom["cap_below_bytes"]

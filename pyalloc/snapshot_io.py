@@ -528,16 +528,18 @@ def memory_fraction(snapshot: Dict[str, Any]) -> Optional[float]:
 RECORDER_KEY = "pyalloc_oom"
 
 
-def recorded_device_total(snapshot: Dict[str, Any], device: int) -> Optional[int]:
+def recorded_device_total(snapshot: Dict[str, Any], device: int,
+                          key: str = "device_total_bytes") -> Optional[int]:
     """The total memory of `device` in bytes, as pyalloc's out-of-memory recorder
     wrote it beside the snapshot (``pyalloc_oom["device_total_bytes"]``, from
     torch.cuda.mem_get_info), or None: no such record, another device's (its
     ``device`` names the one it measured), or not a positive byte count. A snapshot
-    dict, or a Trace's ``metadata``."""
+    dict, or a Trace's ``metadata``. `key` "device_limit_bytes": the per-process
+    cap PyTorch's out-of-memory observer reported instead, under a memory fraction."""
     record = snapshot.get(RECORDER_KEY)
     if type(record) is not dict:
         return None
-    total, measured = record.get("device_total_bytes"), record.get("device")
+    total, measured = record.get(key), record.get("device")
     if type(measured) is int and measured != device:
         return None
     return total if type(total) is int and 0 < total < _MAX_SIZE else None

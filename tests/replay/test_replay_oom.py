@@ -190,7 +190,7 @@ def test_constructor_sun_device_1_is_not_fragmentation_and_pyalloc_does_not_serv
                    "capacity_bytes": capacity, "fragmentation": False, "served_by": oom["served_by"],
                    "memory_fraction": None, "device_total_bytes": None, "device_total_assumed": False,
                    "reserved_bytes": reserved, "device_free_bytes": free, "cap_inferred": False,
-                   "cap_below_bytes": None, "unused_bytes": reserved - live, "largest_free_block_bytes": None,
+                   "cap_below_bytes": None, "cap_recorded_bytes": None, "unused_bytes": reserved - live, "largest_free_block_bytes": None,
                    "min_capacity_bytes": oom["min_capacity_bytes"]}
     # Its blocks were freed after the error (the run went on): the final segments' largest
     # free block is not the one it met.
@@ -453,7 +453,7 @@ def test_json_rows_carry_recorded_ooms_with_the_documented_keys(tmp_path):
     [oom] = row["recorded_ooms"]
     assert set(oom) == {"event", "size_bytes", "live_bytes", "capacity_bytes", "fragmentation", "served_by",
                         "memory_fraction", "device_total_bytes", "device_total_assumed", "reserved_bytes",
-                        "device_free_bytes", "cap_inferred", "cap_below_bytes", "unused_bytes",
+                        "device_free_bytes", "cap_inferred", "cap_below_bytes", "cap_recorded_bytes", "unused_bytes",
                         "largest_free_block_bytes", "min_capacity_bytes"}
     assert set(oom["min_capacity_bytes"]) == set(ALLOCATORS)
     assert (oom["memory_fraction"], oom["device_total_bytes"], oom["device_total_assumed"]) == (None, None, False)
@@ -921,3 +921,21 @@ def test_a_recorded_large_segment_size_is_the_segment_a_cap_is_inferred_from():
     snapshot["allocator_settings"] = {"PYTORCH_CUDA_ALLOC_CONF": "large_segment_size_mb:64"}
     [oom] = replay(snapshot, search=False).recorded_ooms
     assert oom["cap_inferred"] is False and oom["capacity_bytes"] == 140 * MiB
+
+
+def test_the_cap_pytorchs_observer_reported_is_the_capacity():
+    """Under a memory fraction PyTorch's observer reports the cap, which pyalloc oom
+    keeps beside the snapshot (device_limit_bytes): the capacity is that cap, not
+    one inferred between the reserved bytes and reserved + the segment. Four full
+    segments (80 MiB live) and 20 MiB free in them under a 110 MiB cap: a 16 MiB
+    block fits no hole, but 96 MiB of live bytes fit 110 MiB: fragmentation."""
+    snapshot = full_segments(segments=5, live_per_segment=8)
+    snapshot["pyalloc_oom"] = {"device": 0, "device_total_bytes": 80 * GiB, "device_limit_bytes": 110 * MiB}
+    [oom] = replay(snapshot, search=False).recorded_ooms
+    assert (oom["cap_inferred"], oom["cap_recorded_bytes"], oom["capacity_bytes"]) == (False, 110 * MiB, 110 * MiB)
+    assert oom["fragmentation"] is True
+    assert "under the per-process cap of 110.00 MiB PyTorch reported" in oom_sentence(oom)
+    # Another device's record says nothing of this one.
+    snapshot["pyalloc_oom"]["device"] = 1
+    [oom] = replay(snapshot, search=False).recorded_ooms
+    assert oom["cap_recorded_bytes"] is None and oom["cap_inferred"] is True
