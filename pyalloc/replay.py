@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from . import _C
-from ._config import as_size, conf_string
+from ._config import as_size, conf_string, parse_config
 # BUDGET_CHECKS_ABOVE, BUDGET_PRECISION and _fits stay importable from here, where callers found them.
 from .replay_allocators import (ALLOCATORS, BUDGET_CHECKS_ABOVE, KIND_ALLOC as _KIND_ALLOC, KIND_FREE as _KIND_FREE,
                                 KIND_FREE_REQUESTED as _KIND_FREE_REQUESTED, fits as _fits, measure_live as _measure_live,
@@ -375,7 +375,8 @@ def _replay_source(source: Any, config: Optional[str], budget: Union[int, str, N
             bars.close()
             if not source.has_history:
                 raise NoHistoryError(_no_history(source))
-            return [_replay_trace(source, conf, budget_bytes, search, timeline_points, bars)]
+            return [_replay_trace(source, _conf_for(source, config, conf), budget_bytes, search,
+                                  timeline_points, bars)]
         if isinstance(source, dict):
             snapshot, label = source, name
             check_snapshot(snapshot, name or "<snapshot>")
@@ -391,7 +392,8 @@ def _replay_source(source: Any, config: Optional[str], budget: Union[int, str, N
             if not trace.has_history:
                 notes.append(_no_history(trace))
                 continue
-            results.append(_replay_trace(trace, conf, budget_bytes, search, timeline_points, bars))
+            results.append(_replay_trace(trace, _conf_for(trace, config, conf), budget_bytes, search,
+                                         timeline_points, bars))
         if not results:
             raise NoHistoryError(" ".join(notes))
         for r in results:
@@ -400,6 +402,30 @@ def _replay_source(source: Any, config: Optional[str], budget: Union[int, str, N
         return results
     finally:
         bars.close()
+
+
+#: The settings of pyalloc's policy a snapshot pyalloc recorded carries
+#: (allocator_settings, pyalloc.snapshot()): not its pool's size or cap, which the
+#: replay's device stands for.
+_POLICY_KEYS = ("strategy", "segment_size", "small_size", "small_chunk_size", "max_split_size")
+
+
+def _conf_for(trace: Trace, config: Optional[str], conf: str) -> str:
+    """pyalloc's configuration for `trace`: the one given; else, where pyalloc
+    recorded the trace, the policy it ran with where that is not its default (so
+    that "pyalloc would have served it" speaks of the pyalloc that ran); else the
+    default."""
+    if config is not None:
+        return conf
+    settings = trace.metadata.get("allocator_settings")
+    if not isinstance(settings, dict) or settings.get("backend") != "pyalloc":
+        return conf
+    default = parse_config("")
+    recorded = {k: settings[k] for k in _POLICY_KEYS if k in settings and settings[k] != default[k]}
+    try:
+        return conf_string(None, recorded)
+    except (TypeError, ValueError):  # a snapshot from another pyalloc: its default policy
+        return conf
 
 
 def _file_size(path: str) -> int:

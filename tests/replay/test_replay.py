@@ -759,3 +759,25 @@ def test_the_readme_replays_from_python_and_its_example_runs(monkeypatch, capsys
     assert out.startswith("peak live 137 MiB; peak reserved: pyalloc "), out
     for name in ("pyalloc", "native", "native_expandable"):
         assert f"on 160 MiB, {name} refused " in out, out
+
+
+def test_a_snapshot_pyalloc_recorded_replays_pyalloc_with_the_policy_it_ran():
+    """A snapshot of pyalloc's pools (pyalloc.snapshot(): allocator_settings name the
+    backend and its settings) is replayed through the pyalloc that ran: its verdict
+    on an out-of-memory error speaks of that policy, not of the default one. A
+    configuration given wins; the pool's size and cap are the replay device's."""
+    MiB = 1 << 20
+    events = [{"action": "alloc", "addr": 0x10000000 + i * 4 * MiB, "size": 3 * MiB, "stream": 0,
+               "time_us": i, "frames": []} for i in range(4)]
+    settings = {"backend": "pyalloc", "strategy": "bestfit", "pool_size": 0, "max_pool_size": 64 * MiB,
+                "segment_size": 20 * MiB, "small_size": 256 << 10, "small_chunk_size": 512 << 10,
+                "max_split_size": 0}
+    snapshot = {"segments": [], "device_traces": [events], "allocator_settings": settings}
+    assert replay(snapshot, search=False).config == "strategy:bestfit"
+    assert replay(snapshot, "strategy:vmm", search=False).config == "strategy:vmm"
+    settings["segment_size"] = 64 * MiB
+    assert replay(snapshot, search=False).config == f"strategy:bestfit,segment_size:{64 * MiB}"
+    settings["strategy"] = "no-such-strategy"  # another pyalloc's: the default policy
+    assert replay(snapshot, search=False).config == ""
+    snapshot["allocator_settings"] = {"expandable_segments": False}  # PyTorch's
+    assert replay(snapshot, search=False).config == ""
