@@ -9,10 +9,17 @@
 // interpreter exits, nothing here calls into Python again: at exit every
 // observer is detached, and a call already under way on another thread
 // returns without calling, as does the dropping of its last reference.
+// A thread must not even wait for the GIL once the interpreter finalizes
+// (Python 3.11 ends such a thread where it stands, and its unwinding through
+// the allocator's error path ends the process): each entry into Python is
+// counted (with_python), and the atexit handler, after it marks the exit,
+// lets go of the GIL until the entries already under way have left.
 #include <Python.h>
 
 #include <atomic>
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include "cuda/oom_observers.h"
 #include "py_bindings.h"
@@ -23,6 +30,7 @@ namespace pyalloc {
 namespace {
 
 std::atomic<bool> exiting{false};  // set by the atexit handler bind_oom_observers registers
+std::atomic<int> entering{0};      // threads inside with_python
 
 bool python_gone() {
 #if PY_VERSION_HEX >= 0x030D0000
@@ -32,6 +40,31 @@ bool python_gone() {
 #endif
 }
 
+// Runs f with the GIL unless the interpreter is exiting. The count goes up
+// before the exit flag is read, and the atexit handler sets the flag before
+// it reads the count (both sequentially consistent): either this thread sees
+// the exit and stays out, or the handler waits for it.
+template <typename F>
+void with_python(F&& f) {
+  entering.fetch_add(1);
+  if (!python_gone()) {
+    PyGILState_STATE gil = PyGILState_Ensure();
+    if (!python_gone()) f();
+    PyGILState_Release(gil);
+  }
+  entering.fetch_sub(1);
+}
+
+// At exit, with the GIL: lets go of it until the threads already on their way
+// into Python (with_python) have left, for at most a few seconds (an observer
+// that never returns must not hold the exit for ever).
+void wait_for_entries() {
+  py::gil_scoped_release release;
+  auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (entering.load() > 0 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
 // A Python callable as an OomObserver: std::function copies it, so the
 // reference is shared, and released by whichever copy goes last.
 class PyObserver {
@@ -39,16 +72,13 @@ class PyObserver {
   explicit PyObserver(py::handle fn) : ref_(std::make_shared<Ref>(fn)) {}
 
   void operator()(const OomReport& r) const {
-    if (python_gone()) return;
-    PyGILState_STATE gil = PyGILState_Ensure();
-    if (!python_gone()) {
+    with_python([&] {
       try {
         py::handle(ref_->fn)(r.device, r.requested, r.device_total, r.device_free);
       } catch (py::error_already_set& e) {
         e.discard_as_unraisable(py::reinterpret_borrow<py::object>(ref_->fn));  // printed on stderr (sys.unraisablehook)
       }
-    }
-    PyGILState_Release(gil);
+    });
   }
 
   PyObject* callable() const { return ref_->fn; }
@@ -57,10 +87,7 @@ class PyObserver {
   struct Ref {
     explicit Ref(py::handle h) : fn(h.inc_ref().ptr()) {}
     ~Ref() {
-      if (python_gone()) return;  // the interpreter is going: leave the reference to it
-      PyGILState_STATE gil = PyGILState_Ensure();
-      Py_DECREF(fn);
-      PyGILState_Release(gil);
+      with_python([this] { Py_DECREF(fn); });  // once the interpreter is going, left to it
     }
     Ref(const Ref&) = delete;
     Ref& operator=(const Ref&) = delete;
@@ -118,6 +145,7 @@ void bind_oom_observers(py::module_& m) {
   py::module_::import("atexit").attr("register")(py::cpp_function([] {
     detach_all_oom_observers();
     exiting.store(true);
+    wait_for_entries();
   }));
 }
 
