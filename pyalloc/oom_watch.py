@@ -128,6 +128,19 @@ def _versions() -> Tuple[Optional[str], str]:
     return (str(torch.__version__) if torch is not None else None), __version__
 
 
+def check_folder(directory: str) -> None:
+    """Creates ``directory`` and writes (and removes) a file there: OSError, with a
+    message that names the folder, where snapshots could not be written. Asked when
+    the watch is armed, not at the first error hours later."""
+    probe = os.path.join(directory, f".pyalloc-oom-probe-{os.getpid()}-{threading.get_ident()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        os.unlink(probe)
+    except OSError as e:
+        raise OSError(f"cannot write snapshots to {directory}: {e.strerror or e}") from e
+
+
 def reserve_name(directory: str, rank: Optional[int], device: int, base: str = ".") -> str:
     """Creates and returns DIR/oom-rank{rank}-cuda{device}-{k}.pickle (DIR taken from
     ``base`` where relative), k the first number whose file does not exist (created
@@ -278,6 +291,7 @@ class OomWatch:
         self.snapshots: List[str] = []
         self.verdicts: List[subprocess.Popen] = []
         self.skipped: Dict[int, int] = {}  # device -> out-of-memory errors past max_snapshots
+        self.failed: Dict[int, int] = {}  # device -> snapshots that could not be written
         self._taken = 0
         self._lock = threading.Lock()
         self._armed = False
@@ -341,6 +355,18 @@ class OomWatch:
                 self.skipped[device] = self.skipped.get(device, 0) + 1
                 return
             self._taken += 1
+        try:
+            path = self._keep(device, requested, device_total, device_free)
+        except BaseException:
+            # A snapshot not written uses up no slot: the next error may be kept.
+            with self._lock:
+                self._taken -= 1
+                self.failed[device] = self.failed.get(device, 0) + 1
+            raise
+        self._start_verdict(path, device)
+
+    def _keep(self, device: int, requested: int, device_total: int, device_free: int) -> str:
+        """Writes the device's snapshot; its path."""
         snapshot = only_device(self._recorder.snapshot(), device)
         snapshot["pyalloc_oom"] = self._metadata(snapshot, device, requested, device_total, device_free)
         path = reserve_name(self.directory, _env_int("RANK"), device, self.base)
@@ -350,6 +376,9 @@ class OomWatch:
             os.unlink(os.path.join(self.base, path))
             raise
         self.snapshots.append(path)
+        return path
+
+    def _start_verdict(self, path: str, device: int) -> None:
         txt = verdict_paths(path)[0]
         try:
             proc = start_verdict(path, device, self.verdict_timeout, cwd=self.base)
@@ -400,6 +429,12 @@ class OomWatch:
             say(f"{skipped} later out-of-memory {errors} not kept ({where}): at most "
                 f"{self.max_snapshots} snapshots per process (--max-snapshots)")
             self.skipped.clear()
+        failed = sum(self.failed.values())
+        if failed:
+            where = ", ".join(f"cuda:{d} x{n}" for d, n in sorted(self.failed.items()))
+            errors = "error" if failed == 1 else "errors"
+            say(f"{failed} out-of-memory {errors} could not be kept ({where}): see the lines above")
+            self.failed.clear()
 
 
 # ---------------------------------------------------------------------------
@@ -450,6 +485,7 @@ def watch_oom(directory: "str | os.PathLike[str]" = DEFAULT_DIR, *, allocator: O
             return _current
         raise RuntimeError(f"pyalloc.watch_oom() is already watching ({_current.allocator}'s allocator, "
                            f"snapshots to {_current.directory}): close() it first to watch otherwise")
+    check_folder(os.path.join(watch.base, watch.directory))
     recorder = _recorder(watch)
     if recorder is None:
         watch.allocator = None

@@ -320,8 +320,9 @@ def test_the_observer_never_raises_into_the_allocator(torch_cuda, tmp_path, caps
         torch_cuda.init()
         [observer] = torch_cuda.observers
         assert observer(1, 20 * MiB, 80 * GiB, 2 * MiB) is None
-    [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("pyalloc oom:")]
+    [line, closing] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("pyalloc oom:")]
     assert "could not keep" in line and "snapshot refused" in line
+    assert "1 out-of-memory error could not be kept (cuda:1 x1)" in closing
     assert watch.snapshots == [] and os.listdir(tmp_path) == []
 
 
@@ -512,3 +513,53 @@ def test_the_command_installs_pyalloc_first_and_watches_its_pools(fake, monkeypa
     wait_for(verdict_files(tmp_path / "pyalloc-oom" / "oom-rank0-cuda0-2.pickle")[1])
     with open(snapshot, "rb") as f:
         assert pickle.load(f)["pyalloc_oom"]["command"] == ["python", "-m", "trainer"]
+
+
+# ---------------------------------------------------------------------------
+# An unusable folder, a snapshot that cannot be written
+
+
+def test_an_unusable_folder_is_refused_when_the_watch_is_armed(torch_cuda, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(OSError, match="cannot write snapshots"):
+        pyalloc.watch_oom(blocker / "oom", allocator="torch")
+    assert torch_cuda.queued == [] and oom_watch._current is None  # nothing armed
+    made = tmp_path / "new" / "deeper"
+    pyalloc.watch_oom(made, allocator="torch").close()
+    assert made.is_dir() and os.listdir(made) == []  # the test file is gone
+
+
+def test_the_command_refuses_an_unusable_folder_before_the_program_runs(torch_cuda, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    program = tmp_path / "train.py"
+    program.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    assert cli_main(["oom", "-o", str(blocker / "oom"), "--", "python", str(program)]) == 2
+    assert not (tmp_path / "ran").exists()
+    assert "pyalloc oom: error: cannot write snapshots" in capsys.readouterr().err
+
+
+def test_a_snapshot_that_cannot_be_written_gives_its_slot_back(torch_cuda, tmp_path, capsys, monkeypatch):
+    real = oom_watch.write_snapshot
+    failures = iter([OSError(28, "No space left on device")])
+
+    def write(snapshot, path):
+        for e in failures:
+            raise e
+        real(snapshot, path)
+
+    monkeypatch.setattr(oom_watch, "write_snapshot", write)
+    with pyalloc.watch_oom(tmp_path, allocator="torch", max_snapshots=1, verdict_timeout=60) as watch:
+        for _ in range(3):
+            with pytest.raises(torch_cuda.torch.cuda.OutOfMemoryError):
+                torch_cuda.malloc(20 * MiB, device=1)
+        wait_verdicts(watch)
+    assert [os.path.basename(p) for p in watch.snapshots] == ["oom-rank0-cuda1-1.pickle"]
+    assert sorted(os.listdir(tmp_path))[0] == "oom-rank0-cuda1-1.pickle"
+    err = capsys.readouterr().err.splitlines()
+    assert len([x for x in err if "could not keep" in x]) == 1
+    [failed] = [x for x in err if "could not be kept" in x]
+    assert "1 out-of-memory error could not be kept (cuda:1 x1)" in failed
+    [skipped] = [x for x in err if "not kept" in x]
+    assert "1 later out-of-memory error was not kept (cuda:1 x1)" in skipped
