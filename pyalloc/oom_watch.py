@@ -28,7 +28,9 @@ fraction sets, and the device's free bytes, after releasing its lock) takes the
 snapshot, keeps the failing device's trace and segments, adds the
 ``pyalloc_oom`` metadata that the verdict reads, and writes a plain pickle
 (pytorch.org/memory_viz reads it) named ``oom-rank{RANK}-cuda{DEV}-{k}.pickle``,
-k the first number not yet used in the folder. At most ``max_snapshots`` are
+k the first number not yet used in the folder (the file is written whole under
+a hidden name, then renamed to it, so that no reader, and no process killed
+while writing, leaves a truncated one). At most ``max_snapshots`` are
 kept per process; later errors are counted and named in one line when the
 watch closes. Nothing the observer does raises into the allocator: a failure is
 one line on stderr, and the program goes on exactly as it would have.
@@ -369,11 +371,18 @@ class OomWatch:
         """Writes the device's snapshot; its path."""
         snapshot = only_device(self._recorder.snapshot(), device)
         snapshot["pyalloc_oom"] = self._metadata(snapshot, device, requested, device_total, device_free)
-        path = reserve_name(self.directory, _env_int("RANK"), device, self.base)
+        # Written whole under a name of its own, then given its name: a process killed
+        # half-way (torchrun's SIGTERM to the other ranks) leaves no truncated pickle
+        # that pyalloc replay cannot read, and the name stays empty only for the rename.
+        folder = os.path.join(self.base, self.directory)
+        tmp = os.path.join(folder, f".oom-cuda{device}-{os.getpid()}-{threading.get_ident()}.tmp")
         try:
-            write_snapshot(snapshot, os.path.join(self.base, path))
+            write_snapshot(snapshot, tmp)
+            path = reserve_name(self.directory, _env_int("RANK"), device, self.base)
+            os.replace(tmp, os.path.join(self.base, path))
         except BaseException:
-            os.unlink(os.path.join(self.base, path))
+            if os.path.exists(tmp):
+                os.unlink(tmp)
             raise
         self.snapshots.append(path)
         return path

@@ -563,3 +563,70 @@ def test_a_snapshot_that_cannot_be_written_gives_its_slot_back(torch_cuda, tmp_p
     assert "1 out-of-memory error could not be kept (cuda:1 x1)" in failed
     [skipped] = [x for x in err if "not kept" in x]
     assert "1 later out-of-memory error was not kept (cuda:1 x1)" in skipped
+
+
+DIES_WHILE_WRITING = """
+    import builtins, os, signal, sys
+    import pyalloc
+    from pyalloc import _C
+
+    _C._testing_use_fake_devices(64 << 20)
+    watch = pyalloc.watch_oom(sys.argv[1], allocator="pyalloc")
+    real_open = builtins.open
+
+    class Killed:  # torchrun's SIGTERM to the other ranks, half-way through the write
+        def __init__(self, f):
+            self.f = f
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            self.f.close()
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def open_(name, mode="r", *args, **kwargs):
+        f = real_open(name, mode, *args, **kwargs)
+        return Killed(f) if "w" in mode and str(name).startswith(sys.argv[1]) else f
+
+    builtins.open = open_
+    while True:
+        _C._testing_hook_malloc(24 << 20, 0, 0)
+"""
+
+
+def test_a_process_killed_while_writing_leaves_no_partial_snapshot(tmp_path):
+    import signal
+    import subprocess
+
+    program = tmp_path / "dies.py"
+    program.write_text(textwrap.dedent(DIES_WHILE_WRITING))
+    out = tmp_path / "oom"
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pyalloc.__file__)))
+    proc = subprocess.run([sys.executable, str(program), str(out)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert [p for p in os.listdir(out) if p.endswith(".pickle")] == []  # no truncated snapshot
+    assert [p for p in os.listdir(out) if p.endswith(".tmp")]  # it died writing
+
+
+def test_a_snapshot_is_written_whole_under_its_name(torch_cuda, tmp_path, monkeypatch):
+    seen = []
+    real = oom_watch.write_snapshot
+
+    def write(snapshot, path):
+        seen.append(path)
+        assert not (tmp_path / "oom-rank0-cuda1-1.pickle").exists()  # no name until written whole
+        real(snapshot, path)
+
+    monkeypatch.setattr(oom_watch, "write_snapshot", write)
+    with pyalloc.watch_oom(tmp_path, allocator="torch", verdict_timeout=60) as watch:
+        with pytest.raises(torch_cuda.torch.cuda.OutOfMemoryError):
+            torch_cuda.malloc(20 * MiB, device=1)
+        wait_verdicts(watch)
+    [path] = watch.snapshots
+    assert seen and os.path.dirname(seen[0]) == str(tmp_path) and seen[0] != path
+    with open(path, "rb") as f:
+        assert pickle.load(f)["pyalloc_oom"]["device"] == 1
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
