@@ -276,8 +276,8 @@ class OomWatch:
     """What ``watch_oom()`` armed; a context manager whose exit is ``close()``.
 
     ``snapshots``: the snapshot files written so far. ``verdicts``: the verdict
-    processes started (subprocess.Popen, one a snapshot, in the same order; each
-    writes ``verdict_paths(snapshot)``). ``allocator``: "torch", "pyalloc", or None
+    processes started (subprocess.Popen, in the same order; each writes
+    ``verdict_paths(snapshot)``; a snapshot whose verdict could not start has none). ``allocator``: "torch", "pyalloc", or None
     where there is nothing to watch. ``command``: the command line written into
     each snapshot's metadata."""
 
@@ -290,8 +290,9 @@ class OomWatch:
         self.frames, self.max_snapshots, self.history = frames, max_snapshots, history
         self.verdict_timeout = verdict_timeout
         self.command: Optional[List[str]] = [os.path.basename(sys.executable)] + sys.argv
-        self.snapshots: List[str] = []
-        self.verdicts: List[subprocess.Popen] = []
+        # [snapshot, its verdict process or None], appended under _lock: a verdict that
+        # could not start, or two threads failing at once, pair no file with another's.
+        self._kept: List[List[Any]] = []
         self.skipped: Dict[int, int] = {}  # device -> out-of-memory errors past max_snapshots
         self.failed: Dict[int, int] = {}  # device -> snapshots that could not be written
         self._taken = 0
@@ -303,6 +304,16 @@ class OomWatch:
     @property
     def armed(self) -> bool:
         return self._armed
+
+    @property
+    def snapshots(self) -> List[str]:
+        with self._lock:
+            return [path for path, _ in self._kept]
+
+    @property
+    def verdicts(self) -> List[subprocess.Popen]:
+        with self._lock:
+            return [proc for _, proc in self._kept if proc is not None]
 
     def settings(self) -> Tuple[Any, ...]:
         return (os.path.join(self.base, self.directory), self.allocator, self.frames, self.max_snapshots,
@@ -384,17 +395,20 @@ class OomWatch:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
-        self.snapshots.append(path)
         return path
 
     def _start_verdict(self, path: str, device: int) -> None:
+        kept = [path, None]
+        with self._lock:
+            self._kept.append(kept)
         txt = verdict_paths(path)[0]
         try:
             proc = start_verdict(path, device, self.verdict_timeout, cwd=self.base)
         except OSError as e:
             say(f"snapshot {path}; the verdict could not start ({e}): {replay_command(path)}")
             return
-        self.verdicts.append(proc)
+        with self._lock:
+            kept[1] = proc
         say(f"out of memory on cuda:{device}: snapshot {path}; its verdict follows "
             f"(also in {os.path.basename(txt)})")
 
@@ -426,7 +440,9 @@ class OomWatch:
 
     def say_unfinished(self) -> None:
         """One line for each verdict still running, once; one for the errors not kept."""
-        for path, proc in zip(self.snapshots, self.verdicts):
+        with self._lock:
+            kept = [(path, proc) for path, proc in self._kept if proc is not None]
+        for path, proc in kept:
             if proc.poll() is None and path not in self._said_pending:
                 self._said_pending.add(path)
                 say(f"the verdict on {path} is still running (process {proc.pid}); "

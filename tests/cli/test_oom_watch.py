@@ -630,3 +630,74 @@ def test_a_snapshot_is_written_whole_under_its_name(torch_cuda, tmp_path, monkey
     with open(path, "rb") as f:
         assert pickle.load(f)["pyalloc_oom"]["device"] == 1
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+# ---------------------------------------------------------------------------
+# Each snapshot's verdict process stays beside it
+
+
+class Running:
+    """A verdict process still running at the end."""
+
+    def __init__(self, pid):
+        self.pid = pid
+
+    def poll(self):
+        return None
+
+
+def still_running(capsys):
+    return sorted(x for x in capsys.readouterr().err.splitlines() if "still running" in x)
+
+
+def test_a_verdict_that_could_not_start_shifts_no_other(torch_cuda, tmp_path, monkeypatch, capsys):
+    started = iter([OSError("fork failed"), Running(4242)])
+
+    def start(path, device, timeout, cwd):
+        got = next(started)
+        if isinstance(got, OSError):
+            raise got
+        return got
+
+    monkeypatch.setattr(oom_watch, "start_verdict", start)
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+    for _ in range(2):
+        with pytest.raises(torch_cuda.torch.cuda.OutOfMemoryError):
+            torch_cuda.malloc(20 * MiB, device=1)
+    watch.close()
+    assert [os.path.basename(p) for p in watch.snapshots] == ["oom-rank0-cuda1-1.pickle",
+                                                              "oom-rank0-cuda1-2.pickle"]
+    assert [p.pid for p in watch.verdicts] == [4242]
+    [line] = still_running(capsys)
+    assert "oom-rank0-cuda1-2.pickle is still running (process 4242)" in line
+
+
+def test_two_devices_at_once_keep_their_own_verdicts(torch_cuda, tmp_path, monkeypatch, capsys):
+    import threading
+
+    second_done = threading.Event()
+
+    def start(path, device, timeout, cwd):
+        if device == 0:  # the first error's verdict starts after the second's
+            assert second_done.wait(timeout=30)
+        return Running(1000 + device)
+
+    monkeypatch.setattr(oom_watch, "start_verdict", start)
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+    torch_cuda.init()
+    [observer] = torch_cuda.observers
+    first = threading.Thread(target=observer, args=(0, 20 * MiB, 80 * GiB, 2 * MiB))
+    first.start()
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "oom-rank0-cuda0-1.pickle").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    observer(1, 20 * MiB, 80 * GiB, 2 * MiB)
+    second_done.set()
+    first.join(timeout=30)
+    watch.close()
+    assert sorted(p.pid for p in watch.verdicts) == [1000, 1001]
+    lines = still_running(capsys)
+    assert len(lines) == 2
+    assert "oom-rank0-cuda0-1.pickle is still running (process 1000)" in lines[0]
+    assert "oom-rank0-cuda1-1.pickle is still running (process 1001)" in lines[1]
