@@ -299,6 +299,7 @@ class OomWatch:
         self._lock = threading.Lock()
         self._armed = False
         self._said_pending: set = set()
+        self._said_overridden = False
         self._recorder: Any = None
 
     @property
@@ -318,6 +319,18 @@ class OomWatch:
     def settings(self) -> Tuple[Any, ...]:
         return (os.path.join(self.base, self.directory), self.allocator, self.frames, self.max_snapshots,
                 self.history, self.verdict_timeout)
+
+    def say_overridden(self, other: "OomWatch") -> None:
+        """Once: a second watch_oom() with other settings runs under this watch's."""
+        if self._said_overridden:
+            return
+        self._said_overridden = True
+        say(f"pyalloc.watch_oom() is already watching ({self.allocator}'s allocator, snapshots to "
+            f"{os.path.join(self.base, self.directory)}, at most {self.max_snapshots} snapshots, "
+            f"history {self.history:,} events, frames {'on' if self.frames else 'off'}, verdicts "
+            f"within {self.verdict_timeout:g} s): those stay in force; these settings are not "
+            f"applied ({other.allocator}'s allocator, snapshots to "
+            f"{os.path.join(other.base, other.directory)}, at most {other.max_snapshots} snapshots)")
 
     def __enter__(self) -> "OomWatch":
         return self
@@ -488,8 +501,11 @@ def watch_oom(directory: "str | os.PathLike[str]" = DEFAULT_DIR, *, allocator: O
     pool). verdict_timeout: seconds each verdict may take before it stops (the
     snapshot stays).
 
-    A second call while a watch is armed returns that watch where the settings
-    are the same, and raises RuntimeError where they differ (close() it first).
+    A second call while a watch is armed returns that watch; where its settings
+    differ (a program that arms its own watch, run under ``pyalloc oom -o DIR``),
+    a line on stderr, once, says which settings stay in force: the program goes
+    on, under the first watch (close() it first to watch otherwise). A folder
+    where snapshots cannot be written raises OSError, before anything is armed.
     Without a CUDA device (and pyalloc's pools) there is nothing to watch: a
     warning, and a handle that does nothing.
     """
@@ -506,10 +522,9 @@ def watch_oom(directory: "str | os.PathLike[str]" = DEFAULT_DIR, *, allocator: O
     watch = OomWatch(os.fspath(directory), chosen, bool(frames), max_snapshots, history,
                      float(verdict_timeout))
     if _current is not None and _current.armed:
-        if _current.settings() == watch.settings():
-            return _current
-        raise RuntimeError(f"pyalloc.watch_oom() is already watching ({_current.allocator}'s allocator, "
-                           f"snapshots to {_current.directory}): close() it first to watch otherwise")
+        if _current.settings() != watch.settings():
+            _current.say_overridden(watch)
+        return _current
     check_folder(os.path.join(watch.base, watch.directory))
     recorder = _recorder(watch)
     if recorder is None:

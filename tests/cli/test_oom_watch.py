@@ -392,13 +392,36 @@ def test_without_a_gpu_there_is_nothing_to_watch(monkeypatch, tmp_path):
     watch.close()
 
 
-def test_a_second_call_returns_the_armed_handle_or_refuses_other_settings(torch_cuda, tmp_path):
-    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+def test_a_second_call_returns_the_armed_handle_and_says_once_which_settings_stay(torch_cuda, tmp_path,
+                                                                                  capsys):
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")  # as pyalloc oom -o DIR arms it
     assert pyalloc.watch_oom(tmp_path, allocator="torch") is watch
-    with pytest.raises(RuntimeError, match="already watching"):
-        pyalloc.watch_oom(tmp_path / "other", allocator="torch")
+    assert capsys.readouterr().err == ""
+    # The program's own call, with other settings: it goes on, under the first watch.
+    assert pyalloc.watch_oom(tmp_path / "other", allocator="torch", max_snapshots=5) is watch
+    assert pyalloc.watch_oom(tmp_path / "third", allocator="torch") is watch
+    [line] = capsys.readouterr().err.splitlines()
+    assert "already watching" in line and f"snapshots to {tmp_path}" in line
+    assert "at most 3 snapshots" in line and "these settings are not applied" in line
+    assert not (tmp_path / "other").exists()
     watch.close()
     assert pyalloc.watch_oom(tmp_path / "other", allocator="torch") is not watch
+
+
+def test_a_program_that_arms_its_own_watch_runs_under_the_command(torch_cuda, tmp_path, capsys):
+    program = tmp_path / "train.py"
+    program.write_text(textwrap.dedent(f"""
+        import pyalloc, torch
+        watch = pyalloc.watch_oom({str(tmp_path / "mine")!r}, max_snapshots=1)
+        try:
+            torch.cuda.caching_allocator_alloc(64 << 20, 1)
+        except torch.cuda.OutOfMemoryError:
+            raise SystemExit(5)
+    """))
+    out = tmp_path / "runs"
+    assert cli_main(["oom", "-o", str(out), "--", "python", str(program)]) == 5
+    assert "oom-rank0-cuda1-1.pickle" in os.listdir(out)
+    assert "already watching" in capsys.readouterr().err
 
 
 def test_bad_arguments_are_clear_errors(tmp_path):
