@@ -169,6 +169,12 @@ class _TorchRecorder:
     def __init__(self, frames: bool, history: int) -> None:
         self.frames, self.history = frames, history
         self.started = False
+        # torch's recordHistory (c10/cuda/CUDACachingAllocator.cpp) replaces the record
+        # settings and max entries of every call before it, and enabled=None clears the
+        # buffer: the program's own calls, noticed through a wrapper while armed, win,
+        # and close() then leaves the recording as the program set it.
+        self.program_recorded = False
+        self._record: Optional[Callable[..., None]] = None
 
     def label(self, snapshot: Dict[str, Any]) -> str:
         """"pytorch expandable_segments" where the allocator ran them: as the snapshot's
@@ -183,16 +189,26 @@ class _TorchRecorder:
     def arm(self, watch: "OomWatch") -> None:
         import torch
 
+        record = self._record = torch.cuda.memory._record_memory_history
+
+        def program_records(*args: Any, **kwargs: Any) -> None:
+            self.program_recorded = True
+            return record(*args, **kwargs)
+
+        program_records.__wrapped__ = record  # type: ignore[attr-defined]
+        torch.cuda.memory._record_memory_history = program_records
+
         def start() -> None:  # at CUDA's initialisation
             if not watch.armed:
                 return
             try:
                 # context=None: no stack frames, the history alone; "alloc": frames of
-                # each allocation. stacks="python": no C++ unwinding.
-                torch.cuda.memory._record_memory_history(
-                    enabled="all", context="alloc" if self.frames else None, stacks="python",
-                    max_entries=self.history)
-                self.started = True
+                # each allocation. stacks="python": no C++ unwinding. A program whose own
+                # call started CUDA records as it asked.
+                if not self.program_recorded:
+                    record(enabled="all", context="alloc" if self.frames else None, stacks="python",
+                           max_entries=self.history)
+                    self.started = True
                 torch._C._cuda_attach_out_of_memory_observer(watch.observe)
             except Exception as e:  # a failure here must not fail CUDA's initialisation
                 say(f"could not watch PyTorch's allocator ({type(e).__name__}: {e}); "
@@ -215,10 +231,23 @@ class _TorchRecorder:
 
     def disarm(self, observer: Callable[..., None]) -> None:
         # torch has no way to detach an observer: the watch's ignores calls once closed.
-        if self.started:
-            import torch
+        import torch
 
-            torch.cuda.memory._record_memory_history(enabled=None)
+        record, self._record = self._record, None
+        if record is None:
+            return
+        if getattr(torch.cuda.memory._record_memory_history, "__wrapped__", None) is record:
+            torch.cuda.memory._record_memory_history = record
+        if self.program_recorded:
+            say("the program records the allocator's history itself: its recording is left as it set it")
+            return
+        enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+        if self.started and (enabled is None or enabled()):
+            record(enabled=None)
+
+    def metadata(self) -> Dict[str, Any]:
+        """Whether the program's own _record_memory_history replaced the watch's recording."""
+        return {"history_set_by_program": self.program_recorded}
 
 
 class _PyallocRecorder:
@@ -252,6 +281,9 @@ class _PyallocRecorder:
 
         cuda.detach_oom_observer(observer)
         cuda.record_history(False)
+
+    def metadata(self) -> Dict[str, Any]:
+        return {}
 
 
 def _torch_setting(key: str) -> Optional[str]:
@@ -447,6 +479,7 @@ class OomWatch:
         }
         if total is not None and 0 < reported_total < total:
             meta["device_limit_bytes"] = reported_total
+        meta.update(self._recorder.metadata())
         return meta
 
     # -- at the end ------------------------------------------------------------------

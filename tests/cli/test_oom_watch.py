@@ -724,3 +724,63 @@ def test_two_devices_at_once_keep_their_own_verdicts(torch_cuda, tmp_path, monke
     assert len(lines) == 2
     assert "oom-rank0-cuda0-1.pickle is still running (process 1000)" in lines[0]
     assert "oom-rank0-cuda1-1.pickle is still running (process 1001)" in lines[1]
+
+
+# ---------------------------------------------------------------------------
+# The program's own history recording
+
+
+def test_history_the_program_records_itself_is_left_on_at_close(torch_cuda, tmp_path, capsys):
+    torch = torch_cuda.torch
+    fake_record = torch.cuda.memory._record_memory_history
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+    torch_cuda.init()
+    # The program's own call, after the watch's: it replaces the watch's settings (recordHistory).
+    torch.cuda.memory._record_memory_history(enabled="all", max_entries=7)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        torch_cuda.malloc(20 * MiB, device=1)
+    watch.close()
+    assert torch_cuda.history[-1] == {"enabled": "all", "max_entries": 7}  # not turned off
+    assert torch.cuda.memory._record_memory_history is fake_record  # torch's own again
+    with open(watch.snapshots[0], "rb") as f:
+        assert pickle.load(f)["pyalloc_oom"]["history_set_by_program"] is True
+    assert "the program records the allocator's history itself" in capsys.readouterr().err
+
+
+def test_the_watchs_own_history_is_turned_off_at_close(torch_cuda, tmp_path):
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+    torch_cuda.init()
+    watch.close()
+    assert torch_cuda.history[-1] == {"enabled": None}
+
+
+def test_a_history_emptied_by_the_program_is_named_in_the_verdict(monkeypatch, tmp_path):
+    pytest.importorskip("torch")
+    snap = torch_snapshot()
+    snap["device_traces"][1] = []  # _record_memory_history(enabled=None) clears the buffer
+    fake = FakeTorchCuda(monkeypatch, snap)
+    with pyalloc.watch_oom(tmp_path, allocator="torch", verdict_timeout=60) as watch:
+        with pytest.raises(fake.torch.cuda.OutOfMemoryError):
+            fake.malloc(20 * MiB, device=1)
+        wait_verdicts(watch)
+    [path] = watch.snapshots
+    txt, js = verdict_files(path)
+    [line] = Path(txt).read_text().splitlines()
+    assert "holds no history of cuda:1" in line and "turned off or emptied by the program" in line
+    assert json.loads(Path(js).read_text())["status"] == "failed"
+
+
+def test_a_program_whose_own_recording_starts_cuda_is_still_watched(torch_cuda, tmp_path, monkeypatch):
+    torch = torch_cuda.torch
+    real = torch.cuda.memory._record_memory_history
+
+    def starts_cuda(enabled="all", **kwargs):  # torch's own call initialises CUDA first
+        torch_cuda.init()
+        real(enabled, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", starts_cuda)
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+    torch.cuda.memory._record_memory_history(enabled="all", max_entries=9)
+    assert torch_cuda.history == [{"enabled": "all", "max_entries": 9}] and len(torch_cuda.observers) == 1
+    watch.close()
+    assert torch_cuda.history[-1] == {"enabled": "all", "max_entries": 9}
