@@ -60,13 +60,30 @@ def _parse(argv: List[str], tool: str) -> Tuple[str, str, List[str], List[Tuple[
         argv = argv[1:]
     if not argv:
         raise CommandError("no program given: name it after '--': -- python script.py [args]")
+    if os.path.basename(argv[0]) == "torchrun":
+        _refuse_launcher(tool)
     if os.path.basename(argv[0]).startswith("python"):
-        return _parse_python(argv[1:], tool)
+        parsed = _parse_python(argv[1:], tool)
+        if parsed[0] == "module" and parsed[1] in _LAUNCHERS:
+            _refuse_launcher(tool)
+        return parsed
     if argv[0].endswith(".py"):
         return "path", argv[0], argv[1:], []
     raise CommandError(
         f"only Python programs can be run here (they run inside this process), not {argv[0]!r}"
     )
+
+
+_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def _refuse_launcher(tool: str) -> None:
+    """torchrun starts its workers as processes of its own, which a watch or a
+    recording in this process would never see: the tool goes inside it instead."""
+    output = "-o DIR" if tool.endswith("oom") else "-o OUT.pickle"
+    raise CommandError(f"torchrun starts its workers as processes of their own, which {tool} would "
+                       f"not see from here: run {tool} inside it instead: "
+                       f"torchrun --nproc-per-node=N -m {tool} {output} -- train.py [args]")
 
 
 def _parse_python(rest: List[str], tool: str) -> Tuple[str, str, List[str], List[Tuple[str, str]]]:

@@ -169,6 +169,7 @@ class _TorchRecorder:
     def __init__(self, frames: bool, history: int) -> None:
         self.frames, self.history = frames, history
         self.started = False
+        self.reached = False  # CUDA initialised in this process: the queued arm ran
         # torch's recordHistory (c10/cuda/CUDACachingAllocator.cpp) replaces the record
         # settings and max entries of every call before it, and enabled=None clears the
         # buffer: the program's own calls, noticed through a wrapper while armed, win,
@@ -199,6 +200,7 @@ class _TorchRecorder:
         torch.cuda.memory._record_memory_history = program_records
 
         def start() -> None:  # at CUDA's initialisation
+            self.reached = True
             if not watch.armed:
                 return
             try:
@@ -252,6 +254,8 @@ class _TorchRecorder:
 
 class _PyallocRecorder:
     """pyalloc's pools (pyalloc.cuda): its history and its out-of-memory observers."""
+
+    reached = True  # its history and observers act at once, whatever the driver does
 
     def __init__(self, frames: bool, history: int) -> None:
         self.history = history
@@ -332,6 +336,7 @@ class OomWatch:
         self._armed = False
         self._said_pending: set = set()
         self._said_overridden = False
+        self._said_unwatched = False
         self._recorder: Any = None
 
     @property
@@ -394,6 +399,17 @@ class OomWatch:
             except Exception as e:
                 say(f"could not stop recording ({type(e).__name__}: {e})")
         self.say_unfinished()
+
+    def say_unwatched(self) -> None:
+        """Once, where this process never initialised CUDA: the program's GPU work, if
+        any, was in processes it started, which no watch here sees."""
+        if self._recorder is None or self._recorder.reached or self._said_unwatched:
+            return
+        self._said_unwatched = True
+        say("this process never initialised CUDA: nothing was watched here, and processes it started "
+            "(torch.multiprocessing.spawn, spawn-context workers, subprocesses) are not watched: call "
+            "pyalloc.watch_oom() in them, or run each under pyalloc oom (under torchrun: "
+            "torchrun --nproc-per-node=N -m pyalloc oom -o DIR -- train.py)")
 
     # -- the observer ----------------------------------------------------------------
 
@@ -485,7 +501,9 @@ class OomWatch:
     # -- at the end ------------------------------------------------------------------
 
     def say_unfinished(self) -> None:
-        """One line for each verdict still running, once; one for the errors not kept."""
+        """One line for each verdict still running, once; one for the errors not kept;
+        one where nothing was watched."""
+        self.say_unwatched()
         with self._lock:
             kept = [(path, proc) for path, proc in self._kept if proc is not None]
         for path, proc in kept:

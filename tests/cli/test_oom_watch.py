@@ -784,3 +784,29 @@ def test_a_program_whose_own_recording_starts_cuda_is_still_watched(torch_cuda, 
     assert torch_cuda.history == [{"enabled": "all", "max_entries": 9}] and len(torch_cuda.observers) == 1
     watch.close()
     assert torch_cuda.history[-1] == {"enabled": "all", "max_entries": 9}
+
+
+# ---------------------------------------------------------------------------
+# What the watch cannot see: torchrun's workers, processes the program spawns
+
+
+@pytest.mark.parametrize("command", [["torchrun", "--nproc-per-node=2", "train.py"],
+                                     ["python", "-m", "torch.distributed.run", "--nproc-per-node=2", "--help"],
+                                     ["python3", "-m", "torch.distributed.launch", "--help"]])
+def test_torchrun_under_the_command_is_refused_with_the_command_that_works(command, tmp_path, capsys):
+    assert cli_main(["oom", "-o", str(tmp_path), "--"] + command) == 2
+    err = capsys.readouterr().err
+    assert "torchrun --nproc-per-node=N -m pyalloc oom -o DIR -- train.py" in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_watch_that_never_saw_cuda_says_so_and_names_spawned_processes(torch_cuda, tmp_path, capsys):
+    pyalloc.watch_oom(tmp_path, allocator="torch").close()  # the program's GPU work was all in children
+    [line] = [x for x in capsys.readouterr().err.splitlines() if "pyalloc oom:" in x]
+    assert "never initialised CUDA" in line and "nothing was watched" in line
+    assert "processes it started" in line and "not watched" in line
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+    torch_cuda.init()
+    watch.close()
+    oom_watch._at_exit()
+    assert "nothing was watched" not in capsys.readouterr().err
