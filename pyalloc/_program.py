@@ -8,7 +8,8 @@ resolved) or, for ``-m``, the working folder, in place of the entry the pyalloc
 command itself got (its bin folder, or the working folder of ``python -m
 pyalloc``), and ``__file__`` is absolute. The commands use this one function,
 so they cannot drift apart; ``record`` and
-``oom`` also read the command line the same way (``parse_command``: ``python
+``oom`` also read the command line the same way (``parse_command``, and
+``check_command`` before anything is armed: ``python
 [flags] script.py args``, ``python -m module args`` or ``script.py args``) and
 run it with ``run_program``, which turns the program's end into an exit status.
 Python's own options before the script are applied where a running interpreter
@@ -27,6 +28,7 @@ import sys
 import traceback
 import types
 import warnings
+import zipfile
 from typing import Iterator, List, Tuple
 
 #: Python's options that take a value, joined (-Wonce) or the next word (-W once).
@@ -51,6 +53,29 @@ def parse_command(argv: List[str], tool: str = "pyalloc oom") -> Tuple[str, str,
     pyalloc command) is named in the advice."""
     kind, target, args, _ = _parse(argv, tool)
     return kind, target, args
+
+
+def check_command(argv: List[str], tool: str = "pyalloc oom") -> Tuple[str, str, List[str]]:
+    """parse_command, and the program there to run: a script, or a folder or zip
+    file with ``__main__.py``, as python takes them. For the commands to call
+    before they arm or install anything."""
+    kind, target, args = parse_command(argv, tool)
+    _check_target(kind, target)
+    return kind, target, args
+
+
+def _check_target(kind: str, target: str) -> None:
+    if kind != "path":
+        return  # a module is found as it is imported, as python -m finds it
+    if os.path.isdir(target):
+        if not os.path.isfile(os.path.join(target, "__main__.py")):
+            raise CommandError(f"{target}: a folder with no __main__.py: python cannot run it")
+    elif not os.path.isfile(target):
+        raise CommandError(f"{target}: no such script")
+    elif zipfile.is_zipfile(target):
+        with zipfile.ZipFile(target) as z:
+            if "__main__.py" not in z.namelist():
+                raise CommandError(f"{target}: a zip file with no __main__.py: python cannot run it")
 
 
 def _parse(argv: List[str], tool: str) -> Tuple[str, str, List[str], List[Tuple[str, str]]]:
@@ -168,8 +193,7 @@ def run_program(argv: List[str], tool: str = "pyalloc oom") -> int:
     this process, with the Python options that a running interpreter can take; its
     exit status. An exception in the program is printed, status 1."""
     kind, target, args, options = _parse(argv, tool)
-    if kind == "path" and not os.path.isfile(target):
-        raise CommandError(f"{target}: no such script")
+    _check_target(kind, target)
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     try:
         with _applied(options):

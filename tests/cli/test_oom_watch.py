@@ -477,7 +477,8 @@ def test_the_command_runs_a_program_that_catches_its_oom(torch_cuda, tmp_path, c
 def test_the_command_refuses_a_program_it_cannot_run(capsys, tmp_path):
     assert cli_main(["oom", "-o", str(tmp_path), "--", "bash", "x.sh"]) == 2
     assert "only Python programs" in capsys.readouterr().err
-    assert cli_main(["oom", "--conf", "pool_size:1GiB", "--", "python", "x.py"]) == 2
+    (tmp_path / "x.py").write_text("")
+    assert cli_main(["oom", "--conf", "pool_size:1GiB", "--", "python", str(tmp_path / "x.py")]) == 2
     assert "--conf" in capsys.readouterr().err
 
 
@@ -810,3 +811,31 @@ def test_a_watch_that_never_saw_cuda_says_so_and_names_spawned_processes(torch_c
     watch.close()
     oom_watch._at_exit()
     assert "nothing was watched" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# Programs python runs: a folder or zip file with __main__.py; a bad one refused before arming
+
+
+def test_a_folder_or_zip_program_runs_as_python_runs_it(torch_cuda, tmp_path):
+    import zipfile
+
+    pkg = tmp_path / "pkgdir"
+    pkg.mkdir()
+    (pkg / "__main__.py").write_text("import sys\nsys.exit(4 if sys.argv[1:] == ['x'] else 9)\n")
+    assert cli_main(["oom", "-o", str(tmp_path / "out"), "--", "python", str(pkg), "x"]) == 4
+    app = tmp_path / "app.pyz"
+    with zipfile.ZipFile(app, "w") as z:
+        z.write(pkg / "__main__.py", "__main__.py")
+    assert cli_main(["oom", "-o", str(tmp_path / "out"), "--", "python", str(app), "x"]) == 4
+
+
+@pytest.mark.parametrize("target, says", [("missing.py", "no such script"),
+                                          ("emptydir", "no __main__.py")])
+def test_a_program_that_cannot_run_is_refused_before_anything_is_armed(torch_cuda, tmp_path, capsys,
+                                                                     target, says):
+    (tmp_path / "emptydir").mkdir()
+    out = tmp_path / "out"
+    assert cli_main(["oom", "-o", str(out), "--", "python", str(tmp_path / target)]) == 2
+    assert says in capsys.readouterr().err
+    assert torch_cuda.queued == [] and not out.exists()  # nothing armed, no folder made
