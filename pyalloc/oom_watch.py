@@ -92,14 +92,31 @@ def start_verdict(snapshot: str, device: int, timeout: float, cwd: Optional[str]
     Its own session, so that a signal to the program's process group (torchrun
     ending a failed job) spares it; no GPU (CUDA_VISIBLE_DEVICES=""), since a
     replay needs none; stdin closed, stderr shared (its lines are the verdict).
-    It imports the pyalloc this process runs."""
+    It imports the pyalloc this process runs (_child_pythonpath)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    pythonpath = _child_pythonpath(env.get("PYTHONPATH", ""))
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
     argv = [sys.executable, "-m", "pyalloc._oom_verdict", snapshot,
             "--device", str(device), "--timeout", str(float(timeout))]
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=cwd,
                             env=env, start_new_session=True, close_fds=True)
+
+
+def _child_pythonpath(pythonpath: str) -> str:
+    """The child's PYTHONPATH: as it is where the folder holding this pyalloc is on
+    the child's default path (site-packages, the user's site, PYTHONPATH), else
+    with that folder (a source checkout) after what is there. Never first: for an
+    installed pyalloc it is site-packages, which would then come before the
+    standard library."""
+    import site
+
+    root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    entries = [p for p in pythonpath.split(os.pathsep) if p]
+    default = list(getattr(site, "getsitepackages", list)()) + [site.getusersitepackages()] + entries
+    if any(os.path.realpath(p) == root for p in default):
+        return pythonpath
+    return os.pathsep.join(entries + [root])
 
 
 # ---------------------------------------------------------------------------

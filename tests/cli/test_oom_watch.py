@@ -839,3 +839,35 @@ def test_a_program_that_cannot_run_is_refused_before_anything_is_armed(torch_cud
     assert cli_main(["oom", "-o", str(out), "--", "python", str(tmp_path / target)]) == 2
     assert says in capsys.readouterr().err
     assert torch_cuda.queued == [] and not out.exists()  # nothing armed, no folder made
+
+
+# ---------------------------------------------------------------------------
+# The verdict child imports the pyalloc this process runs, without shadowing the standard library
+
+
+def child_env(monkeypatch, site_dirs, pythonpath):
+    import site
+    import subprocess
+
+    seen = {}
+    monkeypatch.setattr(subprocess, "Popen", lambda argv, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(site, "getsitepackages", lambda: list(site_dirs))
+    monkeypatch.setattr(site, "getusersitepackages", lambda: "/nowhere/user-site")
+    if pythonpath is None:
+        monkeypatch.delenv("PYTHONPATH", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONPATH", pythonpath)
+    oom_watch.start_verdict("/x/oom-rank0-cuda0-1.pickle", 0, 300.0)
+    return seen["env"]
+
+
+def test_an_installed_pyalloc_adds_nothing_to_the_childs_path(monkeypatch):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(pyalloc.__file__)))  # as if site-packages
+    assert "PYTHONPATH" not in child_env(monkeypatch, [root], None)
+    assert child_env(monkeypatch, ["/usr/lib/site-packages", root], "/mine")["PYTHONPATH"] == "/mine"
+
+
+def test_a_source_checkout_goes_after_the_childs_path(monkeypatch):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(pyalloc.__file__)))
+    assert child_env(monkeypatch, ["/usr/lib/site-packages"], "/mine")["PYTHONPATH"] == f"/mine{os.pathsep}{root}"
+    assert child_env(monkeypatch, ["/usr/lib/site-packages"], None)["PYTHONPATH"] == root
