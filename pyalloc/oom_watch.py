@@ -264,9 +264,12 @@ class _TorchRecorder:
         if self.started and (enabled is None or enabled()):
             record(enabled=None)
 
-    def metadata(self) -> Dict[str, Any]:
-        """Whether the program's own _record_memory_history replaced the watch's recording."""
-        return {"history_set_by_program": self.program_recorded}
+    def metadata(self, requested: int) -> Dict[str, Any]:
+        """PyTorch's observer gets the segment the allocator tried to reserve
+        (DeviceCachingAllocator::malloc's alloc_size), not the caller's bytes; and
+        whether the program's own _record_memory_history replaced the watch's recording."""
+        return {"requested_bytes": None, "segment_bytes": requested,
+                "history_set_by_program": self.program_recorded}
 
 
 class _PyallocRecorder:
@@ -303,8 +306,8 @@ class _PyallocRecorder:
         cuda.detach_oom_observer(observer)
         cuda.record_history(False)
 
-    def metadata(self) -> Dict[str, Any]:
-        return {}
+    def metadata(self, requested: int) -> Dict[str, Any]:
+        return {"requested_bytes": requested}  # pyalloc's observers get the caller's bytes
 
 
 def _torch_setting(key: str) -> Optional[str]:
@@ -503,7 +506,6 @@ class OomWatch:
             "rank": _env_int("RANK"),
             "world_size": _env_int("WORLD_SIZE"),
             "allocator": self._recorder.label(snapshot),
-            "requested_bytes": requested,
             "device_free_bytes": device_free,
             "command": list(self.command) if self.command is not None else None,
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -512,7 +514,7 @@ class OomWatch:
         }
         if total is not None and 0 < reported_total < total:
             meta["device_limit_bytes"] = reported_total
-        meta.update(self._recorder.metadata())
+        meta.update(self._recorder.metadata(requested))
         return meta
 
     # -- at the end ------------------------------------------------------------------

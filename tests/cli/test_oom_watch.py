@@ -97,6 +97,7 @@ def test_a_pyalloc_oom_leaves_a_snapshot_and_the_verdict_replay_gives(fake, lib,
     meta = snap["pyalloc_oom"]
     assert meta["allocator"] == "pyalloc" and meta["device"] == 0 and meta["rank"] is None
     assert meta["device_total_bytes"] == 64 * MiB and meta["requested_bytes"] == 18 * MiB
+    assert "segment_bytes" not in meta  # pyalloc's observer gets the caller's bytes
     assert meta["pyalloc"] == pyalloc.__version__
     txt, js = verdict_files(snapshot)
     verdict = json.loads(Path(js).read_text())
@@ -270,7 +271,9 @@ def test_torch_oom_writes_the_devices_snapshot_named_by_rank(torch_cuda, tmp_pat
     assert meta["allocator"] == "pytorch"
     assert meta["device_total_bytes"] == 81 * GiB  # the device's memory, from mem_get_info
     assert meta["device_limit_bytes"] == 80 * GiB  # the observer's: a memory fraction's cap
-    assert meta["requested_bytes"] == 20 * MiB and meta["device_free_bytes"] == 2 * MiB
+    # PyTorch's observer gets the segment it tried to reserve, not the caller's bytes.
+    assert meta["segment_bytes"] == 20 * MiB and meta["requested_bytes"] is None
+    assert meta["device_free_bytes"] == 2 * MiB
     assert meta["torch"] == str(torch_cuda.torch.__version__) and meta["time"]
     verdict = json.loads(Path(verdict_files(path)[1]).read_text())
     assert verdict["status"] == "done" and verdict["ooms"][0]["size_bytes"] == 16 * MiB
@@ -469,7 +472,7 @@ def test_the_command_runs_a_program_that_catches_its_oom(torch_cuda, tmp_path, c
         assert verdict["status"] == "done" and verdict["ooms"][0]["size_bytes"] == 16 * MiB
     with open(out / "oom-rank0-cuda1-1.pickle", "rb") as f:
         meta = pickle.load(f)["pyalloc_oom"]
-    assert meta["command"] == ["python", str(program)] and meta["requested_bytes"] == 64 * MiB
+    assert meta["command"] == ["python", str(program)] and meta["segment_bytes"] == 64 * MiB
     err = capsys.readouterr().err
     assert "1 later out-of-memory error was not kept (cuda:1 x1)" in err
 
