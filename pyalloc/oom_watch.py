@@ -333,8 +333,9 @@ class OomWatch:
 
     ``snapshots``: the snapshot files written so far. ``verdicts``: the verdict
     processes started (subprocess.Popen, in the same order; each writes
-    ``verdict_paths(snapshot)``; a snapshot whose verdict could not start has none). ``allocator``: "torch", "pyalloc", or None
-    where there is nothing to watch. ``command``: the command line written into
+    ``verdict_paths(snapshot)``; a snapshot whose verdict could not start has
+    none). ``allocator``: "torch", "pyalloc", or None where there is nothing to
+    watch. ``command``: the command line written into
     each snapshot's metadata."""
 
     def __init__(self, directory: str, allocator: Optional[str], frames: bool, max_snapshots: int,
@@ -471,7 +472,11 @@ class OomWatch:
         try:
             write_snapshot(snapshot, tmp)
             path = reserve_name(self.directory, _env_int("RANK"), device, self.base)
-            os.replace(tmp, os.path.join(self.base, path))
+            try:
+                os.replace(tmp, os.path.join(self.base, path))
+            except BaseException:
+                os.unlink(os.path.join(self.base, path))  # no empty file left under the name
+                raise
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -595,11 +600,11 @@ def watch_oom(directory: "str | os.PathLike[str]" = DEFAULT_DIR, *, allocator: O
         if _current.settings() != watch.settings():
             _current.say_overridden(watch)
         return _current
-    check_folder(os.path.join(watch.base, watch.directory))
     recorder = _recorder(watch)
     if recorder is None:
         watch.allocator = None
         return watch
+    check_folder(os.path.join(watch.base, watch.directory))
     watch._arm(recorder)
     _current = watch
     if not _handles:

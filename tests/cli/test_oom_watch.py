@@ -872,5 +872,26 @@ def test_an_installed_pyalloc_adds_nothing_to_the_childs_path(monkeypatch):
 
 def test_a_source_checkout_goes_after_the_childs_path(monkeypatch):
     root = os.path.dirname(os.path.dirname(os.path.abspath(pyalloc.__file__)))
-    assert child_env(monkeypatch, ["/usr/lib/site-packages"], "/mine")["PYTHONPATH"] == f"/mine{os.pathsep}{root}"
+    env = child_env(monkeypatch, ["/usr/lib/site-packages"], "/mine")
+    assert env["PYTHONPATH"] == f"/mine{os.pathsep}{root}"
     assert child_env(monkeypatch, ["/usr/lib/site-packages"], None)["PYTHONPATH"] == root
+
+
+def test_a_rename_that_fails_leaves_neither_file(torch_cuda, tmp_path, monkeypatch, capsys):
+    def refuse(src, dst):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(oom_watch.os, "replace", refuse)
+    with pyalloc.watch_oom(tmp_path, allocator="torch") as watch:
+        with pytest.raises(torch_cuda.torch.cuda.OutOfMemoryError):
+            torch_cuda.malloc(20 * MiB, device=1)
+    assert watch.snapshots == [] and os.listdir(tmp_path) == []
+    assert "could not keep" in capsys.readouterr().err
+
+
+def test_nothing_to_watch_makes_no_folder(monkeypatch, tmp_path):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: False)
+    with pytest.warns(UserWarning, match="nothing to watch"):
+        pyalloc.watch_oom(tmp_path / "oom").close()
+    assert not (tmp_path / "oom").exists()
