@@ -51,7 +51,7 @@ import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import _torch_conf
+from . import _children, _torch_conf
 from .snapshot_io import write_snapshot
 
 __all__ = ["ALLOCATORS", "DEFAULT_DIR", "OomWatch", "start_verdict", "verdict_paths", "watch_oom"]
@@ -374,6 +374,12 @@ class OomWatch:
         with self._lock:
             return [proc for _, proc in self._kept if proc is not None]
 
+    def child_settings(self) -> Dict[str, Any]:
+        """watch_oom()'s arguments for the same watch in a multiprocessing child."""
+        return {"directory": os.path.join(self.base, self.directory), "allocator": self.allocator,
+                "frames": self.frames, "max_snapshots": self.max_snapshots, "history": self.history,
+                "verdict_timeout": self.verdict_timeout}
+
     def settings(self) -> Tuple[Any, ...]:
         return (os.path.join(self.base, self.directory), self.allocator, self.frames, self.max_snapshots,
                 self.history, self.verdict_timeout)
@@ -415,6 +421,7 @@ class OomWatch:
         out-of-memory errors not kept. A second call does nothing more."""
         if self._armed:
             self._armed = False
+            _children.forget(CHILD_KEY)
             try:
                 self._recorder.disarm(self.observe)
             except Exception as e:
@@ -427,10 +434,11 @@ class OomWatch:
         if self._recorder is None or self._recorder.reached or self._said_unwatched:
             return
         self._said_unwatched = True
-        say("this process never initialised CUDA: nothing was watched here, and processes it started "
-            "(torch.multiprocessing.spawn, spawn-context workers, subprocesses) are not watched: call "
-            "pyalloc.watch_oom() in them, or run each under pyalloc oom (under torchrun: "
-            "torchrun --nproc-per-node=N -m pyalloc oom -o DIR -- train.py)")
+        say("this process never initialised CUDA: nothing was watched here. Processes it started with "
+            "multiprocessing's spawn or forkserver (torch.multiprocessing.spawn, spawn-context workers) "
+            "watch themselves, each to the same folder; others it started (subprocesses, torchrun's "
+            "workers) are not watched: call pyalloc.watch_oom() in them, or run each under pyalloc oom "
+            "(under torchrun: torchrun --nproc-per-node=N -m pyalloc oom -o DIR -- train.py)")
 
     # -- the observer ----------------------------------------------------------------
 
@@ -607,10 +615,38 @@ def watch_oom(directory: "str | os.PathLike[str]" = DEFAULT_DIR, *, allocator: O
     check_folder(os.path.join(watch.base, watch.directory))
     watch._arm(recorder)
     _current = watch
+    _children.carry(CHILD_KEY, _WatchOnArrival(watch.child_settings()))
     if not _handles:
         atexit.register(_at_exit)
     _handles.append(watch)
     return watch
+
+
+#: The key of the watch in a multiprocessing child's preparation data (_children).
+CHILD_KEY = "pyalloc_watch_oom"
+
+
+class _WatchOnArrival:
+    """Pickled into a spawn or forkserver child's preparation data; unpickling it arms
+    the parent's watch there, before the child runs anything of the program."""
+
+    def __init__(self, settings: Dict[str, Any]) -> None:
+        self.settings = dict(settings)
+
+    def __reduce__(self):
+        return watch_in_child, (self.settings,)
+
+
+def watch_in_child(settings: Dict[str, Any]) -> str:
+    """Arms the parent's watch in a multiprocessing child, which carries it on to its
+    own children; says so, naming the process, where it cannot."""
+    try:
+        watch = watch_oom(**settings)
+    except Exception as e:  # the child still runs: say that it is not watched
+        say(f"process {os.getpid()}, started by multiprocessing, is not watched: {e}")
+        return f"not watched: {e}"
+    watch._said_unwatched = True  # a child that does no CUDA work (a DataLoader worker) says nothing
+    return "watched"
 
 
 def _default_allocator() -> str:

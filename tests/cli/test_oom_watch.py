@@ -808,7 +808,8 @@ def test_a_watch_that_never_saw_cuda_says_so_and_names_spawned_processes(torch_c
     pyalloc.watch_oom(tmp_path, allocator="torch").close()  # the program's GPU work was all in children
     [line] = [x for x in capsys.readouterr().err.splitlines() if "pyalloc oom:" in x]
     assert "never initialised CUDA" in line and "nothing was watched" in line
-    assert "processes it started" in line and "not watched" in line
+    assert "started with multiprocessing's spawn or forkserver" in line and "watch themselves" in line
+    assert "subprocesses, torchrun's workers) are not watched" in line
     watch = pyalloc.watch_oom(tmp_path, allocator="torch")
     torch_cuda.init()
     watch.close()
@@ -895,3 +896,56 @@ def test_nothing_to_watch_makes_no_folder(monkeypatch, tmp_path):
     with pytest.warns(UserWarning, match="nothing to watch"):
         pyalloc.watch_oom(tmp_path / "oom").close()
     assert not (tmp_path / "oom").exists()
+
+
+SPAWNS = """
+    import multiprocessing as mp, os, sys
+    import pyalloc
+    from pyalloc import _C
+
+    def worker(out):  # its GPU work only here, as under torch.multiprocessing.spawn
+        _C._testing_use_fake_devices(64 << 20)
+        held = []
+        try:
+            while True:
+                held.append(_C._testing_hook_malloc(24 << 20, 0, 0))
+        except pyalloc.OutOfMemoryError:
+            pass
+        with open(os.path.join(out, "worker-pid"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def idle(out):  # a worker that does no CUDA work: says nothing
+        pass
+
+    if __name__ == "__main__":
+        _C._testing_use_fake_devices(64 << 20)
+        watch = pyalloc.watch_oom(sys.argv[1], allocator="pyalloc")
+        for target in (worker, idle):
+            p = mp.get_context("spawn").Process(target=target, args=(sys.argv[1],))
+            p.start()
+            p.join()
+        watch.close()
+        p = mp.get_context("spawn").Process(target=worker, args=(sys.argv[2],))  # after close: unwatched
+        p.start()
+        p.join()
+"""
+
+
+def test_processes_the_program_spawns_watch_themselves(tmp_path):
+    import subprocess
+
+    program = tmp_path / "spawns.py"
+    program.write_text(textwrap.dedent(SPAWNS))
+    out, later = tmp_path / "oom", tmp_path / "later"
+    later.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pyalloc.__file__)))
+    proc = subprocess.run([sys.executable, str(program), str(out), str(later)], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    pid = (out / "worker-pid").read_text()
+    with open(out / "oom-rank0-cuda0-1.pickle", "rb") as f:
+        meta = pickle.load(f)["pyalloc_oom"]
+    assert meta["allocator"] == "pyalloc" and meta["requested_bytes"] == 24 * MiB
+    assert f"pyalloc oom: out of memory on cuda:0: snapshot {out}/oom-rank0-cuda0-1.pickle" in proc.stderr
+    assert pid and "nothing was watched" not in proc.stderr
+    assert os.listdir(later) == ["worker-pid"]  # the watch closed: its children no longer arm one
