@@ -98,8 +98,8 @@ def _carry(key: str, value: Any) -> bool:
         original = spawn.get_preparation_data
     except (ImportError, AttributeError):
         print("pyalloc: WARNING: this Python's multiprocessing has no spawn.get_preparation_data: "
-              "processes the program starts with spawn or forkserver will run PyTorch's own CUDA "
-              "allocator, unwatched (fork children inherit pyalloc and the watch)", file=sys.stderr, flush=True)
+              "processes the program starts with spawn or forkserver get neither pyalloc's install "
+              "nor its out-of-memory watch (fork children inherit both)", file=sys.stderr, flush=True)
         return False
     _ARRIVALS[key] = value
     original = getattr(original, "__wrapped__", original)  # once, however often asked
