@@ -1,4 +1,5 @@
-"""pyalloc in the processes that a program run by ``pyalloc run`` starts.
+"""pyalloc, and its out-of-memory watch, in the processes that a program run by
+``pyalloc run`` or ``pyalloc oom`` (or armed with ``pyalloc.watch_oom()``) starts.
 
 A process forked from the program inherits pyalloc as its allocator with the
 rest of its memory. A process started by multiprocessing's ``spawn`` or
@@ -24,14 +25,20 @@ PyTorch's allocator. This needs no file on sys.path (no sitecustomize, no
 ``.pth``) and does not touch interpreters that are not multiprocessing children:
 a Python program started with ``subprocess`` gets ``PYALLOC_CONF`` only, and
 must call ``pyalloc.install()`` or be started with ``pyalloc run`` itself.
+
+A watch (oom_watch, through ``carry``) travels the same way: a spawn or forkserver child
+arms ``watch_oom()`` with its parent's settings (the folder made absolute), after
+pyalloc's install where that travels too, and keeps its own snapshots, at most
+``max_snapshots`` of them; a child that never uses CUDA (a DataLoader worker) says
+nothing of it. Children started after the watch closes arm none.
 """
 from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
+from typing import Any, Dict, Optional
 
-#: The preparation-data key; multiprocessing's prepare() leaves unknown keys alone.
+#: The preparation-data keys; multiprocessing's prepare() leaves unknown keys alone.
 KEY = "pyalloc_install"
 
 
@@ -65,19 +72,41 @@ def reach_children(conf: str, bridge: Optional[bool], patch_torch: bool) -> bool
     """Makes every spawn and forkserver child this process starts install pyalloc
     with these arguments. False, after a warning, where this Python's multiprocessing
     has no preparation data to carry it."""
+    return _carry(KEY, _InstallOnArrival(conf, bridge, patch_torch))
+
+
+def carry(key: str, value: Any) -> bool:
+    """Puts ``value`` in the preparation data of every spawn and forkserver child
+    this process starts, under ``key``: unpickled there before the child imports the
+    program's main module (how oom_watch arms its watch in children). False, after a
+    warning, where this Python's multiprocessing has no preparation data."""
+    return _carry(key, value)
+
+
+def forget(key: str) -> None:
+    """Children started from now on get nothing under ``key``."""
+    _ARRIVALS.pop(key, None)
+
+
+#: What each child gets in its preparation data, by key, in the order carried.
+_ARRIVALS: Dict[str, Any] = {}
+
+
+def _carry(key: str, value: Any) -> bool:
     try:
         from multiprocessing import spawn
         original = spawn.get_preparation_data
     except (ImportError, AttributeError):
         print("pyalloc: WARNING: this Python's multiprocessing has no spawn.get_preparation_data: "
-              "processes the program starts with spawn or forkserver will run PyTorch's own CUDA "
-              "allocator (fork children inherit pyalloc)", file=sys.stderr, flush=True)
+              "processes the program starts with spawn or forkserver get neither pyalloc's install "
+              "nor its out-of-memory watch (fork children inherit both)", file=sys.stderr, flush=True)
         return False
+    _ARRIVALS[key] = value
     original = getattr(original, "__wrapped__", original)  # once, however often asked
 
     def get_preparation_data(name):
         data = original(name)
-        data[KEY] = _InstallOnArrival(conf, bridge, patch_torch)
+        data.update(_ARRIVALS)
         return data
 
     get_preparation_data.__wrapped__ = original

@@ -83,8 +83,8 @@ def verdict_lines(results: List[Any], path: str) -> List[str]:
 
     lines = list(format_verdict(results, path))
     if not lines:
-        lines = [f"{path}: the snapshot recorded no out-of-memory error on this device: "
-                 f"{replay_command(path)}"]
+        lines = [f"{path}: the snapshot recorded no out-of-memory error on this device (the "
+                 f"program's own history recording may have replaced the watch's): {replay_command(path)}"]
     return lines
 
 
@@ -104,10 +104,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     except OSError:
         pass
     try:
-        from .replay import replay_devices
+        from .replay import NoHistoryError, replay_devices
 
         results = replay_devices(args.file, device=args.device, search=False, progress=False)
         lines = verdict_lines(results, args.file)
+    except NoHistoryError:
+        # The watch recorded from the first allocation: an empty trace is the program's
+        # doing (torch's _record_memory_history(enabled=None) clears it).
+        line = (f"no verdict on {args.file}: the snapshot holds no history of cuda:{args.device}: the "
+                "recording was turned off or emptied by the program (torch.cuda.memory."
+                "_record_memory_history(enabled=None) clears it); the snapshot is kept")
+        return FAILED if _finish(outcome, args, started, "failed", [line], []) else TIMEOUT
     except Exception as e:
         line = (f"no verdict on {args.file}: {type(e).__name__}: {e}; the snapshot is kept: "
                 f"{replay_command(args.file)}")

@@ -20,7 +20,7 @@ import argparse
 import sys
 from typing import List
 
-from ._program import CommandError, parse_command, run_program
+from ._program import CommandError, check_command, run_program
 from .oom_watch import ALLOCATORS, DEFAULT_DIR, HISTORY_ENTRIES, MAX_SNAPSHOTS, VERDICT_TIMEOUT, watch_oom
 
 
@@ -77,7 +77,7 @@ def _fail(message: str, status: int = 2) -> int:
 def main(args: argparse.Namespace) -> int:
     argv: List[str] = list(args.command[1:] if args.command[:1] == ["--"] else args.command)
     try:
-        parse_command(argv)  # a bad command line fails before anything is armed
+        check_command(argv)  # a bad command line, or no program there, fails before anything is armed
     except CommandError as e:
         return _fail(str(e))
     if args.conf is not None and args.allocator != "pyalloc":

@@ -28,7 +28,9 @@ fraction sets, and the device's free bytes, after releasing its lock) takes the
 snapshot, keeps the failing device's trace and segments, adds the
 ``pyalloc_oom`` metadata that the verdict reads, and writes a plain pickle
 (pytorch.org/memory_viz reads it) named ``oom-rank{RANK}-cuda{DEV}-{k}.pickle``,
-k the first number not yet used in the folder. At most ``max_snapshots`` are
+k the first number not yet used in the folder (the file is written whole under
+a hidden name, then renamed to it, so that no reader, and no process killed
+while writing, leaves a truncated one). At most ``max_snapshots`` are
 kept per process; later errors are counted and named in one line when the
 watch closes. Nothing the observer does raises into the allocator: a failure is
 one line on stderr, and the program goes on exactly as it would have.
@@ -49,7 +51,7 @@ import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import _torch_conf
+from . import _children, _torch_conf
 from .snapshot_io import write_snapshot
 
 __all__ = ["ALLOCATORS", "DEFAULT_DIR", "OomWatch", "start_verdict", "verdict_paths", "watch_oom"]
@@ -90,14 +92,31 @@ def start_verdict(snapshot: str, device: int, timeout: float, cwd: Optional[str]
     Its own session, so that a signal to the program's process group (torchrun
     ending a failed job) spares it; no GPU (CUDA_VISIBLE_DEVICES=""), since a
     replay needs none; stdin closed, stderr shared (its lines are the verdict).
-    It imports the pyalloc this process runs."""
+    It imports the pyalloc this process runs (_child_pythonpath)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    pythonpath = _child_pythonpath(env.get("PYTHONPATH", ""))
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
     argv = [sys.executable, "-m", "pyalloc._oom_verdict", snapshot,
             "--device", str(device), "--timeout", str(float(timeout))]
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=cwd,
                             env=env, start_new_session=True, close_fds=True)
+
+
+def _child_pythonpath(pythonpath: str) -> str:
+    """The child's PYTHONPATH: as it is where the folder holding this pyalloc is on
+    the child's default path (site-packages, the user's site, PYTHONPATH), else
+    with that folder (a source checkout) after what is there. Never first: for an
+    installed pyalloc it is site-packages, which would then come before the
+    standard library."""
+    import site
+
+    root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    entries = [p for p in pythonpath.split(os.pathsep) if p]
+    default = list(getattr(site, "getsitepackages", list)()) + [site.getusersitepackages()] + entries
+    if any(os.path.realpath(p) == root for p in default):
+        return pythonpath
+    return os.pathsep.join(entries + [root])
 
 
 # ---------------------------------------------------------------------------
@@ -128,6 +147,19 @@ def _versions() -> Tuple[Optional[str], str]:
     return (str(torch.__version__) if torch is not None else None), __version__
 
 
+def check_folder(directory: str) -> None:
+    """Creates ``directory`` and writes (and removes) a file there: OSError, with a
+    message that names the folder, where snapshots could not be written. Asked when
+    the watch is armed, not at the first error hours later."""
+    probe = os.path.join(directory, f".pyalloc-oom-probe-{os.getpid()}-{threading.get_ident()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        os.unlink(probe)
+    except OSError as e:
+        raise OSError(f"cannot write snapshots to {directory}: {e.strerror or e}") from e
+
+
 def reserve_name(directory: str, rank: Optional[int], device: int, base: str = ".") -> str:
     """Creates and returns DIR/oom-rank{rank}-cuda{device}-{k}.pickle (DIR taken from
     ``base`` where relative), k the first number whose file does not exist (created
@@ -154,6 +186,13 @@ class _TorchRecorder:
     def __init__(self, frames: bool, history: int) -> None:
         self.frames, self.history = frames, history
         self.started = False
+        self.reached = False  # CUDA initialised in this process: the queued arm ran
+        # torch's recordHistory (c10/cuda/CUDACachingAllocator.cpp) replaces the record
+        # settings and max entries of every call before it, and enabled=None clears the
+        # buffer: the program's own calls, noticed through a wrapper while armed, win,
+        # and close() then leaves the recording as the program set it.
+        self.program_recorded = False
+        self._record: Optional[Callable[..., None]] = None
 
     def label(self, snapshot: Dict[str, Any]) -> str:
         """"pytorch expandable_segments" where the allocator ran them: as the snapshot's
@@ -168,16 +207,27 @@ class _TorchRecorder:
     def arm(self, watch: "OomWatch") -> None:
         import torch
 
+        record = self._record = torch.cuda.memory._record_memory_history
+
+        def program_records(*args: Any, **kwargs: Any) -> None:
+            self.program_recorded = True
+            return record(*args, **kwargs)
+
+        program_records.__wrapped__ = record  # type: ignore[attr-defined]
+        torch.cuda.memory._record_memory_history = program_records
+
         def start() -> None:  # at CUDA's initialisation
+            self.reached = True
             if not watch.armed:
                 return
             try:
                 # context=None: no stack frames, the history alone; "alloc": frames of
-                # each allocation. stacks="python": no C++ unwinding.
-                torch.cuda.memory._record_memory_history(
-                    enabled="all", context="alloc" if self.frames else None, stacks="python",
-                    max_entries=self.history)
-                self.started = True
+                # each allocation. stacks="python": no C++ unwinding. A program whose own
+                # call started CUDA records as it asked.
+                if not self.program_recorded:
+                    record(enabled="all", context="alloc" if self.frames else None, stacks="python",
+                           max_entries=self.history)
+                    self.started = True
                 torch._C._cuda_attach_out_of_memory_observer(watch.observe)
             except Exception as e:  # a failure here must not fail CUDA's initialisation
                 say(f"could not watch PyTorch's allocator ({type(e).__name__}: {e}); "
@@ -200,14 +250,32 @@ class _TorchRecorder:
 
     def disarm(self, observer: Callable[..., None]) -> None:
         # torch has no way to detach an observer: the watch's ignores calls once closed.
-        if self.started:
-            import torch
+        import torch
 
-            torch.cuda.memory._record_memory_history(enabled=None)
+        record, self._record = self._record, None
+        if record is None:
+            return
+        if getattr(torch.cuda.memory._record_memory_history, "__wrapped__", None) is record:
+            torch.cuda.memory._record_memory_history = record
+        if self.program_recorded:
+            say("the program records the allocator's history itself: its recording is left as it set it")
+            return
+        enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+        if self.started and (enabled is None or enabled()):
+            record(enabled=None)
+
+    def metadata(self, requested: int) -> Dict[str, Any]:
+        """PyTorch's observer gets the segment the allocator tried to reserve
+        (DeviceCachingAllocator::malloc's alloc_size), not the caller's bytes; and
+        whether the program's own _record_memory_history replaced the watch's recording."""
+        return {"requested_bytes": None, "segment_bytes": requested,
+                "history_set_by_program": self.program_recorded}
 
 
 class _PyallocRecorder:
     """pyalloc's pools (pyalloc.cuda): its history and its out-of-memory observers."""
+
+    reached = True  # its history and observers act at once, whatever the driver does
 
     def __init__(self, frames: bool, history: int) -> None:
         self.history = history
@@ -238,6 +306,9 @@ class _PyallocRecorder:
         cuda.detach_oom_observer(observer)
         cuda.record_history(False)
 
+    def metadata(self, requested: int) -> Dict[str, Any]:
+        return {"requested_bytes": requested}  # pyalloc's observers get the caller's bytes
+
 
 def _torch_setting(key: str) -> Optional[str]:
     """The value PYTORCH_ALLOC_CONF (or PYTORCH_CUDA_ALLOC_CONF) gives ``key``; None
@@ -261,9 +332,10 @@ class OomWatch:
     """What ``watch_oom()`` armed; a context manager whose exit is ``close()``.
 
     ``snapshots``: the snapshot files written so far. ``verdicts``: the verdict
-    processes started (subprocess.Popen, one a snapshot, in the same order; each
-    writes ``verdict_paths(snapshot)``). ``allocator``: "torch", "pyalloc", or None
-    where there is nothing to watch. ``command``: the command line written into
+    processes started (subprocess.Popen, in the same order; each writes
+    ``verdict_paths(snapshot)``; a snapshot whose verdict could not start has
+    none). ``allocator``: "torch", "pyalloc", or None where there is nothing to
+    watch. ``command``: the command line written into
     each snapshot's metadata."""
 
     def __init__(self, directory: str, allocator: Optional[str], frames: bool, max_snapshots: int,
@@ -275,22 +347,54 @@ class OomWatch:
         self.frames, self.max_snapshots, self.history = frames, max_snapshots, history
         self.verdict_timeout = verdict_timeout
         self.command: Optional[List[str]] = [os.path.basename(sys.executable)] + sys.argv
-        self.snapshots: List[str] = []
-        self.verdicts: List[subprocess.Popen] = []
+        # [snapshot, its verdict process or None], appended under _lock: a verdict that
+        # could not start, or two threads failing at once, pair no file with another's.
+        self._kept: List[List[Any]] = []
         self.skipped: Dict[int, int] = {}  # device -> out-of-memory errors past max_snapshots
+        self.failed: Dict[int, int] = {}  # device -> snapshots that could not be written
         self._taken = 0
         self._lock = threading.Lock()
         self._armed = False
         self._said_pending: set = set()
+        self._said_overridden = False
+        self._said_unwatched = False
         self._recorder: Any = None
 
     @property
     def armed(self) -> bool:
         return self._armed
 
+    @property
+    def snapshots(self) -> List[str]:
+        with self._lock:
+            return [path for path, _ in self._kept]
+
+    @property
+    def verdicts(self) -> List[subprocess.Popen]:
+        with self._lock:
+            return [proc for _, proc in self._kept if proc is not None]
+
+    def child_settings(self) -> Dict[str, Any]:
+        """watch_oom()'s arguments for the same watch in a multiprocessing child."""
+        return {"directory": os.path.join(self.base, self.directory), "allocator": self.allocator,
+                "frames": self.frames, "max_snapshots": self.max_snapshots, "history": self.history,
+                "verdict_timeout": self.verdict_timeout}
+
     def settings(self) -> Tuple[Any, ...]:
         return (os.path.join(self.base, self.directory), self.allocator, self.frames, self.max_snapshots,
                 self.history, self.verdict_timeout)
+
+    def say_overridden(self, other: "OomWatch") -> None:
+        """Once: a second watch_oom() with other settings runs under this watch's."""
+        if self._said_overridden:
+            return
+        self._said_overridden = True
+        say(f"pyalloc.watch_oom() is already watching ({self.allocator}'s allocator, snapshots to "
+            f"{os.path.join(self.base, self.directory)}, at most {self.max_snapshots} snapshots, "
+            f"history {self.history:,} events, frames {'on' if self.frames else 'off'}, verdicts "
+            f"within {self.verdict_timeout:g} s): those stay in force; these settings are not "
+            f"applied ({other.allocator}'s allocator, snapshots to "
+            f"{os.path.join(other.base, other.directory)}, at most {other.max_snapshots} snapshots)")
 
     def __enter__(self) -> "OomWatch":
         return self
@@ -317,11 +421,24 @@ class OomWatch:
         out-of-memory errors not kept. A second call does nothing more."""
         if self._armed:
             self._armed = False
+            _children.forget(CHILD_KEY)
             try:
                 self._recorder.disarm(self.observe)
             except Exception as e:
                 say(f"could not stop recording ({type(e).__name__}: {e})")
         self.say_unfinished()
+
+    def say_unwatched(self) -> None:
+        """Once, where this process never initialised CUDA: the program's GPU work, if
+        any, was in processes it started, which no watch here sees."""
+        if self._recorder is None or self._recorder.reached or self._said_unwatched:
+            return
+        self._said_unwatched = True
+        say("this process never initialised CUDA: nothing was watched here. Processes it started with "
+            "multiprocessing's spawn or forkserver (torch.multiprocessing.spawn, spawn-context workers) "
+            "watch themselves, each to the same folder; others it started (subprocesses, torchrun's "
+            "workers) are not watched: call pyalloc.watch_oom() in them, or run each under pyalloc oom "
+            "(under torchrun: torchrun --nproc-per-node=N -m pyalloc oom -o DIR -- train.py)")
 
     # -- the observer ----------------------------------------------------------------
 
@@ -341,22 +458,51 @@ class OomWatch:
                 self.skipped[device] = self.skipped.get(device, 0) + 1
                 return
             self._taken += 1
+        try:
+            path = self._keep(device, requested, device_total, device_free)
+        except BaseException:
+            # A snapshot not written uses up no slot: the next error may be kept.
+            with self._lock:
+                self._taken -= 1
+                self.failed[device] = self.failed.get(device, 0) + 1
+            raise
+        self._start_verdict(path, device)
+
+    def _keep(self, device: int, requested: int, device_total: int, device_free: int) -> str:
+        """Writes the device's snapshot; its path."""
         snapshot = only_device(self._recorder.snapshot(), device)
         snapshot["pyalloc_oom"] = self._metadata(snapshot, device, requested, device_total, device_free)
-        path = reserve_name(self.directory, _env_int("RANK"), device, self.base)
+        # Written whole under a name of its own, then given its name: a process killed
+        # half-way (torchrun's SIGTERM to the other ranks) leaves no truncated pickle
+        # that pyalloc replay cannot read, and the name stays empty only for the rename.
+        folder = os.path.join(self.base, self.directory)
+        tmp = os.path.join(folder, f".oom-cuda{device}-{os.getpid()}-{threading.get_ident()}.tmp")
         try:
-            write_snapshot(snapshot, os.path.join(self.base, path))
+            write_snapshot(snapshot, tmp)
+            path = reserve_name(self.directory, _env_int("RANK"), device, self.base)
+            try:
+                os.replace(tmp, os.path.join(self.base, path))
+            except BaseException:
+                os.unlink(os.path.join(self.base, path))  # no empty file left under the name
+                raise
         except BaseException:
-            os.unlink(os.path.join(self.base, path))
+            if os.path.exists(tmp):
+                os.unlink(tmp)
             raise
-        self.snapshots.append(path)
+        return path
+
+    def _start_verdict(self, path: str, device: int) -> None:
+        kept = [path, None]
+        with self._lock:
+            self._kept.append(kept)
         txt = verdict_paths(path)[0]
         try:
             proc = start_verdict(path, device, self.verdict_timeout, cwd=self.base)
         except OSError as e:
             say(f"snapshot {path}; the verdict could not start ({e}): {replay_command(path)}")
             return
-        self.verdicts.append(proc)
+        with self._lock:
+            kept[1] = proc
         say(f"out of memory on cuda:{device}: snapshot {path}; its verdict follows "
             f"(also in {os.path.basename(txt)})")
 
@@ -373,7 +519,6 @@ class OomWatch:
             "rank": _env_int("RANK"),
             "world_size": _env_int("WORLD_SIZE"),
             "allocator": self._recorder.label(snapshot),
-            "requested_bytes": requested,
             "device_free_bytes": device_free,
             "command": list(self.command) if self.command is not None else None,
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -382,13 +527,18 @@ class OomWatch:
         }
         if total is not None and 0 < reported_total < total:
             meta["device_limit_bytes"] = reported_total
+        meta.update(self._recorder.metadata(requested))
         return meta
 
     # -- at the end ------------------------------------------------------------------
 
     def say_unfinished(self) -> None:
-        """One line for each verdict still running, once; one for the errors not kept."""
-        for path, proc in zip(self.snapshots, self.verdicts):
+        """One line for each verdict still running, once; one for the errors not kept;
+        one where nothing was watched."""
+        self.say_unwatched()
+        with self._lock:
+            kept = [(path, proc) for path, proc in self._kept if proc is not None]
+        for path, proc in kept:
             if proc.poll() is None and path not in self._said_pending:
                 self._said_pending.add(path)
                 say(f"the verdict on {path} is still running (process {proc.pid}); "
@@ -400,6 +550,12 @@ class OomWatch:
             say(f"{skipped} later out-of-memory {errors} not kept ({where}): at most "
                 f"{self.max_snapshots} snapshots per process (--max-snapshots)")
             self.skipped.clear()
+        failed = sum(self.failed.values())
+        if failed:
+            where = ", ".join(f"cuda:{d} x{n}" for d, n in sorted(self.failed.items()))
+            errors = "error" if failed == 1 else "errors"
+            say(f"{failed} out-of-memory {errors} could not be kept ({where}): see the lines above")
+            self.failed.clear()
 
 
 # ---------------------------------------------------------------------------
@@ -428,8 +584,11 @@ def watch_oom(directory: "str | os.PathLike[str]" = DEFAULT_DIR, *, allocator: O
     pool). verdict_timeout: seconds each verdict may take before it stops (the
     snapshot stays).
 
-    A second call while a watch is armed returns that watch where the settings
-    are the same, and raises RuntimeError where they differ (close() it first).
+    A second call while a watch is armed returns that watch; where its settings
+    differ (a program that arms its own watch, run under ``pyalloc oom -o DIR``),
+    a line on stderr, once, says which settings stay in force: the program goes
+    on, under the first watch (close() it first to watch otherwise). A folder
+    where snapshots cannot be written raises OSError, before anything is armed.
     Without a CUDA device (and pyalloc's pools) there is nothing to watch: a
     warning, and a handle that does nothing.
     """
@@ -446,20 +605,48 @@ def watch_oom(directory: "str | os.PathLike[str]" = DEFAULT_DIR, *, allocator: O
     watch = OomWatch(os.fspath(directory), chosen, bool(frames), max_snapshots, history,
                      float(verdict_timeout))
     if _current is not None and _current.armed:
-        if _current.settings() == watch.settings():
-            return _current
-        raise RuntimeError(f"pyalloc.watch_oom() is already watching ({_current.allocator}'s allocator, "
-                           f"snapshots to {_current.directory}): close() it first to watch otherwise")
+        if _current.settings() != watch.settings():
+            _current.say_overridden(watch)
+        return _current
     recorder = _recorder(watch)
     if recorder is None:
         watch.allocator = None
         return watch
+    check_folder(os.path.join(watch.base, watch.directory))
     watch._arm(recorder)
     _current = watch
+    _children.carry(CHILD_KEY, _WatchOnArrival(watch.child_settings()))
     if not _handles:
         atexit.register(_at_exit)
     _handles.append(watch)
     return watch
+
+
+#: The key of the watch in a multiprocessing child's preparation data (_children).
+CHILD_KEY = "pyalloc_watch_oom"
+
+
+class _WatchOnArrival:
+    """Pickled into a spawn or forkserver child's preparation data; unpickling it arms
+    the parent's watch there, before the child runs anything of the program."""
+
+    def __init__(self, settings: Dict[str, Any]) -> None:
+        self.settings = dict(settings)
+
+    def __reduce__(self):
+        return watch_in_child, (self.settings,)
+
+
+def watch_in_child(settings: Dict[str, Any]) -> str:
+    """Arms the parent's watch in a multiprocessing child, which carries it on to its
+    own children; says so, naming the process, where it cannot."""
+    try:
+        watch = watch_oom(**settings)
+    except Exception as e:  # the child still runs: say that it is not watched
+        say(f"process {os.getpid()}, started by multiprocessing, is not watched: {e}")
+        return f"not watched: {e}"
+    watch._said_unwatched = True  # a child that does no CUDA work (a DataLoader worker) says nothing
+    return "watched"
 
 
 def _default_allocator() -> str:

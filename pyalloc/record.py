@@ -21,7 +21,7 @@ import argparse
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ._program import CommandError, parse_command, run_program
+from ._program import CommandError, check_command, parse_command, run_program
 from .snapshot_io import write_snapshot
 
 __all__ = ["RecordError", "add_arguments", "main", "profiler_snapshot", "record_program", "run_program"]
@@ -146,12 +146,12 @@ def record_program(argv: List[str], output: str, device: str = "auto",
     "cpu" (the profiler, every event), or "auto" (cuda when torch sees a GPU).
     """
     argv = list(argv[1:] if argv[:1] == ["--"] else argv)
-    parse_command(argv)  # a bad command line fails before anything runs
+    check_command(argv, "pyalloc record")  # a bad command line fails before anything runs
     if device == "auto":
         device = "cuda" if _cuda_available() else "cpu"
     if device == "cuda":
-        return record_cuda(lambda: run_program(argv), output, history)
-    status, snapshot = record_cpu(lambda: run_program(argv), {"command": list(argv)})
+        return record_cuda(lambda: run_program(argv, "pyalloc record"), output, history)
+    status, snapshot = record_cpu(lambda: run_program(argv, "pyalloc record"), {"command": list(argv)})
     write_snapshot(snapshot, output)
     return status
 

@@ -523,8 +523,17 @@ def memory_fraction(snapshot: Dict[str, Any]) -> Optional[float]:
     return fraction if 0.0 < fraction < 1.0 else None
 
 
-#: The top-level key under which pyalloc's out-of-memory recorder writes what the
-#: snapshot itself does not say (the device's memory, the allocator, the command...).
+#: The top-level key under which pyalloc's out-of-memory recorder (pyalloc oom,
+#: pyalloc.watch_oom) writes what the snapshot itself does not say: device,
+#: device_total_bytes (torch.cuda.mem_get_info), device_limit_bytes (a memory
+#: fraction's cap, where PyTorch's observer reported one), device_free_bytes, rank,
+#: world_size, allocator, command, time, torch, pyalloc; ``requested_bytes``: the
+#: bytes the caller asked for, where the observer knows them (pyalloc's; None under
+#: PyTorch's allocator); ``segment_bytes``: under PyTorch's allocator, the segment it
+#: tried to reserve, which its observer gets instead (DeviceCachingAllocator::malloc's
+#: alloc_size); the trace's ``oom`` event holds the request rounded to its block;
+#: ``history_set_by_program`` (PyTorch's allocator): the program's own
+#: _record_memory_history call replaced the watch's recording.
 RECORDER_KEY = "pyalloc_oom"
 
 

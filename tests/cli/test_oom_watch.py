@@ -97,6 +97,7 @@ def test_a_pyalloc_oom_leaves_a_snapshot_and_the_verdict_replay_gives(fake, lib,
     meta = snap["pyalloc_oom"]
     assert meta["allocator"] == "pyalloc" and meta["device"] == 0 and meta["rank"] is None
     assert meta["device_total_bytes"] == 64 * MiB and meta["requested_bytes"] == 18 * MiB
+    assert "segment_bytes" not in meta  # pyalloc's observer gets the caller's bytes
     assert meta["pyalloc"] == pyalloc.__version__
     txt, js = verdict_files(snapshot)
     verdict = json.loads(Path(js).read_text())
@@ -270,7 +271,9 @@ def test_torch_oom_writes_the_devices_snapshot_named_by_rank(torch_cuda, tmp_pat
     assert meta["allocator"] == "pytorch"
     assert meta["device_total_bytes"] == 81 * GiB  # the device's memory, from mem_get_info
     assert meta["device_limit_bytes"] == 80 * GiB  # the observer's: a memory fraction's cap
-    assert meta["requested_bytes"] == 20 * MiB and meta["device_free_bytes"] == 2 * MiB
+    # PyTorch's observer gets the segment it tried to reserve, not the caller's bytes.
+    assert meta["segment_bytes"] == 20 * MiB and meta["requested_bytes"] is None
+    assert meta["device_free_bytes"] == 2 * MiB
     assert meta["torch"] == str(torch_cuda.torch.__version__) and meta["time"]
     verdict = json.loads(Path(verdict_files(path)[1]).read_text())
     assert verdict["status"] == "done" and verdict["ooms"][0]["size_bytes"] == 16 * MiB
@@ -320,8 +323,9 @@ def test_the_observer_never_raises_into_the_allocator(torch_cuda, tmp_path, caps
         torch_cuda.init()
         [observer] = torch_cuda.observers
         assert observer(1, 20 * MiB, 80 * GiB, 2 * MiB) is None
-    [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("pyalloc oom:")]
+    [line, closing] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("pyalloc oom:")]
     assert "could not keep" in line and "snapshot refused" in line
+    assert "1 out-of-memory error could not be kept (cuda:1 x1)" in closing
     assert watch.snapshots == [] and os.listdir(tmp_path) == []
 
 
@@ -391,13 +395,36 @@ def test_without_a_gpu_there_is_nothing_to_watch(monkeypatch, tmp_path):
     watch.close()
 
 
-def test_a_second_call_returns_the_armed_handle_or_refuses_other_settings(torch_cuda, tmp_path):
-    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+def test_a_second_call_returns_the_armed_handle_and_says_once_which_settings_stay(torch_cuda, tmp_path,
+                                                                                  capsys):
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")  # as pyalloc oom -o DIR arms it
     assert pyalloc.watch_oom(tmp_path, allocator="torch") is watch
-    with pytest.raises(RuntimeError, match="already watching"):
-        pyalloc.watch_oom(tmp_path / "other", allocator="torch")
+    assert capsys.readouterr().err == ""
+    # The program's own call, with other settings: it goes on, under the first watch.
+    assert pyalloc.watch_oom(tmp_path / "other", allocator="torch", max_snapshots=5) is watch
+    assert pyalloc.watch_oom(tmp_path / "third", allocator="torch") is watch
+    [line] = capsys.readouterr().err.splitlines()
+    assert "already watching" in line and f"snapshots to {tmp_path}" in line
+    assert "at most 3 snapshots" in line and "these settings are not applied" in line
+    assert not (tmp_path / "other").exists()
     watch.close()
     assert pyalloc.watch_oom(tmp_path / "other", allocator="torch") is not watch
+
+
+def test_a_program_that_arms_its_own_watch_runs_under_the_command(torch_cuda, tmp_path, capsys):
+    program = tmp_path / "train.py"
+    program.write_text(textwrap.dedent(f"""
+        import pyalloc, torch
+        watch = pyalloc.watch_oom({str(tmp_path / "mine")!r}, max_snapshots=1)
+        try:
+            torch.cuda.caching_allocator_alloc(64 << 20, 1)
+        except torch.cuda.OutOfMemoryError:
+            raise SystemExit(5)
+    """))
+    out = tmp_path / "runs"
+    assert cli_main(["oom", "-o", str(out), "--", "python", str(program)]) == 5
+    assert "oom-rank0-cuda1-1.pickle" in os.listdir(out)
+    assert "already watching" in capsys.readouterr().err
 
 
 def test_bad_arguments_are_clear_errors(tmp_path):
@@ -445,7 +472,7 @@ def test_the_command_runs_a_program_that_catches_its_oom(torch_cuda, tmp_path, c
         assert verdict["status"] == "done" and verdict["ooms"][0]["size_bytes"] == 16 * MiB
     with open(out / "oom-rank0-cuda1-1.pickle", "rb") as f:
         meta = pickle.load(f)["pyalloc_oom"]
-    assert meta["command"] == ["python", str(program)] and meta["requested_bytes"] == 64 * MiB
+    assert meta["command"] == ["python", str(program)] and meta["segment_bytes"] == 64 * MiB
     err = capsys.readouterr().err
     assert "1 later out-of-memory error was not kept (cuda:1 x1)" in err
 
@@ -453,7 +480,8 @@ def test_the_command_runs_a_program_that_catches_its_oom(torch_cuda, tmp_path, c
 def test_the_command_refuses_a_program_it_cannot_run(capsys, tmp_path):
     assert cli_main(["oom", "-o", str(tmp_path), "--", "bash", "x.sh"]) == 2
     assert "only Python programs" in capsys.readouterr().err
-    assert cli_main(["oom", "--conf", "pool_size:1GiB", "--", "python", "x.py"]) == 2
+    (tmp_path / "x.py").write_text("")
+    assert cli_main(["oom", "--conf", "pool_size:1GiB", "--", "python", str(tmp_path / "x.py")]) == 2
     assert "--conf" in capsys.readouterr().err
 
 
@@ -512,3 +540,412 @@ def test_the_command_installs_pyalloc_first_and_watches_its_pools(fake, monkeypa
     wait_for(verdict_files(tmp_path / "pyalloc-oom" / "oom-rank0-cuda0-2.pickle")[1])
     with open(snapshot, "rb") as f:
         assert pickle.load(f)["pyalloc_oom"]["command"] == ["python", "-m", "trainer"]
+
+
+# ---------------------------------------------------------------------------
+# An unusable folder, a snapshot that cannot be written
+
+
+def test_an_unusable_folder_is_refused_when_the_watch_is_armed(torch_cuda, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(OSError, match="cannot write snapshots"):
+        pyalloc.watch_oom(blocker / "oom", allocator="torch")
+    assert torch_cuda.queued == [] and oom_watch._current is None  # nothing armed
+    made = tmp_path / "new" / "deeper"
+    pyalloc.watch_oom(made, allocator="torch").close()
+    assert made.is_dir() and os.listdir(made) == []  # the test file is gone
+
+
+def test_the_command_refuses_an_unusable_folder_before_the_program_runs(torch_cuda, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    program = tmp_path / "train.py"
+    program.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    assert cli_main(["oom", "-o", str(blocker / "oom"), "--", "python", str(program)]) == 2
+    assert not (tmp_path / "ran").exists()
+    assert "pyalloc oom: error: cannot write snapshots" in capsys.readouterr().err
+
+
+def test_a_snapshot_that_cannot_be_written_gives_its_slot_back(torch_cuda, tmp_path, capsys, monkeypatch):
+    real = oom_watch.write_snapshot
+    failures = iter([OSError(28, "No space left on device")])
+
+    def write(snapshot, path):
+        for e in failures:
+            raise e
+        real(snapshot, path)
+
+    monkeypatch.setattr(oom_watch, "write_snapshot", write)
+    with pyalloc.watch_oom(tmp_path, allocator="torch", max_snapshots=1, verdict_timeout=60) as watch:
+        for _ in range(3):
+            with pytest.raises(torch_cuda.torch.cuda.OutOfMemoryError):
+                torch_cuda.malloc(20 * MiB, device=1)
+        wait_verdicts(watch)
+    assert [os.path.basename(p) for p in watch.snapshots] == ["oom-rank0-cuda1-1.pickle"]
+    assert sorted(os.listdir(tmp_path))[0] == "oom-rank0-cuda1-1.pickle"
+    err = capsys.readouterr().err.splitlines()
+    assert len([x for x in err if "could not keep" in x]) == 1
+    [failed] = [x for x in err if "could not be kept" in x]
+    assert "1 out-of-memory error could not be kept (cuda:1 x1)" in failed
+    [skipped] = [x for x in err if "not kept" in x]
+    assert "1 later out-of-memory error was not kept (cuda:1 x1)" in skipped
+
+
+DIES_WHILE_WRITING = """
+    import builtins, os, signal, sys
+    import pyalloc
+    from pyalloc import _C
+
+    _C._testing_use_fake_devices(64 << 20)
+    watch = pyalloc.watch_oom(sys.argv[1], allocator="pyalloc")
+    real_open = builtins.open
+
+    class Killed:  # torchrun's SIGTERM to the other ranks, half-way through the write
+        def __init__(self, f):
+            self.f = f
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            self.f.close()
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def open_(name, mode="r", *args, **kwargs):
+        f = real_open(name, mode, *args, **kwargs)
+        return Killed(f) if "w" in mode and str(name).startswith(sys.argv[1]) else f
+
+    builtins.open = open_
+    while True:
+        _C._testing_hook_malloc(24 << 20, 0, 0)
+"""
+
+
+def test_a_process_killed_while_writing_leaves_no_partial_snapshot(tmp_path):
+    import signal
+    import subprocess
+
+    program = tmp_path / "dies.py"
+    program.write_text(textwrap.dedent(DIES_WHILE_WRITING))
+    out = tmp_path / "oom"
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pyalloc.__file__)))
+    proc = subprocess.run([sys.executable, str(program), str(out)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert [p for p in os.listdir(out) if p.endswith(".pickle")] == []  # no truncated snapshot
+    assert [p for p in os.listdir(out) if p.endswith(".tmp")]  # it died writing
+
+
+def test_a_snapshot_is_written_whole_under_its_name(torch_cuda, tmp_path, monkeypatch):
+    seen = []
+    real = oom_watch.write_snapshot
+
+    def write(snapshot, path):
+        seen.append(path)
+        assert not (tmp_path / "oom-rank0-cuda1-1.pickle").exists()  # no name until written whole
+        real(snapshot, path)
+
+    monkeypatch.setattr(oom_watch, "write_snapshot", write)
+    with pyalloc.watch_oom(tmp_path, allocator="torch", verdict_timeout=60) as watch:
+        with pytest.raises(torch_cuda.torch.cuda.OutOfMemoryError):
+            torch_cuda.malloc(20 * MiB, device=1)
+        wait_verdicts(watch)
+    [path] = watch.snapshots
+    assert seen and os.path.dirname(seen[0]) == str(tmp_path) and seen[0] != path
+    with open(path, "rb") as f:
+        assert pickle.load(f)["pyalloc_oom"]["device"] == 1
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+# ---------------------------------------------------------------------------
+# Each snapshot's verdict process stays beside it
+
+
+class Running:
+    """A verdict process still running at the end."""
+
+    def __init__(self, pid):
+        self.pid = pid
+
+    def poll(self):
+        return None
+
+
+def still_running(capsys):
+    return sorted(x for x in capsys.readouterr().err.splitlines() if "still running" in x)
+
+
+def test_a_verdict_that_could_not_start_shifts_no_other(torch_cuda, tmp_path, monkeypatch, capsys):
+    started = iter([OSError("fork failed"), Running(4242)])
+
+    def start(path, device, timeout, cwd):
+        got = next(started)
+        if isinstance(got, OSError):
+            raise got
+        return got
+
+    monkeypatch.setattr(oom_watch, "start_verdict", start)
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+    for _ in range(2):
+        with pytest.raises(torch_cuda.torch.cuda.OutOfMemoryError):
+            torch_cuda.malloc(20 * MiB, device=1)
+    watch.close()
+    assert [os.path.basename(p) for p in watch.snapshots] == ["oom-rank0-cuda1-1.pickle",
+                                                              "oom-rank0-cuda1-2.pickle"]
+    assert [p.pid for p in watch.verdicts] == [4242]
+    [line] = still_running(capsys)
+    assert "oom-rank0-cuda1-2.pickle is still running (process 4242)" in line
+
+
+def test_two_devices_at_once_keep_their_own_verdicts(torch_cuda, tmp_path, monkeypatch, capsys):
+    import threading
+
+    second_done = threading.Event()
+
+    def start(path, device, timeout, cwd):
+        if device == 0:  # the first error's verdict starts after the second's
+            assert second_done.wait(timeout=30)
+        return Running(1000 + device)
+
+    monkeypatch.setattr(oom_watch, "start_verdict", start)
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+    torch_cuda.init()
+    [observer] = torch_cuda.observers
+    first = threading.Thread(target=observer, args=(0, 20 * MiB, 80 * GiB, 2 * MiB))
+    first.start()
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "oom-rank0-cuda0-1.pickle").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    observer(1, 20 * MiB, 80 * GiB, 2 * MiB)
+    second_done.set()
+    first.join(timeout=30)
+    watch.close()
+    assert sorted(p.pid for p in watch.verdicts) == [1000, 1001]
+    lines = still_running(capsys)
+    assert len(lines) == 2
+    assert "oom-rank0-cuda0-1.pickle is still running (process 1000)" in lines[0]
+    assert "oom-rank0-cuda1-1.pickle is still running (process 1001)" in lines[1]
+
+
+# ---------------------------------------------------------------------------
+# The program's own history recording
+
+
+def test_history_the_program_records_itself_is_left_on_at_close(torch_cuda, tmp_path, capsys):
+    torch = torch_cuda.torch
+    fake_record = torch.cuda.memory._record_memory_history
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+    torch_cuda.init()
+    # The program's own call, after the watch's: it replaces the watch's settings (recordHistory).
+    torch.cuda.memory._record_memory_history(enabled="all", max_entries=7)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        torch_cuda.malloc(20 * MiB, device=1)
+    watch.close()
+    assert torch_cuda.history[-1] == {"enabled": "all", "max_entries": 7}  # not turned off
+    assert torch.cuda.memory._record_memory_history is fake_record  # torch's own again
+    with open(watch.snapshots[0], "rb") as f:
+        assert pickle.load(f)["pyalloc_oom"]["history_set_by_program"] is True
+    assert "the program records the allocator's history itself" in capsys.readouterr().err
+
+
+def test_the_watchs_own_history_is_turned_off_at_close(torch_cuda, tmp_path):
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+    torch_cuda.init()
+    watch.close()
+    assert torch_cuda.history[-1] == {"enabled": None}
+
+
+def test_a_history_emptied_by_the_program_is_named_in_the_verdict(monkeypatch, tmp_path):
+    pytest.importorskip("torch")
+    snap = torch_snapshot()
+    snap["device_traces"][1] = []  # _record_memory_history(enabled=None) clears the buffer
+    fake = FakeTorchCuda(monkeypatch, snap)
+    with pyalloc.watch_oom(tmp_path, allocator="torch", verdict_timeout=60) as watch:
+        with pytest.raises(fake.torch.cuda.OutOfMemoryError):
+            fake.malloc(20 * MiB, device=1)
+        wait_verdicts(watch)
+    [path] = watch.snapshots
+    txt, js = verdict_files(path)
+    [line] = Path(txt).read_text().splitlines()
+    assert "holds no history of cuda:1" in line and "turned off or emptied by the program" in line
+    assert json.loads(Path(js).read_text())["status"] == "failed"
+
+
+def test_a_program_whose_own_recording_starts_cuda_is_still_watched(torch_cuda, tmp_path, monkeypatch):
+    torch = torch_cuda.torch
+    real = torch.cuda.memory._record_memory_history
+
+    def starts_cuda(enabled="all", **kwargs):  # torch's own call initialises CUDA first
+        torch_cuda.init()
+        real(enabled, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", starts_cuda)
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+    torch.cuda.memory._record_memory_history(enabled="all", max_entries=9)
+    assert torch_cuda.history == [{"enabled": "all", "max_entries": 9}] and len(torch_cuda.observers) == 1
+    watch.close()
+    assert torch_cuda.history[-1] == {"enabled": "all", "max_entries": 9}
+
+
+# ---------------------------------------------------------------------------
+# What the watch cannot see: torchrun's workers, processes the program spawns
+
+
+@pytest.mark.parametrize("command", [["torchrun", "--nproc-per-node=2", "train.py"],
+                                     ["python", "-m", "torch.distributed.run", "--nproc-per-node=2", "--help"],
+                                     ["python3", "-m", "torch.distributed.launch", "--help"]])
+def test_torchrun_under_the_command_is_refused_with_the_command_that_works(command, tmp_path, capsys):
+    assert cli_main(["oom", "-o", str(tmp_path), "--"] + command) == 2
+    err = capsys.readouterr().err
+    assert "torchrun --nproc-per-node=N -m pyalloc oom -o DIR -- train.py" in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_watch_that_never_saw_cuda_says_so_and_names_spawned_processes(torch_cuda, tmp_path, capsys):
+    pyalloc.watch_oom(tmp_path, allocator="torch").close()  # the program's GPU work was all in children
+    [line] = [x for x in capsys.readouterr().err.splitlines() if "pyalloc oom:" in x]
+    assert "never initialised CUDA" in line and "nothing was watched" in line
+    assert "started with multiprocessing's spawn or forkserver" in line and "watch themselves" in line
+    assert "subprocesses, torchrun's workers) are not watched" in line
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+    torch_cuda.init()
+    watch.close()
+    oom_watch._at_exit()
+    assert "nothing was watched" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# Programs python runs: a folder or zip file with __main__.py; a bad one refused before arming
+
+
+def test_a_folder_or_zip_program_runs_as_python_runs_it(torch_cuda, tmp_path):
+    import zipfile
+
+    pkg = tmp_path / "pkgdir"
+    pkg.mkdir()
+    (pkg / "__main__.py").write_text("import sys\nsys.exit(4 if sys.argv[1:] == ['x'] else 9)\n")
+    assert cli_main(["oom", "-o", str(tmp_path / "out"), "--", "python", str(pkg), "x"]) == 4
+    app = tmp_path / "app.pyz"
+    with zipfile.ZipFile(app, "w") as z:
+        z.write(pkg / "__main__.py", "__main__.py")
+    assert cli_main(["oom", "-o", str(tmp_path / "out"), "--", "python", str(app), "x"]) == 4
+
+
+@pytest.mark.parametrize("target, says", [("missing.py", "no such script"),
+                                          ("emptydir", "no __main__.py")])
+def test_a_program_that_cannot_run_is_refused_before_anything_is_armed(torch_cuda, tmp_path, capsys,
+                                                                     target, says):
+    (tmp_path / "emptydir").mkdir()
+    out = tmp_path / "out"
+    assert cli_main(["oom", "-o", str(out), "--", "python", str(tmp_path / target)]) == 2
+    assert says in capsys.readouterr().err
+    assert torch_cuda.queued == [] and not out.exists()  # nothing armed, no folder made
+
+
+# ---------------------------------------------------------------------------
+# The verdict child imports the pyalloc this process runs, without shadowing the standard library
+
+
+def child_env(monkeypatch, site_dirs, pythonpath):
+    import site
+    import subprocess
+
+    seen = {}
+    monkeypatch.setattr(subprocess, "Popen", lambda argv, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(site, "getsitepackages", lambda: list(site_dirs))
+    monkeypatch.setattr(site, "getusersitepackages", lambda: "/nowhere/user-site")
+    if pythonpath is None:
+        monkeypatch.delenv("PYTHONPATH", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONPATH", pythonpath)
+    oom_watch.start_verdict("/x/oom-rank0-cuda0-1.pickle", 0, 300.0)
+    return seen["env"]
+
+
+def test_an_installed_pyalloc_adds_nothing_to_the_childs_path(monkeypatch):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(pyalloc.__file__)))  # as if site-packages
+    assert "PYTHONPATH" not in child_env(monkeypatch, [root], None)
+    assert child_env(monkeypatch, ["/usr/lib/site-packages", root], "/mine")["PYTHONPATH"] == "/mine"
+
+
+def test_a_source_checkout_goes_after_the_childs_path(monkeypatch):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(pyalloc.__file__)))
+    env = child_env(monkeypatch, ["/usr/lib/site-packages"], "/mine")
+    assert env["PYTHONPATH"] == f"/mine{os.pathsep}{root}"
+    assert child_env(monkeypatch, ["/usr/lib/site-packages"], None)["PYTHONPATH"] == root
+
+
+def test_a_rename_that_fails_leaves_neither_file(torch_cuda, tmp_path, monkeypatch, capsys):
+    def refuse(src, dst):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(oom_watch.os, "replace", refuse)
+    with pyalloc.watch_oom(tmp_path, allocator="torch") as watch:
+        with pytest.raises(torch_cuda.torch.cuda.OutOfMemoryError):
+            torch_cuda.malloc(20 * MiB, device=1)
+    assert watch.snapshots == [] and os.listdir(tmp_path) == []
+    assert "could not keep" in capsys.readouterr().err
+
+
+def test_nothing_to_watch_makes_no_folder(monkeypatch, tmp_path):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "_is_compiled", lambda: False)
+    with pytest.warns(UserWarning, match="nothing to watch"):
+        pyalloc.watch_oom(tmp_path / "oom").close()
+    assert not (tmp_path / "oom").exists()
+
+
+SPAWNS = """
+    import multiprocessing as mp, os, sys
+    import pyalloc
+    from pyalloc import _C
+
+    def worker(out):  # its GPU work only here, as under torch.multiprocessing.spawn
+        _C._testing_use_fake_devices(64 << 20)
+        held = []
+        try:
+            while True:
+                held.append(_C._testing_hook_malloc(24 << 20, 0, 0))
+        except pyalloc.OutOfMemoryError:
+            pass
+        with open(os.path.join(out, "worker-pid"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def idle(out):  # a worker that does no CUDA work: says nothing
+        pass
+
+    if __name__ == "__main__":
+        _C._testing_use_fake_devices(64 << 20)
+        watch = pyalloc.watch_oom(sys.argv[1], allocator="pyalloc")
+        for target in (worker, idle):
+            p = mp.get_context("spawn").Process(target=target, args=(sys.argv[1],))
+            p.start()
+            p.join()
+        watch.close()
+        p = mp.get_context("spawn").Process(target=worker, args=(sys.argv[2],))  # after close: unwatched
+        p.start()
+        p.join()
+"""
+
+
+def test_processes_the_program_spawns_watch_themselves(tmp_path):
+    import subprocess
+
+    program = tmp_path / "spawns.py"
+    program.write_text(textwrap.dedent(SPAWNS))
+    out, later = tmp_path / "oom", tmp_path / "later"
+    later.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pyalloc.__file__)))
+    proc = subprocess.run([sys.executable, str(program), str(out), str(later)], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    pid = (out / "worker-pid").read_text()
+    with open(out / "oom-rank0-cuda0-1.pickle", "rb") as f:
+        meta = pickle.load(f)["pyalloc_oom"]
+    assert meta["allocator"] == "pyalloc" and meta["requested_bytes"] == 24 * MiB
+    assert f"pyalloc oom: out of memory on cuda:0: snapshot {out}/oom-rank0-cuda0-1.pickle" in proc.stderr
+    assert pid and "nothing was watched" not in proc.stderr
+    assert os.listdir(later) == ["worker-pid"]  # the watch closed: its children no longer arm one

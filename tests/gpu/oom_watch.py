@@ -61,6 +61,10 @@ def main():
     meta = snap["pyalloc_oom"]
     assert meta["device"] == 0 and meta["device_total_bytes"] == total, (meta, total)
     assert meta["allocator"] == ("pyalloc" if allocator == "pyalloc" else "pytorch"), meta
+    if allocator == "pyalloc":  # pyalloc's observer gets the caller's bytes
+        assert meta["requested_bytes"] >= 2 * total and "segment_bytes" not in meta, meta
+    else:  # PyTorch's gets the segment it tried to reserve, the request rounded up
+        assert meta["segment_bytes"] >= 2 * total and meta["requested_bytes"] is None, meta
     events = snap["device_traces"][0]
     allocs = [e for e in events if e["action"] == "alloc"]
     assert allocs and allocs[0]["size"] == 4 * MiB, allocs[:3]  # from the first allocation

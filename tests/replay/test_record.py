@@ -1,6 +1,8 @@
 """Recording: running a program in-process, the CPU profiler's memory events as
 a snapshot, the GPU path's wiring, and the command line."""
+import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -39,7 +41,7 @@ def test_parse_command(argv, want):
 @pytest.mark.parametrize(
     "argv, match",
     [([], "no program"), (["--"], "no program"), (["bash", "x.sh"], "only Python programs"),
-     (["python", "-c", "print(1)"], "unsupported Python option"), (["python"], "expected")],
+     (["python", "-c", "print(1)"], "python -c runs code"), (["python"], "expected")],
 )
 def test_parse_command_refuses(argv, match):
     with pytest.raises(RecordError, match=match):
@@ -204,3 +206,49 @@ def test_record_history_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         main(["record", "-o", "x.pickle", "--history", "0", "--", "python", "x.py"])
     assert "argument --history: must be a positive number of entries, not 0" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# Python's own options before the script: applied, or refused before anything runs
+
+FLAGS_SEEN = """
+    import faulthandler, json, sys, warnings
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.warn("a resource", ResourceWarning)  # ignored unless dev mode's filters
+    seen = {"faulthandler": faulthandler.is_enabled(), "write_through": sys.stdout.write_through,
+            "line_buffering": sys.stdout.line_buffering, "dont_write_bytecode": sys.dont_write_bytecode,
+            "resource_warning_shown": len(shown) == 1, "warnoptions": sys.warnoptions}
+    print(json.dumps(seen))
+    warnings.warn("made an error by -W error::UserWarning")
+    print("not reached")
+"""
+
+
+def run_in_a_fresh_python(argv, tmp_path):
+    code = "import sys; from pyalloc._program import run_program; sys.exit(run_program(sys.argv[1:]))"
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pyalloc.__file__)))
+    for name in ("PYTHONDEVMODE", "PYTHONFAULTHANDLER", "PYTHONUNBUFFERED", "PYTHONWARNINGS",
+                 "PYTHONDONTWRITEBYTECODE"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-c", code] + argv, capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+
+
+def test_python_options_before_the_script_are_applied(tmp_path):
+    prog = script(tmp_path, FLAGS_SEEN)
+    p = run_in_a_fresh_python(["python", "-u", "-B", "-X", "dev", "-W", "error::UserWarning", prog], tmp_path)
+    assert p.returncode == 1, p.stderr  # the warning, made an error, ends the program
+    seen = json.loads(p.stdout.splitlines()[0])
+    assert seen == {"faulthandler": True, "write_through": True, "line_buffering": True,
+                    "dont_write_bytecode": True, "resource_warning_shown": True,
+                    "warnoptions": ["error::UserWarning"]}
+    assert "UserWarning: made an error" in p.stderr and "not reached" not in p.stdout
+    p = run_in_a_fresh_python(["python", "-Xfaulthandler", "-Werror::UserWarning", prog], tmp_path)
+    seen = json.loads(p.stdout.splitlines()[0])
+    assert seen["faulthandler"] and not seen["resource_warning_shown"] and p.returncode == 1
+
+
+@pytest.mark.parametrize("flag", ["-O", "-OO", "-E", "-s", "-S", "-I", "-b", "-X importtime", "-Xutf8"])
+def test_python_options_that_a_running_python_cannot_take_are_refused(flag):
+    with pytest.raises(RecordError, match=r"cannot be applied .*python " + re.escape(flag.split()[0])):
+        parse_command(["python"] + flag.split() + ["a.py"])
