@@ -90,8 +90,8 @@ DEFAULT_ENTRIES = 100_000
 VERDICT_TIMEOUT_S = 300
 #: PyTorch's recordings timed on a GPU: (label, _record_memory_history keywords).
 TORCH_RECORDINGS = (("no frames", {"context": None}), ("python frames", {"context": "all", "stacks": "python"}))
-#: The allocators of the GPU mode: (name, PYTORCH_CUDA_ALLOC_CONF or None for pyalloc).
-GPU_ALLOCATORS = (("native", ""), ("native_expandable", "expandable_segments:True"), ("pyalloc", None))
+#: The allocators of the GPU mode: (name, the PYTORCH_CUDA_ALLOC_CONF of its process).
+GPU_ALLOCATORS = (("native", ""), ("native_expandable", "expandable_segments:True"), ("pyalloc", ""))
 #: What the GPU mode's workers must not inherit: each sets its own allocator.
 OWNED_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYALLOC_CONF")
 
@@ -349,7 +349,8 @@ def timed_child(argv: List[str], timeout: float) -> Tuple[float, int, str]:
 
 
 def child_env(conf: Optional[str] = None) -> Dict[str, str]:
-    """This checkout's pyalloc for a child; `conf`: its PYTORCH_CUDA_ALLOC_CONF (GPU mode)."""
+    """This checkout's pyalloc for a child; `conf`: its PYTORCH_CUDA_ALLOC_CONF, the
+    environment's allocator settings dropped (GPU mode; None: the environment as it is)."""
     env = {k: v for k, v in os.environ.items() if conf is None or k not in OWNED_ENV}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     if conf:

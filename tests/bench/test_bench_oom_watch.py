@@ -151,3 +151,93 @@ def test_the_gpu_session_has_a_stage_that_runs_it():
     [step] = stage.steps("/out")
     assert step.argv[1:5] == ["-m", "benchmarks.bench_oom_watch", "--device", "cuda"]
     assert step.argv[step.argv.index("--out") + 1] == "/out/oom_watch.json"
+
+
+class _FakeTorch:
+    """The torch entry points the GPU mode's worker uses, without a GPU: torch.empty's
+    tensors are recorded as PyTorch's history records them (alloc, then free_requested
+    and free_completed when dropped, in a ring of max_entries) while
+    _record_memory_history, whose arguments are checked against the real one's
+    signature, has it on; under pyalloc they are served by its pools on a fake device
+    through the C hooks, which pyalloc.record_history records."""
+
+    uint8 = "uint8"
+    __version__ = "0.0-fake"
+
+    def __init__(self, real):
+        from collections import deque
+        from types import SimpleNamespace
+
+        self.real, self.pools, self.ring = real, False, None
+        self._deque = deque
+        memory = SimpleNamespace(_record_memory_history=self._record, _snapshot=self._snapshot)
+        self.cuda = SimpleNamespace(get_device_name=lambda i: "fake GPU", synchronize=lambda: None, memory=memory)
+        self.version = SimpleNamespace(cuda="12.0")
+        self.free = bench.hook_free()
+
+    def device(self, kind, index):
+        return (kind, index)
+
+    def _record(self, *args, **kwargs):
+        bound = inspect.signature(self.real.cuda.memory._record_memory_history).bind(*args, **kwargs)
+        bound.apply_defaults()
+        enabled, max_entries = bound.arguments["enabled"], bound.arguments["max_entries"]
+        self.ring = None if enabled is None else self._deque(maxlen=max_entries)
+
+    def _snapshot(self):
+        return {"segments": [], "device_traces": [list(self.ring or [])]}
+
+    def _event(self, action, size):
+        if self.ring is not None:
+            self.ring.append({"action": action, "addr": 0, "size": size, "stream": 0, "time_us": 0, "frames": []})
+
+    def empty(self, size, dtype=None, device=None):
+        fake = self
+
+        class Tensor:
+            def __init__(self):
+                self.ptr = _C._testing_hook_malloc(size, 0, 0) if fake.pools else 0
+                fake._event("alloc", size)
+
+            def __del__(self):
+                if self.ptr:
+                    fake.free(self.ptr)
+                fake._event("free_requested", size)
+                fake._event("free_completed", size)
+
+        return Tensor()
+
+
+@pytest.mark.parametrize("allocator", ["native", "pyalloc"])
+def test_the_gpu_workers_logic_against_a_fake_torch(allocator, monkeypatch):
+    real = pytest.importorskip("torch")
+    fake = _FakeTorch(real)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    if allocator == "pyalloc":
+        def install():
+            _C._testing_use_fake_devices(1 << 40)
+            fake.pools = True
+        monkeypatch.setattr(pyalloc, "install", install)
+        monkeypatch.setattr(pyalloc, "is_installed", lambda: "hooks")
+    try:
+        base = {"allocator": allocator, "trace": TRACE}
+        speed = bench.worker(dict(base, what="speed", repeats=2, pairs=200, entries=400))
+        assert fake.ring is None  # every recording turned off after its turn
+        memory = bench.worker(dict(base, what="memory", recording=bench.gpu_recordings(allocator)[-1][0],
+                                   entries=300))
+    finally:
+        if fake.pools:
+            pyalloc.record_history(False)
+            _C._testing_reset()
+    recordings = [name for name, _ in bench.gpu_recordings(allocator)]
+    assert [r["case"] for r in speed["rows"]] == [
+        f"{allocator}, {what}, {name}" for name in recordings
+        for what in ("4 KiB torch.empty/del pairs", "tiny-gpt-varlen-train.pickle.gz calls as torch.empty/del")]
+    for row in speed["rows"]:
+        assert row["repeats"] == 2 and row["ns_off_best"] > 0 and row["ns_on_best"] > 0, row
+    assert speed["pyalloc_route"] == ("hooks" if allocator == "pyalloc" else None)
+    assert speed["device"] == "fake GPU"
+    # 300 pairs, three events each, into a ring of 300: full, as pickled.
+    mem = memory["memory"]
+    assert mem["ring_entries"] == 300 and mem["file_events"] == 300 and mem["file_bytes_per_event"] > 0
+    assert mem["case"] == f"{allocator}, {recordings[-1]}"
