@@ -220,36 +220,45 @@ def device_pairs(via: str, pairs: int, repeats: int, entries: int) -> Dict[str, 
                     iterations=pairs)
 
 
-def trace_in_core(calls: Calls, repeats: int, entries: int) -> Dict[str, Any]:
+def trace_in_core(calls: Calls, repeats: int, entries: int, passes: int) -> Dict[str, Any]:
+    """The trace's calls `passes` times over in a row (the ring fills and turns, as in a
+    long run) through one core allocator a repeat, each pass a Replayer of its own."""
     replay = _C.ReplayTrace(calls.kinds, calls.ids, calls.sizes, calls.streams)
     ns: Dict[bool, List[float]] = {False: [], True: []}
-    kept = 0
+    per_alloc = None
     for _ in range(repeats):
         for on in (False, True):
             allocator = _C.Allocator("virtual", "", 0)
             if on:
                 allocator.record_history(True, entries)
-            run = _C.Replayer(allocator, replay, False, 0)
-            run.run()
-            ns[on].append(run.seconds * 1e9 / len(calls))
-            if on:
-                kept = len(allocator.history())
+            seconds = 0.0
+            for n in range(passes):
+                run = _C.Replayer(allocator, replay, False, 0)
+                run.run()
+                seconds += run.seconds
+                if on and n == 0 and per_alloc is None:
+                    kept = len(allocator.history())
+                    per_alloc = round(kept / calls.allocs, 2) if kept < entries else None
+            ns[on].append(seconds * 1e9 / (passes * len(calls)))
     return rate_row(f"{calls.name} calls, core allocator, C++ loop", ns[False], ns[True], "call",
-                    iterations=len(calls), events_kept=kept,
-                    events_per_alloc=round(kept / calls.allocs, 2) if kept < entries else None)
+                    iterations=passes * len(calls), passes=passes, events_per_alloc=per_alloc)
 
 
-def trace_through_hooks(calls: Calls, repeats: int, entries: int) -> Dict[str, Any]:
+def trace_through_hooks(calls: Calls, repeats: int, entries: int, passes: int) -> Dict[str, Any]:
+    """The trace's calls `passes` times over through the C hooks, after one pass untimed
+    (the pools' cache as the trace leaves it)."""
     free = hook_free()
     hook_malloc = _C._testing_hook_malloc
+    malloc = lambda size: hook_malloc(size, 0, 0)  # noqa: E731
     ns: Dict[bool, List[float]] = {False: [], True: []}
     for _ in range(repeats):
         for on in (False, True):
             with fake_device(entries if on else 0):
-                calls.replay(lambda size: hook_malloc(size, 0, 0), free)  # warm: the cache as it would be
-                ns[on].append(calls.replay(lambda size: hook_malloc(size, 0, 0), free) * 1e9 / len(calls))
+                calls.replay(malloc, free)
+                seconds = sum(calls.replay(malloc, free) for _ in range(passes))
+                ns[on].append(seconds * 1e9 / (passes * len(calls)))
     return rate_row(f"{calls.name} calls through the C hooks, from Python", ns[False], ns[True], "call",
-                    iterations=len(calls))
+                    iterations=passes * len(calls), passes=passes)
 
 
 def history_bytes(entries: int, file_entries: int, trace: str) -> Dict[str, Any]:
@@ -613,6 +622,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap.add_argument("--pairs", type=int, default=None, help="malloc+free pairs a repeat of the pair loops "
                     "(default 1000000; GPU: torch.empty/del pairs, 100000)")
     ap.add_argument("--entries", type=int, default=DEFAULT_ENTRIES, help="the history's ring while timing")
+    ap.add_argument("--passes", type=int, default=4, help="passes over the trace's calls a repeat from Python "
+                    "(ten times as many in C++)")
     ap.add_argument("--memory-entries", type=int, default=None, help="the ring whose memory is measured "
                     "(default 1000000; GPU: 100000, each written as a snapshot file too)")
     ap.add_argument("--file-entries", type=int, default=DEFAULT_ENTRIES, help="the ring written as a snapshot file")
@@ -630,7 +641,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         args.pairs = 100_000 if args.device == "cuda" else 1_000_000
     if args.memory_entries is None:  # on a GPU the ring is also written: a file of frames for each event
         args.memory_entries = 100_000 if args.device == "cuda" else 1_000_000
-    for name in ("repeats", "pairs", "entries", "memory_entries", "file_entries", "verdict_repeats"):
+    for name in ("repeats", "pairs", "entries", "passes", "memory_entries", "file_entries", "verdict_repeats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if not (args.verdict_of or args.worker) and not os.path.isfile(args.trace):
@@ -662,8 +673,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "peak_live_bytes": calls.peak_live_bytes}
         data["rates"] = [device_pairs("hooks", args.pairs, args.repeats, args.entries),
                          device_pairs("bridge_api", args.pairs, args.repeats, args.entries),
-                         trace_in_core(calls, args.repeats, args.entries),
-                         trace_through_hooks(calls, args.repeats, args.entries)]
+                         trace_in_core(calls, args.repeats, args.entries, args.passes * 10),
+                         trace_through_hooks(calls, args.repeats, args.entries, args.passes)]
         memory = run_worker({"what": "cpu memory", "entries": args.memory_entries, "file_entries": args.file_entries,
                              "trace": args.trace}, None, args.worker_timeout)
         data["history_bytes"] = [] if "error" in memory else [memory]

@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(REPO, "benchmarks", "bench_oom_watch.py")
 TRACE = os.path.join(REPO, "benchmarks", "traces", "tiny-gpt-varlen-train.pickle.gz")
 MiB = 1 << 20
-TINY = ["--repeats", "1", "--pairs", "2000", "--entries", "500", "--memory-entries", "3000",
+TINY = ["--repeats", "1", "--pairs", "2000", "--entries", "500", "--passes", "1", "--memory-entries", "3000",
         "--file-entries", "300", "--verdict-repeats", "1"]
 
 
@@ -70,9 +70,11 @@ def test_it_runs_end_to_end_on_tiny_sizes(tmp_path):
     for row in data["rates"]:
         assert row["ns_off_best"] > 0 and row["ns_on_best"] > 0 and row["repeats"] == 1, row
         assert row["case"] in run.stdout
-    core = data["rates"][2]
-    # The ring of 500 ends full of the trace's events.
-    assert core["events_kept"] == 500 and core["iterations"] == data["trace"]["calls"]
+    core, hooks = data["rates"][2:]
+    assert core["passes"] == 10 and core["iterations"] == 10 * data["trace"]["calls"]
+    assert hooks["passes"] == 1 and hooks["iterations"] == data["trace"]["calls"]
+    # A ring of 500 is full before the first pass ends: its events per allocation are not all there.
+    assert core["events_per_alloc"] is None
     [memory] = data["history_bytes"]
     assert memory["ring_entries"] == 3000 and memory["resident_growth_bytes"] >= 0
     assert memory["events_per_allocation"] == 3  # alloc, free_requested, free_completed
@@ -241,3 +243,10 @@ def test_the_gpu_workers_logic_against_a_fake_torch(allocator, monkeypatch):
     mem = memory["memory"]
     assert mem["ring_entries"] == 300 and mem["file_events"] == 300 and mem["file_bytes_per_event"] > 0
     assert mem["case"] == f"{allocator}, {recordings[-1]}"
+
+
+def test_a_ring_that_holds_a_pass_counts_its_events_per_allocation():
+    row = bench.trace_in_core(bench.Calls(TRACE), repeats=1, entries=1_000_000, passes=2)
+    # alloc, free_requested and free_completed for each, and the segments' events.
+    assert 2.9 < row["events_per_alloc"] < 3.5, row
+    assert row["iterations"] == 2 * len(bench.Calls(TRACE))
