@@ -2,7 +2,8 @@
 
 The policy is C++ (``pyalloc._C``); this package wraps it. ``install()`` makes it
 PyTorch's CUDA allocator (see ``pyalloc.cuda``); ``Allocator`` runs it over host
-or virtual memory, with no GPU needed. Importing pyalloc never imports torch.
+or virtual memory, with no GPU needed. ``watch_oom()`` keeps a snapshot, and
+a verdict, of each out-of-memory error. Importing pyalloc never imports torch.
 """
 from ._C import __version__
 from ._config import CONFIG_KEYS, parse_config
@@ -29,6 +30,7 @@ from .cuda import (
     reset_peak_memory_stats,
     snapshot,
 )
+from .oom_watch import watch_oom
 
 __all__ = [
     "Allocator",
@@ -58,4 +60,5 @@ __all__ = [
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "snapshot",
+    "watch_oom",
 ]

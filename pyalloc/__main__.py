@@ -15,12 +15,14 @@ COMMANDS = [
     ("run", "pyalloc.launcher", "run a Python script with pyalloc installed as torch's CUDA allocator"),
     ("replay", "pyalloc.replay", "replay recorded allocation traces through pyalloc (no GPU needed)"),
     ("record", "pyalloc.record", "record a program's allocation trace as a memory snapshot"),
+    ("oom", "pyalloc.oom",
+     "run a program and, if it runs out of GPU memory, keep a snapshot and say why"),
     ("doctor", "pyalloc.doctor", "check that this machine is ready for pyalloc: driver, devices, torch, live test"),
     ("bridge", "pyalloc.bridge", "build the bridge to PyTorch's allocator interface, or say where it is"),
 ]
 
 
-DESCRIPTION = "pyalloc, a CUDA caching allocator for PyTorch: run, replay or record."
+DESCRIPTION = "pyalloc, a CUDA caching allocator for PyTorch: run, replay, record or watch for OOMs."
 
 
 def _version() -> str:

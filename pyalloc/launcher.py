@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List
+from typing import List, Optional
 
 from . import _children
 from ._program import run_as_main
@@ -56,19 +56,24 @@ def main(args: argparse.Namespace) -> int:
     if not is_module and not os.path.exists(target):
         return _fail(f"cannot open {target!r}: no such file")
 
-    from . import cuda
-
     try:
-        conf = cuda.settings_text(args.conf)
-        cuda.install(args.conf, bridge=False if args.no_bridge else None,
-                     patch_torch=not args.no_patch_torch)
+        install_for_program(args.conf, no_bridge=args.no_bridge, patch_torch=not args.no_patch_torch)
     except (RuntimeError, ValueError, TypeError) as e:
         return _fail(str(e))
-    # Processes the program starts use the same settings: forked ones inherit pyalloc,
-    # spawn and forkserver ones install it on arrival, on the route this one took.
-    os.environ[cuda.CONF_ENV] = conf
-    taken = {"bridge": True, "hooks": False}.get(cuda._state.route or "")
-    _children.reach_children(conf, False if args.no_bridge else taken, not args.no_patch_torch)
-
     run_as_main("module" if is_module else "path", target, argv)
     return 0
+
+
+def install_for_program(conf: Optional[str], no_bridge: bool = False, patch_torch: bool = True) -> None:
+    """Installs pyalloc (PYALLOC_CONF, then ``conf``) for a program this process is
+    about to run, and for the processes it will start; RuntimeError, ValueError or
+    TypeError say why it cannot be. ``pyalloc oom --allocator pyalloc`` installs so too."""
+    from . import cuda
+
+    text = cuda.settings_text(conf)
+    cuda.install(conf, bridge=False if no_bridge else None, patch_torch=patch_torch)
+    # Processes the program starts use the same settings: forked ones inherit pyalloc,
+    # spawn and forkserver ones install it on arrival, on the route this one took.
+    os.environ[cuda.CONF_ENV] = text
+    taken = {"bridge": True, "hooks": False}.get(cuda._state.route or "")
+    _children.reach_children(text, False if no_bridge else taken, patch_torch)

@@ -18,79 +18,17 @@ allocator for in PyTorch's memory-snapshot format, which ``pyalloc replay``
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ._program import run_as_main
+from ._program import CommandError, parse_command, run_program
 from .snapshot_io import write_snapshot
 
 __all__ = ["RecordError", "add_arguments", "main", "profiler_snapshot", "record_program", "run_program"]
 
-_PYTHON_FLAGS_WITH_VALUE = ("-X", "-W")
-_PYTHON_FLAGS = ("-u", "-B", "-O", "-OO", "-E", "-s", "-S", "-I", "-q")
-
-
-class RecordError(RuntimeError):
-    """The program cannot be recorded as asked; the message says why."""
-
-
-# ---------------------------------------------------------------------------
-# Running the program in this process
-
-
-def parse_command(argv: List[str]) -> Tuple[str, str, List[str]]:
-    """("path" or "module", target, args) from ``python [flags] script.py args``,
-    ``python -m module args`` or ``script.py args``."""
-    argv = list(argv)
-    if argv and argv[0] == "--":
-        argv = argv[1:]
-    if not argv:
-        raise RecordError("no program given: pyalloc record -o OUT.pickle -- python script.py [args]")
-    if os.path.basename(argv[0]).startswith("python"):
-        rest = argv[1:]
-        while rest and rest[0].startswith("-") and rest[0] != "-m":
-            flag = rest.pop(0)
-            if flag in _PYTHON_FLAGS_WITH_VALUE and rest:
-                rest.pop(0)
-            elif flag not in _PYTHON_FLAGS and not flag.startswith(_PYTHON_FLAGS_WITH_VALUE):
-                raise RecordError(f"unsupported Python option {flag!r}: the program runs inside this process")
-        if rest[:1] == ["-m"] and len(rest) >= 2:
-            return "module", rest[1], rest[2:]
-        if rest and not rest[0].startswith("-"):
-            return "path", rest[0], rest[1:]
-        raise RecordError("expected 'python script.py [args]' or 'python -m module [args]'")
-    if argv[0].endswith(".py"):
-        return "path", argv[0], argv[1:]
-    raise RecordError(
-        f"only Python programs can be recorded (they run inside this process), not {argv[0]!r}"
-    )
-
-
-def run_program(argv: List[str]) -> int:
-    """Runs ``python script.py args`` (or ``-m module``) as ``__main__`` in this
-    process; its exit status. An exception in the program is printed, status 1."""
-    kind, target, args = parse_command(argv)
-    if kind == "path" and not os.path.isfile(target):
-        raise RecordError(f"{target}: no such script")
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
-    try:
-        run_as_main(kind, target, args)
-    except SystemExit as e:
-        code = e.code
-        if code is None:
-            return 0
-        if isinstance(code, int):
-            return code
-        print(code, file=sys.stderr)
-        return 1
-    except Exception:
-        traceback.print_exc()
-        return 1
-    finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
-    return 0
+#: The program cannot be recorded as asked; the message says why. The one error of
+#: every command that runs a program in its own process (pyalloc._program).
+RecordError = CommandError
 
 
 # ---------------------------------------------------------------------------

@@ -16,16 +16,26 @@ replayed as the allocation it was:
   ``allocator_settings`` record a per-process memory fraction
   (``snapshot_io.memory_fraction``), PyTorch could reserve at most that fraction
   of the device's memory, so the capacity is min(reserved + device_free,
-  fraction x device memory). A snapshot does not record the device's memory:
-  unless the caller gives it, it is taken as reserved + device_free at the event
-  (``device_total_assumed``), which leaves out what the CUDA context and other
-  processes held, and so errs low; the cap is never taken below the reserved
-  bytes, which the recording allocator held under it;
+  fraction x device memory). A snapshot does not record the device's memory;
+  pyalloc's out-of-memory recorder writes it beside the snapshot (its
+  ``pyalloc_oom`` key). Unless the caller or that record gives it, it is taken as
+  reserved + device_free at the event (``device_total_assumed``), which leaves
+  out what the CUDA context and other processes held, and so errs low; the cap
+  is never taken below the reserved bytes, which the recording allocator held
+  under it. A cap set with ``torch.cuda.set_per_process_memory_fraction`` is
+  recorded nowhere, but an event with more free device memory than the block
+  could need (``device_need``: its segment, or its expandable pages) betrays one:
+  PyTorch's device call could not have failed, its cap check did (alloc_block
+  refuses when reserved + the segment passes the cap). The cap then lay between
+  the reserved bytes and the reserved bytes + that segment (``cap_below_bytes``);
+  the capacity is taken as the reserved bytes (``cap_inferred``);
 - the bytes live then (requested, not yet freed, blocks live before the trace
   included);
 - the verdict: fragmentation when live + the allocation fit that capacity (an
   allocator that wasted less would have served it), otherwise not, short by
-  live + allocation - capacity (no allocator could have: the run needs less memory);
+  live + allocation - capacity (no allocator could have: the run needs less memory).
+  Under an inferred cap, None (withheld) where they fit below cap_below_bytes but
+  not the reserved bytes: it depends on where the cap lay, which nothing tells;
 - for each allocator of ``replay_allocators.ALLOCATORS``, whether it would have
   served the allocation: the trace's calls up to the event, then the allocation
   (freed right after), replayed from the start on a device of that capacity.
@@ -38,13 +48,14 @@ from __future__ import annotations
 import dataclasses
 from array import array
 from bisect import bisect_left
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import _C
 from .replay_allocators import ALLOCATORS, run_allocator
-from .snapshot_io import SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace, memory_fraction
+from .snapshot_io import (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace, memory_fraction,
+                          recorded_device_total)
 
-__all__ = ["MAX_OOM_REPLAYS", "diagnose_ooms", "recorded_reserved_at"]
+__all__ = ["MAX_OOM_REPLAYS", "device_need", "diagnose_ooms", "recorded_reserved_at", "segment_size"]
 
 #: Recorded OOMs per device whose request is replayed through the allocators; the
 #: verdict of later ones stands, their served_by is None (each replay runs the
@@ -79,18 +90,21 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
                   device_total: Optional[int] = None) -> List[Dict[str, Any]]:
     """One dict per readable oom event of `trace` (see the module docstring):
     ``{event, size_bytes, live_bytes, capacity_bytes, fragmentation, served_by,
-    memory_fraction, device_total_bytes, device_total_assumed}``, ``size_bytes``
+    memory_fraction, device_total_bytes, device_total_assumed, reserved_bytes,
+    device_free_bytes, cap_inferred, cap_below_bytes}``, ``size_bytes``
     being the size PyTorch recorded (rounded, not requested) and ``served_by`` by
     allocator name. Where the recording allocator's reserved bytes are unknown
     (no segments), capacity, verdict and served_by are None. ``memory_fraction``
     is the recorded per-process memory fraction (None: none recorded);
-    ``device_total_bytes`` the device memory its cap was taken of (`device_total`
-    where given, else reserved + device_free: ``device_total_assumed``), None
-    where no fraction applies."""
+    ``device_total_bytes`` the device's memory: `device_total` where given, else
+    what pyalloc's out-of-memory recorder wrote beside the snapshot
+    (``snapshot_io.recorded_device_total``), else, where a fraction needs it,
+    reserved + device_free (``device_total_assumed``); None where none of these."""
     ooms = sorted(trace.ooms)
     if not ooms:
         return []
     fraction = memory_fraction(trace.metadata)
+    known = device_total or recorded_device_total(trace.metadata, trace.device)
     events = [event for event, _, _, _ in ooms]
     reserved = recorded_reserved_at(trace, plan.native_start_bytes, events)
     # The failed allocation goes in before the first call of a later event.
@@ -98,12 +112,11 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
     lives = _live_before(plan, points)
     out = []
     for n, ((event, size, free, stream), held, k, live) in enumerate(zip(ooms, reserved, points, lives)):
-        capacity = None if held is None else held + free
-        total = None
-        if capacity is not None and fraction is not None:
-            total = device_total if device_total else capacity
-            # The recording allocator held `held` under the cap: it is at least that.
-            capacity = min(capacity, max(int(fraction * total), held))
+        capacity, cap_below, total = None, None, known
+        if held is not None:
+            if fraction is not None:
+                total = known or held + free
+            capacity, cap_below = _capacity(held, free, size, fraction, total)
         served_by: Dict[str, Optional[bool]] = {a: None for a in ALLOCATORS}
         if capacity is not None and n < MAX_OOM_REPLAYS:
             served_by = _served_by(plan, k, event, size, stream, capacity, conf)
@@ -112,13 +125,79 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
             "size_bytes": size,
             "live_bytes": live,
             "capacity_bytes": capacity,
-            "fragmentation": None if capacity is None else live + size <= capacity,
+            "fragmentation": _fragmentation(live + size, capacity, cap_below),
             "served_by": served_by,
             "memory_fraction": fraction,
             "device_total_bytes": total,
-            "device_total_assumed": total is not None and not device_total,
+            "device_total_assumed": total is not None and not known,
+            "reserved_bytes": held,
+            "device_free_bytes": free,
+            "cap_inferred": cap_below is not None,
+            "cap_below_bytes": cap_below,
         })
     return out
+
+
+# PyTorch's sizes (c10/cuda/CUDACachingAllocator.cpp): kSmallSize, the largest
+# small-pool block; kSmallBuffer, a small segment (and a small page of an
+# expandable segment); kMinLargeAlloc, below which a large block gets a
+# kLargeBuffer segment (and the large pool's expandable page); kRoundLarge, the
+# rounding of larger segments.
+_SMALL_SIZE, _SMALL_BUFFER, _MIN_LARGE_ALLOC, _LARGE_BUFFER, _ROUND_LARGE = 1 << 20, 2 << 20, 10 << 20, 20 << 20, 2 << 20
+
+
+def segment_size(size: int) -> int:
+    """The segment PyTorch's allocator asks the device for to hold a block of
+    `size` bytes (its get_allocation_size: alloc_block's p.alloc_size), the size
+    its per-process memory fraction is checked against."""
+    if size <= _SMALL_SIZE:
+        return _SMALL_BUFFER
+    if size < _MIN_LARGE_ALLOC:
+        return _LARGE_BUFFER
+    return -(-size // _ROUND_LARGE) * _ROUND_LARGE
+
+
+def device_need(size: int) -> int:
+    """The most device memory PyTorch's allocator can need to take a block of
+    `size` bytes, with expandable segments or without: its segment, or the pages
+    of an expandable segment that cover the block (2 MiB in the small pool, 20 MiB
+    in the large one)."""
+    page = _SMALL_BUFFER if size <= _SMALL_SIZE else _LARGE_BUFFER
+    return max(segment_size(size), -(-size // page) * page)
+
+
+def _capacity(held: int, free: int, size: int, fraction: Optional[float],
+              total: Optional[int]) -> Tuple[int, Optional[int]]:
+    """(the capacity, the bound a cap was inferred below, or None).
+
+    All the run could have had is what it held and what the device had free;
+    under a recorded fraction, no more than that fraction of the device (and no
+    less than it held under it). A device with more free memory than the block
+    could need (device_need) did not refuse it: a cap did, one the snapshot does
+    not record (set_per_process_memory_fraction). alloc_block refuses when
+    reserved + segment > the cap, and every earlier segment passed, so the cap
+    lay in [held, held + segment): the capacity is taken as held, its lower bound."""
+    capacity = held + free
+    if fraction is not None and total is not None:
+        capacity = min(capacity, max(int(fraction * total), held))
+    if free >= device_need(size):
+        below = held + segment_size(size)
+        if capacity >= below:
+            return held, below
+    return capacity, None
+
+
+def _fragmentation(need: int, capacity: Optional[int], cap_below: Optional[int]) -> Optional[bool]:
+    """Whether `need` bytes (live + the block) fit the capacity; under an inferred
+    cap, which lay in [capacity, cap_below), None where the answer depends on
+    where in it: at least capacity fits any such cap, at least cap_below none."""
+    if capacity is None:
+        return None
+    if need <= capacity:
+        return True
+    if cap_below is None or need >= cap_below:
+        return False
+    return None
 
 
 def _live_before(plan: Any, points: List[int]) -> List[int]:

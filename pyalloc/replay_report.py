@@ -8,15 +8,17 @@ replay itself never imports matplotlib.
 from __future__ import annotations
 
 import os
+import shlex
 import textwrap
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ._C import format_bytes
 from .replay_result import BUDGET_PRECISION, ReplayResult
 
-__all__ = ["ALLOCATOR_NAMES", "BUDGET_LEGEND", "COLUMNS", "LEGEND", "TABLE_LEGEND", "TIE", "WIDTH", "comparison_figure", "figure",
-           "format_names", "format_ooms", "format_recorded", "format_table", "oom_sentence", "plot_comparison",
-           "plot_results", "short_names", "shortened_names", "verdicts", "wrap"]
+__all__ = ["ALLOCATOR_NAMES", "BUDGET_LEGEND", "COLUMNS", "LEGEND", "TABLE_LEGEND", "TIE", "VERDICT_LINES", "WIDTH",
+           "comparison_figure", "figure", "format_names", "format_ooms", "format_recorded", "format_table",
+           "format_verdict", "oom_sentence", "plot_comparison", "plot_results", "short_names", "shortened_names",
+           "verdicts", "wrap"]
 
 #: The full table's columns (the markdown header). The terminal's table is
 #: narrower: the three measures (TABLE_LEGEND) under one heading each.
@@ -446,11 +448,15 @@ def oom_sentence(oom: Dict[str, Any]) -> str:
     yes = [a for a, v in served.items() if v is True]
     no = [a for a, v in served.items() if v is False]
     on = f"{format_bytes(capacity)}{_fraction_note(oom)}"
-    if oom["fragmentation"]:
+    fragmentation = oom["fragmentation"]
+    if fragmentation:
         text = f"fragmentation: {format_bytes(needed)} needed on {on}"
-    else:
+    elif fragmentation is False:
         text = (f"not fragmentation: {format_bytes(needed)} needed on {on} "
                 f"({format_bytes(needed - capacity)} short)")
+    else:
+        text = f"fragmentation only if the cap was at least {format_bytes(needed)}, which the snapshot does not tell"
+    text += _cap_note(oom)
     if yes and no:
         text += f"; {_names(yes)} would have served it, {_names(no)} would not"
     elif yes:
@@ -459,31 +465,81 @@ def oom_sentence(oom: Dict[str, Any]) -> str:
         text += f"; none of {', '.join(ALLOCATOR_NAMES.get(a, a) for a in no)} would have served it"
     elif no:
         text += f"; {_names(no)} would not have served it"
-    if not oom["fragmentation"]:
+    if fragmentation is False:
         text += "; reduce memory"
     return f"{head}: {text}"
 
 
-def _fraction_note(oom: Dict[str, Any]) -> str:
-    """" (memory fraction 0.5 of ...)" where a recorded fraction capped the capacity."""
-    fraction, total = oom.get("memory_fraction"), oom.get("device_total_bytes")
-    if fraction is None or total is None:
+def _cap_note(oom: Dict[str, Any]) -> str:
+    """"; a cap was in force: ..." where one the snapshot does not record was inferred
+    (replay_oom._capacity): the evidence, and what the capacity was taken as."""
+    if not oom.get("cap_inferred"):
         return ""
+    reserved, below = oom["reserved_bytes"], oom["cap_below_bytes"]
+    return (f"; a cap was in force: {format_bytes(oom['device_free_bytes'])} free on the device, more than the "
+            f"{format_bytes(below - reserved)} segment it wanted; taken as the {format_bytes(reserved)} reserved "
+            f"(it lay below {format_bytes(below)})")
+
+
+def _fraction_note(oom: Dict[str, Any]) -> str:
+    """" (memory fraction 0.5 of ...)" where a recorded fraction capped the capacity;
+    " of the device's 80.00 GiB" where the device's memory is known without one."""
+    fraction, total = oom.get("memory_fraction"), oom.get("device_total_bytes")
+    if total is None:
+        return ""
+    if fraction is None:
+        return f" of the device's {format_bytes(total)}"
     if oom.get("device_total_assumed"):
         return (f" (memory fraction {fraction:g} of the device, whose memory the snapshot does "
                 f"not record: taken as {format_bytes(total)}, reserved plus free at the error)")
     return f" (memory fraction {fraction:g} of {format_bytes(total)})"
 
 
+def _oom_lines(r: ReplayResult, oom: Dict[str, Any]) -> List[str]:
+    """One recorded out-of-memory error's sentence, named by trace and event, as
+    lines of at most WIDTH columns, the later ones indented."""
+    return textwrap.wrap(f"{_label(r)}, event {oom['event']}: {oom_sentence(oom)}", WIDTH,
+                         subsequent_indent="  ", break_on_hyphens=False)
+
+
 def format_ooms(results: Sequence[ReplayResult]) -> str:
     """A sentence per out-of-memory error the traces recorded, each within WIDTH
     columns, its later lines indented ("" if none)."""
-    lines = []
-    for r in results:
-        for oom in r.recorded_ooms:
-            lines.append(textwrap.fill(f"{_label(r)}, event {oom['event']}: {oom_sentence(oom)}", WIDTH,
-                                       subsequent_indent="  ", break_on_hyphens=False))
-    return "\n".join(lines)
+    return "\n".join(line for r in results for oom in r.recorded_ooms for line in _oom_lines(r, oom))
+
+
+#: At most this many lines in format_verdict().
+VERDICT_LINES = 8
+
+
+def format_verdict(results: Sequence[ReplayResult], path: str) -> List[str]:
+    """What a program that just ran out of memory prints on stderr, from the replay
+    of the snapshot it left at `path` (replay_devices(path)): for each device, its
+    last recorded out-of-memory error (the one the snapshot was taken at), in the
+    very sentence ``pyalloc replay PATH`` prints for it (format_ooms()), as many as
+    fit VERDICT_LINES, a count of those left out, then the command that replays
+    the file again. At most VERDICT_LINES lines of at most WIDTH columns; [] when
+    the results recorded no out-of-memory error."""
+    recorded = [(r, r.recorded_ooms[-1]) for r in results if r.recorded_ooms]
+    if not recorded:
+        return []
+    total = sum(len(r.recorded_ooms) for r in results)
+    command = "pyalloc replay " + shlex.quote(os.fspath(path))
+    lines: List[str] = []
+    shown = 0
+    for r, oom in recorded:
+        sentence = _oom_lines(r, oom)
+        # One line for the command, one for a count of those left out.
+        if lines and len(lines) + len(sentence) > VERDICT_LINES - 2:
+            break
+        lines += sentence[:VERDICT_LINES - 2]
+        shown += 1
+    if total > shown:
+        lines.append(f"  ({total - shown} more out-of-memory error(s) in this file, earlier or on other "
+                     "devices: pyalloc replay lists each)")
+    # The command stays whole on its line, to be copied, however long the path.
+    said = "to replay it again, with the table and every error:"
+    return lines + ([f"{said} {command}"] if len(said) + 1 + len(command) <= WIDTH else [said, "  " + command])
 
 
 def plot_results(results: Sequence[ReplayResult], path: str) -> None:

@@ -53,6 +53,7 @@ __all__ = [
     "device_traces",
     "devices_of",
     "load_snapshot",
+    "recorded_device_total",
     "memory_fraction",
     "read_trace",
     "write_snapshot",
@@ -513,6 +514,26 @@ def memory_fraction(snapshot: Dict[str, Any]) -> Optional[float]:
     except ValueError:
         return None
     return fraction if 0.0 < fraction < 1.0 else None
+
+
+#: The top-level key under which pyalloc's out-of-memory recorder writes what the
+#: snapshot itself does not say (the device's memory, the allocator, the command...).
+RECORDER_KEY = "pyalloc_oom"
+
+
+def recorded_device_total(snapshot: Dict[str, Any], device: int) -> Optional[int]:
+    """The total memory of `device` in bytes, as pyalloc's out-of-memory recorder
+    wrote it beside the snapshot (``pyalloc_oom["device_total_bytes"]``, from
+    torch.cuda.mem_get_info), or None: no such record, another device's (its
+    ``device`` names the one it measured), or not a positive byte count. A snapshot
+    dict, or a Trace's ``metadata``."""
+    record = snapshot.get(RECORDER_KEY)
+    if type(record) is not dict:
+        return None
+    total, measured = record.get("device_total_bytes"), record.get("device")
+    if type(measured) is int and measured != device:
+        return None
+    return total if type(total) is int and 0 < total < _MAX_SIZE else None
 
 
 def _segment_devices(snapshot: Dict[str, Any]) -> set:

@@ -36,7 +36,7 @@ def test_version():
     assert p.returncode == 0 and p.stdout.strip() == f"pyalloc {pyalloc.__version__}"
 
 
-@pytest.mark.parametrize("command", [[], ["run"], ["replay"], ["record"]])
+@pytest.mark.parametrize("command", [[], ["run"], ["replay"], ["record"], ["oom"]])
 def test_help_has_no_rest_markup(command):
     p = cli(*command, "--help")
     assert p.returncode == 0

@@ -184,10 +184,13 @@ def test_constructor_sun_device_1_is_not_fragmentation_and_pyalloc_does_not_serv
     live = sum(e["size"] for e in trace[:event] if e["action"] == "alloc") - \
         sum(e["size"] for e in trace[:event] if e["action"] == "free_completed")  # nothing live before
     assert backward_live(snapshot, 1)[1] == 0
-    capacity = backward_reserved(snapshot, 1, event) + trace[event]["device_free"]
+    reserved, free = backward_reserved(snapshot, 1, event), trace[event]["device_free"]
+    capacity = reserved + free
     assert oom == {"event": event, "size_bytes": trace[event]["size"], "live_bytes": live,
                    "capacity_bytes": capacity, "fragmentation": False, "served_by": oom["served_by"],
-                   "memory_fraction": None, "device_total_bytes": None, "device_total_assumed": False}
+                   "memory_fraction": None, "device_total_bytes": None, "device_total_assumed": False,
+                   "reserved_bytes": reserved, "device_free_bytes": free, "cap_inferred": False,
+                   "cap_below_bytes": None}
     assert (round(live / GiB, 1), round(capacity / GiB, 1)) == (78.3, 78.5)
     short = live + oom["size_bytes"] - capacity
     assert round(short / GiB, 1) == 4.7
@@ -408,7 +411,8 @@ def test_json_rows_carry_recorded_ooms_with_the_documented_keys(tmp_path):
     [row] = json.loads(out.read_text())
     [oom] = row["recorded_ooms"]
     assert set(oom) == {"event", "size_bytes", "live_bytes", "capacity_bytes", "fragmentation", "served_by",
-                        "memory_fraction", "device_total_bytes", "device_total_assumed"}
+                        "memory_fraction", "device_total_bytes", "device_total_assumed", "reserved_bytes",
+                        "device_free_bytes", "cap_inferred", "cap_below_bytes"}
     assert (oom["memory_fraction"], oom["device_total_bytes"], oom["device_total_assumed"]) == (None, None, False)
     assert set(oom["served_by"]) == set(ALLOCATORS)
     assert all(v is None or isinstance(v, bool) for v in oom["served_by"].values())
@@ -488,9 +492,10 @@ def test_cli_warns_of_skipped_oom_events_and_still_reports(tmp_path):
 def test_huge_but_readable_sizes_get_a_verdict_not_a_crash():
     [oom] = replay(with_oom(oom_event((1 << 63) - 1, MiB)), search=False).recorded_ooms
     assert oom["fragmentation"] is False and oom["served_by"]["pyalloc"] is False
-    # A device said to have 2**62 bytes free: the request fits, and pyalloc serves it.
+    # A device said to have 2**62 bytes free: only a cap refuses there, below the 20 MiB
+    # held + the 8 MiB segment; 4 + 8 MiB fit the 20 held, and pyalloc serves them.
     [oom] = replay(with_oom(oom_event(8 * MiB, 1 << 62)), search=False).recorded_ooms
-    assert oom["capacity_bytes"] == 20 * MiB + (1 << 62)
+    assert (oom["capacity_bytes"], oom["cap_below_bytes"]) == (20 * MiB, 40 * MiB)
     assert oom["fragmentation"] is True and oom["served_by"]["pyalloc"] is True
     # Both at once: capacity near 2**63, request near 2**63.
     # It fits that capacity, but is past the largest request pyalloc takes.
@@ -656,3 +661,125 @@ def test_peak_live_after_the_ring_buffer_wrapped(seed):
         kept = {"segments": segments, "device_traces": [events[cut:]]}
         [r] = replay_devices(kept, search=False)
         assert r.peak_live_bytes == max(live_after[cut - 1:]), cut
+
+
+# -- what the recorder writes beside the snapshot (pyalloc_oom) ---------------
+
+
+def with_recorder_metadata(snapshot, **fields):
+    """The snapshot as pyalloc's out-of-memory recorder writes it: a top-level
+    "pyalloc_oom" dict (any field may be missing)."""
+    snapshot["pyalloc_oom"] = {"device": 0, "allocator": "pytorch", "pyalloc": "0", **fields}
+    return snapshot
+
+
+def test_the_recorders_device_total_reaches_the_trace_and_caps_the_fraction():
+    from pyalloc.snapshot_io import read_trace
+
+    snapshot = with_recorder_metadata(with_fraction(fragmented(), {"per_process_memory_fraction": 0.52}),
+                                      device_total_bytes=200 * MiB)
+    assert read_trace(snapshot).metadata["pyalloc_oom"]["device_total_bytes"] == 200 * MiB
+    [oom] = replay(snapshot, search=False).recorded_ooms
+    assert (oom["device_total_bytes"], oom["device_total_assumed"]) == (200 * MiB, False)
+    assert oom["capacity_bytes"] == int(0.52 * 200 * MiB)
+    assert "needed on 104.00 MiB (memory fraction 0.52 of 200.00 MiB)" in oom_sentence(oom)
+
+
+def test_the_recorders_device_total_is_said_without_a_fraction_too():
+    # 100 MiB reserved + 10 MiB free of a 128 MiB device: the other 18 MiB the run
+    # could not use (the CUDA context, other processes).
+    [oom] = replay(with_recorder_metadata(fragmented(), device_total_bytes=128 * MiB),
+                   search=False).recorded_ooms
+    assert (oom["capacity_bytes"], oom["device_total_bytes"], oom["device_total_assumed"]) == \
+        (110 * MiB, 128 * MiB, False)
+    assert "needed on 110.00 MiB of the device's 128.00 MiB" in oom_sentence(oom)
+
+
+@pytest.mark.parametrize("fields", [
+    {"device_total_bytes": 200 * MiB, "device": 1},  # another device's total
+    {"device_total_bytes": -5}, {"device_total_bytes": True}, {"device_total_bytes": "200MiB"},
+    {"device_total_bytes": 0}, {"device_total_bytes": None}, {}], ids=str)
+def test_a_device_total_that_is_not_this_devices_or_not_a_size_is_ignored(fields):
+    snapshot = with_recorder_metadata(with_fraction(fragmented(), {"per_process_memory_fraction": 0.52}), **fields)
+    [oom] = replay(snapshot, search=False).recorded_ooms
+    assert (oom["device_total_bytes"], oom["device_total_assumed"]) == (110 * MiB, True)
+    snapshot["pyalloc_oom"] = "not a dict"
+    [oom] = replay(snapshot, search=False).recorded_ooms
+    assert (oom["device_total_bytes"], oom["device_total_assumed"]) == (110 * MiB, True)
+
+
+# -- a cap the snapshot does not record ----------------------------------------
+
+
+def full_segments(request=16 * MiB, device_free=40 * GiB, segments=5, live_per_segment=10):
+    """`segments` segments of 20 MiB, each holding `live_per_segment` live 2 MiB
+    blocks (the rest of it free), then an oom event of `request` bytes with
+    `device_free` bytes free on the device."""
+    events, segs, seg = [], [], 20 * MiB
+    for s in range(segments):
+        events.append(ev("segment_alloc", BASE + s * seg, seg))
+        events += [ev("alloc", BASE + s * seg + b * 2 * MiB, 2 * MiB) for b in range(live_per_segment)]
+        blocks = [{"address": BASE + s * seg + b * 2 * MiB, "size": 2 * MiB, "requested_size": 2 * MiB,
+                   "state": "active_allocated", "frames": []} for b in range(live_per_segment)]
+        if live_per_segment < 10:
+            blocks.append({"address": BASE + s * seg + live_per_segment * 2 * MiB,
+                           "size": (10 - live_per_segment) * 2 * MiB, "state": "inactive", "frames": []})
+        segs.append({"device": 0, "address": BASE + s * seg, "total_size": seg, "stream": 0,
+                     "segment_type": "large", "blocks": blocks})
+    events.append(oom_event(request, device_free))
+    return {"segments": segs, "device_traces": [events]}
+
+
+def test_more_free_on_the_device_than_the_segment_it_wanted_means_a_cap():
+    """100 MiB live in five full 20 MiB segments, a 16 MiB block refused with 40 GiB
+    free: PyTorch's cudaMalloc of a 16 MiB segment cannot fail with 40 GiB free, so
+    a cap refused it (set_per_process_memory_fraction, which the snapshot does not
+    record), below 100 + 16 MiB: no allocator had room, it is not fragmentation."""
+    [oom] = replay(full_segments(), search=False).recorded_ooms
+    assert oom["cap_inferred"] is True
+    assert (oom["reserved_bytes"], oom["capacity_bytes"], oom["cap_below_bytes"]) == \
+        (100 * MiB, 100 * MiB, 116 * MiB)
+    assert oom["fragmentation"] is False
+    assert not any(oom["served_by"].values())
+    sentence = oom_sentence(oom)
+    assert "not fragmentation: 116.00 MiB needed on 100.00 MiB" in sentence
+    assert ("a cap was in force: 40.00 GiB free on the device, more than the 16.00 MiB segment it "
+            "wanted; taken as the 100.00 MiB reserved (it lay below 116.00 MiB)") in sentence
+
+
+def test_an_inferred_cap_with_room_in_the_reserved_bytes_is_fragmentation():
+    # 50 MiB live in 100 MiB reserved, 6 MiB each segment's free tail: a 16 MiB block
+    # fits the 100 MiB reserved whatever the cap was, 66 MiB needed.
+    [oom] = replay(full_segments(live_per_segment=5), search=False).recorded_ooms
+    assert (oom["cap_inferred"], oom["capacity_bytes"], oom["fragmentation"]) == (True, 100 * MiB, True)
+    assert oom["served_by"]["pyalloc"] is True
+
+
+def test_an_inferred_cap_that_may_or_may_not_have_held_the_need_withholds_the_verdict():
+    # 90 MiB live in 100 MiB reserved, 16 MiB more: 106 MiB needed, the cap somewhere
+    # in [100, 116) MiB: fragmentation only if it was at least 106. Not said either way.
+    snapshot = full_segments()
+    events = snapshot["device_traces"][0]
+    events[-1:-1] = [e for b in range(5) for e in free(BASE + b * 20 * MiB, 2 * MiB)]
+    for s in range(5):
+        snapshot["segments"][s]["blocks"][0]["state"] = "inactive"
+    [oom] = replay(snapshot, search=False).recorded_ooms
+    assert (oom["live_bytes"], oom["capacity_bytes"], oom["cap_below_bytes"]) == (90 * MiB, 100 * MiB, 116 * MiB)
+    assert oom["cap_inferred"] is True and oom["fragmentation"] is None
+    sentence = oom_sentence(oom)
+    assert "not fragmentation" not in sentence and "reduce memory" not in sentence
+    assert ("fragmentation only if the cap was at least 106.00 MiB, which the snapshot does not tell"
+            in sentence)
+
+
+def test_free_memory_below_the_segment_it_wanted_infers_no_cap():
+    # A 1.5 MiB block comes from a 20 MiB segment: 10 MiB free is more than the block
+    # but less than the segment, and cudaMalloc fails for want of memory.
+    [oom] = replay(full_segments(request=3 * MiB // 2, device_free=10 * MiB), search=False).recorded_ooms
+    assert oom["cap_inferred"] is False and oom["cap_below_bytes"] is None
+    assert oom["capacity_bytes"] == 110 * MiB
+    # A 22 MiB block under expandable segments maps two 20 MiB pages: 30 MiB free may not do.
+    [oom] = replay(full_segments(request=22 * MiB, device_free=30 * MiB), search=False).recorded_ooms
+    assert oom["cap_inferred"] is False and oom["capacity_bytes"] == 130 * MiB
+    [oom] = replay(full_segments(request=22 * MiB, device_free=40 * MiB), search=False).recorded_ooms
+    assert (oom["cap_inferred"], oom["cap_below_bytes"]) == (True, 122 * MiB)

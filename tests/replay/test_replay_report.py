@@ -141,3 +141,36 @@ def test_the_plot_has_the_three_measures_side_by_side():
     assert widths(axes[0]) == [[1.01, 1.02], [1.2, 1.3], [1.1, 1.05]]
     assert widths(axes[1]) == [[1.3, 1.1], [1.2, 1.4], [1.1, 1.2]]
     assert widths(axes[2]) == [[500, 30], [20, 10], [200, 90]]
+
+
+# -- the verdict the out-of-memory recorder prints -----------------------------
+
+def test_format_verdict_is_the_replays_sentence_and_the_command(tmp_path):
+    import shlex
+
+    from pyalloc.replay import replay_devices
+    from pyalloc.replay_report import format_ooms, format_verdict
+    from pyalloc.snapshot_io import write_snapshot
+    from test_replay_oom import fragmented
+
+    path = tmp_path / "a dir" / "rank0-dev0.pickle"
+    path.parent.mkdir()
+    write_snapshot(fragmented(), path)
+    results = replay_devices(str(path), search=False)
+    lines = format_verdict(results, str(path))
+    # Within WIDTH columns, but for the command, which stays whole to be copied.
+    assert 2 <= len(lines) <= 8 and all(len(line) <= WIDTH for line in lines[:-1])
+    assert lines[-1].endswith("pyalloc replay " + shlex.quote(str(path)))
+    assert shlex.split(lines[-1][lines[-1].index("pyalloc replay"):]) == ["pyalloc", "replay", str(path)]
+    # The same figures as `pyalloc replay` prints: its sentence, line for line.
+    printed = format_ooms(replay_devices(str(path), search=True)).splitlines()
+    assert lines[:len(printed)] == printed
+
+
+def test_format_verdict_says_nothing_without_an_oom():
+    from pyalloc.replay import replay_devices
+    from pyalloc.replay_report import format_verdict
+    from test_replay_oom import ev, free
+
+    clean = {"segments": [], "device_traces": [[ev("alloc", 1, 10)] + free(1, 10)]}
+    assert format_verdict(replay_devices(clean, search=False), "clean.pickle") == []
