@@ -34,8 +34,9 @@ GPU), with ``pyalloc.record_history(True, N)`` against off:
      trace with no oom event gets one injected after its peak of live bytes: a
      request of twice its largest allocation with half of that free on the
      device (capacity = recorded reserved + free); the output says so. Timed in
-     this process and as a child process (interpreter start included), and, where
-     ``pyalloc._oom_verdict`` exists, as the watcher's own child command.
+     this process, as a child process (interpreter start included), and as the
+     watcher's own child command, ``python -m pyalloc._oom_verdict FILE --device D
+     --timeout T``.
 
 With ``--device cuda`` (needs a CUDA GPU), each allocator in a fresh process of
 its own (PyTorch reads its allocator setting once): PyTorch's default, with
@@ -71,6 +72,7 @@ import pyalloc  # noqa: E402
 from pyalloc import _C  # noqa: E402
 from pyalloc.replay import plan_trace, replay_devices  # noqa: E402
 from pyalloc.replay_oom import recorded_reserved_at  # noqa: E402
+from pyalloc.replay_report import format_verdict  # noqa: E402
 from pyalloc.snapshot_io import device_traces, load_snapshot, read_trace, write_snapshot  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -341,14 +343,7 @@ def with_oom(path: str, out: str) -> Tuple[str, int, Optional[Dict[str, int]]]:
 
 def verdict_lines(path: str, device: int) -> List[str]:
     """What the watcher's child prints: the replay, then the out-of-memory lines."""
-    results = replay_devices(path, device=device, search=False, progress=False)
-    try:
-        from pyalloc.replay_report import format_verdict  # the watcher's own lines, where present
-    except ImportError:
-        from pyalloc.replay_report import format_ooms
-
-        return format_ooms(results).splitlines()
-    return format_verdict(results, path)
+    return format_verdict(replay_devices(path, device=device, search=False, progress=False), path)
 
 
 def timed_child(argv: List[str], timeout: float) -> Tuple[float, int, str]:
@@ -383,15 +378,12 @@ def verdict_timing(path: str, name: str, events: int, repeats: int, tmp: str) ->
            "repeats": repeats, "child_seconds": round(child, 3), "child_exit": rc, "lines": lines}
     if rc != 0:
         row["child_output"] = said[-2000:]
-    try:
-        import pyalloc._oom_verdict  # noqa: F401  (the watcher's child, where this build has it)
-    except ImportError:
-        row["watcher_child"] = "pyalloc._oom_verdict is not in this build"
-    else:
-        took, rc, said = timed_child([sys.executable, "-m", "pyalloc._oom_verdict", timed, "--device", str(device),
-                                      "--timeout", str(VERDICT_TIMEOUT_S)], VERDICT_TIMEOUT_S + 60)
-        row.update(watcher_child_seconds=round(took, 3), watcher_child_exit=rc,
-                   watcher_child_output=said.splitlines()[-12:])
+    # The watcher's own child, as pyalloc oom and watch_oom() start it (it writes the verdict
+    # beside the copy, in the temporary folder).
+    took, rc, said = timed_child([sys.executable, "-m", "pyalloc._oom_verdict", timed, "--device", str(device),
+                                  "--timeout", str(VERDICT_TIMEOUT_S)], VERDICT_TIMEOUT_S + 60)
+    row.update(watcher_child_seconds=round(took, 3), watcher_child_exit=rc,
+               watcher_child_output=said.splitlines()[-12:])
     return row
 
 
@@ -597,9 +589,8 @@ def print_table(data: Dict[str, Any]) -> None:
         injected = row["injected_oom"]
         print(f"verdict on {row['trace']} ({row['events']} events, device {row['device']}; {row['why']}): "
               f"{row['seconds_best']:.2f} s in process (median {row['seconds_median']:.2f}), "
-              f"{row['child_seconds']:.2f} s as a child process"
-              + (f", {row['watcher_child_seconds']:.2f} s as python -m pyalloc._oom_verdict"
-                 if "watcher_child_seconds" in row else ""))
+              f"{row['child_seconds']:.2f} s as a child process, {row['watcher_child_seconds']:.2f} s as "
+              "python -m pyalloc._oom_verdict")
         if injected:
             capacity = injected["capacity_bytes"]
             print(f"  no oom event recorded: one injected at event {injected['event']} (after the peak of live "

@@ -91,6 +91,9 @@ def test_it_runs_end_to_end_on_tiny_sizes(tmp_path):
         assert row["child_exit"] == 0 and row["seconds_best"] > 0 and row["lines"], row
         assert row["lines"][0].startswith("with-oom-") and "allocation" in row["lines"][0]
         assert row["lines"][0] in run.stdout
+        # The watcher's child says the same lines.
+        assert row["watcher_child_exit"] == 0 and row["watcher_child_seconds"] > 0, row
+        assert row["watcher_child_output"][0] == "pyalloc oom: " + row["lines"][0], row
     assert "fragmentation" in " ".join(second["lines"])
     assert "no oom event recorded: one injected" in run.stdout
 
