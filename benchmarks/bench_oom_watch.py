@@ -105,15 +105,18 @@ def best_median(values: List[float]) -> Tuple[float, float]:
     return min(values), statistics.median(values)
 
 
-def rate_row(case: str, ns_off: List[float], ns_on: List[float], per: str, **extra: Any) -> Dict[str, Any]:
-    """One case's figures: ns per `per` (a pair or a call) and operations per second,
-    best and median of the repeats, off and on; the added cost from the best of each."""
+def rate_row(case: str, ns_off: List[float], ns_on: List[float], per: str, allocs_per: float = 1.0,
+             **extra: Any) -> Dict[str, Any]:
+    """One case's figures: ns per `per` (a pair or a call, of which `allocs_per` are
+    allocations) and allocations per second, best and median of the repeats, off and
+    on; the added cost from the best of each."""
     off_best, off_med = best_median(ns_off)
     on_best, on_med = best_median(ns_on)
     return {"case": case, "per": per, "repeats": len(ns_off),
             "ns_off_best": round(off_best, 1), "ns_off_median": round(off_med, 1),
             "ns_on_best": round(on_best, 1), "ns_on_median": round(on_med, 1),
-            "per_second_off_best": round(1e9 / off_best), "per_second_on_best": round(1e9 / on_best),
+            "allocations_per_second_off_best": round(allocs_per * 1e9 / off_best),
+            "allocations_per_second_on_best": round(allocs_per * 1e9 / on_best),
             "added_ns_best": round(on_best - off_best, 1), "slowdown_best": round(on_best / off_best, 3),
             "slowdown_median": round(on_med / off_med, 3), **extra}
 
@@ -160,7 +163,8 @@ class Calls:
     def __init__(self, path: str) -> None:
         trace = read_trace(path)
         plan = plan_trace(trace)
-        self.name, self.events = os.path.basename(path), len(trace)
+        base = os.path.basename(path)
+        self.name, self.events = base[:base.index(".pickle")] if ".pickle" in base else base, len(trace)
         self.kinds, self.ids, self.sizes, self.streams = plan.kinds, plan.ids, plan.sizes, plan.streams
         self.allocs, self.peak_live_bytes = plan.allocs, plan.peak_live_bytes
 
@@ -243,7 +247,7 @@ def trace_in_core(calls: Calls, repeats: int, entries: int, passes: int) -> Dict
                     per_alloc = round(kept / calls.allocs, 2) if kept < entries else None
             ns[on].append(seconds * 1e9 / (passes * len(calls)))
     return rate_row(f"{calls.name} calls, core allocator, C++ loop", ns[False], ns[True], "call",
-                    iterations=passes * len(calls), passes=passes, events_per_alloc=per_alloc)
+                    calls.allocs / len(calls), iterations=passes * len(calls), passes=passes, events_per_alloc=per_alloc)
 
 
 def trace_through_hooks(calls: Calls, repeats: int, entries: int, passes: int) -> Dict[str, Any]:
@@ -260,7 +264,7 @@ def trace_through_hooks(calls: Calls, repeats: int, entries: int, passes: int) -
                 seconds = sum(calls.replay(malloc, free) for _ in range(passes))
                 ns[on].append(seconds * 1e9 / (passes * len(calls)))
     return rate_row(f"{calls.name} calls through the C hooks, from Python", ns[False], ns[True], "call",
-                    iterations=passes * len(calls), passes=passes)
+                    calls.allocs / len(calls), iterations=passes * len(calls), passes=passes)
 
 
 def history_bytes(entries: int, file_entries: int, trace: str) -> Dict[str, Any]:
@@ -496,7 +500,8 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
             rows.append(rate_row(f"{allocator}, 4 KiB torch.empty/del pairs, {label}", ns["off"]["pairs"],
                                  ns[label]["pairs"], "pair", iterations=spec["pairs"]))
             rows.append(rate_row(f"{allocator}, {calls.name} calls as torch.empty/del, {label}",
-                                 ns["off"]["trace"], ns[label]["trace"], "call", iterations=len(calls)))
+                                 ns["off"]["trace"], ns[label]["trace"], "call", calls.allocs / len(calls),
+                                 iterations=len(calls)))
         out["rows"] = rows
         return out
     label, entries = spec["recording"], spec["entries"]
@@ -565,12 +570,14 @@ def print_table(data: Dict[str, Any]) -> None:
     if rows:
         width = max(len(r["case"]) for r in rows)
         print(f"{'allocations, history off against on':<{width}}  {'ns off':>8}  {'ns on':>8}  "
-              f"{'added':>7}  {'x best':>6}  {'x med':>6}  per")
+              f"{'added':>7}  {'x best':>6}  {'x med':>6}  per   {'M allocs/s off':>14}  {'on':>6}")
         for r in rows:
             print(f"{r['case']:<{width}}  {r['ns_off_best']:>8.1f}  {r['ns_on_best']:>8.1f}  "
-                  f"{r['added_ns_best']:>7.1f}  {r['slowdown_best']:>6.3f}  {r['slowdown_median']:>6.3f}  {r['per']}")
-        print(f"(ns per pair or call, best of {rows[0]['repeats']} repeats; x: on / off, of the best and "
-              f"of the medians; ring of {data['entries']} entries)")
+                  f"{r['added_ns_best']:>7.1f}  {r['slowdown_best']:>6.3f}  {r['slowdown_median']:>6.3f}  "
+                  f"{r['per']:<4}  {r['allocations_per_second_off_best'] / 1e6:>14.2f}  "
+                  f"{r['allocations_per_second_on_best'] / 1e6:>6.2f}")
+        print(f"(ns per pair or call and allocations per second, best of {rows[0]['repeats']} repeats; x: on / off, "
+              f"of the best and of the medians; ring of {data['entries']} entries)")
     mem = data["history_bytes"]
     for m in mem:
         line = f"history kept, {m['case']}, a ring of {m['ring_entries']}: "

@@ -65,10 +65,14 @@ def test_it_runs_end_to_end_on_tiny_sizes(tmp_path):
                                        "--out", str(out)])
     assert env["torch"] and env["cpu"] and env["git_commit"]
     assert [r["case"].split(",")[0] for r in data["rates"]] == [
-        "device pools via C hooks", "device pools via bridge's C table", "tiny-gpt-varlen-train.pickle.gz calls",
-        "tiny-gpt-varlen-train.pickle.gz calls through the C hooks"]
+        "device pools via C hooks", "device pools via bridge's C table", "tiny-gpt-varlen-train calls",
+        "tiny-gpt-varlen-train calls through the C hooks"]
     for row in data["rates"]:
         assert row["ns_off_best"] > 0 and row["ns_on_best"] > 0 and row["repeats"] == 1, row
+        allocs_per = 1 if row["per"] == "pair" else data["trace"]["allocs"] / data["trace"]["calls"]
+        for side in ("off", "on"):  # ns rounded to 0.1 ns: within a percent
+            made = row[f"allocations_per_second_{side}_best"] * row[f"ns_{side}_best"] / 1e9
+            assert abs(made - allocs_per) < 0.01 * allocs_per, row
         assert row["case"] in run.stdout
     core, hooks = data["rates"][2:]
     assert core["passes"] == 10 and core["iterations"] == 10 * data["trace"]["calls"]
@@ -237,7 +241,7 @@ def test_the_gpu_workers_logic_against_a_fake_torch(allocator, monkeypatch):
     recordings = [name for name, _ in bench.gpu_recordings(allocator)]
     assert [r["case"] for r in speed["rows"]] == [
         f"{allocator}, {what}, {name}" for name in recordings
-        for what in ("4 KiB torch.empty/del pairs", "tiny-gpt-varlen-train.pickle.gz calls as torch.empty/del")]
+        for what in ("4 KiB torch.empty/del pairs", "tiny-gpt-varlen-train calls as torch.empty/del")]
     for row in speed["rows"]:
         assert row["repeats"] == 2 and row["ns_off_best"] > 0 and row["ns_on_best"] > 0, row
     assert speed["pyalloc_route"] == ("hooks" if allocator == "pyalloc" else None)
