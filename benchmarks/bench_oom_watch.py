@@ -43,8 +43,8 @@ its own (PyTorch reads its allocator setting once): PyTorch's default, with
 ``expandable_segments:True``, and pyalloc (``pyalloc.install()``). In each,
 ``torch.empty`` / ``del`` loops (4 KiB pairs, and the trace's calls) with the
 history off and on in turn: for PyTorch ``torch.cuda.memory._record_memory_history(
-max_entries=N)`` without stack frames (``context=None``) and with Python frames
-(``context="all", stacks="python"``), for pyalloc ``pyalloc.record_history(True,
+max_entries=N)`` as the watcher arms it, without stack frames (``context=None``) and
+with Python frames (``context="alloc"``, ``pyalloc oom --frames``), for pyalloc ``pyalloc.record_history(True,
 N)``. Then, each recording in a fresh process, the resident memory growth while
 its ring fills, per event, and the snapshot file's bytes per event
 (``_dump_snapshot`` / ``pyalloc.dump_snapshot``). The verdict is timed as on CPU.
@@ -70,6 +70,7 @@ from _env import RESULTS, environment  # noqa: E402
 
 import pyalloc  # noqa: E402
 from pyalloc import _C  # noqa: E402
+from pyalloc.oom_watch import HISTORY_ENTRIES, VERDICT_TIMEOUT  # noqa: E402
 from pyalloc.replay import plan_trace, replay_devices  # noqa: E402
 from pyalloc.replay_oom import recorded_reserved_at  # noqa: E402
 from pyalloc.replay_report import format_verdict  # noqa: E402
@@ -77,7 +78,7 @@ from pyalloc.snapshot_io import device_traces, load_snapshot, read_trace, write_
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+KiB, MiB = 1 << 10, 1 << 20
 #: The trace whose calls make the realistic mix (it ships with the repository).
 DEFAULT_TRACE = os.path.join(HERE, "traces", "tiny-gpt-varlen-train.pickle.gz")
 SHARED_TRACES = os.path.join(os.path.dirname(ROOT), "shared", "traces")
@@ -86,12 +87,12 @@ SHARED_TRACES = os.path.join(os.path.dirname(ROOT), "shared", "traces")
 DEFAULT_TRACES = SHARED_TRACES if os.path.isdir(SHARED_TRACES) else os.path.join(HERE, "traces")
 #: A fake device large enough for any shared trace's peak (its memory is never touched).
 FAKE_DEVICE_BYTES = 1 << 40
-#: pyalloc.record_history's default ring.
-DEFAULT_ENTRIES = 100_000
-#: The watcher's child gets this long; here only passed on to pyalloc._oom_verdict.
-VERDICT_TIMEOUT_S = 300
-#: PyTorch's recordings timed on a GPU: (label, _record_memory_history keywords).
-TORCH_RECORDINGS = (("no frames", {"context": None}), ("python frames", {"context": "all", "stacks": "python"}))
+#: The ring the watcher records (pyalloc oom --history's default).
+DEFAULT_ENTRIES = HISTORY_ENTRIES
+#: PyTorch's recordings timed on a GPU, (label, _record_memory_history keywords): the two
+#: the watcher arms (pyalloc/oom_watch.py), without frames and with --frames.
+TORCH_RECORDINGS = (("no frames", {"context": None, "stacks": "python"}),
+                    ("python frames", {"context": "alloc", "stacks": "python"}))
 #: The allocators of the GPU mode: (name, the PYTORCH_CUDA_ALLOC_CONF of its process).
 GPU_ALLOCATORS = (("native", ""), ("native_expandable", "expandable_segments:True"), ("pyalloc", ""))
 #: What the GPU mode's workers must not inherit: each sets its own allocator.
@@ -376,7 +377,7 @@ def verdict_timing(path: str, name: str, events: int, repeats: int, tmp: str) ->
         lines = verdict_lines(timed, device)
         seconds.append(time.perf_counter() - start)
     child, rc, said = timed_child([sys.executable, os.path.abspath(__file__), "--verdict-of", timed,
-                                   "--trace-device", str(device)], VERDICT_TIMEOUT_S)
+                                   "--trace-device", str(device)], VERDICT_TIMEOUT)
     row = {"trace": name, "events": events, "device": device, "injected_oom": injected,
            "seconds_best": round(min(seconds), 3), "seconds_median": round(statistics.median(seconds), 3),
            "repeats": repeats, "child_seconds": round(child, 3), "child_exit": rc, "lines": lines}
@@ -385,7 +386,7 @@ def verdict_timing(path: str, name: str, events: int, repeats: int, tmp: str) ->
     # The watcher's own child, as pyalloc oom and watch_oom() start it (it writes the verdict
     # beside the copy, in the temporary folder).
     took, rc, said = timed_child([sys.executable, "-m", "pyalloc._oom_verdict", timed, "--device", str(device),
-                                  "--timeout", str(VERDICT_TIMEOUT_S)], VERDICT_TIMEOUT_S + 60)
+                                  "--timeout", str(VERDICT_TIMEOUT)], VERDICT_TIMEOUT + 60)
     row.update(watcher_child_seconds=round(took, 3), watcher_child_exit=rc,
                watcher_child_output=said.splitlines()[-12:])
     return row
@@ -450,7 +451,7 @@ def gpu_record(allocator: str, label: str, entries: int) -> None:
     if allocator == "pyalloc":
         pyalloc.record_history(entries > 0, entries or DEFAULT_ENTRIES)
     elif entries:
-        torch.cuda.memory._record_memory_history(max_entries=entries, **dict(TORCH_RECORDINGS)[label])
+        torch.cuda.memory._record_memory_history(enabled="all", max_entries=entries, **dict(TORCH_RECORDINGS)[label])
     else:
         torch.cuda.memory._record_memory_history(None)
 

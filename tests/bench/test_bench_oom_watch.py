@@ -146,8 +146,12 @@ def test_the_gpu_recordings_are_ones_torch_takes():
     torch = pytest.importorskip("torch")
     params = inspect.signature(torch.cuda.memory._record_memory_history).parameters
     assert {"context", "stacks", "max_entries"} <= set(params)
-    # context None records no stack frames; "all" with stacks "python" records Python's.
-    assert [kw for _, kw in bench.TORCH_RECORDINGS] == [{"context": None}, {"context": "all", "stacks": "python"}]
+    # context None records no stack frames, "alloc" each allocation's Python frames (no
+    # C++ unwinding): as the watcher arms it, without and with --frames.
+    assert [kw for _, kw in bench.TORCH_RECORDINGS] == [{"context": None, "stacks": "python"},
+                                                        {"context": "alloc", "stacks": "python"}]
+    for _, kw in bench.TORCH_RECORDINGS:
+        inspect.signature(torch.cuda.memory._record_memory_history).bind(enabled="all", max_entries=10, **kw)
     assert [name for name, _ in bench.GPU_ALLOCATORS] == ["native", "native_expandable", "pyalloc"]
     assert dict(bench.GPU_ALLOCATORS)["native_expandable"] == "expandable_segments:True"
 
