@@ -10,6 +10,8 @@ from ._config import CONFIG_KEYS, parse_config
 from .allocator import Allocator, InvalidPointerError, InvariantError, OutOfMemoryError
 from .cuda import (
     NotOnCudaError,
+    attach_oom_observer,
+    detach_oom_observer,
     dump_snapshot,
     empty_cache,
     fragmentation,
@@ -40,6 +42,8 @@ __all__ = [
     "NotOnCudaError",
     "OutOfMemoryError",
     "__version__",
+    "attach_oom_observer",
+    "detach_oom_observer",
     "dump_snapshot",
     "empty_cache",
     "fragmentation",

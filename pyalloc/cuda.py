@@ -26,7 +26,7 @@ import ctypes
 import operator
 import os
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import _C, _torch_conf
 from ._config import Size, as_size, conf_string, parse_config
@@ -554,6 +554,36 @@ def release_graph_memory(device: Any = None) -> int:
 #: from 1, and (0, 0) is its default pool: an id with both halves set is never one
 #: of PyTorch's, so buffers are never mistaken for a graph's or a MemPool's memory.
 BUFFER_POOL_ID = (1, 1)
+
+
+def attach_oom_observer(fn: Callable[[int, int, int, int], Any]) -> None:
+    """Calls ``fn(device, requested_bytes, device_total, device_free)`` at each
+    out-of-memory error of pyalloc's CUDA pools, on every route (install()'s bridge
+    or C hooks, and reserve_buffer()), as PyTorch's allocator calls the observers
+    of ``torch._C._cuda_attach_out_of_memory_observer``: once per error, on the
+    allocating thread, with the GIL, after pyalloc's locks are released and before
+    the error reaches the caller. So fn may take a snapshot() (its history holds the
+    error's ``oom`` event) or allocate; an error of its own allocations calls no
+    observer. What fn raises is printed on stderr (``sys.unraisablehook``) and
+    swallowed: the caller gets its out-of-memory error all the same.
+
+    ``requested_bytes`` is what the caller asked for; ``device_total`` and
+    ``device_free`` are the driver's figures for the device (0 when pyalloc could
+    not read them), read once the error was final. Unlike PyTorch's allocator, which
+    passes the segment size it tried to get from the driver and, under a memory
+    fraction, the fraction's cap as the total, pyalloc passes the request and the
+    device's own total. Through the bridge, PyTorch's own observers hear the same
+    figures, after pyalloc's.
+
+    Attaching fn twice calls it twice. TypeError if fn is not callable."""
+    _C.cuda_attach_oom_observer(fn)
+
+
+def detach_oom_observer(fn: Callable[[int, int, int, int], Any]) -> None:
+    """Stops calling ``fn`` (one attachment of it: the oldest of a callable equal to
+    it, so ``obj.method`` detaches what ``attach_oom_observer(obj.method)`` attached).
+    ValueError if fn is not attached; TypeError if it is not callable."""
+    _C.cuda_detach_oom_observer(fn)
 
 
 def record_history(enabled: bool = True, max_entries: int = 100_000) -> None:

@@ -14,6 +14,7 @@
 
 #include "registry.h"
 #include "ipc.h"
+#include "oom_observers.h"
 #include "segment_watch.h"
 #include "streams.h"
 
@@ -93,17 +94,11 @@ int api_malloc(int device, uint64_t size, void* stream, uint64_t context, void**
     try {
       *out = reinterpret_cast<void*>(hooks::malloc(size, device, stream_of(stream), context));
     } catch (const OutOfMemoryError& e) {
+      // The figures pyalloc's observers were told: PyTorch's hear the same.
       if (oom != nullptr) {
-        *oom = pyalloc_oom_info{size, 0, 0, 0, 0, e.rejected() ? 1 : 0};
-        if (DevicePools* p = registry().find(device)) {
-          Stats st = p->stats();
-          oom->allocated = static_cast<uint64_t>(st.allocated_bytes.all.current);
-          oom->reserved = static_cast<uint64_t>(st.reserved_bytes.all.current);
-          size_t dev_free = 0, dev_total = 0;
-          p->device().mem_info(&dev_free, &dev_total);
-          oom->device_free = dev_free;
-          oom->device_total = dev_total;
-        }
+        OomReport r = report_of(e, device, size);
+        *oom = pyalloc_oom_info{r.requested, r.allocated, r.reserved, r.device_free, r.device_total,
+                                r.rejected ? 1 : 0};
       }
       throw;
     }

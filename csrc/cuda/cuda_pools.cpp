@@ -446,6 +446,21 @@ void DevicePools::record_history(bool enabled, size_t max_entries) {
 // ---------------------------------------------------------------------------
 // Out of memory
 
+OomReport DevicePools::oom_report(size_t request, bool rejected) const {
+  OomReport r;
+  r.device = index_;
+  r.requested = request;
+  r.rejected = rejected;
+  Stats st = stats();
+  r.allocated = static_cast<uint64_t>(st.allocated_bytes.all.current);
+  r.reserved = static_cast<uint64_t>(st.reserved_bytes.all.current);
+  size_t dev_free = 0, dev_total = 0;
+  device_->mem_info(&dev_free, &dev_total);
+  r.device_free = dev_free;
+  r.device_total = dev_total;
+  return r;
+}
+
 size_t DevicePools::PoolOom::release_elsewhere(Allocator& pool) {
   // Never for a graph pool: its route counts as a capture underway.
   if (!relieved_) return 0;

@@ -29,6 +29,7 @@
 #include "core/allocator.h"
 #include "cuda_backend.h"
 #include "graph_pools.h"
+#include "oom_observers.h"
 #include "pool_backend.h"
 
 namespace pyalloc {
@@ -194,6 +195,9 @@ class DevicePools {
   void release_parked();
   /// Every allocated / freed sum and counter of the device's pools to 0.
   void reset_accumulated_stats();
+  /// The figures of an out-of-memory error of `request` bytes, read now:
+  /// what its observers and PyTorch's hear (oom_observers.h).
+  OomReport oom_report(size_t request, bool rejected) const;
   /// The largest free block of any pool of the device (bytes).
   size_t largest_free_block();
   /// The largest request the device could serve without releasing anything:

@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include "oom_observers.h"
+
 namespace pyalloc {
 
 // ---------------------------------------------------------------------------
@@ -87,6 +89,13 @@ void PoolRegistry::use_fake_devices(size_t capacity) {
 }
 
 void PoolRegistry::reset_fake() {
+  drop_fake_pools();
+  // A test's observers end with its fake devices; dropped with no lock held,
+  // as dropping one may run its owner's code (a Python callable's last reference).
+  detach_all_oom_observers();
+}
+
+void PoolRegistry::drop_fake_pools() {
   std::lock_guard<std::mutex> g(mu_);
   if (!fake_) throw std::runtime_error("only fake pools can be dropped");
   only_.store(nullptr);
@@ -115,15 +124,24 @@ void report_bad_free(uintptr_t ptr, const std::string& why) {
                why.empty() ? format_ptr(ptr).c_str() : why.c_str());
 }
 
-// The device's pools, made on its first allocation. Apart from malloc(),
-// whose common case (pools made, no error) is then a few instructions.
-[[gnu::noinline]] DevicePools& first_pools(int device) {
+// The device's pools, made on a request of `size` bytes. Apart from
+// malloc(), whose common case (pools made, no error) is then a few
+// instructions. Failing to make them (pool_size does not fit) is an
+// out-of-memory error of the request, told to the observers as any other.
+[[gnu::noinline]] DevicePools& first_pools(int device, size_t size) {
   try {
     return PoolRegistry::instance().get(device);
   } catch (const OutOfMemoryError& e) {
-    throw OutOfMemoryError("CUDA out of memory. pyalloc could not create its pool on device " +
+    OutOfMemoryError error("CUDA out of memory. pyalloc could not create its pool on device " +
                            std::to_string(device) + ": " + e.what());
+    raise_observed(error, report_of(error, device, size));
   }
+}
+
+// An out-of-memory error of the device's pools, once no lock of theirs is
+// held: its observers are told (oom_observers.h), then the caller gets it.
+[[noreturn, gnu::noinline]] void raise_told(DevicePools& pools, size_t size, const OutOfMemoryError& e) {
+  raise_observed(e, pools.oom_report(size, e.rejected()));
 }
 
 [[gnu::noinline]] void raise_device_error(DevicePools& pools) {
@@ -159,12 +177,28 @@ void report_bad_free(uintptr_t ptr, const std::string& why) {
 
 uintptr_t malloc(size_t size, int device, Stream stream, uint64_t context) {
   // PyTorch may ask for 0 bytes; like its own allocator, answer nullptr.
-  if (size == 0) return 0;
+  // Said to be rare: sharing its return with the common case would cost the
+  // common case two moves around the call the catch below keeps from being a jump.
+  if (__builtin_expect(size == 0, 0)) return 0;
   DevicePools* pools = PoolRegistry::instance().find(device);
-  if (pools == nullptr) pools = &first_pools(device);
+  if (pools == nullptr) pools = &first_pools(device, size);
   // A failed event left memory out of use: say so where the user sees it.
   if (pools->device().has_error()) raise_device_error(*pools);
-  return pools->malloc(size, stream, context);
+  try {
+    return pools->malloc(size, stream, context);
+  } catch (const OutOfMemoryError& e) {
+    raise_told(*pools, size, e);
+  }
+}
+
+uintptr_t malloc_buffer(size_t size, int device, Stream stream) {
+  DevicePools* pools = PoolRegistry::instance().find(device);
+  if (pools == nullptr) pools = &first_pools(device, size);
+  try {
+    return pools->malloc_buffer(size, stream);
+  } catch (const OutOfMemoryError& e) {
+    raise_told(*pools, size, e);
+  }
 }
 
 bool free_checked(uintptr_t ptr, int device, uint64_t context, std::string* why) {

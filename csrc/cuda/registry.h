@@ -87,13 +87,15 @@ class PoolRegistry final : public ProcessPools {
   /// Tests: later pools live on fake devices of `capacity` bytes each
   /// (cuda_backend.h). Refused once a CUDA pool exists.
   void use_fake_devices(size_t capacity);
-  /// Tests: drops every fake pool and returns to the unconfigured state.
+  /// Tests: drops every fake pool and every out-of-memory observer, and
+  /// returns to the unconfigured state.
   void reset_fake();
   bool fake() const { return fake_; }
 
  private:
   PoolRegistry();
   Config config_locked();
+  void drop_fake_pools();
   /// get() of a device without pools yet: makes them, under mu_.
   DevicePools& make(int device);
 
@@ -115,7 +117,13 @@ class PoolRegistry final : public ProcessPools {
 
 /// The hooks' logic, which torch_hooks.cpp exports with C linkage.
 namespace hooks {
+/// A block for PyTorch (DevicePools::malloc of the device, its pools made on
+/// first use); an out-of-memory error is told to the observers
+/// (oom_observers.h) once no lock of the pools is held, and thrown as a
+/// DeviceOutOfMemoryError carrying what they were told.
 uintptr_t malloc(size_t size, int device, Stream stream, uint64_t context = 0);
+/// The same for a block of the device's buffer pool (pyalloc.reserve_buffer).
+uintptr_t malloc_buffer(size_t size, int device, Stream stream);
 /// Frees ptr in whichever device's pools hold it (device is a hint; -1 for
 /// none); false, with *why, if none does.
 bool free_checked(uintptr_t ptr, int device, uint64_t context, std::string* why);

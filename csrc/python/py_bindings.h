@@ -10,5 +10,6 @@ void bind_core(pybind11::module_& m);   // py_core.cpp: Allocator, config, error
 void bind_bench(pybind11::module_& m);  // bench.cpp: C++ timing loops
 void bind_replay(pybind11::module_& m);  // py_replay.cpp: trace replay
 void bind_cuda(pybind11::module_& m);   // py_cuda.cpp: the CUDA pools behind PyTorch
+void bind_oom_observers(pybind11::module_& m);  // py_oom_observers.cpp: out-of-memory observers
 
 }  // namespace pyalloc

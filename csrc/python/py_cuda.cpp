@@ -106,13 +106,12 @@ py::list with_handles(py::list entries) {
 
 py::object buffer_capsule(int device, size_t nbytes, Stream stream) {
   if (nbytes == 0) throw std::invalid_argument("reserve_buffer needs at least one byte");
-  DevicePools* pools;
   uintptr_t ptr;
   {
     py::gil_scoped_release nogil;
-    pools = &registry().get(device);
-    ptr = pools->malloc_buffer(nbytes, stream);
+    ptr = hooks::malloc_buffer(nbytes, device, stream);
   }
+  DevicePools* pools = registry().find(device);
   auto* h = new BufferHandle();
   h->device = device;
   h->ptr = ptr;

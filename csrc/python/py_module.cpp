@@ -13,4 +13,5 @@ PYBIND11_MODULE(_C, m) {
   pyalloc::bind_bench(m);
   pyalloc::bind_replay(m);
   pyalloc::bind_cuda(m);
+  pyalloc::bind_oom_observers(m);
 }
