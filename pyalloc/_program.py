@@ -1,12 +1,13 @@
 """Running a Python program as ``__main__`` in this process, as ``python`` would.
 
 ``pyalloc run``, ``pyalloc record`` and ``pyalloc oom`` run the user's program
-inside their own process, after pyalloc is installed or the recording armed. The program must not be able to tell:
-``sys.argv`` is the script and its arguments as typed, ``sys.path[0]`` is the
-script's folder (symbolic links resolved) or, for ``-m``, the working folder,
-in place of the entry the pyalloc command itself got (its bin folder, or the
-working folder of ``python -m pyalloc``), and ``__file__`` is absolute. Both
-commands use this one function, so they cannot drift apart; ``record`` and
+inside their own process, after pyalloc is installed or the recording armed.
+The program must not be able to tell: ``sys.argv`` is the script and its
+arguments as typed, ``sys.path[0]`` is the script's folder (symbolic links
+resolved) or, for ``-m``, the working folder, in place of the entry the pyalloc
+command itself got (its bin folder, or the working folder of ``python -m
+pyalloc``), and ``__file__`` is absolute. The commands use this one function,
+so they cannot drift apart; ``record`` and
 ``oom`` also read the command line the same way (``parse_command``: ``python
 [flags] script.py args``, ``python -m module args`` or ``script.py args``) and
 run it with ``run_program``, which turns the program's end into an exit status.
@@ -45,7 +46,8 @@ def parse_command(argv: List[str]) -> Tuple[str, str, List[str]]:
             if flag in _PYTHON_FLAGS_WITH_VALUE and rest:
                 rest.pop(0)
             elif flag not in _PYTHON_FLAGS and not flag.startswith(_PYTHON_FLAGS_WITH_VALUE):
-                raise CommandError(f"unsupported Python option {flag!r}: the program runs inside this process")
+                raise CommandError(f"unsupported Python option {flag!r}: "
+                                   "the program runs inside this process")
         if rest[:1] == ["-m"] and len(rest) >= 2:
             return "module", rest[1], rest[2:]
         if rest and not rest[0].startswith("-"):

@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="N", help=f"snapshots kept per process (default {MAX_SNAPSHOTS}): "
                                           "the first out-of-memory error and those after it")
     parser.add_argument("--history", type=_positive(int, "number of events"), default=HISTORY_ENTRIES,
-                        metavar="N", help=f"events of history kept per device (default {HISTORY_ENTRIES:,})")
+                        metavar="N", help=f"events of history kept per device (pyalloc: per pool; "
+                                          f"default {HISTORY_ENTRIES:,})")
     parser.add_argument("--verdict-timeout", type=_positive(float, "number of seconds"),
                         default=VERDICT_TIMEOUT, metavar="SECONDS",
                         help=f"time each verdict may take (default {VERDICT_TIMEOUT:g}); the snapshot "

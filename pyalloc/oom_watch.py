@@ -83,8 +83,9 @@ def replay_command(snapshot: str) -> str:
     return f"pyalloc replay {shlex.quote(snapshot)}"
 
 
-def start_verdict(snapshot: str, device: int, timeout: float) -> subprocess.Popen:
-    """Starts the verdict on ``snapshot`` in a child process, and returns at once.
+def start_verdict(snapshot: str, device: int, timeout: float, cwd: Optional[str] = None) -> subprocess.Popen:
+    """Starts the verdict on ``snapshot`` (a path from ``cwd``) in a child process,
+    and returns at once.
 
     Its own session, so that a signal to the program's process group (torchrun
     ending a failed job) spares it; no GPU (CUDA_VISIBLE_DEVICES=""), since a
@@ -95,7 +96,7 @@ def start_verdict(snapshot: str, device: int, timeout: float) -> subprocess.Pope
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     argv = [sys.executable, "-m", "pyalloc._oom_verdict", snapshot,
             "--device", str(device), "--timeout", str(float(timeout))]
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=cwd,
                             env=env, start_new_session=True, close_fds=True)
 
 
@@ -127,16 +128,17 @@ def _versions() -> Tuple[Optional[str], str]:
     return (str(torch.__version__) if torch is not None else None), __version__
 
 
-def reserve_name(directory: str, rank: Optional[int], device: int) -> str:
-    """Creates and returns DIR/oom-rank{rank}-cuda{device}-{k}.pickle, k the first
-    number whose file does not exist (created exclusively: two processes never get
-    the same name, and no earlier file is overwritten)."""
-    os.makedirs(directory, exist_ok=True)
+def reserve_name(directory: str, rank: Optional[int], device: int, base: str = ".") -> str:
+    """Creates and returns DIR/oom-rank{rank}-cuda{device}-{k}.pickle (DIR taken from
+    ``base`` where relative), k the first number whose file does not exist (created
+    exclusively: two processes never get the same name, and no earlier file is
+    overwritten)."""
+    os.makedirs(os.path.join(base, directory), exist_ok=True)
     k = 1
     while True:
         path = os.path.join(directory, f"oom-rank{rank or 0}-cuda{device}-{k}.pickle")
         try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            os.close(os.open(os.path.join(base, path), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
             return path
         except FileExistsError:
             k += 1
@@ -267,6 +269,8 @@ class OomWatch:
     def __init__(self, directory: str, allocator: Optional[str], frames: bool, max_snapshots: int,
                  history: int, verdict_timeout: float) -> None:
         self.directory = directory
+        # A relative folder is the one the watch started in, wherever the program goes.
+        self.base = os.getcwd()
         self.allocator = allocator
         self.frames, self.max_snapshots, self.history = frames, max_snapshots, history
         self.verdict_timeout = verdict_timeout
@@ -285,7 +289,7 @@ class OomWatch:
         return self._armed
 
     def settings(self) -> Tuple[Any, ...]:
-        return (os.path.abspath(self.directory), self.allocator, self.frames, self.max_snapshots,
+        return (os.path.join(self.base, self.directory), self.allocator, self.frames, self.max_snapshots,
                 self.history, self.verdict_timeout)
 
     def __enter__(self) -> "OomWatch":
@@ -339,16 +343,16 @@ class OomWatch:
             self._taken += 1
         snapshot = only_device(self._recorder.snapshot(), device)
         snapshot["pyalloc_oom"] = self._metadata(snapshot, device, requested, device_total, device_free)
-        path = reserve_name(self.directory, _env_int("RANK"), device)
+        path = reserve_name(self.directory, _env_int("RANK"), device, self.base)
         try:
-            write_snapshot(snapshot, path)
+            write_snapshot(snapshot, os.path.join(self.base, path))
         except BaseException:
-            os.unlink(path)
+            os.unlink(os.path.join(self.base, path))
             raise
         self.snapshots.append(path)
         txt = verdict_paths(path)[0]
         try:
-            proc = start_verdict(path, device, self.verdict_timeout)
+            proc = start_verdict(path, device, self.verdict_timeout, cwd=self.base)
         except OSError as e:
             say(f"snapshot {path}; the verdict could not start ({e}): {replay_command(path)}")
             return
@@ -420,8 +424,9 @@ def watch_oom(directory: "str | os.PathLike[str]" = DEFAULT_DIR, *, allocator: O
     None: pyalloc where it is installed or its pools exist, else PyTorch's.
     frames: record Python stack frames with each allocation (PyTorch's allocator;
     pyalloc records none). max_snapshots: snapshots kept per process, the first
-    error's and those after it. history: events kept per device. verdict_timeout:
-    seconds each verdict may take before it stops (the snapshot stays).
+    error's and those after it. history: events kept per device (pyalloc: per
+    pool). verdict_timeout: seconds each verdict may take before it stops (the
+    snapshot stays).
 
     A second call while a watch is armed returns that watch where the settings
     are the same, and raises RuntimeError where they differ (close() it first).

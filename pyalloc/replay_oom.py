@@ -41,7 +41,19 @@ replayed as the allocation it was:
   (freed right after), replayed from the start on a device of that capacity.
   Served means every allocation up to and including this one was served; an
   allocator that fails earlier would not have reached it. An allocator that this
-  build cannot run is reported as None.
+  build cannot run is reported as None;
+- how much each had to spare or lacked: the smallest device on which it serves
+  those calls (``min_capacity_bytes``), found by the budget search of the whole
+  trace (``replay._min_budget``) run on them, for the first MAX_OOM_SEARCHES
+  events of a device and its last;
+- what the recording allocator held then: its reserved bytes, those of them not
+  live (``unused_bytes``: cached free blocks and rounding), and the largest free
+  block that could have held the allocation (of its pool and stream), read from
+  the final segments where they are the ones the event met (no event but oom
+  events and the snapshot's own came after it), else None.
+
+None of it depends on the budget search of the whole trace (``replay``'s
+``search``): a verdict is the same whether or not that ran.
 """
 from __future__ import annotations
 
@@ -52,15 +64,22 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from . import _C
 from .replay_allocators import ALLOCATORS, run_allocator
-from .snapshot_io import (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace, memory_fraction,
-                          recorded_device_total)
+from .snapshot_io import (OOM, OTHER, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace,
+                          memory_fraction, recorded_device_total)
 
-__all__ = ["MAX_OOM_REPLAYS", "device_need", "diagnose_ooms", "recorded_reserved_at", "segment_size"]
+__all__ = ["MAX_OOM_REPLAYS", "MAX_OOM_SEARCHES", "device_need", "diagnose_ooms", "recorded_reserved_at",
+           "segment_size"]
 
-#: Recorded OOMs per device whose request is replayed through the allocators; the
-#: verdict of later ones stands, their served_by is None (each replay runs the
-#: trace from the start, so a file of many oom events must not cost that many).
+#: Recorded OOMs per device whose request is replayed through the allocators, and
+#: the last one (the error a snapshot dumped at an out-of-memory error was taken
+#: at); the verdict of the others stands, their served_by is None (each replay runs
+#: the trace from the start, so a file of many oom events must not cost that many).
 MAX_OOM_REPLAYS = 16
+
+#: Recorded OOMs per device for which each allocator's smallest capacity is searched
+#: (min_capacity_bytes, a bisection of some twenty replays each), and the last one;
+#: None for the others.
+MAX_OOM_SEARCHES = 4
 
 _GROW = (SEGMENT_ALLOC, SEGMENT_MAP)
 _SHRINK = (SEGMENT_FREE, SEGMENT_UNMAP)
@@ -91,11 +110,14 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
     """One dict per readable oom event of `trace` (see the module docstring):
     ``{event, size_bytes, live_bytes, capacity_bytes, fragmentation, served_by,
     memory_fraction, device_total_bytes, device_total_assumed, reserved_bytes,
-    device_free_bytes, cap_inferred, cap_below_bytes}``, ``size_bytes``
+    device_free_bytes, cap_inferred, cap_below_bytes, unused_bytes,
+    largest_free_block_bytes, min_capacity_bytes}``, ``size_bytes``
     being the size PyTorch recorded (rounded, not requested) and ``served_by`` by
-    allocator name. Where the recording allocator's reserved bytes are unknown
-    (no segments), capacity, verdict and served_by are None. ``memory_fraction``
-    is the recorded per-process memory fraction (None: none recorded);
+    allocator name, as ``min_capacity_bytes`` is. Where the recording
+    allocator's reserved bytes are unknown (no segments), capacity, verdict,
+    served_by, reserved_bytes, unused_bytes and the largest free block are
+    None. ``memory_fraction`` is the recorded per-process memory fraction (None:
+    none recorded);
     ``device_total_bytes`` the device's memory: `device_total` where given, else
     what pyalloc's out-of-memory recorder wrote beside the snapshot
     (``snapshot_io.recorded_device_total``), else, where a fraction needs it,
@@ -110,6 +132,7 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
     # The failed allocation goes in before the first call of a later event.
     points = [bisect_left(plan.events, event) for event in events]
     lives = _live_before(plan, points)
+    settled = _last_change(trace) + 1  # from this event on, the final segments are those the events met
     out = []
     for n, ((event, size, free, stream), held, k, live) in enumerate(zip(ooms, reserved, points, lives)):
         capacity, cap_below, total = None, None, known
@@ -118,8 +141,13 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
                 total = known or held + free
             capacity, cap_below = _capacity(held, free, size, fraction, total)
         served_by: Dict[str, Optional[bool]] = {a: None for a in ALLOCATORS}
-        if capacity is not None and n < MAX_OOM_REPLAYS:
+        # The last one too: the error a snapshot taken at an out-of-memory error was taken at.
+        last = n == len(ooms) - 1
+        if capacity is not None and (n < MAX_OOM_REPLAYS or last):
             served_by = _served_by(plan, k, event, size, stream, capacity, conf)
+        needs: Dict[str, Optional[int]] = {a: None for a in ALLOCATORS}
+        if n < MAX_OOM_SEARCHES or last:
+            needs = _min_capacities(plan, k, event, size, stream, conf)
         out.append({
             "event": event,
             "size_bytes": size,
@@ -134,6 +162,10 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
             "device_free_bytes": free,
             "cap_inferred": cap_below is not None,
             "cap_below_bytes": cap_below,
+            "unused_bytes": None if held is None or held < live else held - live,
+            "largest_free_block_bytes": (_largest_free(trace, size, stream)
+                                         if held is not None and event >= settled else None),
+            "min_capacity_bytes": needs,
         })
     return out
 
@@ -143,7 +175,8 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
 # expandable segment); kMinLargeAlloc, below which a large block gets a
 # kLargeBuffer segment (and the large pool's expandable page); kRoundLarge, the
 # rounding of larger segments.
-_SMALL_SIZE, _SMALL_BUFFER, _MIN_LARGE_ALLOC, _LARGE_BUFFER, _ROUND_LARGE = 1 << 20, 2 << 20, 10 << 20, 20 << 20, 2 << 20
+_SMALL_SIZE, _SMALL_BUFFER, _MIN_LARGE_ALLOC = 1 << 20, 2 << 20, 10 << 20
+_LARGE_BUFFER, _ROUND_LARGE = 20 << 20, 2 << 20
 
 
 def segment_size(size: int) -> int:
@@ -198,6 +231,48 @@ def _fragmentation(need: int, capacity: Optional[int], cap_below: Optional[int])
     if cap_below is None or need >= cap_below:
         return False
     return None
+
+
+def _last_change(trace: Trace) -> int:
+    """The last event that can change the segments or their blocks (-1: none): after
+    it, the final segments are the state every later event met."""
+    for i in range(len(trace.actions) - 1, -1, -1):
+        if trace.actions[i] not in (OOM, OTHER):
+            return i
+    return -1
+
+
+def _largest_free(trace: Trace, size: int, stream: int) -> int:
+    """The largest free block of the final segments that could have held a block of
+    `size` bytes on `stream`: one of its pool (small up to 1 MiB, as PyTorch's
+    get_pool picks) and of its stream (PyTorch reuses a block on its own stream
+    only); 0 where there is none."""
+    small = size <= _SMALL_SIZE
+    return max((b for b, s, sm in trace.free_blocks if s == stream and sm == small), default=0)
+
+
+def _min_capacities(plan: Any, k: int, event: int, size: int, stream: int,
+                    conf: str) -> Dict[str, Optional[int]]:
+    """For each allocator, the smallest device on which it serves the trace's calls up
+    to the event and then the allocation (the budget search of the whole trace,
+    replay._min_budget, on those calls); None where it serves them on no device
+    (or this build cannot run it)."""
+    from .replay import _Bars, _measure_live, _min_budget  # replay imports this module
+
+    sub = _with_request(plan, k, event, size, stream)
+    _measure_live(sub)
+    calls = _C.ReplayTrace(sub.kinds, sub.ids, sub.sizes, sub.streams)
+    needs: Dict[str, Optional[int]] = {a: None for a in ALLOCATORS}
+    for name in ALLOCATORS:
+        own = conf if name == "pyalloc" else ""  # pyalloc's configuration is pyalloc's alone
+        try:
+            uncapped = run_allocator(calls, name, conf=own, plan=sub)
+        except NotImplementedError:
+            continue
+        if uncapped.completed:
+            needs[name] = _min_budget(calls, own, sub.peak_live_bytes, uncapped.peak_reserved_bytes,
+                                      _Bars(False, ""), name)[0]
+    return needs
 
 
 def _live_before(plan: Any, points: List[int]) -> List[int]:

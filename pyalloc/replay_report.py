@@ -425,19 +425,23 @@ ALLOCATOR_NAMES = {
 }
 
 
-def _names(keys: List[str]) -> str:
-    names = [ALLOCATOR_NAMES.get(k, k) for k in keys]
+def _and(names: List[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def oom_sentence(oom: Dict[str, Any]) -> str:
     """What a recorded out-of-memory error was, in words a person can act on:
     "a 4.94 GiB allocation with 78.29 GiB live: not fragmentation: 83.20 GiB needed
-    on 78.50 GiB (4.70 GiB short); reduce memory", or "...: fragmentation: 80.00 MiB
-    needed on 110.00 MiB; pyalloc would have served it, PyTorch would not". The
+    on 78.50 GiB (4.70 GiB short); 78.42 GiB reserved, 132.94 MiB of it not live,
+    ...; none of pyalloc (4.96 GiB short), ... would have served it; reduce memory",
+    or "...: fragmentation: 80.00 MiB needed on 110.00 MiB; ...; pyalloc (9.69 MiB
+    to spare) would have served it, PyTorch (20.00 MiB short) would not". The
     allocation's size is the one PyTorch recorded, rounded as it rounds requests.
     Under a recorded memory fraction the capacity says so, and what device memory
-    it assumed. Allocators whose answer is unknown (None) are left out."""
+    it assumed; under an inferred cap, what betrayed it. Each allocator's figure is
+    the capacity left over, or missing, against the smallest on which it serves the
+    run up to the error (min_capacity_bytes). Allocators whose answer is unknown
+    (None) are left out; figures a dict lacks (an older --json) are not said."""
     size, live, capacity = oom["size_bytes"], oom["live_bytes"], oom["capacity_bytes"]
     needed = live + size
     head = f"a {format_bytes(size)} allocation with {format_bytes(live)} live"
@@ -445,8 +449,8 @@ def oom_sentence(oom: Dict[str, Any]) -> str:
         return (f"{head}: {format_bytes(needed)} needed; the snapshot does not say how much the "
                 "device held, so no verdict")
     served = oom["served_by"]
-    yes = [a for a, v in served.items() if v is True]
-    no = [a for a, v in served.items() if v is False]
+    yes = [_with_margin(a, oom) for a, v in served.items() if v is True]
+    no = [_with_margin(a, oom) for a, v in served.items() if v is False]
     on = f"{format_bytes(capacity)}{_fraction_note(oom)}"
     fragmentation = oom["fragmentation"]
     if fragmentation:
@@ -456,18 +460,53 @@ def oom_sentence(oom: Dict[str, Any]) -> str:
                 f"({format_bytes(needed - capacity)} short)")
     else:
         text = f"fragmentation only if the cap was at least {format_bytes(needed)}, which the snapshot does not tell"
-    text += _cap_note(oom)
+    text += _cap_note(oom) + _reserved_note(oom)
     if yes and no:
-        text += f"; {_names(yes)} would have served it, {_names(no)} would not"
+        text += f"; {_and(yes)} would have served it, {_and(no)} would not"
     elif yes:
-        text += f"; {_names(yes)} would have served it"
+        text += f"; {_and(yes)} would have served it"
     elif len(no) > 1:
-        text += f"; none of {', '.join(ALLOCATOR_NAMES.get(a, a) for a in no)} would have served it"
+        text += f"; none of {', '.join(no)} would have served it"
     elif no:
-        text += f"; {_names(no)} would not have served it"
+        text += f"; {_and(no)} would not have served it"
     if fragmentation is False:
         text += "; reduce memory"
     return f"{head}: {text}"
+
+
+def _with_margin(allocator: str, oom: Dict[str, Any]) -> str:
+    """"pyalloc (9.69 MiB to spare)" or "PyTorch (20.00 MiB short)": the capacity
+    against the smallest the allocator needs, where that is known and agrees with
+    whether it served the error (a replay at the capacity, served_by); the name
+    alone otherwise."""
+    name = ALLOCATOR_NAMES.get(allocator, allocator)
+    need = (oom.get("min_capacity_bytes") or {}).get(allocator)
+    served, capacity = oom["served_by"].get(allocator), oom["capacity_bytes"]
+    if need is None or served is None or served != (need <= capacity):
+        return name
+    if served:
+        return f"{name} ({format_bytes(capacity - need)} to spare)"
+    return f"{name} ({format_bytes(need - capacity)} short)"
+
+
+def _reserved_note(oom: Dict[str, Any]) -> str:
+    """"; 100.00 MiB reserved, 50.00 MiB of it not live, the largest free block of
+    its pool and stream 2.00 MiB" where the recording allocator's reserved bytes are
+    known; the largest free block "not known" where the snapshot's segments are not
+    those of the error."""
+    reserved, unused = oom.get("reserved_bytes"), oom.get("unused_bytes")
+    if reserved is None or "largest_free_block_bytes" not in oom:
+        return ""
+    # An inferred cap's note has just named the reserved bytes.
+    parts = [] if oom.get("cap_inferred") else [f"{format_bytes(reserved)} reserved"]
+    if unused is not None:
+        parts.append(f"{format_bytes(unused)} of it not live")
+    largest = oom["largest_free_block_bytes"]
+    if largest is None:
+        parts.append("the largest free block not known (the segments changed after the error)")
+    else:
+        parts.append(f"the largest free block of its pool and stream {format_bytes(largest)}")
+    return "; " + ", ".join(parts)
 
 
 def _cap_note(oom: Dict[str, Any]) -> str:
@@ -518,8 +557,9 @@ def format_verdict(results: Sequence[ReplayResult], path: str) -> List[str]:
     last recorded out-of-memory error (the one the snapshot was taken at), in the
     very sentence ``pyalloc replay PATH`` prints for it (format_ooms()), as many as
     fit VERDICT_LINES, a count of those left out, then the command that replays
-    the file again. At most VERDICT_LINES lines of at most WIDTH columns; [] when
-    the results recorded no out-of-memory error."""
+    the file again. Lines of at most WIDTH columns (the command's excepted: it
+    stays whole, to be copied), VERDICT_LINES at most unless the first sentence
+    alone takes more; [] when the results recorded no out-of-memory error."""
     recorded = [(r, r.recorded_ooms[-1]) for r in results if r.recorded_ooms]
     if not recorded:
         return []
@@ -532,11 +572,10 @@ def format_verdict(results: Sequence[ReplayResult], path: str) -> List[str]:
         # One line for the command, one for a count of those left out.
         if lines and len(lines) + len(sentence) > VERDICT_LINES - 2:
             break
-        lines += sentence[:VERDICT_LINES - 2]
+        lines += sentence  # whole, the first one too: a sentence cut short would lose figures
         shown += 1
     if total > shown:
-        lines.append(f"  ({total - shown} more out-of-memory error(s) in this file, earlier or on other "
-                     "devices: pyalloc replay lists each)")
+        lines.append(f"  ({total - shown} more out-of-memory error(s) in this file: pyalloc replay lists each)")
     # The command stays whole on its line, to be copied, however long the path.
     said = "to replay it again, with the table and every error:"
     return lines + ([f"{said} {command}"] if len(said) + 1 + len(command) <= WIDTH else [said, "  " + command])

@@ -81,8 +81,9 @@ class ReplayResult:
     #: allocation it was, of the rounded size PyTorch recorded (pyalloc.replay_oom): {event,
     #: size_bytes, live_bytes, capacity_bytes, fragmentation, served_by: {allocator: bool, or
     #: None where unknown}, memory_fraction, device_total_bytes, device_total_assumed,
-    #: reserved_bytes, device_free_bytes, cap_inferred, cap_below_bytes}
-    #: (replay_oom.diagnose_ooms says what each is).
+    #: reserved_bytes, device_free_bytes, cap_inferred, cap_below_bytes, unused_bytes,
+    #: largest_free_block_bytes, min_capacity_bytes: {allocator: bytes, or None}}
+    #: (replay_oom.diagnose_ooms says what each is). Independent of the budget search.
     recorded_ooms: List[Dict[str, Any]] = field(default_factory=list)
     #: oom events that could not be read (no size, no device_free...), left out of
     #: recorded_ooms; what was wrong with the first few.

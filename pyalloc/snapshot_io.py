@@ -356,6 +356,9 @@ class Trace:
     segments_bytes: int = 0
     #: The final segments: (address, total bytes, stream, small pool, expandable).
     segment_list: List[Tuple[int, int, int, bool, bool]] = field(default_factory=list)
+    #: The final segments' free ("inactive") blocks: (bytes, stream, small pool); one
+    #: whose size is not a byte count is left out (only a figure of the verdict uses them).
+    free_blocks: List[Tuple[int, int, bool]] = field(default_factory=list)
     ignored_actions: Dict[str, int] = field(default_factory=dict)
     metadata: Dict[str, Any] = field(default_factory=dict)
     ooms: List[Tuple[int, int, int, int]] = field(default_factory=list)
@@ -563,11 +566,13 @@ def _read_segments(trace: Trace, segments: List[Any], device: int) -> None:
         address = seg.get("address", 0)
         if type(address) is not int or not 0 <= address < _U64:
             raise TraceError(f"{where}[{i}]: 'address' must be an address, got {_short.repr(address)}")
-        trace.segment_list.append((address, total, stream % _U64, seg.get("segment_type") == "small",
-                                   seg.get("is_expandable") is True))
+        small = seg.get("segment_type") == "small"
+        trace.segment_list.append((address, total, stream % _U64, small, seg.get("is_expandable") is True))
         for j, b in enumerate(blocks):
             if type(b) is not dict:
                 raise TraceError(f"{where}[{i}].blocks[{j}]: a block must be a dict")
+            if b.get("state") == "inactive" and type(b.get("size")) is int and 0 <= b["size"] < _MAX_SIZE:
+                trace.free_blocks.append((b["size"], stream % _U64, small))
             if b.get("state") not in _ACTIVE_STATES:
                 continue
             addr, size = b.get("address"), b.get("size")

@@ -83,8 +83,9 @@ def lib():
 def test_a_pyalloc_oom_leaves_a_snapshot_and_the_verdict_replay_gives(fake, lib, tmp_path, capfd):
     with pyalloc.watch_oom(tmp_path) as watch:  # fake devices: pyalloc's recorder
         assert watch.allocator == "pyalloc"
-        held = [_C._testing_hook_malloc(12 * MiB, 0, 0) for _ in range(4)]
-        lib.pyalloc_free(held.pop(1), 0, 0, None)  # a hole between live blocks
+        held = [_C._testing_hook_malloc(10 * MiB, 0, 0) for _ in range(4)]
+        for hole in (held.pop(2), held.pop(0)):  # a hole in each of two segments: fragmentation
+            lib.pyalloc_free(hole, 0, 0, None)
         with pytest.raises(pyalloc.OutOfMemoryError):
             while True:
                 held.append(_C._testing_hook_malloc(18 * MiB, 0, 0))
@@ -102,6 +103,7 @@ def test_a_pyalloc_oom_leaves_a_snapshot_and_the_verdict_replay_gives(fake, lib,
     lines = Path(txt).read_text().splitlines()
     assert verdict["status"] == "done" and verdict["device"] == 0 and verdict["file"] == snapshot
     assert verdict["ooms"] and lines and lines[-1].endswith(f"pyalloc replay {snapshot}")
+    assert verdict["ooms"][-1]["fragmentation"] is True and "fragmentation" in lines[0]
     err = capfd.readouterr().err
     assert f"pyalloc oom: out of memory on cuda:0: snapshot {snapshot};" in err
     for line in lines:
@@ -453,3 +455,60 @@ def test_the_command_refuses_a_program_it_cannot_run(capsys, tmp_path):
     assert "only Python programs" in capsys.readouterr().err
     assert cli_main(["oom", "--conf", "pool_size:1GiB", "--", "python", "x.py"]) == 2
     assert "--conf" in capsys.readouterr().err
+
+
+def test_a_verdict_still_running_at_the_end_is_named_once(torch_cuda, tmp_path, monkeypatch, capsys):
+    class Running:
+        pid = 4242
+
+        def poll(self):
+            return None
+
+    monkeypatch.setattr(oom_watch, "start_verdict", lambda path, device, timeout, cwd: Running())
+    watch = pyalloc.watch_oom(tmp_path, allocator="torch")
+    with pytest.raises(torch_cuda.torch.cuda.OutOfMemoryError):
+        torch_cuda.malloc(20 * MiB, device=1)
+    watch.close()
+    watch.close()
+    oom_watch._at_exit()
+    lines = [x for x in capsys.readouterr().err.splitlines() if "still running" in x]
+    txt = verdict_files(tmp_path / "oom-rank0-cuda1-1.pickle")[0]
+    assert lines == [f"pyalloc oom: the verdict on {tmp_path}/oom-rank0-cuda1-1.pickle is still running "
+                     f"(process 4242); it will be written to {txt}"]
+
+
+def test_the_command_installs_pyalloc_first_and_watches_its_pools(fake, monkeypatch, tmp_path, capfd):
+    from pyalloc import launcher
+
+    installed = []
+    monkeypatch.setattr(launcher, "install_for_program", installed.append)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "trainer.py").write_text(textwrap.dedent("""
+        import sys
+        import pyalloc
+        from pyalloc import _C
+        held = []
+        try:
+            while True:
+                held.append(_C._testing_hook_malloc(24 << 20, 0, 0))
+        except pyalloc.OutOfMemoryError:
+            import os
+            os.chdir(os.path.dirname(os.getcwd()))  # the folder given stays the one started in
+            try:
+                _C._testing_hook_malloc(64 << 20, 0, 0)
+            except pyalloc.OutOfMemoryError:
+                sys.exit(len(held))
+    """))
+    status = cli_main(["oom", "--allocator", "pyalloc", "--conf", "segment_size:4MiB", "--",
+                       "python", "-m", "trainer"])
+    assert installed == ["segment_size:4MiB"]
+    assert status == 2  # the program's: two 24 MiB blocks on a 64 MiB device
+    assert sorted(p for p in os.listdir(tmp_path / "pyalloc-oom") if p.endswith(".pickle")) == [
+        "oom-rank0-cuda0-1.pickle", "oom-rank0-cuda0-2.pickle"]
+    snapshot = tmp_path / "pyalloc-oom" / "oom-rank0-cuda0-1.pickle"
+    verdict = json.loads(Path(wait_for(verdict_files(snapshot)[1])).read_text())
+    assert verdict["status"] == "done" and verdict["ooms"][-1]["size_bytes"] == 24 * MiB
+    assert verdict["file"] == "pyalloc-oom/oom-rank0-cuda0-1.pickle"  # as the user's shell finds it
+    wait_for(verdict_files(tmp_path / "pyalloc-oom" / "oom-rank0-cuda0-2.pickle")[1])
+    with open(snapshot, "rb") as f:
+        assert pickle.load(f)["pyalloc_oom"]["command"] == ["python", "-m", "trainer"]

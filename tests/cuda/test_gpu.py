@@ -251,6 +251,12 @@ def test_out_of_memory_is_torchs_error_with_observers_called_first():
     check("oom_observer.py")
 
 
+@whole_device
+@pytest.mark.parametrize("allocator", ["torch", "pyalloc"])
+def test_pyalloc_oom_keeps_the_snapshot_and_verdict_of_a_caught_oom(tmp_path, allocator):
+    check("oom_watch.py", allocator, str(tmp_path))
+
+
 @bridge_only
 def test_memory_history_names_python_frames_and_every_reader_takes_it(tmp_path):
     check("memory_history.py", str(tmp_path / "history.pickle"))

@@ -190,7 +190,14 @@ def test_constructor_sun_device_1_is_not_fragmentation_and_pyalloc_does_not_serv
                    "capacity_bytes": capacity, "fragmentation": False, "served_by": oom["served_by"],
                    "memory_fraction": None, "device_total_bytes": None, "device_total_assumed": False,
                    "reserved_bytes": reserved, "device_free_bytes": free, "cap_inferred": False,
-                   "cap_below_bytes": None}
+                   "cap_below_bytes": None, "unused_bytes": reserved - live, "largest_free_block_bytes": None,
+                   "min_capacity_bytes": oom["min_capacity_bytes"]}
+    # Its blocks were freed after the error (the run went on): the final segments' largest
+    # free block is not the one it met.
+    assert any(e["action"] == "free_completed" for e in trace[event:])
+    # pyalloc needs more than the device had (it did not serve it), at least what was live at once.
+    assert capacity < oom["min_capacity_bytes"]["pyalloc"]
+    assert oom["min_capacity_bytes"]["pyalloc"] >= live + oom["size_bytes"]
     assert (round(live / GiB, 1), round(capacity / GiB, 1)) == (78.3, 78.5)
     short = live + oom["size_bytes"] - capacity
     assert round(short / GiB, 1) == 4.7
@@ -207,7 +214,9 @@ def test_constructor_sun_device_1_is_not_fragmentation_and_pyalloc_does_not_serv
 def test_constructor_sun_device_1_no_model_of_pytorch_serves_it_either():
     [oom] = replay(CONSTRUCTOR_SUN, device=1, search=False).recorded_ooms
     assert oom["served_by"] == {"pyalloc": False, "native": False, "native_expandable": False}
-    assert "none of pyalloc, PyTorch, PyTorch with expandable segments would have served it" in oom_sentence(oom)
+    short = {a: format_bytes(n - oom["capacity_bytes"]) for a, n in oom["min_capacity_bytes"].items()}
+    assert (f"none of pyalloc ({short['pyalloc']} short), PyTorch ({short['native']} short), PyTorch with "
+            f"expandable segments ({short['native_expandable']} short) would have served it") in oom_sentence(oom)
 
 
 def test_fragmentation_that_pyalloc_would_have_served():
@@ -219,7 +228,9 @@ def test_fragmentation_that_pyalloc_would_have_served():
     assert oom["fragmentation"] is True
     assert oom["served_by"]["pyalloc"] is True
     sentence = oom_sentence(oom)
-    assert "fragmentation: 80.00 MiB needed on 110.00 MiB; pyalloc would have served it" in sentence
+    assert "fragmentation: 80.00 MiB needed on 110.00 MiB; 100.00 MiB reserved" in sentence
+    assert f"; pyalloc ({format_bytes(110 * MiB - oom['min_capacity_bytes']['pyalloc'])} to spare) would have " \
+        "served it" in sentence
     assert "not fragmentation" not in sentence and "reduce memory" not in sentence
     # The answer comes from a replay, not from the verdict: pyalloc's bestfit
     # strategy, which cannot remap pages, leaves the same holes and fails.
@@ -235,8 +246,10 @@ def test_fragmentation_neither_pytorch_would_serve():
     # (two pages: 40 MiB) more than the 100 MiB held, on a 110 MiB device.
     [oom] = replay(fragmented(), search=False).recorded_ooms
     assert oom["served_by"] == {"pyalloc": True, "native": False, "native_expandable": False}
+    short = {a: format_bytes(oom["min_capacity_bytes"][a] - 110 * MiB) for a in ("native", "native_expandable")}
     assert oom_sentence(oom).endswith(
-        "pyalloc would have served it, PyTorch and PyTorch with expandable segments would not")
+        f"would have served it, PyTorch ({short['native']} short) and PyTorch with expandable segments "
+        f"({short['native_expandable']} short) would not")
 
 
 def test_fragmentation_under_expandable_segments_that_pyalloc_would_have_served():
@@ -254,8 +267,14 @@ def test_fragmentation_under_expandable_segments_pytorch_by_default_would_have_s
     # fit 190. With them, the recording allocator's own failure is reproduced.
     [oom] = replay(expandable_recorded(), search=False).recorded_ooms
     assert oom["served_by"] == {"pyalloc": True, "native": True, "native_expandable": False}
+    need = oom["min_capacity_bytes"]
+    spare = {a: format_bytes(190 * MiB - need[a]) for a in ("pyalloc", "native")}
+    short = format_bytes(need["native_expandable"] - 190 * MiB)
     assert oom_sentence(oom).endswith(
-        "pyalloc and PyTorch would have served it, PyTorch with expandable segments would not")
+        f"pyalloc ({spare['pyalloc']} to spare) and PyTorch ({spare['native']} to spare) would have served it, "
+        f"PyTorch with expandable segments ({short} short) would not")
+    # Two more 20 MiB pages than the 190 MiB: 200 MiB.
+    assert within_precision(oom["min_capacity_bytes"]["native_expandable"], 200 * MiB)
 
 
 def test_the_request_is_replayed_where_it_failed():
@@ -358,7 +377,8 @@ def test_unknown_models_are_none_and_left_out_of_the_sentence():
 def test_each_allocator_is_asked_through_run_allocator(monkeypatch):
     """How the diagnosis uses the seam: every allocator of ALLOCATORS, on the
     capacity, stopping at the first refusal, with the plan its calls came from:
-    the trace's calls up to the event, then the request and its free."""
+    the trace's calls up to the event, then the request and its free; then each
+    uncapped, where the search for the smallest capacity it needs starts."""
     import pyalloc.replay_oom as replay_oom
 
     asked = []
@@ -375,8 +395,10 @@ def test_each_allocator_is_asked_through_run_allocator(monkeypatch):
     [oom] = replay(fragmented(), search=False).recorded_ooms
     assert oom["served_by"] == {"pyalloc": True, "native": True, "native_expandable": False}
     calls = 50 + 25 + 2  # 50 allocs, 25 frees, the request and its free
-    assert asked == [(a, 110 * MiB, True, calls, calls, [30 * MiB] * 2, [oom["event"]] * 2, [1, 2])
-                     for a in ALLOCATORS]
+    assert asked == [(a, capacity, capacity is not None, calls, calls, [30 * MiB] * 2, [oom["event"]] * 2, [1, 2])
+                     for capacity in (110 * MiB, None) for a in ALLOCATORS]
+    # One that serves nothing on a device of any size needs no capacity at all.
+    assert oom["min_capacity_bytes"]["native_expandable"] is None
 
 
 def test_run_allocator_pyalloc_and_unknown_names():
@@ -412,7 +434,9 @@ def test_json_rows_carry_recorded_ooms_with_the_documented_keys(tmp_path):
     [oom] = row["recorded_ooms"]
     assert set(oom) == {"event", "size_bytes", "live_bytes", "capacity_bytes", "fragmentation", "served_by",
                         "memory_fraction", "device_total_bytes", "device_total_assumed", "reserved_bytes",
-                        "device_free_bytes", "cap_inferred", "cap_below_bytes"}
+                        "device_free_bytes", "cap_inferred", "cap_below_bytes", "unused_bytes",
+                        "largest_free_block_bytes", "min_capacity_bytes"}
+    assert set(oom["min_capacity_bytes"]) == set(ALLOCATORS)
     assert (oom["memory_fraction"], oom["device_total_bytes"], oom["device_total_assumed"]) == (None, None, False)
     assert set(oom["served_by"]) == set(ALLOCATORS)
     assert all(v is None or isinstance(v, bool) for v in oom["served_by"].values())
@@ -422,7 +446,8 @@ def test_json_rows_carry_recorded_ooms_with_the_documented_keys(tmp_path):
     # The table, then one sentence per recorded OOM.
     [sentence] = oom_sentences(p.stdout)
     assert sentence.startswith("frag.pickle, event 105: a 30.00 MiB allocation with 50.00 MiB live: fragmentation: "
-                               "80.00 MiB needed on 110.00 MiB; pyalloc would have served it")
+                               "80.00 MiB needed on 110.00 MiB; 100.00 MiB reserved")
+    assert sentence.endswith(oom_sentence(oom))  # the JSON's figures are the ones printed
     # A trace without OOMs has an empty list, and prints no sentence.
     clean = tmp_path / "clean.pickle"
     write_snapshot({"segments": [], "device_traces": [[ev("alloc", 1, 10)] + free(1, 10)]}, clean)
@@ -519,6 +544,11 @@ def test_an_oom_without_segments_has_no_capacity_and_no_verdict():
     [oom] = replay(with_oom(oom_event(8 * MiB, MiB), segments=False), search=False).recorded_ooms
     assert (oom["live_bytes"], oom["capacity_bytes"], oom["fragmentation"]) == (4 * MiB, None, None)
     assert set(oom["served_by"].values()) == {None}
+    assert (oom["reserved_bytes"], oom["unused_bytes"], oom["largest_free_block_bytes"]) == (None, None, None)
+    # The error the last event: the final segments are its, but there are none to read.
+    [oom] = replay({"segments": [], "device_traces": [[ev("alloc", BASE, 4 * MiB), oom_event(8 * MiB, MiB)]]},
+                   search=False).recorded_ooms
+    assert (oom["reserved_bytes"], oom["largest_free_block_bytes"]) == (None, None)
     assert "no verdict" in oom_sentence(oom)
 
 
@@ -530,12 +560,13 @@ def test_an_oom_first_and_many_ooms():
     [first, second] = replay(snapshot, search=False).recorded_ooms
     assert (first["event"], first["live_bytes"], first["capacity_bytes"]) == (0, 0, 0)
     assert (second["event"], second["live_bytes"], second["fragmentation"]) == (3, 4 * MiB, True)
-    # Many: each gets a verdict, the first MAX_OOM_REPLAYS a replay.
+    # Many: each gets a verdict, the first MAX_OOM_REPLAYS a replay, and the last (the
+    # error a snapshot taken at an out-of-memory error was taken at).
     events[3:3] = [oom_event(8 * MiB, MiB) for _ in range(MAX_OOM_REPLAYS + 4)]
     ooms = replay(snapshot, search=False).recorded_ooms
     assert len(ooms) == MAX_OOM_REPLAYS + 6
     assert all(o["fragmentation"] is not None for o in ooms)
-    assert [o["served_by"]["pyalloc"] is None for o in ooms] == [False] * MAX_OOM_REPLAYS + [True] * 6
+    assert [o["served_by"]["pyalloc"] is None for o in ooms] == [False] * MAX_OOM_REPLAYS + [True] * 5 + [False]
 
 
 # -- every device a row --------------------------------------------------------
@@ -783,3 +814,79 @@ def test_free_memory_below_the_segment_it_wanted_infers_no_cap():
     assert oom["cap_inferred"] is False and oom["capacity_bytes"] == 130 * MiB
     [oom] = replay(full_segments(request=22 * MiB, device_free=40 * MiB), search=False).recorded_ooms
     assert (oom["cap_inferred"], oom["cap_below_bytes"]) == (True, 122 * MiB)
+
+
+# -- the verdict's figures: what was reserved, and how much each allocator needed ----
+
+
+def within_precision(found, exact):
+    """A budget bisected to BUDGET_PRECISION: at least the exact figure, at most that much above."""
+    from pyalloc.replay_result import BUDGET_PRECISION
+
+    return exact <= found <= exact * (1 + BUDGET_PRECISION) + 1
+
+
+def test_what_was_reserved_unused_and_the_largest_free_block_at_the_failure():
+    # 100 MiB reserved in five 20 MiB segments, 50 MiB live: 50 MiB unused, in 2 MiB holes.
+    [oom] = replay(fragmented(), search=False).recorded_ooms
+    assert (oom["reserved_bytes"], oom["unused_bytes"], oom["largest_free_block_bytes"]) == \
+        (100 * MiB, 50 * MiB, 2 * MiB)
+    assert ("100.00 MiB reserved, 50.00 MiB of it not live, the largest free block of its pool and stream "
+            "2.00 MiB") in oom_sentence(oom)
+
+
+def test_the_largest_free_block_is_not_known_where_the_segments_changed_after_the_error():
+    # The frees came after the oom event: the final segments are not those it met.
+    [oom] = replay(fragmented(oom_after_frees=False), search=False).recorded_ooms
+    assert (oom["reserved_bytes"], oom["unused_bytes"], oom["largest_free_block_bytes"]) == (100 * MiB, 0, None)
+    assert ("the largest free block not known (the segments changed after the error)"
+            in oom_sentence(oom))
+
+
+def test_only_free_blocks_of_the_requests_pool_and_stream_count():
+    snapshot = fragmented()
+    # A large free block on another stream, and a small-pool segment: neither serves it.
+    snapshot["segments"] += [
+        {"device": 0, "address": BASE + 200 * MiB, "total_size": 40 * MiB, "stream": 7, "segment_type": "large",
+         "blocks": [{"address": BASE + 200 * MiB, "size": 40 * MiB, "state": "inactive"}]},
+        {"device": 0, "address": BASE + 300 * MiB, "total_size": 2 * MiB, "stream": 0, "segment_type": "small",
+         "blocks": [{"address": BASE + 300 * MiB, "size": 2 * MiB, "state": "inactive"},
+                    {"address": BASE + 300 * MiB, "size": "junk", "state": "inactive"}]}]
+    snapshot["device_traces"][0][0:0] = [ev("segment_alloc", BASE + 200 * MiB, 40 * MiB, 7),
+                                         ev("segment_alloc", BASE + 300 * MiB, 2 * MiB)]
+    [oom] = replay(snapshot, search=False).recorded_ooms
+    assert (oom["reserved_bytes"], oom["largest_free_block_bytes"]) == (142 * MiB, 2 * MiB)
+
+
+def test_how_much_each_allocator_needed_and_had_to_spare():
+    """fragmented(): pyalloc needs about the 80 MiB live + requested; PyTorch, which
+    frees no segment (each holds live blocks), 100 MiB + a 30 MiB segment; with
+    expandable segments 100 MiB + two 20 MiB pages. On the 110 MiB the run had."""
+    [oom] = replay(fragmented(), search=False).recorded_ooms
+    need = oom["min_capacity_bytes"]
+    assert set(need) == set(ALLOCATORS)
+    assert 80 * MiB <= need["pyalloc"] <= 110 * MiB
+    sentence = oom_sentence(oom)
+    spare = format_bytes(110 * MiB - need["pyalloc"])
+    assert f"pyalloc ({spare} to spare) would have served it" in sentence
+    if not NATIVES_MISSING:
+        assert within_precision(need["native"], 130 * MiB), need
+        assert within_precision(need["native_expandable"], 140 * MiB), need
+        assert (f"PyTorch ({format_bytes(need['native'] - 110 * MiB)} short) and PyTorch with expandable "
+                f"segments ({format_bytes(need['native_expandable'] - 110 * MiB)} short) would not") in sentence
+
+
+def test_recorded_ooms_do_not_depend_on_the_budget_search():
+    assert replay(fragmented(), search=True).recorded_ooms == replay(fragmented(), search=False).recorded_ooms
+
+
+def test_only_the_first_few_ooms_and_the_last_are_searched():
+    from pyalloc.replay_oom import MAX_OOM_SEARCHES
+
+    snapshot = with_oom(oom_event(8 * MiB, MiB))
+    snapshot["device_traces"][0][3:3] = [oom_event(8 * MiB, MiB) for _ in range(MAX_OOM_SEARCHES + 2)]
+    ooms = replay(snapshot, search=False).recorded_ooms
+    assert [o["min_capacity_bytes"]["pyalloc"] is None for o in ooms] == \
+        [False] * MAX_OOM_SEARCHES + [True] * 2 + [False]
+    # 4 MiB live + 8 MiB on a 21 MiB device: pyalloc needs 12 MiB or a little more.
+    assert 12 * MiB <= ooms[0]["min_capacity_bytes"]["pyalloc"] <= 21 * MiB

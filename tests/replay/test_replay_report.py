@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from pyalloc._C import format_bytes
 from pyalloc.replay_report import (TABLE_LEGEND, TIE, WIDTH, format_names, format_table, short_names,
                                    verdicts, wrap)
 from pyalloc.replay_result import ReplayResult
@@ -151,7 +152,7 @@ def test_format_verdict_is_the_replays_sentence_and_the_command(tmp_path):
     from pyalloc.replay import replay_devices
     from pyalloc.replay_report import format_ooms, format_verdict
     from pyalloc.snapshot_io import write_snapshot
-    from test_replay_oom import fragmented
+    from test_replay_oom import cli, fragmented
 
     path = tmp_path / "a dir" / "rank0-dev0.pickle"
     path.parent.mkdir()
@@ -165,6 +166,44 @@ def test_format_verdict_is_the_replays_sentence_and_the_command(tmp_path):
     # The same figures as `pyalloc replay` prints: its sentence, line for line.
     printed = format_ooms(replay_devices(str(path), search=True)).splitlines()
     assert lines[:len(printed)] == printed
+    p = cli(path)  # the command the verdict names, run as it says
+    assert p.returncode == 0, p.stderr
+    assert "\n".join(printed) in p.stdout
+    # And those figures are the recorded_ooms' (JSON): what was reserved, each allocator's margin.
+    [oom] = results[0].recorded_ooms
+    said = " ".join(line.strip() for line in lines)
+    need = oom["min_capacity_bytes"]
+    assert (oom["reserved_bytes"], oom["unused_bytes"], oom["largest_free_block_bytes"]) == \
+        (100 << 20, 50 << 20, 2 << 20)
+    assert ("100.00 MiB reserved, 50.00 MiB of it not live, the largest free block of its pool and stream "
+            "2.00 MiB") in said
+    assert f"pyalloc ({format_bytes(oom['capacity_bytes'] - need['pyalloc'])} to spare) would have served it" in said
+    if need["native"] is not None:
+        assert f"PyTorch ({format_bytes(need['native'] - oom['capacity_bytes'])} short)" in said
+
+
+def test_format_verdict_of_an_inferred_cap_and_of_many_errors(tmp_path):
+    from pyalloc.replay import replay_devices
+    from pyalloc.replay_report import VERDICT_LINES, format_ooms, format_verdict
+    from test_replay_oom import full_segments, oom_event
+
+    [r] = replay_devices(full_segments(), search=False)
+    lines = format_verdict([r], "cap.pickle")
+    said = " ".join(line.strip() for line in lines)
+    assert "not fragmentation: 116.00 MiB needed on 100.00 MiB (16.00 MiB short)" in said
+    assert ("a cap was in force: 40.00 GiB free on the device, more than the 16.00 MiB segment it wanted; "
+            "taken as the 100.00 MiB reserved (it lay below 116.00 MiB)") in said
+    # Three errors, then the one the snapshot was taken at: that one, and a count of the others.
+    snapshot = full_segments()
+    snapshot["device_traces"][0][-1:-1] = [oom_event(64 << 20, 1 << 20) for _ in range(3)]
+    results = replay_devices(snapshot, search=False)
+    lines = format_verdict(results, "cap.pickle")
+    assert len(lines) <= VERDICT_LINES and all(len(line) <= WIDTH for line in lines)
+    last = format_ooms(results).splitlines()
+    assert lines[0].startswith("<snapshot>, event 58: a 16.00 MiB allocation")
+    assert lines[0] in last
+    assert lines[-2] == "  (3 more out-of-memory error(s) in this file: pyalloc replay lists each)"
+    assert lines[-1] == "to replay it again, with the table and every error: pyalloc replay cap.pickle"
 
 
 def test_format_verdict_says_nothing_without_an_oom():
