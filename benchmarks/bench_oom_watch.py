@@ -16,13 +16,16 @@ GPU), with ``pyalloc.record_history(True, N)`` against off:
        through the bridge's C table (``_C.bench_device_pairs``: no Python in the loop);
      - trace calls, C++ loop: the calls of a recorded trace (``--trace``, a
        realistic mix of sizes and lifetimes) replayed through the core allocator
-       (``_C.Replayer``, the virtual backend: the same history code);
-     - trace calls through the C hooks: the same calls, each a call from Python
-       into the hooks (``_C._testing_hook_malloc``, ``pyalloc_free``), on stream 0;
-       Python's cost per call is in both columns, so the difference is the history's;
-  2. bytes of history: the process's resident memory growth while a ring of
-     ``--entries`` events fills (with more events than that: it ends full),
-     divided by the events kept; and the bytes per event of the snapshot file
+       (``_C.Replayer``, the virtual backend: the same history code), 10 x
+       ``--passes`` times over, so that the ring fills and turns;
+     - trace calls through the C hooks: the same calls ``--passes`` times over,
+       each a call from Python into the hooks (``_C._testing_hook_malloc``,
+       ``pyalloc_free``), on stream 0; Python's cost per call is in both columns,
+       so the difference is the history's;
+  2. bytes of history, in a fresh process: its resident memory growth, and
+     malloc's (glibc's mallinfo2), while a ring of ``--memory-entries`` events
+     fills (with more events than that: it ends full), divided by the events
+     kept; and the bytes per event of the snapshot file
      ``pyalloc.dump_snapshot`` writes (a plain pickle, no stack frames) of a
      ring of ``--file-entries``;
   3. the verdict: what the out-of-memory watcher's child process runs,
@@ -43,11 +46,13 @@ its own (PyTorch reads its allocator setting once): PyTorch's default, with
 ``expandable_segments:True``, and pyalloc (``pyalloc.install()``). In each,
 ``torch.empty`` / ``del`` loops (4 KiB pairs, and the trace's calls) with the
 history off and on in turn: for PyTorch ``torch.cuda.memory._record_memory_history(
-max_entries=N)`` as the watcher arms it, without stack frames (``context=None``) and
-with Python frames (``context="alloc"``, ``pyalloc oom --frames``), for pyalloc ``pyalloc.record_history(True,
-N)``. Then, each recording in a fresh process, the resident memory growth while
-its ring fills, per event, and the snapshot file's bytes per event
-(``_dump_snapshot`` / ``pyalloc.dump_snapshot``). The verdict is timed as on CPU.
+max_entries=N)`` as the watcher arms it, without stack frames (``context=None``)
+and with Python frames (``context="alloc"``: ``pyalloc oom --frames``), for
+pyalloc ``pyalloc.record_history(True, N)``. Then, each recording in a fresh
+process, the memory growth while its ring (``--memory-entries``) fills, per
+event, and the snapshot file's bytes per event (the snapshot pickled, as
+``_dump_snapshot`` / ``pyalloc.dump_snapshot`` write it). The verdict is timed as
+on CPU.
 Performance is never asserted: tests/bench/test_bench_oom_watch.py runs this on
 tiny sizes.
 """
@@ -248,7 +253,8 @@ def trace_in_core(calls: Calls, repeats: int, entries: int, passes: int) -> Dict
                     per_alloc = round(kept / calls.allocs, 2) if kept < entries else None
             ns[on].append(seconds * 1e9 / (passes * len(calls)))
     return rate_row(f"{calls.name} calls, core allocator, C++ loop", ns[False], ns[True], "call",
-                    calls.allocs / len(calls), iterations=passes * len(calls), passes=passes, events_per_alloc=per_alloc)
+                    calls.allocs / len(calls), iterations=passes * len(calls), passes=passes,
+                    events_per_alloc=per_alloc)
 
 
 def trace_through_hooks(calls: Calls, repeats: int, entries: int, passes: int) -> Dict[str, Any]:
