@@ -286,6 +286,17 @@ def _batch(out: str) -> List[Step]:
         "--only", *BATCH_WORKLOADS, "--out-dir", out, "--name", "batch", "--fresh"])]
 
 
+def _oom_watch(out: str) -> List[Step]:
+    return [Step("the cost of watching for out-of-memory errors", [
+        PY, "-m", "benchmarks.bench_oom_watch", "--device", "cuda", "--repeats", str(OOM_WATCH_REPEATS),
+        "--out", os.path.join(out, "oom_watch.json")])]
+
+
+#: The oom_watch stage's repeats: each allocator's process times every recording that many
+#: times in turn (100000 torch.empty pairs and the bundled trace's 27144 calls each).
+OOM_WATCH_REPEATS = 3
+
+
 # What each stage is expected to take (cost) and where it is stopped (limit), from what the
 # H200 took on 2026-11-28 (benchmarks/results/gpu-2026-11-28-h200-4ec56a2, and -1ceb995 for
 # the tests; "estimated" where no log shows the figure):
@@ -305,6 +316,10 @@ def _batch(out: str) -> List[Step]:
 # - batch: see PROBE_S (estimated) and batch_searches(); it takes what is left of its
 #   command (fills), and is worth starting for bert_infer's five searches, which start
 #   first and take about BATCH_PROBES of its probes.
+# - oom_watch: not yet run on a GPU; estimated: eight processes (a speed run and one a
+#   recording's memory, for three allocators), each with its CUDA context (5-10 s), the speed
+#   runs 3 repeats of 1-3 recordings over 100000 pairs and 27144 calls (20-40 s each), and
+#   the memory runs a ring of 100000 filled and pickled (5-15 s each, frames the most).
 STAGES: List[Stage] = [
     Stage("doctor", 30, "pyalloc doctor: ready, the route, the device's virtual memory", _doctor, cost_s=10),
     Stage("tests", 360, "tests/cuda/test_gpu.py on both routes (PYALLOC_BRIDGE=1, 0) under the default strategy "
@@ -327,6 +342,11 @@ STAGES: List[Stage] = [
           f"{BATCH_PROBES} probes each ({BATCH_PROBE_STEPS} drawn shapes, then the worst twice); takes what "
           "is left of its command -> batch.json/.md",
           _batch, cost_s=BATCH_PROBES * PROBE_S["bert_infer"] + 10, fills=True),
+    Stage("oom_watch", 240, "run by name: benchmarks/bench_oom_watch.py --device cuda, torch.empty/del with the "
+          "history recorded against not under native, native_expandable (_record_memory_history without and "
+          "with Python frames) and pyalloc (record_history), an allocator a process; the history's bytes an event "
+          "and a snapshot file's; a verdict's wall time -> oom_watch.json", _oom_watch, in_window=False,
+          cost_s=150),
     Stage("diagnose", 240, "only when a GPU check died by a signal: tests/gpu/diagnose_exceptions.sh (the C++ "
           "runtime of each library, throws with and without torch on both routes and strategies, cuda-gdb, a "
           "rebuild with the system g++)", _diagnose, in_window=False),

@@ -14,7 +14,7 @@ from benchmarks.gpu import session
 from benchmarks.gpu.session import Stage, Step, run_stage
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ORDER = ["doctor", "tests", "speed", "steps", "traces", "batch", "diagnose"]
+ORDER = ["doctor", "tests", "speed", "steps", "traces", "batch", "oom_watch", "diagnose"]
 
 
 def _py(code):
