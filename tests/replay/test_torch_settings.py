@@ -11,7 +11,6 @@ each interval's lower end in MiB ("1" ... "32768") to its divisions, and the
 configuration string under ``PYTORCH_CUDA_ALLOC_CONF``."""
 from __future__ import annotations
 
-from array import array
 import os
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pyalloc import _C
 from pyalloc.replay import replay
 from pyalloc.replay_report import format_recorded
 from pyalloc.replay_settings import TorchSettings, torch_settings
+from test_torch_model import calls_of
 
 MiB, GiB = 1 << 20, 1 << 30
 SEG_ALLOC, SEG_FREE = 3, 4
@@ -56,17 +56,6 @@ def segment(addr, total, blocks):
     return {"device": 0, "address": addr, "total_size": total, "stream": 0, "segment_type": "large",
             "blocks": [{"address": a, "size": s, "requested_size": r, "state": st, "frames": []}
                        for a, s, r, st in blocks]}
-
-
-def calls_of(ops):
-    """A ReplayTrace from [("a", id, size, stream=0) | ("f", id)]."""
-    kinds, ids, sizes, streams = array("B"), array("I"), array("Q"), array("Q")
-    for op in ops:
-        kinds.append(1 if op[0] == "a" else 2)
-        ids.append(op[1])
-        sizes.append(op[2] if op[0] == "a" else 0)
-        streams.append(op[3] if op[0] == "a" and len(op) > 3 else 0)
-    return _C.ReplayTrace(kinds, ids, sizes, streams)
 
 
 def model(ops, settings: TorchSettings, **kw):
