@@ -194,10 +194,10 @@ def test_ci_checks_the_bridge_against_the_newest_torch():
     # Everything it downloads stays in pip's cache, and is installed from there.
     assert "wheels=$(python3 -m pip cache dir)/newest-torch" in script
     assert script.count('--no-index --find-links "$wheels"') == 2
-    readme = " ".join(_read("README.md").split())
-    assert "`.ci/run` runs `.ci/newest_torch`" in readme
+    building = " ".join(_read("docs", "building.md").split())
+    assert "`.ci/run` runs `.ci/newest_torch`" in building
     for release in ("2.11", "2.12", "2.13", "2.14", "2.15"):
-        assert f"| {release} |" in readme, f"the README's table says nothing of torch {release}"
+        assert f"| {release} |" in building, f"docs/building.md's table says nothing of torch {release}"
 
 
 def test_ci_fuzzes_the_pickle_pre_scan_after_the_tests():
@@ -206,4 +206,4 @@ def test_ci_fuzzes_the_pickle_pre_scan_after_the_tests():
     assert lines.index("bash tests/fuzz/run.sh") > tests + 2, "on a line of its own, after the tests' status"
     script = _read("tests", "fuzz", "run.sh")
     assert "-fsanitize=fuzzer,address,undefined" in script and "-max_total_time=" in script
-    assert "FUZZ_SECONDS=" in _read("README.md"), "the README says how to fuzz for longer"
+    assert "FUZZ_SECONDS=" in _read("docs", "building.md"), "docs/building.md says how to fuzz for longer"

@@ -119,3 +119,32 @@ def test_every_test_module_lies_in_the_folder_of_a_layer():
             if folder not in TEST_LAYERS and not (folder == "." and name in REPOSITORY_CHECKS):
                 misplaced.append(os.path.normpath(os.path.join("tests", folder, name)))
     assert misplaced == [], f"{misplaced}: each belongs in tests/<layer>/, a layer of {TEST_LAYERS}"
+
+
+# README.md is the front door, read in two minutes; each topic has its page in docs/,
+# linked from it, and no link of either leads nowhere.
+README_MOST_LINES = 250
+
+
+def _relative_links(path):
+    with open(path) as f:
+        text = f.read()
+    return [t for t in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text) if "://" not in t]
+
+
+def test_the_readme_is_short_and_links_every_docs_page():
+    readme = os.path.join(REPO, "README.md")
+    with open(readme) as f:
+        assert len(f.read().splitlines()) < README_MOST_LINES, "README.md: move the detail into docs/"
+    linked = {os.path.normpath(t) for t in _relative_links(readme)}
+    pages = {os.path.join("docs", f) for f in os.listdir(os.path.join(REPO, "docs")) if f.endswith(".md")}
+    assert pages and pages <= linked, f"docs pages the README does not link: {sorted(pages - linked)}"
+
+
+def test_every_relative_link_of_the_readme_and_docs_resolves():
+    docs = os.path.join(REPO, "docs")
+    files = [os.path.join(REPO, "README.md")] + [os.path.join(docs, f) for f in sorted(os.listdir(docs))
+                                                  if f.endswith(".md")]
+    broken = [(os.path.relpath(path, REPO), target) for path in files for target in _relative_links(path)
+              if not os.path.exists(os.path.join(os.path.dirname(path), target))]
+    assert broken == [], broken

@@ -1492,7 +1492,7 @@ def test_a_use_on_oom_pool_is_the_last_resort(api, fake):
     has given back its own cache stays out of the MemPool, as in PyTorch's malloc
     when use_on_oom came (pytorch 151487: "try to use existing mempools as a last
     resort"). PyTorch's current source tries the MemPools before it frees its
-    cache (try_mempool_fallback); pyalloc keeps them for last (README)."""
+    cache (try_mempool_fallback); pyalloc keeps them for last (docs/pytorch.md)."""
     _C.cuda_configure("segment_size:2MiB")  # segments of exactly what a request needs
     assert has_pool_options(api), "the table has no set_pool_use_on_oom"
     assert api.create_or_incref_pool(0, 0, 7) == OK

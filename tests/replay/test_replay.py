@@ -745,16 +745,16 @@ def test_the_smallest_budget_is_one_every_larger_device_checked_completes_from(m
     assert 100_000 <= budget <= 100_000 * (1 + replay_mod.BUDGET_PRECISION)
 
 
-def test_the_readme_replays_from_python_and_its_example_runs(monkeypatch, capsys):
-    """The README's replay section shows the Python entry (pyalloc.replay.replay), not
-    only the command line and the internal run_allocator, and its example runs as
+def test_the_replay_page_shows_replay_from_python_and_its_example_runs(monkeypatch, capsys):
+    """The replay's page (docs/replay.md) shows the Python entry (pyalloc.replay.replay),
+    not only the command line and the internal run_allocator, and its example runs as
     written from the repository's root."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "replay.md").read_text()
     section = text.split("## Would pyalloc have saved my run?")[1].split("\n## ")[0]
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
     assert blocks and "from pyalloc.replay import replay" in blocks[0], "no Python example of replay()"
     monkeypatch.chdir(ROOT)
-    exec(compile(blocks[0], "README.md", "exec"), {})
+    exec(compile(blocks[0], "docs/replay.md", "exec"), {})
     out = capsys.readouterr().out
     assert out.startswith("peak live 137 MiB; peak reserved: pyalloc "), out
     for name in ("pyalloc", "native", "native_expandable"):
