@@ -77,9 +77,9 @@ import pyalloc  # noqa: E402
 from pyalloc import _C  # noqa: E402
 from pyalloc.oom_watch import HISTORY_ENTRIES, VERDICT_TIMEOUT  # noqa: E402
 from pyalloc.replay import plan_trace, replay_devices  # noqa: E402
-from pyalloc.replay_oom import recorded_reserved_at  # noqa: E402
-from pyalloc.replay_report import format_verdict  # noqa: E402
-from pyalloc.snapshot_io import device_traces, load_snapshot, read_trace, write_snapshot  # noqa: E402
+from pyalloc.replay.oom import recorded_reserved_at  # noqa: E402
+from pyalloc.replay.report import format_verdict  # noqa: E402
+from pyalloc.replay.snapshot_io import device_traces, load_snapshot, read_trace, write_snapshot  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -55,13 +55,12 @@ from pyalloc import _C
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _env import _git_commit, cpu_model  # noqa: E402
 import random_workloads  # noqa: E402
-import pyalloc.replay  # noqa: E402
-from pyalloc.replay import plan_trace, replay
-from pyalloc.replay_allocators import ALLOCATORS, run_allocator
-from pyalloc.replay_report import (LEGEND, TABLE_LEGEND, TIE, WIDTH, format_names, format_table,
+from pyalloc.replay import plan_trace, replay  # noqa: E402
+from pyalloc.replay.allocators import ALLOCATORS, min_budget, run_allocator
+from pyalloc.replay.report import (LEGEND, TABLE_LEGEND, TIE, WIDTH, format_names, format_table,
                                    plot_comparison, shortened_names, verdicts, wrap)
-from pyalloc.replay_result import ReplayResult
-from pyalloc.snapshot_io import load_snapshot, read_trace
+from pyalloc.replay.result import BUDGET_PRECISION, ReplayResult
+from pyalloc.replay.snapshot_io import load_snapshot, read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "traces"
@@ -486,8 +485,7 @@ def budget_with_pages(r: ReplayResult, conf: str, found: List[Source], page_size
     bytes (a what-if: CUDA maps 2 MiB), bisected as the table's budgets are."""
     calls = _calls_of(r, found)
     unbounded = run_allocator(calls, "pyalloc", conf=conf, page_size=page_size)
-    budget, _ = pyalloc.replay._min_budget(calls, conf, r.peak_live_bytes, unbounded.peak_reserved_bytes,
-                                           pyalloc.replay._Bars(False, ""), page_size=page_size)
+    budget, _ = min_budget(calls, conf, r.peak_live_bytes, unbounded.peak_reserved_bytes, page_size=page_size)
     return budget
 
 
@@ -650,7 +648,7 @@ def markdown(results: List[ReplayResult], meta: Dict[str, Any], found: List[Sour
         "from the segments present before the trace (the blocks then live at their addresses) and given the "
         "recording run's own releases (each recorded segment_free / segment_unmap is one: the model, uncapped, "
         "never releases on its own), placing every cudaMalloc itself, makes these of the recorded calls, "
-        "in order, with the same sizes, for the same allocations (pyalloc/replay_validate.py).",
+        "in order, with the same sizes, for the same allocations (pyalloc/replay/validate.py).",
         "",
         validation_table(results),
         "",
@@ -679,7 +677,7 @@ def markdown(results: List[ReplayResult], meta: Dict[str, Any], found: List[Sour
         "## Where pyalloc misses its targets, and why",
         "",
         "Targets (issue 42), each against PyTorch with expandable_segments:True on the same trace: the "
-        f"smallest budget no larger (bisected to {pyalloc.replay.BUDGET_PRECISION:.1%} here; above theirs "
+        f"smallest budget no larger (bisected to {BUDGET_PRECISION:.1%} here; above theirs "
         f"by more than {BUDGET_TIE:.1%}, pyalloc must complete the trace on theirs), and within "
         f"{GPU_BUDGET - 1:.0%} of peak live on the traces recorded on a GPU (the recorded column) with "
         f"{LARGE >> 30} GiB of peak live or more; uncapped reserved at most theirs + {RESERVED_SLACK} x peak "
@@ -706,7 +704,7 @@ def markdown(results: List[ReplayResult], meta: Dict[str, Any], found: List[Sour
         "## pyalloc's strategies against the targets",
         "",
         f"Ratios to peak live: the smallest budget without an OOM (searched to "
-        f"{pyalloc.replay.BUDGET_PRECISION:.1%} of it) and the peak reserved bytes with no cap, each beside "
+        f"{BUDGET_PRECISION:.1%} of it) and the peak reserved bytes with no cap, each beside "
         "expandable segments' on the trace's device with most events; ✓ marks a target of the section above "
         "met (the budget within the bisections' tie). "
         f"calls: the device calls of the replay with no cap in the second half of the trace "

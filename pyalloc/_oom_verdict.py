@@ -6,7 +6,7 @@
 for each snapshot they keep, and never wait for it. It replays the device's
 trace (``replay_devices(FILE, device=DEV, search=False)``: the recorded
 out-of-memory errors need no search for the smallest device) and prints
-``replay_report.format_verdict``'s few lines on stderr, each prefixed
+``replay.report.format_verdict``'s few lines on stderr, each prefixed
 "pyalloc oom: ", figures exactly those ``pyalloc replay FILE`` prints; the same
 lines go beside the snapshot in FILE-stem.verdict.txt, and the oom dicts of
 ``ReplayResult.recorded_ooms`` with file, device, seconds and status ("done",
@@ -79,7 +79,7 @@ def _watchdog(outcome: _Outcome, args: argparse.Namespace, started: float) -> No
 def verdict_lines(results: List[Any], path: str) -> List[str]:
     """format_verdict's lines; where the snapshot recorded no out-of-memory error
     on the device, one line that says so, with the command."""
-    from .replay_report import format_verdict
+    from .replay.report import format_verdict
 
     lines = list(format_verdict(results, path))
     if not lines:

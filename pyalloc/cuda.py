@@ -631,6 +631,6 @@ def dump_snapshot(path: str = "dump_snapshot.pickle") -> None:
     open it at pytorch.org/memory_viz or with ``python -m torch.cuda._memory_viz``.
     Only a name ending in ``.gz`` gets a gzip-compressed pickle, which those two
     cannot read (``pyalloc replay`` reads both). NotOnCudaError as snapshot()."""
-    from .snapshot_io import write_snapshot
+    from .replay.snapshot_io import write_snapshot
 
     write_snapshot(_snapshot("dump_snapshot"), path)

@@ -52,7 +52,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import _children, _torch_conf
-from .snapshot_io import write_snapshot
+from .replay.snapshot_io import write_snapshot
 
 __all__ = ["ALLOCATORS", "DEFAULT_DIR", "OomWatch", "start_verdict", "verdict_paths", "watch_oom"]
 

@@ -22,7 +22,7 @@ import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._program import CommandError, check_command, parse_command, run_program
-from .snapshot_io import write_snapshot
+from .replay.snapshot_io import write_snapshot
 
 __all__ = ["RecordError", "add_arguments", "main", "profiler_snapshot", "record_program", "run_program"]
 
@@ -204,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _count_events(path: str) -> str:
-    from .snapshot_io import TraceError, device_traces, load_snapshot
+    from .replay.snapshot_io import TraceError, device_traces, load_snapshot
 
     try:
         return str(sum(len(t) for t in device_traces(load_snapshot(path))))

@@ -145,8 +145,14 @@ def test_regression_the_sdist_holds_everything_setup_py_builds_from(tmp_path):
     csrc = {os.path.relpath(os.path.join(parent, f), ROOT)
             for parent, _, files in os.walk(os.path.join(ROOT, "csrc"))
             for f in files if f.endswith((".cpp", ".h", ".map"))}
-    needed = csrc | {"setup.py", "pyproject.toml", "README.md", "pyalloc/_toolchain.py", "pyalloc/bridge.py"}
+    # Every module of the package and its subpackages (pyalloc/replay/): a subpackage
+    # pyproject.toml does not list is left out of the sdist, and of the wheel built from it.
+    package = {os.path.relpath(os.path.join(parent, f), ROOT)
+               for parent, _, files in os.walk(os.path.join(ROOT, "pyalloc"))
+               for f in files if f.endswith(".py")}
+    needed = csrc | package | {"setup.py", "pyproject.toml", "README.md"}
     assert "csrc/python/exports.map" in needed and "csrc/torch_bridge/bridge.cpp" in needed
+    assert "pyalloc/bridge.py" in needed and "pyalloc/replay/__init__.py" in needed
     assert not needed - held, f"missing from the sdist: {sorted(needed - held)}"
     assert not {n for n in held if n.endswith((".so", ".o", ".pyc"))}, "build outputs in the sdist"
 

@@ -1,6 +1,7 @@
 """The source layout keeps its own rules: csrc/ layers include only the layers
-below them (csrc/README.md), no two pyalloc modules import each other, and
-tests/ keeps a folder for each layer's tests."""
+below them (csrc/README.md), no two pyalloc modules import each other, the replay
+package (pyalloc/replay/) stands on the core alone, and tests/ keeps a folder for
+each layer's tests."""
 from __future__ import annotations
 
 import ast
@@ -57,30 +58,51 @@ def test_the_core_never_includes_cuda_or_python():
             assert banned not in text, f"{path} mentions {banned}"
 
 
-def _imports(path):
-    """pyalloc modules a module imports, at any depth of its code."""
+def _modules():
+    """{dotted name inside pyalloc: path} for every module of the package and its
+    subpackages (a subpackage's __init__.py by the subpackage's name: "replay")."""
+    found = {}
+    for parent, _, files in os.walk(PKG):
+        package = os.path.relpath(parent, PKG).replace(os.sep, ".").strip(".")
+        for f in files:
+            if f.endswith(".py"):
+                stem = f[:-3]
+                if stem == "__init__" and package:
+                    name = package
+                else:
+                    name = f"{package}.{stem}" if package else stem
+                found[name] = os.path.join(parent, f)
+    return found
+
+
+def _imports(name, path):
+    """Dotted names inside pyalloc that module `name` imports, at any depth of its code
+    (a from-import of names gives the module and each name, which may be a submodule)."""
     with open(path) as f:
         tree = ast.parse(f.read())
+    is_package = os.path.basename(path) == "__init__.py" and name != "__init__"
+    here = name.split(".") if is_package else name.split(".")[:-1]
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1:
-                if node.module:
-                    found.add(node.module.split(".")[0])
-                else:
-                    found.update(a.name for a in node.names)
+            if node.level:
+                base = here[:len(here) - (node.level - 1)]
             elif node.module and node.module.startswith("pyalloc."):
-                found.add(node.module.split(".")[1])
+                base, node.module = [], node.module[len("pyalloc."):]
+            else:
+                continue
+            target = ".".join(base + (node.module.split(".") if node.module else []))
+            if target:
+                found.add(target)
+            found.update(f"{target}.{a.name}" if target else a.name for a in node.names)
         elif isinstance(node, ast.Import):
-            for a in node.names:
-                if a.name.startswith("pyalloc."):
-                    found.add(a.name.split(".")[1])
+            found.update(a.name[len("pyalloc."):] for a in node.names if a.name.startswith("pyalloc."))
     return found
 
 
 def test_no_import_cycles_in_the_package():
-    modules = {f[:-3] for f in os.listdir(PKG) if f.endswith(".py")}
-    graph = {m: _imports(os.path.join(PKG, m + ".py")) & modules for m in modules}
+    modules = _modules()
+    graph = {m: _imports(m, path) & set(modules) for m, path in modules.items()}
     # The package's __init__ and __main__ gather the others; cycles through them
     # are what Python's own import order resolves.
     for m in ("__init__", "__main__"):
@@ -101,6 +123,32 @@ def test_no_import_cycles_in_the_package():
 
     cycles = [c for m in sorted(graph) if (c := cycle_from(m))]
     assert cycles == [], cycles
+
+
+def test_the_import_rules_see_the_replay_package():
+    """The rules above read every module, subpackages' too, by the name it is imported by."""
+    modules = _modules()
+    assert {"replay", "replay.run", "replay.snapshot_io", "oom", "oom_watch"} <= set(modules)
+    assert {"_C", "_config", "replay.allocators", "replay.oom"} <= _imports("replay.run", modules["replay.run"])
+    assert "replay.snapshot_io" in _imports("oom_watch", modules["oom_watch"])
+
+
+# The replay (pyalloc/replay/) stands on the compiled core and the configuration alone:
+# the allocator's Python modules (the torch route, the OOM watch, the launcher) use it,
+# never the reverse, so a replay runs where none of them could.
+REPLAY_MAY_IMPORT = {"_C", "_config"}
+
+
+def test_the_replay_package_imports_only_the_core_and_the_configuration():
+    modules = _modules()
+    outside = {}
+    for name, path in modules.items():
+        if name == "replay" or name.startswith("replay."):
+            used = {m for m in _imports(name, path) & set(modules)
+                    if m != "replay" and not m.startswith("replay.")}
+            if used - REPLAY_MAY_IMPORT:
+                outside[name] = sorted(used - REPLAY_MAY_IMPORT)
+    assert outside == {}, outside
 
 
 # tests/: a folder per layer (README.md, Layout); at the top, only the checks of the

@@ -82,7 +82,7 @@ std::unique_ptr<ReplayTrace> make_trace(const py::buffer& kinds, const py::buffe
   return std::make_unique<ReplayTrace>(std::move(ops));
 }
 
-// PyTorch's allocator settings, by keyword as pyalloc.snapshot_io.TorchSettings
+// PyTorch's allocator settings, by keyword as pyalloc.replay.settings.TorchSettings
 // gives them; 0 (or None) for PyTorch's default.
 TorchAllocatorSettings model_settings(size_t max_split_size, size_t max_non_split_rounding,
                                       size_t large_segment_size, const py::object& divisions) {
@@ -231,7 +231,7 @@ void bind_replay(py::module_& m) {
         "malloc_hints: [(bytes, address)] the driver's answers by cudaMalloc ordinal. "
         "max_split_size, max_non_split_rounding, large_segment_size (bytes; 0: PyTorch's "
         "default) and roundup_power2_divisions (per interval from 1 MiB; None: none): PyTorch's "
-        "allocator settings (pyalloc.snapshot_io.TorchSettings.model_options()). Returns a "
+        "allocator settings (pyalloc.replay.settings.TorchSettings.model_options()). Returns a "
         "dict: completed, ooms, first_oom_op, peak_reserved_bytes, device_calls, "
         "second_half_device_calls, driver_calls, retries, early_frees (blocks whose free was "
         "requested, freed by an out-of-memory retry before their free), misplaced, seconds, and calls: "

@@ -7,7 +7,7 @@
 // streams still used the block (record_stream), whose "free id" comes later,
 // when that work is done. Turning a PyTorch snapshot (addresses reused over
 // time, blocks live before the ring buffer began) into this form is the
-// Python side's job (pyalloc/replay.py); here ids are slots, checked once.
+// Python side's job (pyalloc/replay/run.py); here ids are slots, checked once.
 //
 // A Replayer runs a ReplayTrace against one Allocator, in steps if the caller
 // wants to look at the allocator at a given point (run(stop) then inspect, then

@@ -48,7 +48,7 @@
 namespace pyalloc {
 
 /// A device call of the model, with the action codes of a snapshot's trace
-/// (pyalloc/snapshot_io.py): 3 segment_alloc, 4 segment_free, 5 segment_map,
+/// (pyalloc/replay/snapshot_io.py): 3 segment_alloc, 4 segment_free, 5 segment_map,
 /// 6 segment_unmap.
 struct ModelCall {
   enum Kind : uint8_t { kSegmentAlloc = 3, kSegmentFree = 4, kSegmentMap = 5, kSegmentUnmap = 6 };

@@ -16,7 +16,7 @@ import pytest
 import pyalloc
 from pyalloc import _C
 from pyalloc.replay import plan_trace, replay_devices
-from pyalloc.snapshot_io import read_trace, write_snapshot
+from pyalloc.replay.snapshot_io import read_trace, write_snapshot
 
 from benchmarks import bench_oom_watch as bench
 

@@ -67,7 +67,7 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path):
 def test_plot_title_legend_budget_and_native():
     pytest.importorskip("matplotlib")
     from pyalloc.replay import replay
-    from pyalloc.replay_report import figure
+    from pyalloc.replay.report import figure
 
     # A GPU-like snapshot: segments and segment events, so the native line is known.
     events, addr = [], 1 << 32
@@ -111,7 +111,7 @@ def test_plot_title_legend_budget_and_native():
 def test_default_config_is_named_in_the_title():
     pytest.importorskip("matplotlib")
     from pyalloc.replay import replay
-    from pyalloc.replay_report import figure
+    from pyalloc.replay.report import figure
 
     r = replay(BUNDLED / "encoder-dynbatch-infer.pickle.gz", search=False)
     title = figure([r]).axes[0].get_title()

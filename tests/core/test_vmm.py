@@ -611,7 +611,7 @@ def test_replay_on_a_device_with_smaller_pages():
     from array import array
 
     from pyalloc import _C
-    from pyalloc.replay_allocators import run_allocator
+    from pyalloc.replay.allocators import run_allocator
 
     # The holes above, as a trace: 16 blocks of 1.5 MiB, every other freed, then 10 MiB.
     kinds, ids, sizes = [], [], []
@@ -629,9 +629,8 @@ def test_replay_on_a_device_with_smaller_pages():
     with pytest.raises(ValueError, match="page_size must not be negative"):
         run_allocator(calls, "pyalloc", page_size=-1)
     # The budget search replays on the same pages.
-    import pyalloc.replay as replay_mod
+    from pyalloc.replay.allocators import min_budget
 
-    bars = replay_mod._Bars(False, "")
-    small, _ = replay_mod._min_budget(calls, "", 22 * MiB, 64 * MiB, bars, page_size=64 * KiB)
-    default, _ = replay_mod._min_budget(calls, "", 22 * MiB, 64 * MiB, bars)
+    small, _ = min_budget(calls, "", 22 * MiB, 64 * MiB, page_size=64 * KiB)
+    default, _ = min_budget(calls, "", 22 * MiB, 64 * MiB)
     assert small < 26 * MiB < default

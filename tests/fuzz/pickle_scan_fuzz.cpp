@@ -4,7 +4,7 @@
 // loop that never ends shows up as a crash or a timeout.
 //
 // Besides not crashing, the scan must give one answer however the bytes arrive:
-// snapshot_io.py feeds it 1 MiB at a time, so the input is scanned whole and again in
+// pyalloc/replay/snapshot_io.py feeds it 1 MiB at a time, so the input is scanned whole and again in
 // chunks (their size taken from the input's first byte), and the two must agree on where
 // they stopped, why, and what they counted. The memory cap is left off for that
 // comparison (a line not yet ended counts the bytes held so far, which depends on the

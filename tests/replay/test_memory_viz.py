@@ -546,7 +546,7 @@ def replay_of_tiny_gpt(conf):
     """A replay of tiny-gpt-varlen-train (every call on stream 0) on the virtual
     backend, history on from the start: (its allocator, its replayer, its length)."""
     from pyalloc.replay import plan_trace
-    from pyalloc.snapshot_io import load_snapshot, read_trace
+    from pyalloc.replay.snapshot_io import load_snapshot, read_trace
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "traces" / "tiny-gpt-varlen-train.pickle.gz"
     plan = plan_trace(read_trace(load_snapshot(str(path))))
@@ -743,7 +743,7 @@ def synthetic_trace(seed, events=600):
 @pytest.mark.parametrize("conf", ["strategy:bestfit", "strategy:vmm,max_pool_size:160MiB"])
 def test_snapshot_taken_mid_replay(conf, tmp_path):
     from pyalloc.replay import plan_trace
-    from pyalloc.snapshot_io import read_trace
+    from pyalloc.replay.snapshot_io import read_trace
 
     plan = plan_trace(read_trace(synthetic_trace(3)))
     calls = _C.ReplayTrace(plan.kinds, plan.ids, plan.sizes, plan.streams)

@@ -14,7 +14,7 @@ import pyalloc
 from pyalloc import record
 from pyalloc.record import RecordError, parse_command, record_program, run_program
 from pyalloc.replay import replay
-from pyalloc.snapshot_io import load_snapshot, write_snapshot
+from pyalloc.replay.snapshot_io import load_snapshot, write_snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from pyalloc import _C
-from pyalloc.replay import _fits, plan_trace, replay
-from pyalloc.replay_allocators import run_allocator
-from pyalloc.snapshot_io import read_trace, write_snapshot
+from pyalloc.replay import plan_trace, replay
+from pyalloc.replay.allocators import fits, run_allocator
+from pyalloc.replay.snapshot_io import read_trace, write_snapshot
 from shared_dir import SHARED_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -330,7 +330,7 @@ def test_min_budget_fits_and_a_budget_below_peak_live_does_not():
     assert r.peak_live_bytes < r.pyalloc_min_budget_bytes <= r.pyalloc_peak_reserved_bytes
     assert r.search_replays > 0
     p = plan_trace(read_trace(path))
-    assert _fits(_C.ReplayTrace(p.kinds, p.ids, p.sizes, p.streams), "", r.pyalloc_min_budget_bytes)
+    assert fits(_C.ReplayTrace(p.kinds, p.ids, p.sizes, p.streams), "", r.pyalloc_min_budget_bytes)
     assert replay(path, budget=r.pyalloc_min_budget_bytes, search=False).budget_ooms == 0
     tight = replay(path, budget=r.peak_live_bytes // 2, search=False)
     assert tight.budget_ooms > 0
@@ -686,7 +686,7 @@ def test_cli_needs_a_file():
 
 def test_plot_draws_native_where_known(tmp_path):
     pytest.importorskip("matplotlib")
-    from pyalloc.replay_report import plot_results
+    from pyalloc.replay.report import plot_results
 
     segments = [segment(1, 40 * MiB, [])]
     events = [ev("segment_alloc", 1, 20 * MiB)] + life(1, 5 * MiB) + life(2, 3 * MiB)
@@ -703,7 +703,7 @@ def test_progress_bars_can_be_forced_on(capsys):
 
 
 def test_table_formats(tmp_path):
-    from pyalloc.replay_report import COLUMNS, format_table
+    from pyalloc.replay.report import COLUMNS, format_table
 
     results = [replay(snap(life(1, 100)), name="a/b.pickle", budget="1GiB", search=False)]
     text = format_table(results).splitlines()
@@ -725,24 +725,23 @@ def test_the_smallest_budget_is_one_every_larger_device_checked_completes_from(m
     """An allocator that completes on a device and fails on one slightly larger:
     the budget reported is above the failures, and every device checked above
     it completes."""
-    import pyalloc.replay as replay_mod
-    import pyalloc.replay_allocators as allocators_mod
+    import pyalloc.replay.allocators as allocators_mod
 
     def fits(calls, conf, capacity, allocator="pyalloc", page_size=None, settings=None):
         return capacity >= 100_000 and not 100_150 <= capacity <= 100_400
 
     monkeypatch.setattr(allocators_mod, "fits", fits)
-    budget, replays = replay_mod._min_budget(None, "", 90_000, 200_000, replay_mod._Bars(False, "t"))
+    budget, replays = allocators_mod.min_budget(None, "", 90_000, 200_000)
     assert budget > 100_400 and replays > 0
-    assert budget <= 100_400 * (1 + replay_mod.BUDGET_CHECKS_ABOVE[0]) + 200_000 * replay_mod.BUDGET_PRECISION
-    for above in replay_mod.BUDGET_CHECKS_ABOVE:
+    assert budget <= 100_400 * (1 + allocators_mod.BUDGET_CHECKS_ABOVE[0]) + 200_000 * allocators_mod.BUDGET_PRECISION
+    for above in allocators_mod.BUDGET_CHECKS_ABOVE:
         assert fits(None, "", int(budget * (1 + above)))
     # A monotonic allocator: the bisection's answer, within its precision.
     monkeypatch.setattr(allocators_mod, "fits",
                         lambda calls, conf, capacity, allocator="pyalloc", page_size=None, settings=None:
                         capacity >= 100_000)
-    budget, _ = replay_mod._min_budget(None, "", 90_000, 200_000, replay_mod._Bars(False, "t"))
-    assert 100_000 <= budget <= 100_000 * (1 + replay_mod.BUDGET_PRECISION)
+    budget, _ = allocators_mod.min_budget(None, "", 90_000, 200_000)
+    assert 100_000 <= budget <= 100_000 * (1 + allocators_mod.BUDGET_PRECISION)
 
 
 def test_the_replay_page_shows_replay_from_python_and_its_example_runs(monkeypatch, capsys):

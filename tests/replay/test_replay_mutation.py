@@ -247,7 +247,7 @@ def file_bytes(rng: random.Random, s: Any) -> Tuple[bytes, str]:
 
 def documented(e: BaseException) -> bool:
     """TraceError, or ValueError with a one-line sentence."""
-    from pyalloc.snapshot_io import TraceError
+    from pyalloc.replay.snapshot_io import TraceError
 
     text = str(e)
     sentence = bool(text.strip()) and "\n" not in text and " " in text.strip()
@@ -316,7 +316,7 @@ def test_a_request_pyalloc_cannot_serve_uncapped_is_refused_not_reported_as_a_wi
     import pytest
 
     from pyalloc.replay import replay
-    from pyalloc.snapshot_io import TraceError
+    from pyalloc.replay.snapshot_io import TraceError
 
     events = [{"action": "alloc", "addr": 1 << 40, "size": 1 << 20, "stream": 0},
               {"action": "alloc", "addr": 1 << 41, "size": 1 << 44, "stream": 0}]

@@ -13,10 +13,10 @@ import pytest
 
 from pyalloc._C import format_bytes
 from pyalloc.replay import NoHistoryError, replay, replay_devices
-from pyalloc.replay_allocators import ALLOCATORS, AllocatorRun, run_allocator
-from pyalloc.replay_oom import MAX_OOM_REPLAYS
-from pyalloc.replay_report import oom_sentence
-from pyalloc.snapshot_io import load_snapshot
+from pyalloc.replay.allocators import ALLOCATORS, AllocatorRun, run_allocator
+from pyalloc.replay.oom import MAX_OOM_REPLAYS
+from pyalloc.replay.report import oom_sentence
+from pyalloc.replay.snapshot_io import load_snapshot
 from shared_dir import SHARED_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -343,8 +343,8 @@ def test_a_memory_fraction_below_what_was_live_makes_it_no_fragmentation():
 
 def test_a_known_device_total_is_used_and_said():
     from pyalloc.replay import plan_trace
-    from pyalloc.replay_oom import diagnose_ooms
-    from pyalloc.snapshot_io import read_trace
+    from pyalloc.replay.oom import diagnose_ooms
+    from pyalloc.replay.snapshot_io import read_trace
 
     trace = read_trace(with_fraction(fragmented(), {"per_process_memory_fraction": 0.52}))
     [oom] = diagnose_ooms(trace, plan_trace(trace), "", device_total=200 * MiB)
@@ -398,7 +398,7 @@ def test_each_allocator_is_asked_through_run_allocator(monkeypatch):
     capacity, stopping at the first refusal, with the plan its calls came from:
     the trace's calls up to the event, then the request and its free; then each
     uncapped, where the search for the smallest capacity it needs starts."""
-    import pyalloc.replay_oom as replay_oom
+    import pyalloc.replay.oom as replay_oom
 
     asked = []
 
@@ -443,7 +443,7 @@ def test_run_allocator_pyalloc_and_unknown_names():
 
 
 def test_json_rows_carry_recorded_ooms_with_the_documented_keys(tmp_path):
-    from pyalloc.snapshot_io import write_snapshot
+    from pyalloc.replay.snapshot_io import write_snapshot
 
     path, out = tmp_path / "frag.pickle", tmp_path / "r.json"
     write_snapshot(fragmented(), path)
@@ -519,7 +519,7 @@ def test_a_malformed_oom_event_is_skipped_and_counted(oom):
 
 
 def test_cli_warns_of_skipped_oom_events_and_still_reports(tmp_path):
-    from pyalloc.snapshot_io import write_snapshot
+    from pyalloc.replay.snapshot_io import write_snapshot
 
     snapshot = with_oom(oom_with(device_free=DROP))
     snapshot["device_traces"][0] += [oom_with(size=-5), oom_event(MiB, MiB)]
@@ -724,7 +724,7 @@ def with_recorder_metadata(snapshot, **fields):
 
 
 def test_the_recorders_device_total_reaches_the_trace_and_caps_the_fraction():
-    from pyalloc.snapshot_io import read_trace
+    from pyalloc.replay.snapshot_io import read_trace
 
     snapshot = with_recorder_metadata(with_fraction(fragmented(), {"per_process_memory_fraction": 0.52}),
                                       device_total_bytes=200 * MiB)
@@ -840,7 +840,7 @@ def test_free_memory_below_the_segment_it_wanted_infers_no_cap():
 
 def within_precision(found, exact):
     """A budget bisected to BUDGET_PRECISION: at least the exact figure, at most that much above."""
-    from pyalloc.replay_result import BUDGET_PRECISION
+    from pyalloc.replay.result import BUDGET_PRECISION
 
     return exact <= found <= exact * (1 + BUDGET_PRECISION) + 1
 
@@ -900,7 +900,7 @@ def test_recorded_ooms_do_not_depend_on_the_budget_search():
 
 
 def test_only_the_first_few_ooms_and_the_last_are_searched():
-    from pyalloc.replay_oom import MAX_OOM_SEARCHES
+    from pyalloc.replay.oom import MAX_OOM_SEARCHES
 
     snapshot = with_oom(oom_event(8 * MiB, MiB))
     snapshot["device_traces"][0][3:3] = [oom_event(8 * MiB, MiB) for _ in range(MAX_OOM_SEARCHES + 2)]

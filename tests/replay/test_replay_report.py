@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pyalloc._C import format_bytes
-from pyalloc.replay_report import (TABLE_LEGEND, TIE, WIDTH, format_names, format_table, short_names,
+from pyalloc.replay.report import (TABLE_LEGEND, TIE, WIDTH, format_names, format_table, short_names,
                                    verdicts, wrap)
-from pyalloc.replay_result import ReplayResult
+from pyalloc.replay.result import ReplayResult
 
 GiB = 1 << 30
 ALLOCATORS = ("pyalloc", "native", "native_expandable")
@@ -88,7 +88,7 @@ def test_verdicts_count_wins_ties_and_losses_and_name_the_losses():
 
 
 def test_a_tie_is_within_the_budget_searchs_precision():
-    from pyalloc.replay import BUDGET_PRECISION
+    from pyalloc.replay.result import BUDGET_PRECISION
 
     assert TIE == BUDGET_PRECISION
     just_in = made_up("t.pickle", budget=(1.0049, 1.0, 1.0), reserved=(1.0, 1.0, 1.0), calls=(10, 10, 10))
@@ -121,7 +121,7 @@ def test_several_devices_of_one_trace_are_told_apart_in_sentences():
 
 def test_the_plot_has_the_three_measures_side_by_side():
     pytest.importorskip("matplotlib")
-    from pyalloc.replay_report import comparison_figure
+    from pyalloc.replay.report import comparison_figure
 
     results = [made_up("a.pickle", budget=(1.01, 1.2, 1.1), reserved=(1.3, 1.2, 1.1), calls=(500, 20, 200)),
                made_up("b.pickle", budget=(1.02, 1.3, 1.05), reserved=(1.1, 1.4, 1.2), calls=(30, 10, 90))]
@@ -150,8 +150,8 @@ def test_format_verdict_is_the_replays_sentence_and_the_command(tmp_path):
     import shlex
 
     from pyalloc.replay import replay_devices
-    from pyalloc.replay_report import format_ooms, format_verdict
-    from pyalloc.snapshot_io import write_snapshot
+    from pyalloc.replay.report import format_ooms, format_verdict
+    from pyalloc.replay.snapshot_io import write_snapshot
     from test_replay_oom import cli, fragmented
 
     path = tmp_path / "a dir" / "rank0-dev0.pickle"
@@ -184,7 +184,7 @@ def test_format_verdict_is_the_replays_sentence_and_the_command(tmp_path):
 
 def test_format_verdict_of_an_inferred_cap_and_of_many_errors(tmp_path):
     from pyalloc.replay import replay_devices
-    from pyalloc.replay_report import VERDICT_LINES, format_ooms, format_verdict
+    from pyalloc.replay.report import VERDICT_LINES, format_ooms, format_verdict
     from test_replay_oom import full_segments, oom_event
 
     [r] = replay_devices(full_segments(), search=False)
@@ -208,7 +208,7 @@ def test_format_verdict_of_an_inferred_cap_and_of_many_errors(tmp_path):
 
 def test_format_verdict_says_nothing_without_an_oom():
     from pyalloc.replay import replay_devices
-    from pyalloc.replay_report import format_verdict
+    from pyalloc.replay.report import format_verdict
     from test_replay_oom import ev, free
 
     clean = {"segments": [], "device_traces": [[ev("alloc", 1, 10)] + free(1, 10)]}

@@ -14,8 +14,8 @@ import sys
 import pytest
 
 import pyalloc
-from pyalloc import replay as rp
-from pyalloc import snapshot_io
+import pyalloc.replay as rp
+from pyalloc.replay import snapshot_io
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VERDICT_WORDS = ("wins", "loses", "ties", "Budget:", "Uncapped reserved:", "Driver calls:")

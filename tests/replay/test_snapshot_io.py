@@ -8,7 +8,7 @@ import pickletools
 
 import pytest
 
-from pyalloc.snapshot_io import (
+from pyalloc.replay.snapshot_io import (
     ALLOC,
     FREE_COMPLETED,
     OTHER,
@@ -244,7 +244,7 @@ def test_a_text_memo_index_written_as_no_pickler_writes_it_is_refused(tmp_path, 
 def test_reading_stops_at_the_pickles_stop(tmp_path):
     # A snapshot followed by 64 MiB of zeros (64 KiB once compressed): only the chunk
     # holding its STOP is read, as the unpickler alone read no further than STOP.
-    from pyalloc import snapshot_io
+    from pyalloc.replay import snapshot_io
 
     data = pickle.dumps(SNAPSHOT, protocol=4)
     path = write_bytes(tmp_path, "s.pickle.gz", gzip.compress(data + bytes(64 << 20)))
@@ -279,7 +279,7 @@ def test_a_small_file_that_would_build_more_objects_than_memory_allows_is_refuse
 
 def test_an_argument_too_large_for_the_memory_is_refused_before_its_bytes_are_read(tmp_path):
     # 400 MiB of bytes in one argument (400 KB once compressed), 10 MB allowed.
-    from pyalloc import snapshot_io
+    from pyalloc.replay import snapshot_io
 
     data = b"\x80\x04\x8e" + (400 << 20).to_bytes(8, "little") + bytes(400 << 20) + b"."
     path = write_bytes(tmp_path, "big.pickle.gz", gzip.compress(data, compresslevel=1))

@@ -1,7 +1,7 @@
 """The model of PyTorch's caching allocator (csrc/replay/torch_model.h): its policy
 on small hand-made traces, the seam that runs the three allocators of a replay
-(pyalloc/replay_allocators.py), and the model against the device calls real
-snapshots recorded (pyalloc/replay_validate.py)."""
+(pyalloc/replay/allocators.py), and the model against the device calls real
+snapshots recorded (pyalloc/replay/validate.py)."""
 from __future__ import annotations
 
 from array import array
@@ -11,9 +11,9 @@ import pytest
 
 from pyalloc import _C
 from pyalloc.replay import plan_trace, replay
-from pyalloc.replay_allocators import ALLOCATORS, AllocatorRun, run_allocator
-from pyalloc.replay_validate import validate
-from pyalloc.snapshot_io import read_trace
+from pyalloc.replay.allocators import ALLOCATORS, AllocatorRun, run_allocator
+from pyalloc.replay.validate import validate
+from pyalloc.replay.snapshot_io import read_trace
 from shared_dir import SHARED_DIR
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -379,7 +379,8 @@ def test_cs336_at_equal_budgets():
 
 @pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_each_allocators_budget_is_the_smallest_it_completes_on(allocator):
-    from pyalloc.replay import BUDGET_PRECISION, _fits
+    from pyalloc.replay.allocators import fits
+    from pyalloc.replay.result import BUDGET_PRECISION
 
     r = replay(BUNDLED / "encoder-dynbatch-infer.pickle.gz")
     budget = getattr(r, f"{allocator}_min_budget_bytes")
@@ -387,8 +388,8 @@ def test_each_allocators_budget_is_the_smallest_it_completes_on(allocator):
     trace = read_trace(BUNDLED / "encoder-dynbatch-infer.pickle.gz")
     plan = plan_trace(trace)
     calls = _C.ReplayTrace(plan.kinds, plan.ids, plan.sizes, plan.streams)
-    assert _fits(calls, "", budget, allocator)
-    assert not _fits(calls, "", int(budget * (1 - 2 * BUDGET_PRECISION)), allocator)
+    assert fits(calls, "", budget, allocator)
+    assert not fits(calls, "", int(budget * (1 - 2 * BUDGET_PRECISION)), allocator)
     # Retries at that budget: PyTorch frees its cache at least once to fit it.
     if allocator != "pyalloc":
         assert getattr(r, f"{allocator}_budget_retries") >= 1

@@ -1,6 +1,6 @@
 """The settings of PyTorch's allocator a snapshot records (``allocator_settings``), as
 the model of that allocator (csrc/replay/torch_model.h) honours them: read once from
-the snapshot (``replay_settings.torch_settings``), passed to every run of the model (the
+the snapshot (``pyalloc.replay.settings.torch_settings``), passed to every run of the model (the
 uncapped figures, the budget search, the OOM verdict, the validation against the
 recorded device calls), and named in a note where the model does not apply one.
 
@@ -20,8 +20,8 @@ import pytest
 
 from pyalloc import _C
 from pyalloc.replay import replay
-from pyalloc.replay_report import format_recorded
-from pyalloc.replay_settings import TorchSettings, torch_settings
+from pyalloc.replay.report import format_recorded
+from pyalloc.replay.settings import TorchSettings, torch_settings
 from test_torch_model import calls_of
 
 MiB, GiB = 1 << 20, 1 << 30

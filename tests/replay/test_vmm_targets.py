@@ -1,6 +1,6 @@
 """Issue 42's targets for the vmm strategy: never behind PyTorch's own
 allocator with expandable_segments:True, the model the replay runs beside
-pyalloc (pyalloc/replay_allocators.py), on the same trace. On the recorded
+pyalloc (pyalloc/replay/allocators.py), on the same trace. On the recorded
 traces (benchmarks/traces, and ../shared/traces with its gpu/ and h200/ where
 present: skipped when absent), every device of each, and on the random
 workloads of benchmarks/random_workloads.py:
@@ -27,11 +27,11 @@ from pathlib import Path
 import pytest
 
 import pyalloc
-import pyalloc.replay
+import pyalloc.replay.allocators
 from pyalloc import _C
 from pyalloc.replay import plan_trace, replay_devices
-from pyalloc.replay_allocators import run_allocator
-from pyalloc.snapshot_io import devices_of, load_snapshot, read_trace
+from pyalloc.replay.allocators import run_allocator
+from pyalloc.replay.snapshot_io import devices_of, load_snapshot, read_trace
 
 from benchmarks.random_workloads import WORKLOADS, random_ops, random_snapshot
 from benchmarks.random_workloads import name as workload_name
@@ -88,13 +88,13 @@ def results():
 
     def get(name, device):
         if name not in cache:
-            precision = pyalloc.replay.BUDGET_PRECISION
-            pyalloc.replay.BUDGET_PRECISION = 0.001
+            precision = pyalloc.replay.allocators.BUDGET_PRECISION
+            pyalloc.replay.allocators.BUDGET_PRECISION = 0.001
             try:
                 cache[name] = {r.device: r for r in replay_devices(SNAPSHOTS[name], CONF, name=name,
                                                                    progress=False)}
             finally:
-                pyalloc.replay.BUDGET_PRECISION = precision
+                pyalloc.replay.allocators.BUDGET_PRECISION = precision
         return cache[name][device]
     return get
 

@@ -1,12 +1,12 @@
 """What one trace's replay found: the record pyalloc.replay returns and the
-report (replay_report) formats. Its own module so that neither imports the other."""
+report (report.py) formats. Its own module so that neither imports the other."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
 #: The smallest budgets are bisected to within this fraction; two figures closer than
-#: that are a tie (replay_report.TIE).
+#: that are a tie (report.TIE).
 BUDGET_PRECISION = 0.005
 
 
@@ -47,7 +47,7 @@ class ReplayResult:
     pyalloc_driver_calls: Optional[int] = None
     #: Out-of-memory retries taken replaying at the allocator's smallest budget.
     pyalloc_budget_retries: Optional[int] = None
-    #: The model of PyTorch's allocator (replay_allocators.py), default and with
+    #: The model of PyTorch's allocator (allocators.py), default and with
     #: expandable_segments:True: the same figures. driver_calls: every cudaMalloc,
     #: cudaFree, cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap and cuMemRelease
     #: of the uncapped replay, page by page.
@@ -61,13 +61,13 @@ class ReplayResult:
     native_expandable_second_half_device_calls: Optional[int] = None
     native_expandable_driver_calls: Optional[int] = None
     native_expandable_budget_retries: Optional[int] = None
-    #: The model against the snapshot's own device calls (replay_validate.py);
+    #: The model against the snapshot's own device calls (validate.py);
     #: None where the snapshot records none.
     validation: Optional[Dict[str, Any]] = None
     budget_bytes: Optional[int] = None
     budget_ooms: Optional[int] = None
     budget_peak_reserved_bytes: Optional[int] = None
-    #: Each allocator on a device of budget_bytes: {allocator: its replay_allocators.AllocatorRun
+    #: Each allocator on a device of budget_bytes: {allocator: its allocators.AllocatorRun
     #: as a dict}; budget_ooms and budget_peak_reserved_bytes are pyalloc's.
     budget_runs: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     replay_seconds: float = 0.0
@@ -78,12 +78,12 @@ class ReplayResult:
     #: How many devices of its snapshot were replayed, a result each (this one is `device`).
     devices: int = 1
     #: The out-of-memory errors the snapshot recorded on this device, each replayed as the
-    #: allocation it was, of the rounded size PyTorch recorded (pyalloc.replay_oom): {event,
+    #: allocation it was, of the rounded size PyTorch recorded (pyalloc.replay.oom): {event,
     #: size_bytes, live_bytes, capacity_bytes, fragmentation, served_by: {allocator: bool, or
     #: None where unknown}, memory_fraction, device_total_bytes, device_total_assumed,
     #: reserved_bytes, device_free_bytes, cap_inferred, cap_below_bytes, unused_bytes,
     #: largest_free_block_bytes, min_capacity_bytes: {allocator: bytes, or None}}
-    #: (replay_oom.diagnose_ooms says what each is). Independent of the budget search.
+    #: (oom.diagnose_ooms says what each is). Independent of the budget search.
     recorded_ooms: List[Dict[str, Any]] = field(default_factory=list)
     #: oom events that could not be read (no size, no device_free...), left out of
     #: recorded_ooms; what was wrong with the first few.

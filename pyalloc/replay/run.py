@@ -24,15 +24,15 @@ have held this run, and in how much memory?" for PyTorch memory snapshots:
    call, without the GIL.
 4. The same calls run through the model of PyTorch's caching allocator
    (csrc/replay/torch_model.h), default and with expandable_segments:True
-   (``replay_allocators.run_allocator`` names all three).
+   (``allocators.run_allocator`` names all three).
 5. Each allocator, bounded by a capacity and running its own out-of-memory
    path, finds by bisection the smallest budget under which it serves the whole
    trace, to within 0.5%: the three are compared at equal budgets, not by
    their uncapped peaks (PyTorch under a cap frees its cache and retries).
 6. Where the snapshot records device calls, the model is checked against them
-   (``replay_validate``): matched / recorded calls.
+   (``validate``): matched / recorded calls.
 7. Each out-of-memory error the snapshot recorded is replayed as the request it
-   was (replay_oom): fragmentation or not, and which allocator would have
+   was (oom): fragmentation or not, and which allocator would have
    served it.
 
 Each device of a snapshot is its own trace and its own result
@@ -60,18 +60,17 @@ from array import array
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from . import _C
-from ._config import as_size, conf_string, parse_config
-# BUDGET_CHECKS_ABOVE, BUDGET_PRECISION and _fits stay importable from here, where callers found them.
-from .replay_allocators import (ALLOCATORS, BUDGET_CHECKS_ABOVE, KIND_ALLOC as _KIND_ALLOC, KIND_FREE as _KIND_FREE,
-                                KIND_FREE_REQUESTED as _KIND_FREE_REQUESTED, fits as _fits, measure_live as _measure_live,
-                                min_budget as _min_budget, run_allocator)
-from .replay_oom import diagnose_ooms
-from .replay_report import (BUDGET_LEGEND, TABLE_LEGEND, format_names, format_ooms, format_recorded, format_table,
-                            plot_results, verdicts, wrap)
-from .replay_result import BUDGET_PRECISION, ReplayResult
-from .replay_settings import TorchSettings
-from .replay_validate import validate
+from .. import _C
+from .._config import as_size, conf_string, parse_config
+from .allocators import (ALLOCATORS, KIND_ALLOC as _KIND_ALLOC, KIND_FREE as _KIND_FREE,
+                         KIND_FREE_REQUESTED as _KIND_FREE_REQUESTED, measure_live as _measure_live,
+                         min_budget as _min_budget, run_allocator)
+from .oom import diagnose_ooms
+from .report import (BUDGET_LEGEND, TABLE_LEGEND, format_names, format_ooms, format_recorded, format_table,
+                     plot_results, verdicts, wrap)
+from .result import ReplayResult
+from .settings import TorchSettings
+from .validate import validate
 from .snapshot_io import (
     ALLOC,
     FREE_COMPLETED,
@@ -89,9 +88,6 @@ from .snapshot_io import (
     load_snapshot,
     read_trace,
 )
-
-__all__ = ["NoHistoryError", "ReplayPlan", "ReplayResult", "TraceError", "add_arguments", "main", "plan_trace",
-           "replay", "replay_devices"]
 
 #: How to record what a snapshot without history lacks, as PyTorch's docs say it.
 HOW_TO_RECORD = ("To record one, call torch.cuda.memory._record_memory_history(max_entries=100000) "

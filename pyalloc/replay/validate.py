@@ -36,7 +36,7 @@ from array import array
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _C
+from .. import _C
 from .snapshot_io import SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace
 
 __all__ = ["Validation", "validate"]
@@ -60,7 +60,7 @@ class Validation:
     releases: int = 0               # the recording's release_cached_blocks calls, given to the model
     peak_reserved_bytes: int = 0    # the model's, from the seeded start
     driver_addresses: bool = False  # the recorded cudaMalloc addresses were given to the model
-    #: Recorded settings of PyTorch's allocator the model does not apply (replay_settings):
+    #: Recorded settings of PyTorch's allocator the model does not apply (settings):
     #: where the calls differ, a reason the replay can know.
     settings_not_applied: List[str] = field(default_factory=list)
 

@@ -5,7 +5,7 @@
 
 - ``pyalloc``: pyalloc's core on the virtual backend (addresses only);
 - ``native``: the model of PyTorch's caching allocator (csrc/replay/torch_model.h),
-  with the settings the snapshot recorded (``replay_settings.TorchSettings``;
+  with the settings the snapshot recorded (``settings.TorchSettings``;
   PyTorch's defaults where none);
 - ``native_expandable``: the same model with ``expandable_segments:True``.
 
@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from . import _C
-from ._config import as_size
-from .replay_result import BUDGET_PRECISION
-from .replay_settings import TorchSettings
+from .. import _C
+from .._config import as_size
+from .result import BUDGET_PRECISION
+from .settings import TorchSettings
 
 __all__ = ["ALLOCATORS", "AllocatorRun", "BUDGET_CHECKS_ABOVE", "fits", "measure_live", "min_budget", "run_allocator"]
 
@@ -89,7 +89,7 @@ def run_allocator(calls: Any, allocator: str, *, capacity: Optional[int] = None,
     # Every allocator starts from an empty device, the blocks live before the
     # trace allocated first: the same start for all three. (Validation against a
     # snapshot's own calls starts the model from the recorded segments instead:
-    # replay_validate.py.)
+    # validate.py.)
     settings = settings or getattr(plan, "torch_settings", None) or TorchSettings()
     r = _C.run_torch_model(calls, expandable=allocator == "native_expandable",
                            capacity=capacity or 0, stop_on_oom=stop_on_oom, **settings.model_options())

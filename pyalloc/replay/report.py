@@ -2,7 +2,7 @@
 markdown), its legend, the sentences that say where pyalloc wins, ties and loses,
 the sentences on recorded out-of-memory errors, and the plots.
 
-The terminal's text fits WIDTH columns. Kept apart from replay.py so that the
+The terminal's text fits WIDTH columns. Kept apart from run.py so that the
 replay itself never imports matplotlib.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import shlex
 import textwrap
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ._C import format_bytes
-from .replay_result import BUDGET_PRECISION, ReplayResult
+from .._C import format_bytes
+from .result import BUDGET_PRECISION, ReplayResult
 
 __all__ = ["ALLOCATOR_NAMES", "BUDGET_LEGEND", "COLUMNS", "LEGEND", "TABLE_LEGEND", "TIE", "VERDICT_LINES", "WIDTH",
            "comparison_figure", "figure", "format_names", "format_ooms", "format_recorded", "format_table",
@@ -426,7 +426,7 @@ def _said(t: Dict[str, List[Tuple[str, float, float]]], total: int, ratio: bool)
     return ", ".join(said)
 
 
-#: How the sentences name each allocator of replay_allocators.ALLOCATORS.
+#: How the sentences name each allocator of allocators.ALLOCATORS.
 ALLOCATOR_NAMES = {
     "pyalloc": "pyalloc",
     "native": "PyTorch",
@@ -521,7 +521,7 @@ def _reserved_note(oom: Dict[str, Any]) -> str:
 def _cap_note(oom: Dict[str, Any]) -> str:
     """"; under the per-process cap of ..." where the recorder kept the cap PyTorch's
     observer reported; "; a cap was in force: ..." where one the snapshot does not
-    record was inferred (replay_oom._capacity): the evidence, and what the capacity
+    record was inferred (oom._capacity): the evidence, and what the capacity
     was taken as."""
     recorded = oom.get("cap_recorded_bytes")
     if recorded is not None:
@@ -701,7 +701,7 @@ def comparison_figure(results: Sequence[ReplayResult]):
 
 def _setup(conf: Optional[str]) -> str:
     """'strategy vmm, config segment_size:64MiB' (the defaults named as such)."""
-    from ._config import parse_config
+    from .._config import parse_config
 
     strategy = parse_config(conf or "")["strategy"]
     return f"strategy {strategy}, config {conf if conf else '(defaults)'}"

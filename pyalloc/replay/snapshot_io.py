@@ -42,8 +42,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple, Union
 
-from . import _C
-from .replay_settings import TorchSettings, torch_settings
+from .. import _C
+from .settings import TorchSettings, torch_settings
 
 __all__ = [
     "ACTIONS",

@@ -36,7 +36,7 @@ replayed as the allocation it was:
   live + allocation - capacity (no allocator could have: the run needs less memory).
   Under an inferred cap, None (withheld) where they fit below cap_below_bytes but
   not the reserved bytes: it depends on where the cap lay, which nothing tells;
-- for each allocator of ``replay_allocators.ALLOCATORS``, whether it would have
+- for each allocator of ``allocators.ALLOCATORS``, whether it would have
   served the allocation: the trace's calls up to the event, then the allocation
   (freed right after), replayed from the start on a device of that capacity.
   Served means every allocation up to and including this one was served; an
@@ -44,7 +44,7 @@ replayed as the allocation it was:
   build cannot run is reported as None;
 - how much each had to spare or lacked: the smallest device on which it serves
   those calls (``min_capacity_bytes``), found by the budget search of the whole
-  trace (``replay_allocators.min_budget``) run on them, for the first MAX_OOM_SEARCHES
+  trace (``allocators.min_budget``) run on them, for the first MAX_OOM_SEARCHES
   events of a device and its last;
 - what the recording allocator held then: its reserved bytes, those of them not
   live (``unused_bytes``: cached free blocks and rounding), and the largest free
@@ -62,8 +62,8 @@ from array import array
 from bisect import bisect_left
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _C
-from .replay_allocators import ALLOCATORS, measure_live, min_budget, run_allocator
+from .. import _C
+from .allocators import ALLOCATORS, measure_live, min_budget, run_allocator
 from .snapshot_io import (OOM, OTHER, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace,
                           memory_fraction, recorded_device_total)
 
@@ -265,7 +265,7 @@ def _min_capacities(plan: Any, k: int, event: int, size: int, stream: int,
                     conf: str) -> Dict[str, Optional[int]]:
     """For each allocator, the smallest device on which it serves the trace's calls up
     to the event and then the allocation (the budget search of the whole trace,
-    replay_allocators.min_budget, on those calls); None where it serves them on no device
+    allocators.min_budget, on those calls); None where it serves them on no device
     (or this build cannot run it)."""
     sub = _with_request(plan, k, event, size, stream)
     measure_live(sub)
