@@ -204,11 +204,11 @@ def _bench(what: str, only: Sequence[str], extra: Sequence[str] = ()) -> Callabl
     return steps
 
 
-#: The speed stage's alloc_speed rounds: one process per allocator each. A process cost
+#: The speed stage runs the rounds --quick plans (SPEED_ROUNDS in workloads.py, which this
+#: torch-free module does not import): one process per allocator each. A process cost
 #: about 9 s at 4ec56a2 on the H200 (4-5 s measuring, the rest python, torch and the CUDA
 #: context, and the tables and plots redrawn after it); it now should measure for about a
 #: second (an estimate, not yet run on a GPU) and draws once at the end. No round starts that would end past SPEED_WITHIN_S.
-SPEED_ROUNDS = 3
 SPEED_WITHIN_S = 70
 
 
@@ -303,7 +303,7 @@ OOM_WATCH_REPEATS = 3
 # - doctor 8-10 s.
 # - tests 241 s at 1ceb995 (the four configurations side by side 82-125 s, then each one's
 #   whole_device checks alone 22-38 s); four checks were added since, all side by side.
-# - speed 53-60 s for one process per allocator, now three rounds of them (SPEED_ROUNDS)
+# - speed 53-60 s for one process per allocator, now the rounds of --quick
 #   within 70 s, the session's start and the tables around them 12-19 s.
 # - steps: llm_train 88 s for its five runs (12-14 s each in the worker, the rest the
 #   process's start), control_transformer 6 s a run in the worker (about 11 s with the
@@ -326,10 +326,10 @@ STAGES: List[Stage] = [
           f"and strategy:bestfit: the four side by side at once (-n {SIDE_BY_SIDE} each), then each one's "
           "whole_device checks alone", _tests, cost_s=280),
     Stage("speed", 95, f"python -m benchmarks.gpu --quick, allocators {ALLOCATORS}: alloc_speed (torch.empty "
-          f"pairs), {SPEED_ROUNDS} rounds of one process each, none started that would end past "
+          f"pairs), the --quick rounds of one process each, none started that would end past "
           f"{SPEED_WITHIN_S} s -> speed.json/.md/plot",
           _bench("speed", ["alloc_speed"],
-                 ["--rounds", str(SPEED_ROUNDS), "--rounds-within", str(SPEED_WITHIN_S)]), cost_s=85),
+                 ["--rounds-within", str(SPEED_WITHIN_S)]), cost_s=85),
     Stage("steps", 170, f"python -m benchmarks.gpu --quick, allocators {ALLOCATORS}: control_transformer, "
           "llm_train (step times, peak allocated and reserved) -> steps.json/.md/plots",
           _bench("steps", ["control_transformer", "llm_train"]), cost_s=150),

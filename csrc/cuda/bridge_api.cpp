@@ -268,36 +268,47 @@ int api_pool_reserved(int device, pyalloc_pool_stat_fn fn, void* user) {
   });
 }
 
+// One pool of a device as both snapshots (by segment, by mapped unit) read it: gathered
+// first, so that their callbacks run with no lock of pyalloc's held.
+struct GatheredPool {
+  DevicePools::PoolId id;
+  std::vector<SnapshotSegment> segments;
+  std::vector<int64_t> counters;  // each segment's registration_counter
+  std::vector<MappedUnit> units;
+};
+
+// The pools of one device, or the one pool_id names (when not null).
+std::vector<GatheredPool> gather_pools(DevicePools* p, const uint64_t* pool_id) {
+  std::vector<GatheredPool> all;
+  p->for_each_pool_units([&](DevicePools::PoolId id, Allocator& a, const MappedUnits& units) {
+    if (pool_id != nullptr && (pool_id[0] != id.first || pool_id[1] != id.second)) return;
+    GatheredPool pool{id, a.snapshot(), {}, units.list()};
+    for (const SnapshotSegment& s : pool.segments) pool.counters.push_back(units.counter_at(s.address));
+    all.push_back(std::move(pool));
+  });
+  return all;
+}
+
+// A snapshot block as the C table gives it: the core's state names mapped to the flags.
+pyalloc_block_info block_info(const SnapshotBlock& b) {
+  bool allocated = std::strcmp(b.state, "active_allocated") == 0;
+  bool active = allocated || std::strcmp(b.state, "active_pending_free") == 0;
+  return pyalloc_block_info{b.size, b.requested, allocated, active, b.context};
+}
+
 int api_snapshot(int device, const uint64_t* pool_id, pyalloc_segment_fn fn, void* user) {
   return guarded([&] {
     for (DevicePools* p : devices_of(device)) {
-      // Gathered first, so that fn runs with no lock of pyalloc's held.
-      struct Pool {
-        DevicePools::PoolId id;
-        std::vector<SnapshotSegment> segments;
-        std::vector<int64_t> counters;  // each segment's registration_counter
-      };
-      std::vector<Pool> all;
-      p->for_each_pool_units([&](DevicePools::PoolId id, Allocator& a, const MappedUnits& units) {
-        if (pool_id != nullptr && (pool_id[0] != id.first || pool_id[1] != id.second)) return;
-        Pool pool{id, a.snapshot(), {}};
-        for (const SnapshotSegment& s : pool.segments) pool.counters.push_back(units.counter_at(s.address));
-        all.push_back(std::move(pool));
-      });
       std::vector<pyalloc_block_info> blocks;
-      for (const auto& [id, segments, counters] : all) {
-        for (size_t i = 0; i < segments.size(); ++i) {
-          const SnapshotSegment& s = segments[i];
+      for (const GatheredPool& pool : gather_pools(p, pool_id)) {
+        for (size_t i = 0; i < pool.segments.size(); ++i) {
+          const SnapshotSegment& s = pool.segments[i];
           pyalloc_segment_info info{p->index(),    s.address,         s.total_size,
                                     s.allocated_size, s.active_size,   s.requested_size,
                                     stream_ptr(s.stream), s.pool == kLargePool, s.expandable,
-                                    {id.first, id.second}, counters[i]};
+                                    {pool.id.first, pool.id.second}, pool.counters[i]};
           blocks.clear();
-          for (const SnapshotBlock& b : s.blocks) {
-            bool allocated = std::strcmp(b.state, "active_allocated") == 0;
-            bool active = allocated || std::strcmp(b.state, "active_pending_free") == 0;
-            blocks.push_back(pyalloc_block_info{b.size, b.requested, allocated, active, b.context});
-          }
+          for (const SnapshotBlock& b : s.blocks) blocks.push_back(block_info(b));
           fn(user, &info, blocks.data(), blocks.size());
         }
       }
@@ -540,27 +551,10 @@ struct PlacedBlock {
 int api_snapshot_units(int device, const uint64_t* pool_id, pyalloc_segment_fn fn, void* user) {
   return guarded([&] {
     for (DevicePools* p : devices_of(device)) {
-      struct Pool {
-        DevicePools::PoolId id;
-        std::vector<SnapshotSegment> segments;
-        std::vector<MappedUnit> units;
-      };
-      std::vector<Pool> all;
-      p->for_each_pool_units([&](DevicePools::PoolId id, Allocator& a, const MappedUnits& units) {
-        if (pool_id == nullptr || (pool_id[0] == id.first && pool_id[1] == id.second))
-          all.push_back(Pool{id, a.snapshot(), units.list()});
-      });
-      for (const Pool& pool : all) {
+      for (const GatheredPool& pool : gather_pools(p, pool_id)) {
         std::vector<PlacedBlock> placed;
-        for (const SnapshotSegment& s : pool.segments) {
-          uintptr_t at = s.address;
-          for (const SnapshotBlock& b : s.blocks) {
-            bool allocated = std::strcmp(b.state, "active_allocated") == 0;
-            bool active = allocated || std::strcmp(b.state, "active_pending_free") == 0;
-            placed.push_back(PlacedBlock{at, {b.size, b.requested, allocated, active, b.context}, &s});
-            at += b.size;
-          }
-        }
+        for (const SnapshotSegment& s : pool.segments)
+          for (const SnapshotBlock& b : s.blocks) placed.push_back(PlacedBlock{b.addr, block_info(b), &s});
         std::sort(placed.begin(), placed.end(),
                   [](const PlacedBlock& a, const PlacedBlock& b) { return a.addr < b.addr; });
         std::vector<uint64_t> requested_left(placed.size());

@@ -102,7 +102,8 @@ class Fd {
 
 // What DevicePools::share() hands over: the shared memory, whose file
 // descriptors the caller owns (core/backend.h), even where the share failed
-// or threw half way. Closes them when it goes, on every path.
+// or threw half way. Closes them when it goes, on every path, each as an Fd
+// closes its own (the one holder of a descriptor's close).
 struct SharedMems {
   std::vector<SharedMemory> v;
   SharedMems() = default;
@@ -110,8 +111,7 @@ struct SharedMems {
   SharedMems& operator=(const SharedMems&) = delete;
   ~SharedMems() { close(); }
   void close() {
-    for (SharedMemory& m : v)
-      if (m.fd >= 0) ::close(m.fd);
+    for (SharedMemory& m : v) Fd(m.fd).reset();
     v.clear();
   }
 };

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 import textwrap
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 from .._C import format_bytes
 from .result import BUDGET_PRECISION, ReplayResult
@@ -325,10 +325,22 @@ def _why_calls_differ(v: Mapping[str, Any]) -> str:
 # Where pyalloc wins, ties and loses
 
 
-#: The measures the sentences compare: (key suffix, name in the sentences, a ratio to peak live?).
-MEASURES = (("min_budget_bytes", "budget", True),
-            ("peak_reserved_bytes", "uncapped reserved", True),
-            ("driver_calls", "driver calls", False))
+class Measure(NamedTuple):
+    """One measure the sentences compare and the plot draws as a panel."""
+    key: str      # the figure's key suffix (pyalloc_<key>, native_<key>, ...)
+    name: str     # its name in the sentences
+    axis: str     # the plot's x-axis label
+    title: str    # the plot's panel title
+    ratio: bool   # a ratio to peak live (else a count on a log axis)
+
+
+#: The measures, in the sentences' and the plot's order: the one list both read.
+MEASURES = (Measure("min_budget_bytes", "budget", "smallest budget without an out-of-memory / peak live",
+                    "Equal budgets: the smallest device each completes on", True),
+            Measure("peak_reserved_bytes", "uncapped reserved", "peak reserved with no cap / peak live",
+                    "With no cap: peak reserved", True),
+            Measure("driver_calls", "driver calls", "driver calls, uncapped (log scale)",
+                    "Driver calls with no cap", False))
 
 #: The allocators pyalloc is set against, as the sentences name them.
 _OTHERS = (("native", "PyTorch's allocator"), ("native_expandable", "expandable segments"))
@@ -378,7 +390,7 @@ def verdicts(results: Sequence[Union[ReplayResult, Mapping[str, Any]]]) -> List[
     total = len(results)
     sentences = []
     losses: List[str] = []
-    for key, measure, ratio in MEASURES:
+    for key, measure, _, _, ratio in MEASURES:
         parts = []
         for other, other_name in _OTHERS:
             t = _tally(results, labels, key, other, ratio)
@@ -644,11 +656,6 @@ def figure(results: Sequence[ReplayResult]):
 _ALLOCATOR_STYLE = (("pyalloc", "pyalloc", "tab:blue"), ("native", "PyTorch default", "tab:orange"),
                     ("native_expandable", "PyTorch expandable_segments", "tab:green"))
 
-#: The comparison plot's panels: (the figure's key suffix, x-axis label, a ratio to peak live?).
-_PANELS = (("min_budget_bytes", "smallest budget without an out-of-memory / peak live", True),
-           ("peak_reserved_bytes", "peak reserved with no cap / peak live", True),
-           ("driver_calls", "driver calls, uncapped (log scale)", False))
-
 
 def plot_comparison(results: Sequence[ReplayResult], path: str) -> None:
     """The three measures of each allocator, per trace, to an image file (comparison_figure())."""
@@ -668,10 +675,10 @@ def comparison_figure(results: Sequence[ReplayResult]):
     rows = [r for r in results if r.peak_live_bytes > 0]
     fig = Figure(figsize=(15, 0.42 * len(rows) + 1.8), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(_PANELS), sharey=True)
+    axes = fig.subplots(1, len(MEASURES), sharey=True, squeeze=False)[0]
     height = 0.27
     names = [f"{n} (dev {r.device}, {format_bytes(r.peak_live_bytes)})" for n, r in zip(_names_of(rows), rows)]
-    for ax, (key, xlabel, ratio) in zip(axes, _PANELS):
+    for ax, (key, _, xlabel, title, ratio) in zip(axes, MEASURES):
         for k, (name, label, colour) in enumerate(_ALLOCATOR_STYLE):
             ys, xs = [], []
             for i, r in enumerate(rows):
@@ -687,12 +694,10 @@ def comparison_figure(results: Sequence[ReplayResult]):
             ax.set_xscale("log")
             ax.set_xlim(left=1)
         ax.set_xlabel(xlabel, fontsize=9)
+        ax.set_title(title, fontsize=10)
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(range(len(rows)), names, fontsize=8)
     axes[0].set_ylim(len(rows) - 0.5, -0.5)  # the first trace on top, no margin
-    axes[0].set_title("Equal budgets: the smallest device each completes on", fontsize=10)
-    axes[1].set_title("With no cap: peak reserved", fontsize=10)
-    axes[2].set_title("Driver calls with no cap", fontsize=10)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside upper center", ncols=len(_ALLOCATOR_STYLE), fontsize=9,
                title="lower is better in every panel", title_fontsize=9)

@@ -477,12 +477,21 @@ def test_the_speed_stage_starts_no_round_too_late_for_its_limit():
     that would end past --rounds-within."""
     stage = session.stage_named("speed")
     argv = stage.steps("/out")[0].argv
-    assert argv[argv.index("--rounds") + 1] == str(session.SPEED_ROUNDS) == "3"
     within = float(argv[argv.index("--rounds-within") + 1])
     # Around the rounds: the session's start, the device-information worker and the
     # tables at the end, 15-16 s on the H200 at 4ec56a2; 25 s kept for them.
     assert within + 25 <= stage.limit_s
 
+
+def test_the_speed_stage_runs_the_rounds_the_harness_plans_for_quick():
+    """The number of alloc_speed rounds is the harness's (workloads.SPEED_ROUNDS, by
+    mode): the stage runs --quick and names no count of its own that could drift."""
+    from benchmarks.gpu.workloads import SPEED_ROUNDS
+
+    argv = session.stage_named("speed").steps("/out")[0].argv
+    assert "--quick" in argv and "--rounds" not in argv
+    assert not hasattr(session, "SPEED_ROUNDS")
+    assert SPEED_ROUNDS["quick"] >= 1
 
 def test_a_log_names_this_machines_folders_by_placeholders(tmp_path, monkeypatch):
     """The logs are committed: the checkout, the output folder, the virtualenv and the

@@ -68,6 +68,12 @@ LONG_CHECK_TIMEOUT_S = 240
 
 
 def run(args, env=None, timeout=CHECK_TIMEOUT_S) -> str:
+    return run_process(args, env, timeout).stdout
+
+
+def run_process(args, env=None, timeout=CHECK_TIMEOUT_S):
+    """Runs a check (env added to this process's, PYALLOC_CONF to BASE_CONF), asserts it
+    exited with 0 and returns its result: stdout and stderr."""
     full_env = dict(os.environ, PYTHONPATH=REPO, CUBLAS_WORKSPACE_CONFIG=":4096:8")
     full_env.pop("PYALLOC_CONF", None)
     full_env.update(env or {})
@@ -82,17 +88,25 @@ def run(args, env=None, timeout=CHECK_TIMEOUT_S) -> str:
         f"{' '.join(args)} {ended} (log: {out.log}.out/.err)\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
         + (f"\n--- {native}" if native else "")
     )
-    return out.stdout
+    return out
+
+
+def script_process(name: str, *args: str, **kwargs):
+    # faulthandler: a check that crashes in native code still says where in Python.
+    return run_process([sys.executable, "-X", "faulthandler", os.path.join(GPU_DIR, name), *args], **kwargs)
 
 
 def script(name: str, *args: str, **kwargs) -> str:
-    # faulthandler: a check that crashes in native code still says where in Python.
-    return run([sys.executable, "-X", "faulthandler", os.path.join(GPU_DIR, name), *args], **kwargs)
+    return script_process(name, *args, **kwargs).stdout
 
 
 def check(name: str, *args: str, **kwargs) -> str:
     """Runs a check script: skipped where it prints a SKIP line, else it must print OK."""
-    out = script(name, *args, **kwargs)
+    return verdict(name, script(name, *args, **kwargs))
+
+
+def verdict(name: str, out: str) -> str:
+    """A check's stdout: the test skipped where it has a SKIP line, else it must have OK."""
     skipped = [line for line in out.splitlines() if line.startswith("SKIP")]
     if skipped:
         pytest.skip(f"{name}: {skipped[0]}")
@@ -314,19 +328,11 @@ def test_cuda_tensors_cross_processes_and_stay_allocated_while_received():
 
 @bridge_only
 def test_nccl_registers_what_pyalloc_maps_and_a_mempool_over_ncclmemalloc_works():
-    args = [sys.executable, "-X", "faulthandler", os.path.join(GPU_DIR, "nccl_register.py")]
-    env = dict(os.environ, PYTHONPATH=REPO, TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK="1")
-    if BASE_CONF:
-        env["PYALLOC_CONF"] = BASE_CONF
-    out, native = run_check(args, env, REPO, CHECK_TIMEOUT_S)
-    assert out.returncode == 0, f"exit {'timeout' if out.timed_out else out.returncode}\n{out.stdout}\n--- stderr\n{out.stderr}" + (f"\n--- {native}" if native else "")
+    out = script_process("nccl_register.py", env={"TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1"})
     # A registration NCCL refused (a range registered twice, or deregistered
     # unregistered) is said by pyalloc on stderr: the tracker threw.
     assert "an allocator trace tracker failed" not in out.stderr, out.stderr
-    skipped = [line for line in out.stdout.splitlines() if line.startswith("SKIP")]
-    if skipped:
-        pytest.skip(skipped[0])
-    assert "OK" in out.stdout, out.stdout
+    verdict("nccl_register.py", out.stdout)
 
 
 @bridge_only

@@ -251,3 +251,49 @@ def test_the_ipc_check_fails_fast_when_its_receiver_dies_or_hangs():
     with open(os.path.join(GPU_DIR, "ipc.py")) as f:
         source = f.read()
     assert "inbox.get()" not in source and source.count("inbox.get(timeout=WAIT_S)") == 3
+
+
+# -- test_gpu.py's runner ------------------------------------------------------------------
+
+def _test_gpu_module():
+    """tests/cuda/test_gpu.py as a module, its run_check replaced by one that records
+    what each check would run and answers with made-up output."""
+    spec = importlib.util.spec_from_file_location("test_gpu_on_cpu", os.path.join(os.path.dirname(__file__), "test_gpu.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake_run_check(monkeypatch, module, returncode=0, stdout="OK\n", stderr=""):
+    calls = []
+
+    def fake(args, env, cwd, timeout):
+        calls.append((args, env, timeout))
+        out = subprocess.CompletedProcess(args, returncode, stdout, stderr)
+        out.timed_out, out.log = False, "/logs/check"
+        return out, None
+    monkeypatch.setattr(module, "run_check", fake)
+    return calls
+
+
+def test_the_nccl_check_runs_through_the_runner_every_check_shares(monkeypatch):
+    """The NCCL item gets the environment and the failure message of every other check
+    (run()), with its one variable added, and still fails on a refused registration."""
+    module = _test_gpu_module()
+    calls = _fake_run_check(monkeypatch, module)
+    module.check("ipc.py")
+    module.test_nccl_registers_what_pyalloc_maps_and_a_mempool_over_ncclmemalloc_works()
+    (ipc_args, ipc_env, _), (nccl_args, nccl_env, timeout) = calls
+    assert nccl_args[-1].endswith("nccl_register.py") and nccl_args[:-1] == ipc_args[:-1]
+    assert nccl_env.pop("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK") == "1"
+    assert nccl_env == ipc_env and timeout == module.CHECK_TIMEOUT_S
+
+    _fake_run_check(monkeypatch, module, returncode=1)
+    with pytest.raises(AssertionError, match=r"exited with 1 \(log: /logs/check"):
+        module.test_nccl_registers_what_pyalloc_maps_and_a_mempool_over_ncclmemalloc_works()
+    _fake_run_check(monkeypatch, module, stderr="pyalloc: an allocator trace tracker failed: twice\n")
+    with pytest.raises(AssertionError, match="tracker failed"):
+        module.test_nccl_registers_what_pyalloc_maps_and_a_mempool_over_ncclmemalloc_works()
+    _fake_run_check(monkeypatch, module, stdout="SKIP no second GPU\n")
+    with pytest.raises(pytest.skip.Exception, match="no second GPU"):
+        module.test_nccl_registers_what_pyalloc_maps_and_a_mempool_over_ncclmemalloc_works()

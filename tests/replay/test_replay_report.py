@@ -144,6 +144,19 @@ def test_the_plot_has_the_three_measures_side_by_side():
     assert widths(axes[2]) == [[500, 30], [20, 10], [200, 90]]
 
 
+def test_the_sentences_and_the_plot_read_one_list_of_measures(monkeypatch):
+    """A measure dropped from MEASURES leaves both the sentences and the plot."""
+    pytest.importorskip("matplotlib")
+    from pyalloc import replay_report
+
+    monkeypatch.setattr(replay_report, "MEASURES", replay_report.MEASURES[:2])
+    results = [made_up("a.pickle", budget=(1.01, 1.2, 1.1), reserved=(1.0, 1.2, 1.1), calls=(500, 20, 200))]
+    said = verdicts(results)
+    assert [s.split(":")[0] for s in said] == ["Budget", "Uncapped reserved", "pyalloc loses nowhere on this trace."]
+    axes = replay_report.comparison_figure(results).axes
+    assert [ax.get_title() for ax in axes] == ["Equal budgets: the smallest device each completes on",
+                                               "With no cap: peak reserved"]
+
 # -- the verdict the out-of-memory recorder prints -----------------------------
 
 def test_format_verdict_is_the_replays_sentence_and_the_command(tmp_path):
