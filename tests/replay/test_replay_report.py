@@ -147,7 +147,7 @@ def test_the_plot_has_the_three_measures_side_by_side():
 def test_the_sentences_and_the_plot_read_one_list_of_measures(monkeypatch):
     """A measure dropped from MEASURES leaves both the sentences and the plot."""
     pytest.importorskip("matplotlib")
-    from pyalloc import replay_report
+    from pyalloc.replay import report as replay_report
 
     monkeypatch.setattr(replay_report, "MEASURES", replay_report.MEASURES[:2])
     results = [made_up("a.pickle", budget=(1.01, 1.2, 1.1), reserved=(1.0, 1.2, 1.1), calls=(500, 20, 200))]
