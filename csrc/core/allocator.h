@@ -307,6 +307,22 @@ class Allocator {
     Block* block;
     std::vector<EventId> events;
   };
+  // check_invariants()' steps, one per structure it verifies
+  // (allocator_inspect.cpp); InvariantTally is what the block walk counts.
+  struct InvariantTally;
+  void check_segments(InvariantTally& t) const;
+  void check_segment(const Segment* seg, InvariantTally& t) const;
+  void check_unmapped_block(const Segment* seg, const Block* b, const Block* prev, const std::string& at,
+                            InvariantTally& t) const;
+  void check_mapped_block(const Segment* seg, const Block* b, const std::string& at, InvariantTally& t) const;
+  void check_allocated_block(const Segment* seg, const Block* b, const std::string& at, InvariantTally& t) const;
+  void check_handles() const;
+  void check_chunk_index() const;
+  void check_pending_frees(const InvariantTally& t) const;
+  void check_ptr_map(const InvariantTally& t) const;
+  void check_free_indexes(const InvariantTally& t) const;
+  size_t check_free_index(Stream stream, Pool pool, const FreeIndex& idx, const InvariantTally& t) const;
+  void check_stats(const InvariantTally& t) const;
 
   // Declared right after a public operation's lock guard, so that it runs
   // under the lock on every way out, exceptions included: the peaks settle
