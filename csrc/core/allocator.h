@@ -474,6 +474,14 @@ class Allocator {
   // Virtual memory (strategy vmm)
   void init();  // the constructor's work
   void init_vmm();
+  // init_vmm()'s steps (vmm.cpp): size the range, try one page, turn the
+  // range into the pool's segment (or back), map the kept trial page, map pool_size.
+  size_t vmm_range_size(size_t page);
+  bool vmm_trial_map(uintptr_t base, size_t page);
+  Block* open_vmm_range(uintptr_t base, size_t range, size_t page);
+  void close_vmm_range(uintptr_t base, size_t range, Block* b);
+  bool map_trial_page(size_t page);
+  void map_pool_size(uintptr_t base, size_t range, Block* b);
   // exact: nothing mapped ahead (pool_size, reserve(), what empty_cache() restores of pool_size).
   Block* map_for(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom, bool exact = false,
                  bool fresh = false);

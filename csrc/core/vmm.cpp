@@ -55,14 +55,7 @@ constexpr size_t kSmallAheadMax = size_t(8) << 20;
 void Allocator::init_vmm() {
   size_t page = backend_->vmm_page_size();
   if (page == 0) return;
-  size_t dev_free = 0, dev_total = 0;
-  backend_->mem_info(&dev_free, &dev_total);
-  size_t basis = cfg_.max_pool_size != 0 ? cfg_.max_pool_size : dev_total;
-  // Address space is cheap: room for the pool four times over (twice in
-  // each area), so that holes in the range never make it run out.
-  size_t range = basis != 0 ? std::max(std::min(basis, size_t(1) << 44) * 4, size_t(64) << 30)
-                            : size_t(1) << 42;
-  range = round_up(range, page);
+  size_t range = vmm_range_size(page);
   stats_.num_driver_calls++;  // cuMemAddressReserve
   uintptr_t base = backend_->vmm_reserve(range);
   if (base == 0) return;
@@ -73,29 +66,59 @@ void Allocator::init_vmm() {
   // pool's first (below), or parked if the device refuses access to it.
   bool mappable = backend_->vmm_proven();
   bool keep_trial = !mappable && backend_->capture_underway();
-  if (!mappable && !keep_trial) {
-    try {
-      mappable = backend_->vmm_map(base, page);
-      stats_.num_driver_calls += mappable ? 2 : 1;  // cuMemCreate (refused), cuMemMap
-      if (mappable) {
-        stats_.num_driver_calls += 3;  // cuMemSetAccess; cuMemUnmap, cuMemRelease
-        try {
-          mappable = backend_->vmm_access(base, page);
-        } catch (...) {
-          backend_->vmm_unmap(base, page);  // the page goes back (and a pool's budget with it)
-          throw;
-        }
-        backend_->vmm_unmap(base, page);
-      }
-    } catch (const std::exception&) {
-      mappable = false;
-    }
-    stats_.num_driver_calls += backend_->take_uncounted_calls();
-  }
+  if (!mappable && !keep_trial) mappable = vmm_trial_map(base, page);
   if (!mappable && !keep_trial) {
     backend_->vmm_release(base, range);
     return;
   }
+  Block* b = open_vmm_range(base, range, page);
+  if (keep_trial && !map_trial_page(page)) {
+    close_vmm_range(base, range, b);
+    return;
+  }
+  map_pool_size(base, range, b);
+}
+
+// The size of the virtual range to reserve: the step that sizes the address
+// space from the cap or the device.
+size_t Allocator::vmm_range_size(size_t page) {
+  size_t dev_free = 0, dev_total = 0;
+  backend_->mem_info(&dev_free, &dev_total);
+  size_t basis = cfg_.max_pool_size != 0 ? cfg_.max_pool_size : dev_total;
+  // Address space is cheap: room for the pool four times over (twice in
+  // each area), so that holes in the range never make it run out.
+  size_t range = basis != 0 ? std::max(std::min(basis, size_t(1) << 44) * 4, size_t(64) << 30)
+                            : size_t(1) << 42;
+  return round_up(range, page);
+}
+
+// Maps, makes accessible and unmaps one page at base: whether the backend
+// can map at all (init_vmm()'s trial), counting the driver calls it made.
+bool Allocator::vmm_trial_map(uintptr_t base, size_t page) {
+  bool mappable = false;
+  try {
+    mappable = backend_->vmm_map(base, page);
+    stats_.num_driver_calls += mappable ? 2 : 1;  // cuMemCreate (refused), cuMemMap
+    if (mappable) {
+      stats_.num_driver_calls += 3;  // cuMemSetAccess; cuMemUnmap, cuMemRelease
+      try {
+        mappable = backend_->vmm_access(base, page);
+      } catch (...) {
+        backend_->vmm_unmap(base, page);  // the page goes back (and a pool's budget with it)
+        throw;
+      }
+      backend_->vmm_unmap(base, page);
+    }
+  } catch (const std::exception&) {
+    mappable = false;
+  }
+  stats_.num_driver_calls += backend_->take_uncounted_calls();
+  return mappable;
+}
+
+// Turns the reserved range [base, base+range) into the pool's vmm segment,
+// one unmapped free block (returned): the step after which the pool is on vmm.
+Block* Allocator::open_vmm_range(uintptr_t base, size_t range, size_t page) {
   vmm_ = true;
   page_ = page;
   // The upper half of the range is the small area (allocator.h).
@@ -131,37 +154,44 @@ void Allocator::init_vmm() {
   b->state = BlockState::kFree;
   vmm_seg_->first = b;
   map_nodes_.put(unmapped_, base, b);
-  // While nothing is mapped: the range goes back, and the pool uses plain
-  // segments (or throws).
-  auto give_back = [&]() {
-    unmapped_.clear();
-    segments_.erase(base);
-    drop_block(b);
-    delete vmm_seg_;
-    vmm_seg_ = nullptr;
-    vmm_ = false;
-    block_floor_ = kOpBlocks;  // bestfit's again
-    map_floor_ = 0;
-    page_ = 0;
-    small_floor_ = 0;
-    backend_->vmm_release(base, range);
-  };
-  if (keep_trial) {
-    std::string why;
-    Block* m = nullptr;
-    try {
-      m = map_for(page, 0, &why, kUnknownRoom, /*exact=*/true);
-    } catch (const std::exception&) {
-      m = nullptr;
-    }
-    // A page the device refused access to stays mapped, parked: the pool
-    // opens with it.
-    if (m == nullptr && parked_.empty()) {
-      give_back();
-      return;
-    }
+  return b;
+}
+
+// While nothing is mapped: the range goes back, and the pool uses plain
+// segments (or throws). Undoes open_vmm_range(), b being its block.
+void Allocator::close_vmm_range(uintptr_t base, size_t range, Block* b) {
+  unmapped_.clear();
+  segments_.erase(base);
+  drop_block(b);
+  delete vmm_seg_;
+  vmm_seg_ = nullptr;
+  vmm_ = false;
+  block_floor_ = kOpBlocks;  // bestfit's again
+  map_floor_ = 0;
+  page_ = 0;
+  small_floor_ = 0;
+  backend_->vmm_release(base, range);
+}
+
+// Maps the trial page kept during a capture as the pool's first: whether the
+// pool opens (mapped, or parked).
+bool Allocator::map_trial_page(size_t page) {
+  std::string why;
+  Block* m = nullptr;
+  try {
+    m = map_for(page, 0, &why, kUnknownRoom, /*exact=*/true);
+  } catch (const std::exception&) {
+    m = nullptr;
   }
-  // pool_size: what the kept trial page does not cover already.
+  // A page the device refused access to stays mapped, parked: the pool
+  // opens with it.
+  return m != nullptr || !parked_.empty();
+}
+
+// Maps pool_size, what the kept trial page does not cover already: the last
+// step of init_vmm(), which gives the range back (close_vmm_range()) and
+// throws if nothing could be mapped.
+void Allocator::map_pool_size(uintptr_t base, size_t range, Block* b) {
   size_t have = static_cast<size_t>(stats_.reserved_bytes.all.current);
   size_t want = round_up(cfg_.pool_size, kGranularity);
   if (want > have) {
@@ -179,7 +209,7 @@ void Allocator::init_vmm() {
       error = std::current_exception();
     }
     if (m != nullptr || have != 0 || !parked_.empty()) return;
-    give_back();
+    close_vmm_range(base, range, b);
     if (error) std::rethrow_exception(error);
     throw OutOfMemoryError("out of memory: could not map pool_size (" + format_bytes(cfg_.pool_size) +
                            "): " + why);
