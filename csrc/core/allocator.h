@@ -526,6 +526,17 @@ class Allocator {
   // so does the out-of-memory retry (alloc_large()), whose release_cached()
   // keeps the handles it unmaps for the mapping it retries.
   Block* map_for_moving(size_t size, Stream s, std::string* why, size_t room, bool exact, bool fresh);
+  // map_for_moving()'s steps (vmm.cpp), in order: pick the unmapped block
+  // and pages (MapPlan), make room under the cap, size the handles, extend
+  // the mapping ahead, map, add the mapped block to the free index.
+  struct MapPlan;
+  bool pick_unmapped(size_t size, Stream s, bool fresh, MapPlan* plan);
+  bool fit_cap(const MapPlan& plan, size_t* room, size_t* reserved, std::string* why);
+  size_t size_handles(size_t room, size_t reserved);
+  void map_ahead_extent(const MapPlan& plan, size_t headroom, size_t room, size_t reserved, bool exact,
+                        uintptr_t* ext_lo, uintptr_t* ext_hi);
+  bool map_pages(MapPlan* plan, uintptr_t ext_lo, uintptr_t ext_hi, size_t room, Stream s, std::string* why);
+  Block* add_mapped(const MapPlan& plan, Stream s);
   // keep_handles_ set for a scope, cleared however it ends.
   struct KeepHandles {
     bool& flag;

@@ -274,6 +274,15 @@ void Allocator::drop_spares() {
   }
 }
 
+// Where map_for_moving() maps: the unmapped block u, its part in the
+// request's area [u_lo, u_hi), the pages [lo, hi) of need bytes, and
+// [keep_lo, keep_hi), next to u, where nothing may be unmapped meanwhile.
+struct Allocator::MapPlan {
+  Block* u = nullptr;
+  uintptr_t lo = 0, hi = 0, u_lo = 0, u_hi = 0, keep_lo = 0, keep_hi = 0;
+  size_t need = SIZE_MAX;
+};
+
 Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t room, bool exact,
                                  bool fresh) {
   // During a capture only fresh pages may be mapped: unmap_free_pages()
@@ -290,6 +299,25 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   // moved out of holes below).
   if (size_t unparked = unpark(); unparked != 0 && room != kUnknownRoom) room += unparked;
 
+  MapPlan plan;
+  if (!pick_unmapped(size, s, fresh, &plan)) {
+    *why = "the virtual address range of the pool is exhausted";
+    return nullptr;
+  }
+  size_t reserved = 0;
+  if (!fit_cap(plan, &room, &reserved, why)) return nullptr;
+  size_t headroom = size_handles(room, reserved);
+  uintptr_t ext_lo = 0, ext_hi = 0;
+  map_ahead_extent(plan, headroom, room, reserved, exact, &ext_lo, &ext_hi);
+  if (!map_pages(&plan, ext_lo, ext_hi, room, s, why)) return nullptr;
+  Block* m = add_mapped(plan, s);
+  return m->size >= size ? m : nullptr;
+}
+
+// Picks the unmapped block to map in and the pages to map (false: none
+// has room): the search step of map_for_moving().
+bool Allocator::pick_unmapped(size_t size, Stream s, bool fresh, MapPlan* plan) {
+  auto& [u, lo, hi, u_lo, u_hi, keep_lo, keep_hi, need] = *plan;
   // The unmapped block needing the fewest new pages in the request's area
   // (its part there: [u_lo, u_hi)), mapped from the side whose usable free
   // neighbour of that area is larger; in the block the small area starts in,
@@ -297,9 +325,6 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   // address space is exhausted, anywhere in the range. `fresh`: size new
   // bytes, whatever is free beside them (the pool filled back up to
   // pool_size, in the large area).
-  Block* u = nullptr;
-  uintptr_t lo = 0, hi = 0, u_lo = 0, u_hi = 0, keep_lo = 0, keep_hi = 0;
-  size_t need = SIZE_MAX;
   for (int pass = 0; pass < 2 && u == nullptr; ++pass) {
     bool anywhere = pass == 1 || small_floor_ == 0;
     for (auto& [addr, cand] : unmapped_) {
@@ -338,16 +363,22 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
       keep_hi = cand->next != nullptr ? cand->next->end() : cand->end();
     }
   }
-  if (u == nullptr) {
-    *why = "the virtual address range of the pool is exhausted";
-    return nullptr;
-  }
+  return u != nullptr;
+}
 
+// Makes room under the cap for the plan's pages, moving pages out of holes
+// if it must (false, with why, if it cannot); sets *reserved: the cap step
+// of map_for_moving().
+bool Allocator::fit_cap(const MapPlan& plan, size_t* room_io, size_t* reserved_out, std::string* why) {
+  size_t need = plan.need;
+  uintptr_t keep_lo = plan.keep_lo, keep_hi = plan.keep_hi;
+  size_t& room = *room_io;
+  size_t& reserved = *reserved_out;
   // Grow while the cap and the device allow: pages moved out of holes now
   // would be mapped again when the holes are used again (a training step's
   // next pass), so recycling waits until the pool cannot grow.
   size_t cap = cfg_.max_pool_size;
-  size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   if (cap != 0 && reserved + need > cap) {
     size_t moved = unmap_free_pages_kept(reserved + need - cap, keep_lo, keep_hi);
     // The device has the pages back (or they wait as spares, mapped again
@@ -359,14 +390,16 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
     reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
     if (reserved + need > cap) {
       *why = "mapping the pages it needs would exceed the pool's cap";
-      return nullptr;
+      return false;
     }
   }
-  // Where the device has no room for the pages (as `room` says, or a refused
-  // mapping shows), the pages the mapping needs move out of free holes
-  // (moving only the shortfall left the range more cut up: in replay,
-  // encoder-dynbatch-infer then needed a 3% larger device), and the mapping
-  // is tried once more: never page after page into a device known to be full.
+  return true;
+}
+
+// Sizes the handles of the mapping underway (handle_limit_, roomy_, whole_)
+// from the room left; returns that headroom: the handle step of map_for_moving().
+size_t Allocator::size_handles(size_t room, size_t reserved) {
+  size_t cap = cfg_.max_pool_size;
   // Handles as large as max_handle_ while the device (and the cap) has room
   // to spare, smaller as it fills: a handle is given up only whole, so under
   // pressure, when holes give up their pages, large handles partly under
@@ -449,9 +482,20 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   // one-handle mapping maps nothing (the backend releases the handle it
   // could not map, as PyTorch does).
   whole_ = backend_->capture_underway();
+  return headroom;
+}
+
+// The pages mapped ahead of the request beside [lo, hi), [*ext_lo, *ext_hi)
+// (empty for none): the map-ahead step of map_for_moving().
+void Allocator::map_ahead_extent(const MapPlan& plan, size_t headroom, size_t room, size_t reserved, bool exact,
+                                 uintptr_t* ext_lo_out, uintptr_t* ext_hi_out) {
+  size_t cap = cfg_.max_pool_size;
+  size_t need = plan.need;
+  uintptr_t lo = plan.lo, hi = plan.hi, u_lo = plan.u_lo, u_hi = plan.u_hi;
+  uintptr_t& ext_lo = *ext_lo_out;
+  uintptr_t& ext_hi = *ext_hi_out;
   size_t large_page = round_up(kExpandablePage, page_);
   bool snug_ahead = !roomy_ && handle_limit_ == page_ && headroom / kSnugAheadRoom >= need + large_page;
-  uintptr_t ext_lo = 0, ext_hi = 0;
   if (!exact && need < u_hi - u_lo && (roomy_ || snug_ahead)) {
     // In the large area one 20 MiB page per stream the pool serves, as
     // expandable segments keep a range (rounded up to its pages) per stream.
@@ -473,6 +517,19 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
         (room != kUnknownRoom && need + more > room))
       ext_lo = ext_hi = 0;
   }
+}
+
+// Maps the plan's pages (and those ahead, if any), moving pages out of holes
+// once if the device has no room (false, with why, if still none): the
+// mapping step of map_for_moving(), which widens the plan to what it mapped.
+bool Allocator::map_pages(MapPlan* plan, uintptr_t ext_lo, uintptr_t ext_hi, size_t room, Stream s,
+                          std::string* why) {
+  auto& [u, lo, hi, u_lo, u_hi, keep_lo, keep_hi, need] = *plan;
+  // Where the device has no room for the pages (as `room` says, or a refused
+  // mapping shows), the pages the mapping needs move out of free holes
+  // (moving only the shortfall left the range more cut up: in replay,
+  // encoder-dynbatch-infer then needed a 3% larger device), and the mapping
+  // is tried once more: never page after page into a device known to be full.
   // Pages the device mapped during a capture but refused access to stay
   // mapped (see unpark()), cut out of u, and the request fails (with the
   // driver's error, if it was one): once `kept`, nothing more is mapped.
@@ -505,7 +562,7 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
       if (kept) throw;
       merged = false;
     }
-    if (kept) return nullptr;
+    if (kept) return false;
     if (merged) {
       need += ext_hi - ext_lo;
       lo = a;
@@ -513,15 +570,22 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
     }
   }
   if (!merged && (need > room || !map_or_park(lo, need))) {
-    if (kept) return nullptr;
+    if (kept) return false;
     if (unmap_free_pages_kept(need, keep_lo, keep_hi) < need || !map_or_park(lo, need)) {
-      if (kept) return nullptr;
+      if (kept) return false;
       *why = std::string("the ") + backend_->name() + " backend could not map " + format_bytes(need) +
              " of pages";
-      return nullptr;
+      return false;
     }
   }
-  Block* m = cut_mapped(u, lo, hi, s);
+  return true;
+}
+
+// Cuts the mapped pages out of their unmapped block as a free block of s
+// and merges it with its usable neighbours: the last step of map_for_moving().
+Block* Allocator::add_mapped(const MapPlan& plan, Stream s) {
+  uintptr_t lo = plan.lo;
+  Block* m = cut_mapped(plan.u, lo, plan.hi, s);
   // Merge only with neighbours s may use: fresh pages are safe anywhere and
   // would otherwise merge into (and take the label of) a block another
   // stream may still be using; and only inside the area.
@@ -535,7 +599,7 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   m->state = BlockState::kFree;
   state(m->stream).free[kLargePool].insert(m);
   track_inactive_split(m, +1);
-  return m->size >= size ? m : nullptr;
+  return m;
 }
 
 Block* Allocator::cut_mapped(Block* u, uintptr_t lo, uintptr_t hi, Stream s) {
