@@ -278,8 +278,7 @@ void Allocator::check_invariants() const {
   check_stats(t);
 }
 
-// Walks every backend segment (and through them the chunks), then checks the
-// chunk, unmapped and parked maps hold exactly the blocks the walk found.
+// Blocks/segments step: walks every segment, then matches the chunk, unmapped and parked maps to it.
 void Allocator::check_segments(InvariantTally& t) const {
   for (const auto& [base, seg] : segments_) {
     if (seg->base != base || seg->pool != kLargePool) fail("segment map entry mismatch");
@@ -329,8 +328,7 @@ void Allocator::check_segment(const Segment* seg, InvariantTally& t) const {
   if (pool == kSmallPool) t.reserved_bytes[kLargePool] -= static_cast<int64_t>(seg->size);
 }
 
-// An unmapped block: a free, page-aligned hole of the virtual range, in the
-// unmapped map.
+// One unmapped block: a free, page-aligned hole of the range, in the unmapped map.
 void Allocator::check_unmapped_block(const Segment* seg, const Block* b, const Block* prev,
                                      const std::string& at, InvariantTally& t) const {
   if (!seg->vmm || b->state != BlockState::kFree || b->bin != -1)
@@ -343,7 +341,7 @@ void Allocator::check_unmapped_block(const Segment* seg, const Block* b, const B
   t.unmapped++;
 }
 
-// A mapped block, checked and tallied by its state.
+// One mapped block, checked and tallied by its state (the walk's per-block step).
 void Allocator::check_mapped_block(const Segment* seg, const Block* b, const std::string& at,
                                    InvariantTally& t) const {
   Pool pool = seg->pool;
@@ -374,8 +372,7 @@ void Allocator::check_mapped_block(const Segment* seg, const Block* b, const std
   }
 }
 
-// An allocated block: parked, carrying a chunk (walked in turn), or a live
-// allocation in the pointer map.
+// One allocated block: parked, carrying a chunk (walked in turn), or a live allocation.
 void Allocator::check_allocated_block(const Segment* seg, const Block* b, const std::string& at,
                                       InvariantTally& t) const {
   Pool pool = seg->pool;
@@ -404,8 +401,7 @@ void Allocator::check_allocated_block(const Segment* seg, const Block* b, const 
     fail(at + " is smaller than its request");
 }
 
-// The handles of the virtual range (vmm): none overlap, and they tile
-// exactly the mapped runs and the parked blocks.
+// Vmm ranges step: the handles never overlap and tile exactly the mapped runs and parked blocks.
 void Allocator::check_handles() const {
   // The handles tile the mapped memory of the range: none under unmapped
   // blocks, none past the ends of a run of mapped blocks.
@@ -440,25 +436,25 @@ void Allocator::check_handles() const {
   if (total != handled) fail("handles map memory outside the mapped blocks");
 }
 
-// Each chunk knows its place in the chunk list.
+// Chunk list step: each chunk knows its place in the list.
 void Allocator::check_chunk_index() const {
   for (size_t i = 0; i < chunks_.size(); ++i)
     if (chunks_[i]->index != i) fail("chunk list index out of date");
 }
 
-// The pending-free list holds exactly the blocks pending free.
+// Pending frees step: the list holds exactly the blocks pending free.
 void Allocator::check_pending_frees(const InvariantTally& t) const {
   if (t.pending != pending_.size()) fail("pending-free list does not match the blocks");
 }
 
-// The pointer map holds one entry per live allocation.
+// Pointer map step: one entry per live allocation.
 void Allocator::check_ptr_map(const InvariantTally& t) const {
   if (live_.size() != static_cast<size_t>(t.allocation[0] + t.allocation[1]))
     fail("pointer map holds " + std::to_string(live_.size()) + " entries for " +
          std::to_string(t.allocation[0] + t.allocation[1]) + " allocations");
 }
 
-// Every free block is in exactly its own index, and the indexes hold nothing else.
+// Free index step: every free block is in exactly its own index, and the indexes hold nothing else.
 void Allocator::check_free_indexes(const InvariantTally& t) const {
   size_t indexed = 0;
   for (const auto& [stream, st] : streams_) {
@@ -471,8 +467,7 @@ void Allocator::check_free_indexes(const InvariantTally& t) const {
          " in the free indexes");
 }
 
-// One stream's index of one pool: its lists, counters and bitmap agree and
-// hold only that stream's free blocks of that pool; returns its block count.
+// One stream's index of one pool agrees with itself and holds only its own free blocks; returns its count.
 size_t Allocator::check_free_index(Stream stream, Pool pool, const FreeIndex& idx,
                                    const InvariantTally& t) const {
   size_t count = 0, bytes = 0;
@@ -493,7 +488,7 @@ size_t Allocator::check_free_index(Stream stream, Pool pool, const FreeIndex& id
   return count;
 }
 
-// The stats' current values are what the blocks add up to.
+// Stats step: every current value is what the blocks add up to.
 void Allocator::check_stats(const InvariantTally& t) const {
   expect_stat("allocation", stats_.allocation, t.allocation);
   expect_stat("allocated_bytes", stats_.allocated_bytes, t.allocated_bytes);

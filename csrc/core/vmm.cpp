@@ -79,8 +79,7 @@ void Allocator::init_vmm() {
   map_pool_size(base, range, b);
 }
 
-// The size of the virtual range to reserve: the step that sizes the address
-// space from the cap or the device.
+// init_vmm()'s first step: the size of the range to reserve, from the cap or the device.
 size_t Allocator::vmm_range_size(size_t page) {
   size_t dev_free = 0, dev_total = 0;
   backend_->mem_info(&dev_free, &dev_total);
@@ -92,8 +91,7 @@ size_t Allocator::vmm_range_size(size_t page) {
   return round_up(range, page);
 }
 
-// Maps, makes accessible and unmaps one page at base: whether the backend
-// can map at all (init_vmm()'s trial), counting the driver calls it made.
+// init_vmm()'s trial: whether the backend can map, make accessible and unmap a page at base.
 bool Allocator::vmm_trial_map(uintptr_t base, size_t page) {
   bool mappable = false;
   try {
@@ -116,8 +114,7 @@ bool Allocator::vmm_trial_map(uintptr_t base, size_t page) {
   return mappable;
 }
 
-// Turns the reserved range [base, base+range) into the pool's vmm segment,
-// one unmapped free block (returned): the step after which the pool is on vmm.
+// init_vmm()'s step that puts the pool on vmm: the range as its segment, one unmapped block (returned).
 Block* Allocator::open_vmm_range(uintptr_t base, size_t range, size_t page) {
   vmm_ = true;
   page_ = page;
@@ -157,8 +154,9 @@ Block* Allocator::open_vmm_range(uintptr_t base, size_t range, size_t page) {
   return b;
 }
 
+// Undoes open_vmm_range() (b its block), init_vmm()'s way out when nothing could be mapped.
 // While nothing is mapped: the range goes back, and the pool uses plain
-// segments (or throws). Undoes open_vmm_range(), b being its block.
+// segments (or throws).
 void Allocator::close_vmm_range(uintptr_t base, size_t range, Block* b) {
   unmapped_.clear();
   segments_.erase(base);
@@ -173,8 +171,7 @@ void Allocator::close_vmm_range(uintptr_t base, size_t range, Block* b) {
   backend_->vmm_release(base, range);
 }
 
-// Maps the trial page kept during a capture as the pool's first: whether the
-// pool opens (mapped, or parked).
+// init_vmm()'s step for a capture: maps the kept trial page as the pool's first; whether the pool opens.
 bool Allocator::map_trial_page(size_t page) {
   std::string why;
   Block* m = nullptr;
@@ -188,10 +185,9 @@ bool Allocator::map_trial_page(size_t page) {
   return m != nullptr || !parked_.empty();
 }
 
-// Maps pool_size, what the kept trial page does not cover already: the last
-// step of init_vmm(), which gives the range back (close_vmm_range()) and
-// throws if nothing could be mapped.
+// init_vmm()'s last step: maps pool_size, or gives the range back and throws if nothing could be mapped.
 void Allocator::map_pool_size(uintptr_t base, size_t range, Block* b) {
+  // pool_size: what the kept trial page does not cover already.
   size_t have = static_cast<size_t>(stats_.reserved_bytes.all.current);
   size_t want = round_up(cfg_.pool_size, kGranularity);
   if (want > have) {
@@ -314,8 +310,7 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   return m->size >= size ? m : nullptr;
 }
 
-// Picks the unmapped block to map in and the pages to map (false: none
-// has room): the search step of map_for_moving().
+// map_for_moving()'s search step: picks the unmapped block and the pages to map (false: none fits).
 bool Allocator::pick_unmapped(size_t size, Stream s, bool fresh, MapPlan* plan) {
   auto& [u, lo, hi, u_lo, u_hi, keep_lo, keep_hi, need] = *plan;
   // The unmapped block needing the fewest new pages in the request's area
@@ -366,9 +361,7 @@ bool Allocator::pick_unmapped(size_t size, Stream s, bool fresh, MapPlan* plan) 
   return u != nullptr;
 }
 
-// Makes room under the cap for the plan's pages, moving pages out of holes
-// if it must (false, with why, if it cannot); sets *reserved: the cap step
-// of map_for_moving().
+// map_for_moving()'s cap step: room under the cap for the plan's pages (false, with why, if none).
 bool Allocator::fit_cap(const MapPlan& plan, size_t* room_io, size_t* reserved_out, std::string* why) {
   size_t need = plan.need;
   uintptr_t keep_lo = plan.keep_lo, keep_hi = plan.keep_hi;
@@ -396,8 +389,7 @@ bool Allocator::fit_cap(const MapPlan& plan, size_t* room_io, size_t* reserved_o
   return true;
 }
 
-// Sizes the handles of the mapping underway (handle_limit_, roomy_, whole_)
-// from the room left; returns that headroom: the handle step of map_for_moving().
+// map_for_moving()'s handle step: sizes the mapping's handles from the room left; returns that room.
 size_t Allocator::size_handles(size_t room, size_t reserved) {
   size_t cap = cfg_.max_pool_size;
   // Handles as large as max_handle_ while the device (and the cap) has room
@@ -485,8 +477,7 @@ size_t Allocator::size_handles(size_t room, size_t reserved) {
   return headroom;
 }
 
-// The pages mapped ahead of the request beside [lo, hi), [*ext_lo, *ext_hi)
-// (empty for none): the map-ahead step of map_for_moving().
+// map_for_moving()'s map-ahead step: the pages mapped beside [lo, hi), [*ext_lo, *ext_hi) (empty: none).
 void Allocator::map_ahead_extent(const MapPlan& plan, size_t headroom, size_t room, size_t reserved, bool exact,
                                  uintptr_t* ext_lo_out, uintptr_t* ext_hi_out) {
   size_t cap = cfg_.max_pool_size;
@@ -519,9 +510,7 @@ void Allocator::map_ahead_extent(const MapPlan& plan, size_t headroom, size_t ro
   }
 }
 
-// Maps the plan's pages (and those ahead, if any), moving pages out of holes
-// once if the device has no room (false, with why, if still none): the
-// mapping step of map_for_moving(), which widens the plan to what it mapped.
+// map_for_moving()'s mapping step: maps the plan's pages (false, with why, if it cannot); widens the plan.
 bool Allocator::map_pages(MapPlan* plan, uintptr_t ext_lo, uintptr_t ext_hi, size_t room, Stream s,
                           std::string* why) {
   auto& [u, lo, hi, u_lo, u_hi, keep_lo, keep_hi, need] = *plan;
@@ -581,8 +570,7 @@ bool Allocator::map_pages(MapPlan* plan, uintptr_t ext_lo, uintptr_t ext_hi, siz
   return true;
 }
 
-// Cuts the mapped pages out of their unmapped block as a free block of s
-// and merges it with its usable neighbours: the last step of map_for_moving().
+// map_for_moving()'s last step: the mapped pages as a free block of s, merged with usable neighbours.
 Block* Allocator::add_mapped(const MapPlan& plan, Stream s) {
   uintptr_t lo = plan.lo;
   Block* m = cut_mapped(plan.u, lo, plan.hi, s);
