@@ -307,6 +307,22 @@ class Allocator {
     Block* block;
     std::vector<EventId> events;
   };
+  // check_invariants()' steps, one per structure it verifies
+  // (allocator_inspect.cpp); InvariantTally is what the block walk counts.
+  struct InvariantTally;
+  void check_segments(InvariantTally& t) const;
+  void check_segment(const Segment* seg, InvariantTally& t) const;
+  void check_unmapped_block(const Segment* seg, const Block* b, const Block* prev, const std::string& at,
+                            InvariantTally& t) const;
+  void check_mapped_block(const Segment* seg, const Block* b, const std::string& at, InvariantTally& t) const;
+  void check_allocated_block(const Segment* seg, const Block* b, const std::string& at, InvariantTally& t) const;
+  void check_handles() const;
+  void check_chunk_index() const;
+  void check_pending_frees(const InvariantTally& t) const;
+  void check_ptr_map(const InvariantTally& t) const;
+  void check_free_indexes(const InvariantTally& t) const;
+  size_t check_free_index(Stream stream, Pool pool, const FreeIndex& idx, const InvariantTally& t) const;
+  void check_stats(const InvariantTally& t) const;
 
   // Declared right after a public operation's lock guard, so that it runs
   // under the lock on every way out, exceptions included: the peaks settle
@@ -458,6 +474,14 @@ class Allocator {
   // Virtual memory (strategy vmm)
   void init();  // the constructor's work
   void init_vmm();
+  // init_vmm()'s steps (vmm.cpp): size the range, try one page, turn the
+  // range into the pool's segment (or back), map the kept trial page, map pool_size.
+  size_t vmm_range_size(size_t page);
+  bool vmm_trial_map(uintptr_t base, size_t page);
+  Block* open_vmm_range(uintptr_t base, size_t range, size_t page);
+  void close_vmm_range(uintptr_t base, size_t range, Block* b);
+  bool map_trial_page(size_t page);
+  void map_pool_size(uintptr_t base, size_t range, Block* b);
   // exact: nothing mapped ahead (pool_size, reserve(), what empty_cache() restores of pool_size).
   Block* map_for(size_t size, Stream s, std::string* why, size_t room = kUnknownRoom, bool exact = false,
                  bool fresh = false);
@@ -502,6 +526,17 @@ class Allocator {
   // so does the out-of-memory retry (alloc_large()), whose release_cached()
   // keeps the handles it unmaps for the mapping it retries.
   Block* map_for_moving(size_t size, Stream s, std::string* why, size_t room, bool exact, bool fresh);
+  // map_for_moving()'s steps (vmm.cpp), in order: pick the unmapped block
+  // and pages (MapPlan), make room under the cap, size the handles, extend
+  // the mapping ahead, map, add the mapped block to the free index.
+  struct MapPlan;
+  bool pick_unmapped(size_t size, Stream s, bool fresh, MapPlan* plan);
+  bool fit_cap(const MapPlan& plan, size_t* room, size_t* reserved, std::string* why);
+  size_t size_handles(size_t room, size_t reserved);
+  void map_ahead_extent(const MapPlan& plan, size_t headroom, size_t room, size_t reserved, bool exact,
+                        uintptr_t* ext_lo, uintptr_t* ext_hi);
+  bool map_pages(MapPlan* plan, uintptr_t ext_lo, uintptr_t ext_hi, size_t room, Stream s, std::string* why);
+  Block* add_mapped(const MapPlan& plan, Stream s);
   // keep_handles_ set for a scope, cleared however it ends.
   struct KeepHandles {
     bool& flag;

@@ -55,14 +55,7 @@ constexpr size_t kSmallAheadMax = size_t(8) << 20;
 void Allocator::init_vmm() {
   size_t page = backend_->vmm_page_size();
   if (page == 0) return;
-  size_t dev_free = 0, dev_total = 0;
-  backend_->mem_info(&dev_free, &dev_total);
-  size_t basis = cfg_.max_pool_size != 0 ? cfg_.max_pool_size : dev_total;
-  // Address space is cheap: room for the pool four times over (twice in
-  // each area), so that holes in the range never make it run out.
-  size_t range = basis != 0 ? std::max(std::min(basis, size_t(1) << 44) * 4, size_t(64) << 30)
-                            : size_t(1) << 42;
-  range = round_up(range, page);
+  size_t range = vmm_range_size(page);
   stats_.num_driver_calls++;  // cuMemAddressReserve
   uintptr_t base = backend_->vmm_reserve(range);
   if (base == 0) return;
@@ -73,29 +66,56 @@ void Allocator::init_vmm() {
   // pool's first (below), or parked if the device refuses access to it.
   bool mappable = backend_->vmm_proven();
   bool keep_trial = !mappable && backend_->capture_underway();
-  if (!mappable && !keep_trial) {
-    try {
-      mappable = backend_->vmm_map(base, page);
-      stats_.num_driver_calls += mappable ? 2 : 1;  // cuMemCreate (refused), cuMemMap
-      if (mappable) {
-        stats_.num_driver_calls += 3;  // cuMemSetAccess; cuMemUnmap, cuMemRelease
-        try {
-          mappable = backend_->vmm_access(base, page);
-        } catch (...) {
-          backend_->vmm_unmap(base, page);  // the page goes back (and a pool's budget with it)
-          throw;
-        }
-        backend_->vmm_unmap(base, page);
-      }
-    } catch (const std::exception&) {
-      mappable = false;
-    }
-    stats_.num_driver_calls += backend_->take_uncounted_calls();
-  }
+  if (!mappable && !keep_trial) mappable = vmm_trial_map(base, page);
   if (!mappable && !keep_trial) {
     backend_->vmm_release(base, range);
     return;
   }
+  Block* b = open_vmm_range(base, range, page);
+  if (keep_trial && !map_trial_page(page)) {
+    close_vmm_range(base, range, b);
+    return;
+  }
+  map_pool_size(base, range, b);
+}
+
+// init_vmm()'s first step: the size of the range to reserve, from the cap or the device.
+size_t Allocator::vmm_range_size(size_t page) {
+  size_t dev_free = 0, dev_total = 0;
+  backend_->mem_info(&dev_free, &dev_total);
+  size_t basis = cfg_.max_pool_size != 0 ? cfg_.max_pool_size : dev_total;
+  // Address space is cheap: room for the pool four times over (twice in
+  // each area), so that holes in the range never make it run out.
+  size_t range = basis != 0 ? std::max(std::min(basis, size_t(1) << 44) * 4, size_t(64) << 30)
+                            : size_t(1) << 42;
+  return round_up(range, page);
+}
+
+// init_vmm()'s trial: whether the backend can map, make accessible and unmap a page at base.
+bool Allocator::vmm_trial_map(uintptr_t base, size_t page) {
+  bool mappable = false;
+  try {
+    mappable = backend_->vmm_map(base, page);
+    stats_.num_driver_calls += mappable ? 2 : 1;  // cuMemCreate (refused), cuMemMap
+    if (mappable) {
+      stats_.num_driver_calls += 3;  // cuMemSetAccess; cuMemUnmap, cuMemRelease
+      try {
+        mappable = backend_->vmm_access(base, page);
+      } catch (...) {
+        backend_->vmm_unmap(base, page);  // the page goes back (and a pool's budget with it)
+        throw;
+      }
+      backend_->vmm_unmap(base, page);
+    }
+  } catch (const std::exception&) {
+    mappable = false;
+  }
+  stats_.num_driver_calls += backend_->take_uncounted_calls();
+  return mappable;
+}
+
+// init_vmm()'s step that puts the pool on vmm: the range as its segment, one unmapped block (returned).
+Block* Allocator::open_vmm_range(uintptr_t base, size_t range, size_t page) {
   vmm_ = true;
   page_ = page;
   // The upper half of the range is the small area (allocator.h).
@@ -131,36 +151,42 @@ void Allocator::init_vmm() {
   b->state = BlockState::kFree;
   vmm_seg_->first = b;
   map_nodes_.put(unmapped_, base, b);
-  // While nothing is mapped: the range goes back, and the pool uses plain
-  // segments (or throws).
-  auto give_back = [&]() {
-    unmapped_.clear();
-    segments_.erase(base);
-    drop_block(b);
-    delete vmm_seg_;
-    vmm_seg_ = nullptr;
-    vmm_ = false;
-    block_floor_ = kOpBlocks;  // bestfit's again
-    map_floor_ = 0;
-    page_ = 0;
-    small_floor_ = 0;
-    backend_->vmm_release(base, range);
-  };
-  if (keep_trial) {
-    std::string why;
-    Block* m = nullptr;
-    try {
-      m = map_for(page, 0, &why, kUnknownRoom, /*exact=*/true);
-    } catch (const std::exception&) {
-      m = nullptr;
-    }
-    // A page the device refused access to stays mapped, parked: the pool
-    // opens with it.
-    if (m == nullptr && parked_.empty()) {
-      give_back();
-      return;
-    }
+  return b;
+}
+
+// Undoes open_vmm_range() (b its block), init_vmm()'s way out when nothing could be mapped.
+// While nothing is mapped: the range goes back, and the pool uses plain
+// segments (or throws).
+void Allocator::close_vmm_range(uintptr_t base, size_t range, Block* b) {
+  unmapped_.clear();
+  segments_.erase(base);
+  drop_block(b);
+  delete vmm_seg_;
+  vmm_seg_ = nullptr;
+  vmm_ = false;
+  block_floor_ = kOpBlocks;  // bestfit's again
+  map_floor_ = 0;
+  page_ = 0;
+  small_floor_ = 0;
+  backend_->vmm_release(base, range);
+}
+
+// init_vmm()'s step for a capture: maps the kept trial page as the pool's first; whether the pool opens.
+bool Allocator::map_trial_page(size_t page) {
+  std::string why;
+  Block* m = nullptr;
+  try {
+    m = map_for(page, 0, &why, kUnknownRoom, /*exact=*/true);
+  } catch (const std::exception&) {
+    m = nullptr;
   }
+  // A page the device refused access to stays mapped, parked: the pool
+  // opens with it.
+  return m != nullptr || !parked_.empty();
+}
+
+// init_vmm()'s last step: maps pool_size, or gives the range back and throws if nothing could be mapped.
+void Allocator::map_pool_size(uintptr_t base, size_t range, Block* b) {
   // pool_size: what the kept trial page does not cover already.
   size_t have = static_cast<size_t>(stats_.reserved_bytes.all.current);
   size_t want = round_up(cfg_.pool_size, kGranularity);
@@ -179,7 +205,7 @@ void Allocator::init_vmm() {
       error = std::current_exception();
     }
     if (m != nullptr || have != 0 || !parked_.empty()) return;
-    give_back();
+    close_vmm_range(base, range, b);
     if (error) std::rethrow_exception(error);
     throw OutOfMemoryError("out of memory: could not map pool_size (" + format_bytes(cfg_.pool_size) +
                            "): " + why);
@@ -244,6 +270,15 @@ void Allocator::drop_spares() {
   }
 }
 
+// Where map_for_moving() maps: the unmapped block u, its part in the
+// request's area [u_lo, u_hi), the pages [lo, hi) of need bytes, and
+// [keep_lo, keep_hi), next to u, where nothing may be unmapped meanwhile.
+struct Allocator::MapPlan {
+  Block* u = nullptr;
+  uintptr_t lo = 0, hi = 0, u_lo = 0, u_hi = 0, keep_lo = 0, keep_hi = 0;
+  size_t need = SIZE_MAX;
+};
+
 Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t room, bool exact,
                                  bool fresh) {
   // During a capture only fresh pages may be mapped: unmap_free_pages()
@@ -260,6 +295,24 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   // moved out of holes below).
   if (size_t unparked = unpark(); unparked != 0 && room != kUnknownRoom) room += unparked;
 
+  MapPlan plan;
+  if (!pick_unmapped(size, s, fresh, &plan)) {
+    *why = "the virtual address range of the pool is exhausted";
+    return nullptr;
+  }
+  size_t reserved = 0;
+  if (!fit_cap(plan, &room, &reserved, why)) return nullptr;
+  size_t headroom = size_handles(room, reserved);
+  uintptr_t ext_lo = 0, ext_hi = 0;
+  map_ahead_extent(plan, headroom, room, reserved, exact, &ext_lo, &ext_hi);
+  if (!map_pages(&plan, ext_lo, ext_hi, room, s, why)) return nullptr;
+  Block* m = add_mapped(plan, s);
+  return m->size >= size ? m : nullptr;
+}
+
+// map_for_moving()'s search step: picks the unmapped block and the pages to map (false: none fits).
+bool Allocator::pick_unmapped(size_t size, Stream s, bool fresh, MapPlan* plan) {
+  auto& [u, lo, hi, u_lo, u_hi, keep_lo, keep_hi, need] = *plan;
   // The unmapped block needing the fewest new pages in the request's area
   // (its part there: [u_lo, u_hi)), mapped from the side whose usable free
   // neighbour of that area is larger; in the block the small area starts in,
@@ -267,9 +320,6 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   // address space is exhausted, anywhere in the range. `fresh`: size new
   // bytes, whatever is free beside them (the pool filled back up to
   // pool_size, in the large area).
-  Block* u = nullptr;
-  uintptr_t lo = 0, hi = 0, u_lo = 0, u_hi = 0, keep_lo = 0, keep_hi = 0;
-  size_t need = SIZE_MAX;
   for (int pass = 0; pass < 2 && u == nullptr; ++pass) {
     bool anywhere = pass == 1 || small_floor_ == 0;
     for (auto& [addr, cand] : unmapped_) {
@@ -308,16 +358,20 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
       keep_hi = cand->next != nullptr ? cand->next->end() : cand->end();
     }
   }
-  if (u == nullptr) {
-    *why = "the virtual address range of the pool is exhausted";
-    return nullptr;
-  }
+  return u != nullptr;
+}
 
+// map_for_moving()'s cap step: room under the cap for the plan's pages (false, with why, if none).
+bool Allocator::fit_cap(const MapPlan& plan, size_t* room_io, size_t* reserved_out, std::string* why) {
+  size_t need = plan.need;
+  uintptr_t keep_lo = plan.keep_lo, keep_hi = plan.keep_hi;
+  size_t& room = *room_io;
+  size_t& reserved = *reserved_out;
   // Grow while the cap and the device allow: pages moved out of holes now
   // would be mapped again when the holes are used again (a training step's
   // next pass), so recycling waits until the pool cannot grow.
   size_t cap = cfg_.max_pool_size;
-  size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
+  reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
   if (cap != 0 && reserved + need > cap) {
     size_t moved = unmap_free_pages_kept(reserved + need - cap, keep_lo, keep_hi);
     // The device has the pages back (or they wait as spares, mapped again
@@ -329,14 +383,15 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
     reserved = static_cast<size_t>(stats_.reserved_bytes.all.current);
     if (reserved + need > cap) {
       *why = "mapping the pages it needs would exceed the pool's cap";
-      return nullptr;
+      return false;
     }
   }
-  // Where the device has no room for the pages (as `room` says, or a refused
-  // mapping shows), the pages the mapping needs move out of free holes
-  // (moving only the shortfall left the range more cut up: in replay,
-  // encoder-dynbatch-infer then needed a 3% larger device), and the mapping
-  // is tried once more: never page after page into a device known to be full.
+  return true;
+}
+
+// map_for_moving()'s handle step: sizes the mapping's handles from the room left; returns that room.
+size_t Allocator::size_handles(size_t room, size_t reserved) {
+  size_t cap = cfg_.max_pool_size;
   // Handles as large as max_handle_ while the device (and the cap) has room
   // to spare, smaller as it fills: a handle is given up only whole, so under
   // pressure, when holes give up their pages, large handles partly under
@@ -419,9 +474,19 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   // one-handle mapping maps nothing (the backend releases the handle it
   // could not map, as PyTorch does).
   whole_ = backend_->capture_underway();
+  return headroom;
+}
+
+// map_for_moving()'s map-ahead step: the pages mapped beside [lo, hi), [*ext_lo, *ext_hi) (empty: none).
+void Allocator::map_ahead_extent(const MapPlan& plan, size_t headroom, size_t room, size_t reserved, bool exact,
+                                 uintptr_t* ext_lo_out, uintptr_t* ext_hi_out) {
+  size_t cap = cfg_.max_pool_size;
+  size_t need = plan.need;
+  uintptr_t lo = plan.lo, hi = plan.hi, u_lo = plan.u_lo, u_hi = plan.u_hi;
+  uintptr_t& ext_lo = *ext_lo_out;
+  uintptr_t& ext_hi = *ext_hi_out;
   size_t large_page = round_up(kExpandablePage, page_);
   bool snug_ahead = !roomy_ && handle_limit_ == page_ && headroom / kSnugAheadRoom >= need + large_page;
-  uintptr_t ext_lo = 0, ext_hi = 0;
   if (!exact && need < u_hi - u_lo && (roomy_ || snug_ahead)) {
     // In the large area one 20 MiB page per stream the pool serves, as
     // expandable segments keep a range (rounded up to its pages) per stream.
@@ -443,6 +508,17 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
         (room != kUnknownRoom && need + more > room))
       ext_lo = ext_hi = 0;
   }
+}
+
+// map_for_moving()'s mapping step: maps the plan's pages (false, with why, if it cannot); widens the plan.
+bool Allocator::map_pages(MapPlan* plan, uintptr_t ext_lo, uintptr_t ext_hi, size_t room, Stream s,
+                          std::string* why) {
+  auto& [u, lo, hi, u_lo, u_hi, keep_lo, keep_hi, need] = *plan;
+  // Where the device has no room for the pages (as `room` says, or a refused
+  // mapping shows), the pages the mapping needs move out of free holes
+  // (moving only the shortfall left the range more cut up: in replay,
+  // encoder-dynbatch-infer then needed a 3% larger device), and the mapping
+  // is tried once more: never page after page into a device known to be full.
   // Pages the device mapped during a capture but refused access to stay
   // mapped (see unpark()), cut out of u, and the request fails (with the
   // driver's error, if it was one): once `kept`, nothing more is mapped.
@@ -475,7 +551,7 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
       if (kept) throw;
       merged = false;
     }
-    if (kept) return nullptr;
+    if (kept) return false;
     if (merged) {
       need += ext_hi - ext_lo;
       lo = a;
@@ -483,15 +559,21 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
     }
   }
   if (!merged && (need > room || !map_or_park(lo, need))) {
-    if (kept) return nullptr;
+    if (kept) return false;
     if (unmap_free_pages_kept(need, keep_lo, keep_hi) < need || !map_or_park(lo, need)) {
-      if (kept) return nullptr;
+      if (kept) return false;
       *why = std::string("the ") + backend_->name() + " backend could not map " + format_bytes(need) +
              " of pages";
-      return nullptr;
+      return false;
     }
   }
-  Block* m = cut_mapped(u, lo, hi, s);
+  return true;
+}
+
+// map_for_moving()'s last step: the mapped pages as a free block of s, merged with usable neighbours.
+Block* Allocator::add_mapped(const MapPlan& plan, Stream s) {
+  uintptr_t lo = plan.lo;
+  Block* m = cut_mapped(plan.u, lo, plan.hi, s);
   // Merge only with neighbours s may use: fresh pages are safe anywhere and
   // would otherwise merge into (and take the label of) a block another
   // stream may still be using; and only inside the area.
@@ -505,7 +587,7 @@ Block* Allocator::map_for_moving(size_t size, Stream s, std::string* why, size_t
   m->state = BlockState::kFree;
   state(m->stream).free[kLargePool].insert(m);
   track_inactive_split(m, +1);
-  return m->size >= size ? m : nullptr;
+  return m;
 }
 
 Block* Allocator::cut_mapped(Block* u, uintptr_t lo, uintptr_t hi, Stream s) {
