@@ -15,9 +15,11 @@ run it with ``run_program``, which turns the program's end into an exit status.
 Python's own options before the script are applied where a running interpreter
 can take them (-u, -B, -W, -X dev, -X faulthandler) and refused, with the
 command line that applies them, where they act only as Python starts.
+``positive`` reads the positive numbers their options take (``--history``...).
 """
 from __future__ import annotations
 
+import argparse
 import builtins
 import contextlib
 import faulthandler
@@ -29,7 +31,7 @@ import traceback
 import types
 import warnings
 import zipfile
-from typing import Iterator, List, Tuple
+from typing import Callable, Iterator, List, Tuple
 
 #: Python's options that take a value, joined (-Wonce) or the next word (-W once).
 _WITH_VALUE = "WX"
@@ -44,6 +46,22 @@ _APPLIED_X = ("dev", "faulthandler")
 
 class CommandError(RuntimeError):
     """The program cannot be run as asked; the message says why."""
+
+
+def positive(kind: type, what: str) -> Callable[[str], float]:
+    """An argparse type: a positive `kind` (int or float), "_" and "," allowed
+    between digits; `what` names it in the error ("must be a positive number of
+    entries, not 0")."""
+    def parse(text: str):
+        try:
+            value = kind(text.replace("_", "").replace(",", ""))
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be a positive {what}, not {text}")
+        return value
+
+    return parse
 
 
 def parse_command(argv: List[str], tool: str = "pyalloc oom") -> Tuple[str, str, List[str]]:

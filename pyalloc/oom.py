@@ -20,21 +20,8 @@ import argparse
 import sys
 from typing import List
 
-from ._program import CommandError, check_command, run_program
+from ._program import CommandError, check_command, positive, run_program
 from .oom_watch import ALLOCATORS, DEFAULT_DIR, HISTORY_ENTRIES, MAX_SNAPSHOTS, VERDICT_TIMEOUT, watch_oom
-
-
-def _positive(kind: type, what: str):
-    def parse(text: str):
-        try:
-            value = kind(text.replace("_", "").replace(",", ""))
-        except ValueError:
-            value = 0
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be a positive {what}, not {text}")
-        return value
-
-    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,13 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames", action="store_true",
                         help="record each allocation's Python stack frames (PyTorch's allocator; "
                              "slower, larger files)")
-    parser.add_argument("--max-snapshots", type=_positive(int, "number"), default=MAX_SNAPSHOTS,
+    parser.add_argument("--max-snapshots", type=positive(int, "number"), default=MAX_SNAPSHOTS,
                         metavar="N", help=f"snapshots kept per process (default {MAX_SNAPSHOTS}): "
                                           "the first out-of-memory error and those after it")
-    parser.add_argument("--history", type=_positive(int, "number of events"), default=HISTORY_ENTRIES,
+    parser.add_argument("--history", type=positive(int, "number of events"), default=HISTORY_ENTRIES,
                         metavar="N", help=f"events of history kept per device (pyalloc: per pool; "
                                           f"default {HISTORY_ENTRIES:,})")
-    parser.add_argument("--verdict-timeout", type=_positive(float, "number of seconds"),
+    parser.add_argument("--verdict-timeout", type=positive(float, "number of seconds"),
                         default=VERDICT_TIMEOUT, metavar="SECONDS",
                         help=f"time each verdict may take (default {VERDICT_TIMEOUT:g}); the snapshot "
                              "stays either way")

@@ -21,7 +21,7 @@ import argparse
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ._program import CommandError, check_command, parse_command, run_program
+from ._program import CommandError, check_command, parse_command, positive, run_program
 from .replay.snapshot_io import write_snapshot
 
 __all__ = ["RecordError", "add_arguments", "main", "profiler_snapshot", "record_program", "run_program"]
@@ -166,21 +166,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="cuda: pyalloc's own history on the GPU; cpu: torch.profiler's memory "
                              "events; auto (default): cuda when torch sees a GPU")
-    parser.add_argument("--history", type=_entries, default=HISTORY_ENTRIES, metavar="N",
+    parser.add_argument("--history", type=positive(int, "number of entries"), default=HISTORY_ENTRIES, metavar="N",
                         help=f"cuda: keep the last N events of each pool (default {HISTORY_ENTRIES:,}); "
                              "a pool that reached N is named, its older events dropped")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- python script.py [args]",
                         help="the program to record, run inside this process")
-
-
-def _entries(text: str) -> int:
-    try:
-        n = int(text.replace("_", "").replace(",", ""))
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of entries, not {text}")
-    return n
 
 
 def main(args: argparse.Namespace) -> int:

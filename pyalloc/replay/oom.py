@@ -149,13 +149,16 @@ def diagnose_ooms(trace: Trace, plan: Any, conf: str,
                 capacity, cap_below = _capacity(held, free, size, fraction, total,
                                                 plan.torch_settings.large_segment_size or _LARGE_BUFFER)
         served_by: Dict[str, Optional[bool]] = {a: None for a in ALLOCATORS}
+        needs: Dict[str, Optional[int]] = {a: None for a in ALLOCATORS}
         # The last one too: the error a snapshot taken at an out-of-memory error was taken at.
         last = n == len(ooms) - 1
-        if capacity is not None and (n < MAX_OOM_REPLAYS or last):
-            served_by = _served_by(plan, k, event, size, stream, capacity, conf)
-        needs: Dict[str, Optional[int]] = {a: None for a in ALLOCATORS}
-        if n < MAX_OOM_SEARCHES or last:
-            needs = _min_capacities(plan, k, event, size, stream, conf)
+        replayed = capacity is not None and (n < MAX_OOM_REPLAYS or last)
+        if replayed or n < MAX_OOM_SEARCHES or last:
+            sub, calls = _request_calls(plan, k, event, size, stream)
+            if replayed:
+                served_by = _served_by(sub, calls, capacity, conf)
+            if n < MAX_OOM_SEARCHES or last:
+                needs = _min_capacities(sub, calls, conf)
         out.append({
             "event": event,
             "size_bytes": size,
@@ -261,15 +264,19 @@ def _largest_free(trace: Trace, size: int, stream: int) -> int:
     return max((b for b, s, sm in trace.free_blocks if s == stream and sm == small), default=0)
 
 
-def _min_capacities(plan: Any, k: int, event: int, size: int, stream: int,
-                    conf: str) -> Dict[str, Optional[int]]:
-    """For each allocator, the smallest device on which it serves the trace's calls up
-    to the event and then the allocation (the budget search of the whole trace,
-    allocators.min_budget, on those calls); None where it serves them on no device
-    (or this build cannot run it)."""
+def _request_calls(plan: Any, k: int, event: int, size: int, stream: int) -> Tuple[Any, Any]:
+    """(the plan of the trace's calls up to the event and then the allocation
+    (_with_request), with its live figures; its _C.ReplayTrace)."""
     sub = _with_request(plan, k, event, size, stream)
     measure_live(sub)
-    calls = _C.ReplayTrace(sub.kinds, sub.ids, sub.sizes, sub.streams)
+    return sub, _C.ReplayTrace(sub.kinds, sub.ids, sub.sizes, sub.streams)
+
+
+def _min_capacities(sub: Any, calls: Any, conf: str) -> Dict[str, Optional[int]]:
+    """For each allocator, the smallest device on which it serves `calls` (the
+    trace's calls up to the event and then the allocation, _request_calls; the
+    budget search of the whole trace, allocators.min_budget, on those calls);
+    None where it serves them on no device (or this build cannot run it)."""
     needs: Dict[str, Optional[int]] = {a: None for a in ALLOCATORS}
     for name in ALLOCATORS:
         own = conf if name == "pyalloc" else ""  # pyalloc's configuration is pyalloc's alone
@@ -307,10 +314,9 @@ def _live_before(plan: Any, points: List[int]) -> List[int]:
     return out
 
 
-def _served_by(plan: Any, k: int, event: int, size: int, stream: int, capacity: int,
-               conf: str) -> Dict[str, Optional[bool]]:
-    sub = _with_request(plan, k, event, size, stream)
-    calls = _C.ReplayTrace(sub.kinds, sub.ids, sub.sizes, sub.streams)
+def _served_by(sub: Any, calls: Any, capacity: int, conf: str) -> Dict[str, Optional[bool]]:
+    """For each allocator, whether it serves `calls` (_request_calls) on a device of
+    `capacity` bytes; None where this build cannot run it."""
     served: Dict[str, Optional[bool]] = {}
     for name in ALLOCATORS:
         try:
